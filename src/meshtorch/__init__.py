@@ -1,0 +1,108 @@
+"""meshtorch: Mesh TensorFlow's named-dimension model parallelism, on PyTorch.
+
+``import meshtorch as mtf`` gives a flat API with Mesh TF's names where the concept is the same.
+"""
+
+from meshtorch import layers, optim
+from meshtorch.autodiff import gradients
+from meshtorch.core import (
+    Dimension,
+    FeedError,
+    Graph,
+    LayoutError,
+    LayoutRules,
+    Mesh,
+    MeshtorchError,
+    Operation,
+    Shape,
+    ShapeError,
+    Tensor,
+    TensorLayout,
+    convert_to_dimension,
+    convert_to_shape,
+)
+from meshtorch.counters import Collective, Counters
+from meshtorch.lowering import Lowering
+from meshtorch.mesh import MeshImpl, PlacementMeshImpl
+from meshtorch.ops.binary import (
+    add,
+    divide,
+    equal,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    logical_and,
+    logical_or,
+    maximum,
+    minimum,
+    multiply,
+    not_equal,
+    sub,
+    subtract,
+)
+from meshtorch.ops.einsum import einsum, matmul
+from meshtorch.ops.elementwise import (
+    abs,  # noqa: A004
+    cast,
+    exp,
+    gelu,
+    identity,
+    log,
+    negative,
+    reciprocal,
+    relu,
+    rsqrt,
+    sigmoid,
+    sign,
+    slicewise,
+    sqrt,
+    square,
+    stop_gradient,
+    tanh,
+)
+from meshtorch.ops.indexing import *  # noqa: F403  (each family module lists its API in __all__)
+from meshtorch.ops.initializers import (
+    Initializer,
+    VarianceScalingInitializer,
+    constant_initializer,
+    glorot_uniform_initializer,
+    ones_initializer,
+    random_normal_initializer,
+    random_uniform_initializer,
+    truncated_normal_initializer,
+    zeros_initializer,
+)
+from meshtorch.ops.reduce import (
+    log_softmax,
+    reduce_logsumexp,
+    reduce_max,
+    reduce_mean,
+    reduce_min,
+    reduce_sum,
+    softmax,
+)
+from meshtorch.ops.shape import *  # noqa: F403
+from meshtorch.ops.reshape import *  # noqa: F403
+from meshtorch.ops.random import *  # noqa: F403
+from meshtorch.ops.conv import *  # noqa: F403
+from meshtorch.ops.control import *  # noqa: F403
+from meshtorch.ops.variables import (
+    Variable,
+    assign,
+    assign_add,
+    assign_sub,
+    constant,
+    get_variable,
+    import_fully_replicated,
+    import_tensor,
+    ones,
+    ones_like,
+    placeholder,
+    zeros,
+    zeros_like,
+)
+
+import_tf_tensor = import_tensor  # Mesh TF's name
+
+__version__ = "0.1.0"

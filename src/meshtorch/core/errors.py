@@ -1,0 +1,21 @@
+"""Exception types raised at graph-build and lowering time.
+
+Every message names the offending tensor, dimension or mesh axis and says what to do,
+so that a user sees the problem where the graph is built, not deep inside torch.
+"""
+
+
+class MeshtorchError(Exception):
+    """Base class of every error meshtorch raises on purpose."""
+
+
+class ShapeError(MeshtorchError, ValueError):
+    """A shape is malformed or two shapes cannot be combined (duplicate names, size clash)."""
+
+
+class LayoutError(MeshtorchError, ValueError):
+    """A layout rule cannot be applied: a size is not divisible, or two dims share a mesh axis."""
+
+
+class FeedError(MeshtorchError, ValueError):
+    """A value fed to ``Lowering.run`` does not match its placeholder."""

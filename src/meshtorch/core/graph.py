@@ -1,0 +1,163 @@
+"""Graph, Mesh, Tensor and Operation: the named-dimension program, before any layout.
+
+Nothing here runs PyTorch computation; building a graph only records operations and infers
+shapes. Mirrors Mesh TensorFlow's ``mtf.Graph``/``mtf.Mesh``/``mtf.Tensor``/``mtf.Operation``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.core.dims import Shape, convert_to_shape
+from meshtorch.core.errors import ShapeError
+
+
+class Graph:
+    """A list of operations on named-dimension tensors, built in program order.
+
+    Args:
+        seed: seed for initial values and random ops (same values under every layout).
+
+    Attributes:
+        operations: every Operation, in creation order (a valid topological order).
+        all_variables / trainable_variables: the Variable operations.
+    """
+
+    def __init__(self, seed: int = 0):
+        #: seed of the counter-based generator (variable initializers, random ops)
+        self.seed = int(seed)
+        self.operations: list[Operation] = []
+        self.all_variables: list = []
+        self.trainable_variables: list = []
+        self._names: dict[str, int] = {}
+
+    def unique_name(self, name: str) -> str:
+        """``name`` if unused in this graph, else ``name_1``, ``name_2``, ..."""
+        if name not in self._names:
+            self._names[name] = 0
+            return name
+        while True:
+            self._names[name] += 1
+            cand = f"{name}_{self._names[name]}"
+            if cand not in self._names:
+                self._names[cand] = 0
+                return cand
+
+    def name_in_use(self, name: str) -> bool:
+        return name in self._names
+
+    def __repr__(self):
+        return f"Graph({len(self.operations)} operations)"
+
+
+class Mesh:
+    """A named mesh in a graph; the mesh *shape* and layout come later, with the MeshImpl.
+
+    Args:
+        graph: the Graph.
+        name: the mesh's name, used as key in ``Lowering(graph, {mesh: mesh_impl})``.
+    """
+
+    def __init__(self, graph: Graph, name: str = "mesh"):
+        self.graph = graph
+        self.name = name
+
+    def __repr__(self):
+        return f"Mesh({self.name!r})"
+
+
+class Tensor:
+    """The output of an Operation: a named shape and a dtype; values exist only after lowering.
+
+    Python operators ``+ - * / -x`` build ops that broadcast by dimension name.
+    """
+
+    def __init__(self, operation: Operation, shape, dtype: torch.dtype, index: int = 0, name: str | None = None):
+        self.operation = operation
+        self.shape = convert_to_shape(shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"Tensor dtype must be a torch.dtype, got {dtype!r}.")
+        self.dtype = dtype
+        self.index = index
+        self.name = name or (operation.name if index == 0 else f"{operation.name}:{index}")
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.operation.mesh
+
+    @property
+    def graph(self) -> Graph:
+        return self.operation.mesh.graph
+
+    @property
+    def size(self) -> int:
+        return self.shape.size
+
+    def __repr__(self):
+        return f"Tensor({self.name!r}, {self.shape}, {str(self.dtype).replace('torch.', '')})"
+
+    # Operators are bound in meshtorch.ops.binary to avoid an import cycle.
+
+
+class Operation:
+    """A node of the graph. Subclasses set ``outputs`` and implement ``lower`` and ``gradient``.
+
+    ``lower(lowering)`` emits per-processor steps through the Lowering / MeshImpl interface;
+    ``gradient(grad_ys)`` returns, for each input, a graph Tensor (or None).
+    """
+
+    #: dimension names this op needs whole on every processor (layouts may not split them)
+    unsplittable_dims: tuple[str, ...] = ()
+
+    def __init__(self, inputs, mesh: Mesh | None = None, name: str | None = None):
+        self.inputs: list[Tensor] = list(inputs)
+        for i, t in enumerate(self.inputs):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{type(self).__name__}: input {i} is {type(t).__name__}, expected an mtf Tensor.")
+        if mesh is None:
+            if not self.inputs:
+                raise ValueError(f"{type(self).__name__} needs a mesh when it has no inputs.")
+            mesh = self.inputs[0].mesh
+        for t in self.inputs:
+            if t.mesh is not mesh:
+                raise ValueError(
+                    f"{type(self).__name__}: input {t.name!r} is on mesh {t.mesh.name!r}, not {mesh.name!r}; "
+                    "move tensors between meshes explicitly."
+                )
+        self.mesh = mesh
+        self.graph = mesh.graph
+        self.name = self.graph.unique_name(name or type(self).__name__.replace("Operation", "").lower() or "op")
+        self.outputs: list[Tensor] = []
+        self.graph.operations.append(self)
+
+    @property
+    def has_gradient(self) -> bool:
+        return True
+
+    def gradient(self, grad_ys):
+        """Gradients for each input given gradients of each output (None = zero)."""
+        raise NotImplementedError(f"{type(self).__name__} {self.name!r} has no gradient.")
+
+    def lower(self, lowering):
+        raise NotImplementedError(f"{type(self).__name__} {self.name!r} has no lowering.")
+
+    def __repr__(self):
+        ins = ", ".join(t.name for t in self.inputs)
+        return f"{type(self).__name__}({self.name!r}: {ins})"
+
+
+def check_same_mesh(tensors, what: str):
+    meshes = {id(t.mesh) for t in tensors}
+    if len(meshes) > 1:
+        raise ValueError(f"{what}: inputs live on different meshes.")
+
+
+def check_has_dims(t: Tensor, dims, what: str):
+    for d in dims:
+        name = d if isinstance(d, str) else d.name
+        if name not in t.shape:
+            raise ShapeError(f"{what}: tensor {t.name!r} {t.shape} has no dimension {name!r}.")
+
+
+def as_shape(x) -> Shape:
+    return convert_to_shape(x)

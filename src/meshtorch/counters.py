@@ -1,0 +1,117 @@
+"""Accounting of communication and FLOPs.
+
+Every collective step the lowering emits carries a :class:`Collective` record: its kind, the
+mesh axes it runs over, the bytes each processor contributes, and the op that caused it. The
+same records are known from shapes and layout rules alone, so the cost of a run is available
+*before* running (``Lowering.plan_counters``) and is accumulated as runs execute
+(``Lowering.counters``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective in the program.
+
+    Attributes:
+        kind: ``"allreduce"``, ``"allgather"``, ``"alltoall"``, ``"receive"`` (shift), ...
+        mesh_axes: names of the mesh axes it communicates over.
+        op: name of the graph operation whose lowering emitted it.
+        tensor: name of the tensor being communicated.
+        bytes_per_processor: size in bytes of the slice each processor contributes.
+        num_processors: processors taking part (the whole mesh).
+        reduction: ``"SUM"``/``"MAX"``/``"MIN"`` for all-reduces, else ``""``.
+    """
+
+    kind: str
+    mesh_axes: tuple[str, ...]
+    op: str
+    tensor: str
+    bytes_per_processor: int
+    num_processors: int
+    reduction: str = ""
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes entering the collective, summed over processors."""
+        return self.bytes_per_processor * self.num_processors
+
+
+class Counters:
+    """Running totals: collectives executed (with counts and bytes) and einsum FLOPs.
+
+    ``records`` maps each distinct :class:`Collective` to the number of times it ran.
+    ``einsum_flops`` counts global (whole-mesh) multiply-add FLOPs (2 per multiply-add).
+    """
+
+    def __init__(self):
+        self.records: dict[Collective, int] = defaultdict(int)
+        self.einsum_flops = 0
+        self.runs = 0
+
+    def add(self, other: Counters, times: int = 1):
+        for k, v in other.records.items():
+            self.records[k] += v * times
+        self.einsum_flops += other.einsum_flops * times
+        self.runs += other.runs * times
+
+    def reset(self):
+        self.records.clear()
+        self.einsum_flops = 0
+        self.runs = 0
+
+    def collectives(self, kind: str | None = None, mesh_axes=None, op: str | None = None):
+        """``[(Collective, count)]`` filtered by kind, mesh axes (tuple of names) and op name."""
+        out = []
+        for c, n in self.records.items():
+            if kind is not None and c.kind != kind:
+                continue
+            if mesh_axes is not None and tuple(c.mesh_axes) != tuple(mesh_axes):
+                continue
+            if op is not None and c.op != op:
+                continue
+            out.append((c, n))
+        return out
+
+    def total_bytes(self, kind: str | None = None) -> int:
+        return sum(c.bytes * n for c, n in self.records.items() if kind is None or c.kind == kind)
+
+    def count(self, kind: str | None = None) -> int:
+        return sum(n for c, n in self.records.items() if kind is None or c.kind == kind)
+
+    def summary(self) -> str:
+        """A readable table: one row per (kind, mesh axes), then per causing op."""
+        lines = [f"communication over {self.runs} run(s):"]
+        if not self.records:
+            lines.append("  no collectives (everything local)")
+        by_kind: dict = defaultdict(lambda: [0, 0])
+        for c, n in self.records.items():
+            key = (c.kind + (f"[{c.reduction.lower()}]" if c.reduction and c.reduction != "SUM" else ""),
+                   ",".join(c.mesh_axes))
+            by_kind[key][0] += n
+            by_kind[key][1] += c.bytes * n
+        if self.records:
+            lines.append(f"  {'collective':<18}{'mesh axes':<14}{'count':>10}{'bytes':>16}")
+            for (k, axes), (n, b) in sorted(by_kind.items()):
+                lines.append(f"  {k:<18}{axes:<14}{n:>10}{_human(b):>16}")
+            lines.append("  by op:")
+            for c, n in sorted(self.records.items(), key=lambda kv: -kv[0].bytes * kv[1]):
+                lines.append(f"    {c.kind:<10} over {','.join(c.mesh_axes):<10} {c.op:<32} x{n:<8}"
+                             f"{_human(c.bytes * n):>12}")
+        lines.append(f"  total bytes: {_human(self.total_bytes())}; einsum FLOPs: {self.einsum_flops:.3e}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return f"Counters({self.count()} collectives, {self.total_bytes()} bytes, {self.einsum_flops} flops)"
+
+
+def _human(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1024
+    return str(b)

@@ -1,0 +1,145 @@
+"""PlacementMeshImpl: one process holds every processor's slice, one torch device each.
+
+The mesh is simulated when the devices repeat (``["cpu"] * 4``); with distinct CUDA devices
+it is real model parallelism in one process. Follows Mesh TF's ``PlacementMeshImpl``.
+A laid-out value is a Python list of torch tensors, index = processor number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from meshtorch.core.layout import TensorLayout
+from meshtorch.mesh.base import REDUCTIONS, MeshImpl
+
+
+class PlacementMeshImpl(MeshImpl):
+    """Simulated (or single-process multi-device) mesh.
+
+    Args:
+        shape: mesh shape, e.g. ``"rows:2;cols:2"``.
+        layout: layout rules, e.g. ``"batch:rows;hidden:cols"``.
+        devices: one torch device per processor (may repeat); default ``"cpu"`` for all.
+
+    Raises:
+        ValueError: if ``len(devices)`` differs from the number of processors.
+    """
+
+    def __init__(self, shape, layout, devices: Sequence | None = None):
+        super().__init__(shape, layout)
+        if devices is None:
+            devices = ["cpu"] * self.size
+        if len(devices) != self.size:
+            raise ValueError(f"PlacementMeshImpl: mesh {self.shape} has {self.size} processors, "
+                             f"but {len(devices)} devices were given.")
+        self.devices = [torch.device(d) for d in devices]
+        self._one_device = len(set(self.devices)) == 1
+
+    def _to(self, t: torch.Tensor, p: int) -> torch.Tensor:
+        return t if self._one_device and t.device == self.devices[0] else t.to(self.devices[p])
+
+    def device(self, pnum):
+        return self.devices[pnum]
+
+    def laid_out_constant(self, fn):
+        return [fn(p) for p in range(self.size)]
+
+    def slicewise(self, fn, *inputs, num_outputs: int = 1):
+        if self.size == 1:
+            out = [fn(*[x[0] for x in inputs])]
+        else:
+            out = [fn(*[x[p] for x in inputs]) for p in range(self.size)]
+        if num_outputs == 1:
+            return out
+        return tuple([o[i] for o in out] for i in range(num_outputs))
+
+    def allreduce(self, x, mesh_axes, reduction="SUM"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"allreduce: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        if not mesh_axes:
+            return x
+        out = [None] * self.size
+        for group in self.processor_groups(mesh_axes):
+            parts = [self._to(x[p], group[0]) for p in group]
+            acc = parts[0]
+            for t in parts[1:]:
+                if reduction == "SUM":
+                    acc = acc + t
+                elif reduction == "MAX":
+                    acc = torch.maximum(acc, t)
+                else:
+                    acc = torch.minimum(acc, t)
+            for p in group:
+                out[p] = self._to(acc, p)
+        return out
+
+    def allconcat(self, x, mesh_axis, concat_axis):
+        out = [None] * self.size
+        for group in self.processor_groups([mesh_axis]):
+            full = torch.cat([self._to(x[p], group[0]) for p in group], dim=concat_axis)
+            for p in group:
+                out[p] = self._to(full, p)
+        return out
+
+    def alltoall(self, x, mesh_axis, split_axis, concat_axis):
+        out = [None] * self.size
+        for group in self.processor_groups([mesh_axis]):
+            n = len(group)
+            pieces = [torch.chunk(x[p], n, dim=split_axis) for p in group]
+            for j, p in enumerate(group):
+                out[p] = torch.cat([self._to(pieces[i][j], p) for i in range(n)], dim=concat_axis)
+        return out
+
+    def receive(self, x, mesh_axis, source_pcoord):
+        out = [None] * self.size
+        for group in self.processor_groups([mesh_axis]):
+            for c, p in enumerate(group):
+                src = source_pcoord[c]
+                out[p] = torch.zeros_like(x[p]) if src is None else self._to(x[group[src]], p)
+        return out
+
+    def import_full(self, full: torch.Tensor, layout: TensorLayout):
+        shape = full.shape
+        out = []
+        split = [i for i, a in enumerate(layout) if a is not None]
+        for p in range(self.size):
+            t = full
+            if split:
+                coords = self.pnum_to_processor_coordinates(p)
+                for i in split:
+                    a = layout[i]
+                    n = self.shape[a].size
+                    size = shape[i] // n
+                    t = t.narrow(i, coords[a] * size, size)
+            out.append(self._to(t, p))
+        return out
+
+    def export_full(self, x, layout: TensorLayout) -> torch.Tensor:
+        if layout.is_fully_replicated:
+            return x[0]
+        split = [(i, a) for i, a in enumerate(layout) if a is not None]
+        owners = self.owner_pnums(layout)
+        # concatenate along split dims, innermost mesh axis first, using owner slices
+        pieces = {}
+        for p in owners:
+            coords = self.pnum_to_processor_coordinates(p)
+            pieces[tuple(coords[a] for _, a in split)] = x[p].to(self.devices[0])
+        return _assemble(pieces, split, self.shape)
+
+    def local_slices(self, x):
+        return list(x)
+
+
+def _assemble(pieces: dict, split, mesh_shape):
+    """Concatenate slices keyed by mesh coordinates (one per split tensor dim) into a full tensor."""
+    if not split:
+        return pieces[()]
+    (tdim, axis), rest = split[0], split[1:]
+    n = mesh_shape[axis].size
+    parts = []
+    for c in range(n):
+        sub = {k[1:]: v for k, v in pieces.items() if k[0] == c}
+        parts.append(_assemble(sub, rest, mesh_shape))
+    return torch.cat(parts, dim=tdim)

@@ -1,0 +1,1 @@
+"""Operation families, one file each. Each Operation owns its shape inference, lower() and gradient()."""

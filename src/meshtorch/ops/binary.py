@@ -1,0 +1,202 @@
+"""Binary operations with broadcasting by dimension name.
+
+The output shape is the union of the input shapes: ``x``'s dims, then ``y``'s dims that ``x``
+lacks (Mesh TF's ``_infer_binary_broadcast_shape``). One name with two sizes is an error. No
+communication is needed: a dimension has the same layout in every tensor. The sum or
+difference of two lazily all-reduced tensors over the same mesh axes stays lazy, so sums of
+partial sums cost one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.core.dims import combine_shapes, convert_to_shape
+from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops import elementwise as ew
+from meshtorch.ops._util import align_fn
+
+
+class BinaryOperation(Operation):
+    """``fn(x, y)`` on aligned slices; ``kind`` selects the gradient rule."""
+
+    def __init__(self, fn, x: Tensor, y: Tensor, kind: str, output_shape=None, output_dtype=None,
+                 name: str | None = None):
+        for t, w in ((x, "x"), (y, "y")):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{kind}: {w} must be an mtf Tensor or Python scalar, got {type(t).__name__}.")
+        super().__init__([x, y], name=name or kind)
+        self.fn = fn
+        self.kind = kind
+        shape = combine_shapes([x.shape, y.shape], f"{kind} {self.name!r} of {x.name!r} and {y.name!r}")
+        if output_shape is not None:
+            output_shape = convert_to_shape(output_shape)
+            combine_shapes([shape, output_shape], f"{kind} {self.name!r}")
+            if set(output_shape.dimension_names) != set(shape.dimension_names):
+                raise ValueError(f"{kind} {self.name!r}: output_shape {output_shape} must hold exactly the dims "
+                                 f"of the inputs {shape}.")
+            shape = output_shape
+        if x.dtype != y.dtype and kind not in ("where",):
+            raise TypeError(f"{kind} {self.name!r}: dtypes differ ({x.name!r} is {x.dtype}, {y.name!r} is "
+                            f"{y.dtype}); cast one with mtf.cast.")
+        self.outputs = [Tensor(self, shape, output_dtype or x.dtype)]
+
+    @property
+    def has_gradient(self):
+        return self.kind in _GRADS
+
+    def lower(self, lw):
+        x, y = self.inputs
+        out = self.outputs[0]
+        ax, ay = align_fn(x.shape, out.shape), align_fn(y.shape, out.shape)
+        fn = self.fn
+        if self.kind in ("add", "subtract"):
+            sx, px = lw.get_lazy(x)
+            sy, py = lw.get_lazy(y)
+            if px and px == py and ax is None and ay is None:
+                lw.set(out, lw.slicewise(fn, sx, sy), px)
+                return
+        sx, sy = lw.get(x), lw.get(y)
+        if ax is None and ay is None:
+            f = fn
+        else:
+            def f(a, b):
+                return fn(a if ax is None else ax(a), b if ay is None else ay(b))
+        lw.set(out, lw.slicewise(f, sx, sy))
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None or self.kind not in _GRADS:
+            return [None, None]
+        x, y = self.inputs
+        gx, gy = _GRADS[self.kind](x, y, self.outputs[0], dy)
+        return [None if gx is None else reduce_to_shape(gx, x.shape),
+                None if gy is None else reduce_to_shape(gy, y.shape)]
+
+
+def reduce_to_shape(g: Tensor, shape) -> Tensor:
+    """Sum ``g`` over the dims ``shape`` lacks and order it as ``shape`` (gradient of broadcasting)."""
+    shape = convert_to_shape(shape)
+    if g.shape == shape:
+        return g
+    from meshtorch.ops.reduce import reduce_sum
+    return reduce_sum(g, output_shape=shape)
+
+
+def _mul_grads(x, y, out, dy):
+    return multiply(dy, y), multiply(dy, x)
+
+
+def _div_grads(x, y, out, dy):
+    gx = divide(dy, y)
+    gy = ew.slicewise(lambda d, o, b: -d * o / b, [dy, out, y], output_shape=out.shape, name="divide_grad_y")
+    return gx, gy
+
+
+def _minmax_grads(pick_x):
+    def grads(x, y, out, dy):
+        def wx(d, a, b):
+            return d * torch.where(pick_x(a, b), 1.0, torch.where(a == b, 0.5, 0.0)).to(d.dtype)
+
+        def wy(d, a, b):
+            return d * torch.where(pick_x(a, b), 0.0, torch.where(a == b, 0.5, 1.0)).to(d.dtype)
+        gx = ew.slicewise(wx, [dy, x, y], output_shape=out.shape, name="minmax_grad_x")
+        gy = ew.slicewise(wy, [dy, x, y], output_shape=out.shape, name="minmax_grad_y")
+        return gx, gy
+    return grads
+
+
+_GRADS = {
+    "add": lambda x, y, out, dy: (dy, dy),
+    "subtract": lambda x, y, out, dy: (dy, ew.negative(dy)),
+    "multiply": _mul_grads,
+    "divide": _div_grads,
+    "maximum": _minmax_grads(lambda a, b: a > b),
+    "minimum": _minmax_grads(lambda a, b: a < b),
+}
+
+
+def _binary(fn, kind, x, y, output_shape=None, name=None, output_dtype=None, scalar_kinds=None):
+    if not isinstance(x, Tensor) and isinstance(y, Tensor) and scalar_kinds:
+        return ew.scalar_op(y, x, scalar_kinds[1])
+    if isinstance(x, Tensor) and not isinstance(y, Tensor) and scalar_kinds:
+        return ew.scalar_op(x, y, scalar_kinds[0])
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+        x, y = _tensorize(x, y, kind)
+    return BinaryOperation(fn, x, y, kind, output_shape, output_dtype, name).outputs[0]
+
+
+def _tensorize(x, y, kind):
+    from meshtorch.ops.variables import constant
+    if isinstance(x, Tensor):
+        return x, constant(x.mesh, y, [], dtype=x.dtype)
+    if isinstance(y, Tensor):
+        return constant(y.mesh, x, [], dtype=y.dtype), y
+    raise TypeError(f"{kind}: at least one operand must be an mtf Tensor.")
+
+
+def add(x, y, output_shape=None, name=None) -> Tensor:
+    """x + y, broadcasting by dimension name. Shapes: union of x's and y's dims."""
+    return _binary(torch.add, "add", x, y, output_shape, name, scalar_kinds=("add", "add"))
+
+
+def subtract(x, y, output_shape=None, name=None) -> Tensor:
+    """x - y, broadcasting by dimension name."""
+    return _binary(torch.sub, "subtract", x, y, output_shape, name, scalar_kinds=("sub", "rsub"))
+
+
+sub = subtract
+
+
+def multiply(x, y, output_shape=None, name=None) -> Tensor:
+    """x * y, broadcasting by dimension name."""
+    return _binary(torch.mul, "multiply", x, y, output_shape, name, scalar_kinds=("mul", "mul"))
+
+
+def divide(x, y, output_shape=None, name=None) -> Tensor:
+    """x / y, broadcasting by dimension name."""
+    return _binary(torch.div, "divide", x, y, output_shape, name, scalar_kinds=("div", "rdiv"))
+
+
+def minimum(x, y, output_shape=None, name=None) -> Tensor:
+    """Elementwise min (gradient split evenly on ties, as torch.minimum)."""
+    return _binary(torch.minimum, "minimum", x, y, output_shape, name)
+
+
+def maximum(x, y, output_shape=None, name=None) -> Tensor:
+    """Elementwise max (gradient split evenly on ties, as torch.maximum)."""
+    return _binary(torch.maximum, "maximum", x, y, output_shape, name)
+
+
+def _cmp(fn, kind):
+    def op(x, y, output_shape=None, name=None) -> Tensor:
+        return _binary(fn, kind, x, y, output_shape, name, output_dtype=torch.bool)
+    op.__name__ = kind
+    op.__doc__ = f"Elementwise ``{kind}`` with broadcasting by name; bool output, no gradient."
+    return op
+
+
+equal = _cmp(torch.eq, "equal")
+not_equal = _cmp(torch.ne, "not_equal")
+less = _cmp(torch.lt, "less")
+less_equal = _cmp(torch.le, "less_equal")
+greater = _cmp(torch.gt, "greater")
+greater_equal = _cmp(torch.ge, "greater_equal")
+logical_and = _cmp(torch.logical_and, "logical_and")
+logical_or = _cmp(torch.logical_or, "logical_or")
+
+
+def _install_operators():
+    Tensor.__add__ = lambda s, o: add(s, o)
+    Tensor.__radd__ = lambda s, o: add(o, s)
+    Tensor.__sub__ = lambda s, o: subtract(s, o)
+    Tensor.__rsub__ = lambda s, o: subtract(o, s)
+    Tensor.__mul__ = lambda s, o: multiply(s, o)
+    Tensor.__rmul__ = lambda s, o: multiply(o, s)
+    Tensor.__truediv__ = lambda s, o: divide(s, o)
+    Tensor.__rtruediv__ = lambda s, o: divide(o, s)
+    Tensor.__neg__ = lambda s: ew.negative(s)
+    Tensor.__pow__ = lambda s, c: ew.scalar_op(s, c, "pow")
+
+
+_install_operators()

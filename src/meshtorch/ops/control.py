@@ -1,0 +1,3 @@
+"""control operations (filled in by the operation-library issue)."""
+
+__all__: list[str] = []

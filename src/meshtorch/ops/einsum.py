@@ -1,0 +1,144 @@
+"""Einsum by dimension name, and matmul.
+
+Lowering (Mesh TF section 5, extended):
+
+* each processor runs ``torch.einsum`` on its slices;
+* a contracted dimension split over mesh axis ``a`` leaves partial sums: a deferred (lazy)
+  all-reduce over ``a``, emitted only when a consumer needs the full value;
+* if one mesh axis splits *different* dimensions in different operands (e.g. ``x[k:a]`` and
+  ``y[c:a]``), the local products would pair the wrong slices. Mesh TF silently mis-computes
+  or rejects such layouts; here the operands whose dimension is not kept split are all-gathered
+  along it first (the kept one is the output's dimension on that axis, else the first seen).
+"""
+
+from __future__ import annotations
+
+import string
+
+import numpy as np
+import torch
+
+from meshtorch.core.dims import Shape, combine_shapes, convert_to_shape
+from meshtorch.core.errors import ShapeError
+from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._util import dim_names
+
+_LETTERS = string.ascii_letters
+
+
+class EinsumOperation(Operation):
+    """``torch.einsum`` over named dims: inputs ``xs``, output ``output_shape``."""
+
+    def __init__(self, xs, output_shape, name=None):
+        super().__init__(xs, name=name or "einsum")
+        self.outputs = [Tensor(self, output_shape, xs[0].dtype)]
+        all_dims = combine_shapes([x.shape for x in xs], f"einsum {self.name!r}")
+        if len(all_dims) > len(_LETTERS):
+            raise ShapeError(f"einsum {self.name!r}: more than {len(_LETTERS)} distinct dimensions.")
+        self._letters = {d.name: _LETTERS[i] for i, d in enumerate(all_dims)}
+        self._all_dims = all_dims
+        ins = ",".join("".join(self._letters[d.name] for d in x.shape) for x in xs)
+        self.equation = ins + "->" + "".join(self._letters[d.name] for d in output_shape)
+
+    @property
+    def flops(self) -> int:
+        """Multiply-add FLOPs of the whole einsum (2 per multiply-add; (n-1) products for n operands)."""
+        return 2 * max(len(self.inputs) - 1, 1) * self._all_dims.size
+
+    def lower(self, lw):
+        impl = lw.mesh_impl(self)
+        out = self.outputs[0]
+        axis_dims: dict[int, list[str]] = {}
+        for t in [*self.inputs, out]:
+            for d, a in zip(t.shape, lw.tensor_layout(t), strict=True):
+                if a is not None and d.name not in axis_dims.setdefault(a, []):
+                    axis_dims[a].append(d.name)
+        kept = {}
+        for a, names in axis_dims.items():
+            in_out = [n for n in names if n in out.shape]
+            kept[a] = in_out[0] if in_out else names[0]
+        slots = []
+        for x in self.inputs:
+            s = lw.get(x)
+            local = lw.slice_shape(x)
+            itemsize = torch.empty((), dtype=x.dtype).element_size()
+            for i, (d, a) in enumerate(zip(x.shape, lw.tensor_layout(x), strict=True)):
+                if a is not None and kept[a] != d.name:
+                    nbytes = int(np.prod(local, dtype=np.int64)) * itemsize
+                    s = lw.allconcat(s, a, i, x, nbytes=nbytes)
+                    local[i] *= impl.shape[a].size
+            slots.append(s)
+        reduced = frozenset(a for a, n in kept.items() if n not in out.shape)
+        eq = self.equation
+        flops = self.flops
+        if len(slots) == 2:
+            def f(a, b):
+                return torch.einsum(eq, a, b)
+        else:
+            def f(*xs):
+                return torch.einsum(eq, *xs)
+        lw.set(out, lw.slicewise(f, *slots, flops=flops), reduced)
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None:
+            return [None] * len(self.inputs)
+        from meshtorch.ops.shape import broadcast
+        grads = []
+        for i, x in enumerate(self.inputs):
+            others = [dy] + [t for j, t in enumerate(self.inputs) if j != i]
+            avail = {d.name for t in others for d in t.shape}
+            target = Shape([d for d in x.shape if d.name in avail])
+            g = einsum(others, output_shape=target, name=f"{self.name}_grad{i}")
+            grads.append(broadcast(g, x.shape) if target != x.shape else g)
+        return grads
+
+
+def einsum(xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:
+    """Einstein summation by dimension name (Mesh TF ``mtf.einsum``).
+
+    Args:
+        xs: list of Tensors (same dtype).
+        output_shape: the output's dims. If None: all dims minus ``reduced_dims`` when given, else
+            the dims that appear in exactly one input (Mesh TF's inference), in first-seen order.
+        reduced_dims: dims to contract (alternative to ``output_shape``).
+
+    Returns:
+        Tensor of ``output_shape``. Contracted split dims cost one (deferred) all-reduce.
+
+    Raises:
+        ShapeError: one name with two sizes among the inputs, or an output dim no input has.
+    """
+    if isinstance(xs, Tensor):
+        xs = [xs]
+    xs = list(xs)
+    if not xs:
+        raise ValueError("einsum needs at least one input.")
+    for i, x in enumerate(xs):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"einsum: input {i} is {type(x).__name__}, expected an mtf Tensor.")
+    all_dims = combine_shapes([x.shape for x in xs], f"einsum {name or ''} of {[x.name for x in xs]}")
+    if output_shape is None:
+        if reduced_dims is not None:
+            output_shape = all_dims - dim_names(reduced_dims)
+        else:
+            counts: dict[str, int] = {}
+            for x in xs:
+                for d in x.shape:
+                    counts[d.name] = counts.get(d.name, 0) + 1
+            output_shape = Shape([d for d in all_dims if counts[d.name] == 1])
+    else:
+        output_shape = convert_to_shape(output_shape)
+        if reduced_dims is not None:
+            raise ValueError("einsum: give output_shape or reduced_dims, not both.")
+    for d in output_shape:
+        if d.name not in all_dims:
+            raise ShapeError(f"einsum {name or ''}: output dimension {d.name!r} appears in no input "
+                             f"({[str(x.shape) for x in xs]}); use mtf.broadcast to add it.")
+    combine_shapes([all_dims, output_shape], f"einsum {name or ''} output")
+    return EinsumOperation(xs, output_shape, name).outputs[0]
+
+
+def matmul(a: Tensor, b: Tensor, output_shape=None, reduced_dims=None, name=None) -> Tensor:
+    """``einsum([a, b], ...)`` (Mesh TF ``mtf.matmul``): contracts the dims a and b share by default."""
+    return einsum([a, b], output_shape=output_shape, reduced_dims=reduced_dims, name=name or "matmul")

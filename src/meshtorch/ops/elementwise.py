@@ -1,0 +1,250 @@
+"""Slicewise (elementwise) operations: one torch function applied to every processor's slice.
+
+Includes the generic :func:`slicewise` (Mesh TF's ``mtf.slicewise``) and the unary family
+(relu, exp, log, sqrt, rsqrt, tanh, sigmoid, gelu, square, negative, reciprocal, abs, sign, cast,
+identity, stop_gradient). None of them communicates: an elementwise op needs no data from other
+processors under any layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from meshtorch.core.dims import combine_shapes, convert_to_shape
+from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._util import align_fn
+
+
+class SlicewiseOperation(Operation):
+    """Apply ``fn`` to aligned slices of ``xs``; output shape ``output_shape`` (default: union).
+
+    ``grad_function(op, dy)`` returns a list of input gradients (graph tensors). ``linear=True``
+    (single input, ``fn`` linear) lets a pending lazy all-reduce pass through unforced.
+    """
+
+    def __init__(self, fn: Callable, xs: Sequence[Tensor], output_shape=None, output_dtype=None,
+                 grad_function=None, name: str | None = None, linear: bool = False,
+                 unsplittable_dims: Sequence[str] = ()):
+        super().__init__(xs, name=name or getattr(fn, "__name__", "slicewise").strip("_<>") or "slicewise")
+        self.fn = fn
+        self.grad_function = grad_function
+        self.linear = linear and len(xs) == 1
+        self.unsplittable_dims = tuple(unsplittable_dims)
+        shape = convert_to_shape(output_shape) if output_shape is not None else combine_shapes(
+            [x.shape for x in xs], f"{type(self).__name__} {self.name!r}")
+        if output_shape is not None:
+            combine_shapes([shape] + [x.shape for x in xs], f"{self.name!r}")
+            for x in xs:
+                for d in x.shape:
+                    if d.name not in shape:
+                        raise ValueError(f"slicewise {self.name!r}: input {x.name!r} has dimension {d.name!r} "
+                                         f"that the output shape {shape} lacks; reduce it first.")
+        self.outputs = [Tensor(self, shape, output_dtype or xs[0].dtype)]
+
+    @property
+    def has_gradient(self):
+        return self.grad_function is not None
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None or self.grad_function is None:
+            return [None] * len(self.inputs)
+        return list(self.grad_function(self, dy))
+
+    def lower(self, lw):
+        out = self.outputs[0]
+        aligns = [align_fn(x.shape, out.shape) for x in self.inputs]
+        fn = self.fn
+        if self.linear:
+            slot, pending = lw.get_lazy(self.inputs[0])
+            lw.set(out, lw.slicewise(fn, slot), pending, source=(self.inputs[0], fn))
+            return
+        slots = [lw.get(x) for x in self.inputs]
+        if all(a is None for a in aligns):
+            f = fn
+        elif len(aligns) == 1:
+            a0 = aligns[0]
+
+            def f(x):
+                return fn(a0(x))
+        else:
+            def f(*xs):
+                return fn(*[x if a is None else a(x) for a, x in zip(aligns, xs, strict=True)])
+        lw.set(out, lw.slicewise(f, *slots))
+
+
+def slicewise(fn: Callable, xs, output_shape=None, output_dtype=None, grad_function=None,
+              name: str | None = None, unsplittable_dims: Sequence[str] = ()) -> Tensor:
+    """Apply an elementwise torch function to each slice (Mesh TF ``mtf.slicewise``).
+
+    Inputs are aligned by dimension name and broadcast to ``output_shape`` (default: the union
+    of input shapes, in first-seen order). ``fn`` must act elementwise over every dim that may
+    be split; list the others in ``unsplittable_dims``.
+
+    Returns:
+        Tensor of ``output_shape``, dtype ``output_dtype`` (default: first input's).
+    """
+    if isinstance(xs, Tensor):
+        xs = [xs]
+    return SlicewiseOperation(fn, xs, output_shape, output_dtype, grad_function, name,
+                              unsplittable_dims=unsplittable_dims).outputs[0]
+
+
+def _unary(fn, x: Tensor, grad, name, dtype=None, linear=False) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected an mtf Tensor, got {type(x).__name__}.")
+    return SlicewiseOperation(fn, [x], output_dtype=dtype, grad_function=grad, name=name, linear=linear).outputs[0]
+
+
+def _g2(fn, name):
+    """Gradient as one fused slicewise op of (input or output, dy)."""
+    return lambda a, dy: slicewise(fn, [a, dy], output_shape=dy.shape, output_dtype=dy.dtype, name=name)
+
+
+def _relu_grad(x, dy):
+    return torch.where(x > 0, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
+
+
+def relu(x: Tensor, name: str | None = None) -> Tensor:
+    """max(x, 0), elementwise. Gradient: dy where x > 0, else 0 (torch convention at 0)."""
+    return _unary(torch.relu, x, lambda op, dy: [_g2(_relu_grad, "relu_grad")(op.inputs[0], dy)], name or "relu")
+
+
+def exp(x: Tensor, name: str | None = None) -> Tensor:
+    """e**x elementwise; gradient dy * exp(x)."""
+    return _unary(torch.exp, x, lambda op, dy: [_g2(torch.mul, "exp_grad")(op.outputs[0], dy)], name or "exp")
+
+
+def log(x: Tensor, name: str | None = None) -> Tensor:
+    """Natural log elementwise; gradient dy / x."""
+    return _unary(torch.log, x, lambda op, dy: [_g2(lambda a, d: d / a, "log_grad")(op.inputs[0], dy)],
+                  name or "log")
+
+
+def sqrt(x: Tensor, name: str | None = None) -> Tensor:
+    """sqrt(x) elementwise; gradient dy * 0.5 / sqrt(x)."""
+    return _unary(torch.sqrt, x, lambda op, dy: [_g2(lambda y, d: d * 0.5 / y, "sqrt_grad")(op.outputs[0], dy)],
+                  name or "sqrt")
+
+
+def rsqrt(x: Tensor, name: str | None = None) -> Tensor:
+    """1/sqrt(x) elementwise; gradient -0.5 * dy * rsqrt(x)**3."""
+    return _unary(torch.rsqrt, x,
+                  lambda op, dy: [_g2(lambda y, d: d * (-0.5) * y * y * y, "rsqrt_grad")(op.outputs[0], dy)],
+                  name or "rsqrt")
+
+
+def tanh(x: Tensor, name: str | None = None) -> Tensor:
+    """tanh elementwise; gradient dy * (1 - tanh(x)**2)."""
+    return _unary(torch.tanh, x, lambda op, dy: [_g2(lambda y, d: d * (1 - y * y), "tanh_grad")(op.outputs[0], dy)],
+                  name or "tanh")
+
+
+def sigmoid(x: Tensor, name: str | None = None) -> Tensor:
+    """Logistic sigmoid elementwise; gradient dy * s * (1 - s)."""
+    return _unary(torch.sigmoid, x,
+                  lambda op, dy: [_g2(lambda y, d: d * y * (1 - y), "sigmoid_grad")(op.outputs[0], dy)],
+                  name or "sigmoid")
+
+
+def _gelu_grad_exact(x, dy):
+    cdf = 0.5 * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+    return dy * (cdf + x * pdf)
+
+
+def _gelu_grad_tanh(x, dy):
+    k = math.sqrt(2.0 / math.pi)
+    inner = k * (x + 0.044715 * x * x * x)
+    t = torch.tanh(inner)
+    return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x))
+
+
+def gelu(x: Tensor, approximate: str = "none", name: str | None = None) -> Tensor:
+    """GELU (Hendrycks & Gimpel 2016) as ``torch.nn.functional.gelu(x, approximate=...)``.
+
+    ``approximate``: ``"none"`` (erf form, default) or ``"tanh"``.
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
+    g = _gelu_grad_exact if approximate == "none" else _gelu_grad_tanh
+    return _unary(lambda t: torch.nn.functional.gelu(t, approximate=approximate), x,
+                  lambda op, dy: [_g2(g, "gelu_grad")(op.inputs[0], dy)], name or "gelu")
+
+
+def square(x: Tensor, name: str | None = None) -> Tensor:
+    """x*x elementwise; gradient 2 x dy."""
+    return _unary(torch.square, x, lambda op, dy: [_g2(lambda a, d: 2 * a * d, "square_grad")(op.inputs[0], dy)],
+                  name or "square")
+
+
+def negative(x: Tensor, name: str | None = None) -> Tensor:
+    """-x elementwise (linear: a pending lazy all-reduce passes through)."""
+    return _unary(torch.neg, x, lambda op, dy: [negative(dy)], name or "negative", linear=True)
+
+
+def reciprocal(x: Tensor, name: str | None = None) -> Tensor:
+    """1/x elementwise; gradient -dy / x**2."""
+    return _unary(torch.reciprocal, x,
+                  lambda op, dy: [_g2(lambda y, d: -d * y * y, "reciprocal_grad")(op.outputs[0], dy)],
+                  name or "reciprocal")
+
+
+def abs(x: Tensor, name: str | None = None) -> Tensor:  # noqa: A001 - Mesh TF's name
+    """|x| elementwise; gradient dy * sign(x) (0 at 0, as torch)."""
+    return _unary(torch.abs, x, lambda op, dy: [_g2(lambda a, d: d * torch.sign(a), "abs_grad")(op.inputs[0], dy)],
+                  name or "abs")
+
+
+def sign(x: Tensor, name: str | None = None) -> Tensor:
+    """-1, 0 or 1 elementwise; no gradient (zero almost everywhere)."""
+    return _unary(torch.sign, x, lambda op, dy: [None], name or "sign")
+
+
+def cast(x: Tensor, dtype: torch.dtype, name: str | None = None) -> Tensor:
+    """``x`` converted to ``dtype``; the gradient is cast back to ``x``'s dtype (none for non-float)."""
+    if x.dtype == dtype:
+        return x
+
+    def grad(op, dy):
+        return [cast(dy, op.inputs[0].dtype)] if op.inputs[0].dtype.is_floating_point else [None]
+
+    return _unary(lambda t: t.to(dtype), x, grad if dtype.is_floating_point else None, name or "cast", dtype=dtype)
+
+
+def identity(x: Tensor, name: str | None = None) -> Tensor:
+    """A copy of ``x`` (a new tensor name); gradient passes through."""
+    return _unary(lambda t: t, x, lambda op, dy: [dy], name or "identity", linear=True)
+
+
+def stop_gradient(x: Tensor, name: str | None = None) -> Tensor:
+    """``x`` in the forward pass; no gradient flows back through it (``torch.Tensor.detach``)."""
+    return _unary(lambda t: t, x, None, name or "stop_gradient", linear=True)
+
+
+def scalar_op(x: Tensor, c: float, kind: str) -> Tensor:
+    """``x <kind> c`` for a Python scalar ``c``: kinds add, sub, rsub, mul, div, rdiv, pow."""
+    c = float(c) if not isinstance(c, bool | int) or kind in ("div", "rdiv", "pow") else c
+    if kind == "add":
+        return _unary(lambda t: t + c, x, lambda op, dy: [dy], "add_scalar")
+    if kind == "sub":
+        return _unary(lambda t: t - c, x, lambda op, dy: [dy], "sub_scalar")
+    if kind == "rsub":
+        return _unary(lambda t: c - t, x, lambda op, dy: [negative(dy)], "rsub_scalar")
+    if kind == "mul":
+        return _unary(lambda t: t * c, x, lambda op, dy: [scalar_op(dy, c, "mul")], "mul_scalar", linear=True)
+    if kind == "div":
+        return _unary(lambda t: t / c, x, lambda op, dy: [scalar_op(dy, c, "div")], "div_scalar", linear=True)
+    if kind == "rdiv":
+        return _unary(lambda t: c / t, x,
+                      lambda op, dy: [_g2(lambda y, d: -d * y * y / c, "rdiv_grad")(op.outputs[0], dy)],
+                      "rdiv_scalar")
+    if kind == "pow":
+        return _unary(lambda t: t ** c, x,
+                      lambda op, dy: [_g2(lambda a, d: d * c * a ** (c - 1), "pow_grad")(op.inputs[0], dy)],
+                      "pow_scalar")
+    raise ValueError(f"scalar_op: unknown kind {kind!r}")
+

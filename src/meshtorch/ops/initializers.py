@@ -1,0 +1,155 @@
+"""Variable initializers, drawn from the counter-based generator (:mod:`meshtorch.ops.rng`).
+
+Each processor computes its own slice from the global element indices, keyed by
+``(graph seed, variable name)``: initial weights are identical under every mesh and layout and
+need no communication. An initializer's ``slice_fn(shape, dtype, seed, key)`` returns
+``fn(begin, slice_sizes, device) -> torch.Tensor``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtorch.core.dims import Shape, convert_to_shape
+from meshtorch.ops import rng
+from meshtorch.ops._util import dim_names
+
+
+class Initializer:
+    """Base class. Subclasses implement ``values(shape, dtype, seed, key, index)`` on global indices."""
+
+    def slice_fn(self, shape: Shape, dtype: torch.dtype, seed: int, key: str):
+        full = shape.to_integer_list()
+
+        def fn(begin, sizes, device=None):
+            idx = rng.global_index(full, begin, sizes, device)
+            return self.values(shape, dtype, seed, key, idx).to(dtype)
+        return fn
+
+    def values(self, shape, dtype, seed, key, index):
+        raise NotImplementedError
+
+
+class _Fill(Initializer):
+    def __init__(self, value: float):
+        self.value = value
+
+    def slice_fn(self, shape, dtype, seed, key):
+        return lambda begin, sizes, device=None: torch.full(sizes, self.value, dtype=dtype, device=device)
+
+    def __repr__(self):
+        return f"constant_initializer({self.value})"
+
+
+def zeros_initializer() -> Initializer:
+    """All zeros."""
+    return _Fill(0.0)
+
+
+def ones_initializer() -> Initializer:
+    """All ones."""
+    return _Fill(1.0)
+
+
+def constant_initializer(value: float) -> Initializer:
+    """Every element ``value``."""
+    return _Fill(value)
+
+
+class RandomNormal(Initializer):
+    """Normal(mean, stddev) per element (Box-Muller on counter-based uniforms)."""
+
+    def __init__(self, mean=0.0, stddev=1.0):
+        self.mean, self.stddev = mean, stddev
+
+    def values(self, shape, dtype, seed, key, index):
+        return rng.normal(seed, key, index) * self.stddev + self.mean
+
+
+class TruncatedNormal(Initializer):
+    """Normal(mean, stddev) truncated to two standard deviations (as ``tf.truncated_normal``)."""
+
+    def __init__(self, mean=0.0, stddev=1.0):
+        self.mean, self.stddev = mean, stddev
+
+    def values(self, shape, dtype, seed, key, index):
+        return rng.truncated_normal(seed, key, index) * self.stddev + self.mean
+
+
+class RandomUniform(Initializer):
+    """Uniform on [minval, maxval)."""
+
+    def __init__(self, minval=0.0, maxval=1.0):
+        self.minval, self.maxval = minval, maxval
+
+    def values(self, shape, dtype, seed, key, index):
+        return rng.uniform(seed, key, index) * (self.maxval - self.minval) + self.minval
+
+
+def random_normal_initializer(mean=0.0, stddev=1.0) -> Initializer:
+    return RandomNormal(mean, stddev)
+
+
+def truncated_normal_initializer(mean=0.0, stddev=1.0) -> Initializer:
+    return TruncatedNormal(mean, stddev)
+
+
+def random_uniform_initializer(minval=0.0, maxval=1.0) -> Initializer:
+    return RandomUniform(minval, maxval)
+
+
+class VarianceScalingInitializer(Initializer):
+    """Variance scaling with fans from *named* dims (Mesh TF ``layers.VarianceScalingInitializer``).
+
+    ``fan_in`` = product of the sizes of ``reduced_dims`` (the dims a layer contracts), ``fan_out``
+    = product of ``new_dims``. If not given, ``new_dims`` is the variable's last dim and
+    ``reduced_dims`` the others. ``n`` = fan_in, fan_out or their mean per ``mode``; the stddev is
+    ``sqrt(scale / n)``: ``normal``; ``truncated_normal`` (2 sigma, stddev corrected by 0.8796 as
+    in TF); ``uniform`` on ``[-sqrt(3 scale / n), +...]``.
+    """
+
+    def __init__(self, scale=1.0, mode="fan_in", distribution="normal", reduced_dims=None, new_dims=None):
+        if mode not in ("fan_in", "fan_out", "fan_avg"):
+            raise ValueError(f"VarianceScalingInitializer: mode {mode!r} is not fan_in, fan_out or fan_avg.")
+        if distribution not in ("normal", "truncated_normal", "uniform"):
+            raise ValueError(f"VarianceScalingInitializer: distribution {distribution!r} is not normal, "
+                             "truncated_normal or uniform.")
+        self.scale, self.mode, self.distribution = scale, mode, distribution
+        self.reduced_dims = None if reduced_dims is None else dim_names(reduced_dims)
+        self.new_dims = None if new_dims is None else dim_names(new_dims)
+
+    def _n(self, shape: Shape) -> float:
+        shape = convert_to_shape(shape)
+        new = self.new_dims if self.new_dims is not None else [shape[-1].name] if shape.ndims else []
+        red = self.reduced_dims if self.reduced_dims is not None else [d.name for d in shape if d.name not in new]
+        fan_in = max(1, math.prod(shape.get_dim_by_name(n).size for n in red))
+        fan_out = max(1, math.prod(shape.get_dim_by_name(n).size for n in new))
+        return {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2}[self.mode]
+
+    def values(self, shape, dtype, seed, key, index):
+        n = self._n(shape)
+        if self.distribution == "uniform":
+            limit = math.sqrt(3.0 * self.scale / n)
+            return rng.uniform(seed, key, index) * (2 * limit) - limit
+        std = math.sqrt(self.scale / n)
+        if self.distribution == "normal":
+            return rng.normal(seed, key, index) * std
+        return rng.truncated_normal(seed, key, index) * (std / 0.87962566103423978)
+
+
+def glorot_uniform_initializer(reduced_dims=None, new_dims=None) -> Initializer:
+    """Glorot/Xavier uniform: variance scaling, scale 1, fan_avg, uniform."""
+    return VarianceScalingInitializer(1.0, "fan_avg", "uniform", reduced_dims, new_dims)
+
+
+def convert_initializer(init) -> Initializer:
+    """None -> glorot uniform (TF's default for ``get_variable``); a number -> constant."""
+    if init is None:
+        return glorot_uniform_initializer()
+    if isinstance(init, Initializer):
+        return init
+    if isinstance(init, int | float):
+        return constant_initializer(float(init))
+    raise TypeError(f"Not an initializer: {init!r}. Use mtf.zeros_initializer(), mtf.random_normal_initializer(), ...")

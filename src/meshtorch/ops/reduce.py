@@ -1,0 +1,141 @@
+"""Reductions over named dimensions: sum, mean, max, min, logsumexp; softmax and log-softmax.
+
+Lowering: reduce each slice locally, then all-reduce over the mesh axes that split the reduced
+dims. A sum's all-reduce is deferred (lazy), so ``reduce_sum(a) + reduce_sum(b)`` or a sum
+followed by a scaling costs one all-reduce; max and min all-reduce at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.core.dims import convert_to_shape
+from meshtorch.core.errors import ShapeError
+from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops import elementwise as ew
+from meshtorch.ops._util import dim_names
+
+_TORCH = {"SUM": torch.sum, "MAX": torch.amax, "MIN": torch.amin}
+
+
+class ReduceOperation(Operation):
+    """Reduce ``x`` to ``output_shape`` (a subset of x's dims, any order) with SUM, MAX or MIN."""
+
+    def __init__(self, x: Tensor, output_shape, reduction: str, name: str | None = None):
+        super().__init__([x], name=name or f"reduce_{reduction.lower()}")
+        self.reduction = reduction
+        output_shape = convert_to_shape(output_shape)
+        for d in output_shape:
+            if d not in x.shape.dims:
+                raise ShapeError(f"reduce {self.name!r}: output dimension {d} is not a dimension of input "
+                                 f"{x.name!r} {x.shape}.")
+        self.outputs = [Tensor(self, output_shape, x.dtype)]
+
+    @property
+    def has_gradient(self):
+        return self.reduction in ("SUM", "MAX", "MIN")
+
+    def lower(self, lw):
+        x = self.inputs[0]
+        out = self.outputs[0]
+        names = x.shape.dimension_names
+        red_axes = tuple(i for i, n in enumerate(names) if n not in out.shape)
+        kept = [n for n in names if n in out.shape]
+        perm = [kept.index(n) for n in out.shape.dimension_names]
+        need_perm = perm != list(range(len(perm)))
+        red_mesh_axes = lw.tensor_mesh_axes(x, [names[i] for i in red_axes])
+        tfn = _TORCH[self.reduction]
+
+        if not red_axes:
+            def f(t):
+                return t.permute(perm) if need_perm else t
+        elif need_perm:
+            def f(t):
+                return tfn(t, dim=red_axes).permute(perm)
+        else:
+            def f(t):
+                return tfn(t, dim=red_axes)
+        if self.reduction == "SUM":
+            slot, pending = lw.get_lazy(x)
+            lw.set(out, lw.slicewise(f, slot), pending | frozenset(red_mesh_axes))
+        else:
+            local = lw.slicewise(f, lw.get(x))
+            lw.set(out, lw.allreduce(local, red_mesh_axes, self.reduction, out) if red_mesh_axes else local)
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None:
+            return [None]
+        x = self.inputs[0]
+        from meshtorch.ops.shape import broadcast
+        if self.reduction == "SUM":
+            return [broadcast(dy, x.shape)]
+        # max/min: the gradient goes to the elements equal to the result, split evenly among ties
+        y = self.outputs[0]
+        mask = ew.slicewise(lambda a, b: (a == b).to(a.dtype), [x, y], output_shape=x.shape, name="reduce_argmask")
+        count = reduce_sum(mask, output_shape=y.shape)
+        return [ew.slicewise(lambda m, d, c: m * (d / c), [mask, dy, count], output_shape=x.shape,
+                             name="reduce_extreme_grad")]
+
+
+def _output_shape(x: Tensor, reduced_dim, output_shape, what):
+    if output_shape is not None and reduced_dim is not None:
+        raise ValueError(f"{what}: give reduced_dim or output_shape, not both.")
+    if output_shape is not None:
+        return convert_to_shape(output_shape)
+    if reduced_dim is None:
+        return convert_to_shape([])
+    dims = reduced_dim if isinstance(reduced_dim, list | tuple) and not _is_pair(reduced_dim) else [reduced_dim]
+    names = dim_names(dims)
+    for n in names:
+        if n not in x.shape:
+            raise ShapeError(f"{what}: tensor {x.name!r} {x.shape} has no dimension {n!r} to reduce.")
+    return x.shape - names
+
+
+def _is_pair(d):
+    return isinstance(d, tuple) and len(d) == 2 and isinstance(d[0], str) and isinstance(d[1], int)
+
+
+def reduce_sum(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    """Sum over ``reduced_dim`` (a dim, name, or list), or down to ``output_shape``; all dims if neither.
+
+    Follows Mesh TF ``mtf.reduce_sum``. Returns a Tensor of the remaining dims, x's dtype.
+    """
+    return ReduceOperation(x, _output_shape(x, reduced_dim, output_shape, "reduce_sum"), "SUM", name).outputs[0]
+
+
+def reduce_max(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    """Maximum over ``reduced_dim`` or down to ``output_shape`` (Mesh TF ``mtf.reduce_max``)."""
+    return ReduceOperation(x, _output_shape(x, reduced_dim, output_shape, "reduce_max"), "MAX", name).outputs[0]
+
+
+def reduce_min(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    """Minimum over ``reduced_dim`` or down to ``output_shape`` (Mesh TF ``mtf.reduce_min``)."""
+    return ReduceOperation(x, _output_shape(x, reduced_dim, output_shape, "reduce_min"), "MIN", name).outputs[0]
+
+
+def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    """Mean over ``reduced_dim`` or down to ``output_shape`` (global count; one lazy all-reduce)."""
+    shape = _output_shape(x, reduced_dim, output_shape, "reduce_mean")
+    n = x.shape.size // max(shape.size, 1)
+    return ew.scalar_op(reduce_sum(x, output_shape=shape, name=name), 1.0 / n, "mul")
+
+
+def reduce_logsumexp(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    """log(sum(exp(x))) over ``reduced_dim``, computed stably (the max is subtracted first)."""
+    shape = _output_shape(x, reduced_dim, output_shape, "reduce_logsumexp")
+    m = ew.stop_gradient(reduce_max(x, output_shape=shape))
+    from meshtorch.ops.binary import add, subtract
+    return add(ew.log(reduce_sum(ew.exp(subtract(x, m)), output_shape=shape)), m, name=name)
+
+
+def log_softmax(x: Tensor, reduced_dim, name=None) -> Tensor:
+    """x - logsumexp(x) over ``reduced_dim``; shape of x."""
+    from meshtorch.ops.binary import subtract
+    return subtract(x, reduce_logsumexp(x, reduced_dim), output_shape=x.shape, name=name)
+
+
+def softmax(x: Tensor, reduced_dim, name=None) -> Tensor:
+    """exp(log_softmax(x)) over ``reduced_dim``; shape of x."""
+    return ew.exp(log_softmax(x, reduced_dim), name=name)

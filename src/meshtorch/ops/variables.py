@@ -1,0 +1,270 @@
+"""Variables, assignments, placeholders, imported tensors and constants.
+
+Variables keep their slices in the Lowering between runs; each processor holds only its slice.
+Within one ``run`` reads see the value from before the run and assignments take effect together
+at the end (see :mod:`meshtorch.lowering`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from meshtorch.core.dims import combine_shapes, convert_to_shape
+from meshtorch.core.errors import ShapeError
+from meshtorch.core.graph import Mesh, Operation, Tensor
+from meshtorch.ops._util import align_fn
+from meshtorch.ops.initializers import convert_initializer
+
+
+class Variable(Operation):
+    """A trainable (or not) tensor with persistent slices. Its value is ``outputs[0]``."""
+
+    def __init__(self, mesh: Mesh, name: str, shape, dtype=torch.float32, initializer=None, trainable=True):
+        if mesh.graph.name_in_use(name):
+            raise ValueError(f"get_variable: the name {name!r} is already used in this graph; "
+                             "variable names must be unique (they key checkpoints and initial values).")
+        super().__init__([], mesh, name=name)
+        self.initializer = convert_initializer(initializer)
+        self.trainable = trainable
+        self.outputs = [Tensor(self, convert_to_shape(shape), dtype, name=name)]
+        self.graph.all_variables.append(self)
+        if trainable:
+            self.graph.trainable_variables.append(self)
+
+    @property
+    def value(self) -> Tensor:
+        return self.outputs[0]
+
+    @property
+    def shape(self):
+        return self.outputs[0].shape
+
+    @property
+    def dtype(self):
+        return self.outputs[0].dtype
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return []
+
+    def lower(self, lw):
+        impl = lw.mesh_impl(self)
+        out = self.outputs[0]
+        layout = lw.tensor_layout(out)
+        sizes = impl.slice_shape(out.shape, layout)
+        make = self.initializer.slice_fn(out.shape, out.dtype, getattr(self.graph, "seed", 0), self.name)
+        value = impl.laid_out_constant(
+            lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)))
+        lw.set(out, lw.register_variable(self, value))
+
+
+def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.float32, trainable=True) -> Tensor:
+    """A new variable (Mesh TF ``mtf.get_variable``); returns its value Tensor.
+
+    Args:
+        mesh: the Mesh.
+        name: unique name; it keys the variable's random initial values and checkpoints.
+        shape: named shape.
+        initializer: an Initializer (default Glorot uniform, fans from the last dim vs the rest),
+            or a number for a constant.
+        dtype: torch dtype of the variable.
+        trainable: listed in ``graph.trainable_variables``.
+
+    Raises:
+        ValueError: if ``name`` is already used in the graph.
+    """
+    return Variable(mesh, name, shape, dtype, initializer, trainable).outputs[0]
+
+
+def _as_variable(v) -> Variable:
+    if isinstance(v, Variable):
+        return v
+    if isinstance(v, Tensor) and isinstance(v.operation, Variable):
+        return v.operation
+    raise TypeError(f"Expected a variable (from mtf.get_variable), got {v!r}.")
+
+
+class Assign(Operation):
+    """Assign new values to variables at the end of the run that fetches this op."""
+
+    def __init__(self, variables, new_values, name=None):
+        variables = [_as_variable(v) for v in variables]
+        super().__init__(list(new_values), mesh=variables[0].mesh, name=name or "assign")
+        self.variables = variables
+        for var, val in zip(variables, new_values, strict=True):
+            combine_shapes([var.shape, val.shape], f"assign to variable {var.name!r}")
+            if set(var.shape.dimension_names) != set(val.shape.dimension_names):
+                raise ShapeError(f"assign: variable {var.name!r} has shape {var.shape} but the new value "
+                                 f"{val.name!r} has shape {val.shape}; the dims must match.")
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return [None] * len(self.inputs)
+
+    def lower(self, lw):
+        for var, val in zip(self.variables, self.inputs, strict=True):
+            a = align_fn(val.shape, var.shape)
+            dtype = var.dtype
+            slot = lw.get(val)
+            if a is not None or val.dtype != dtype:
+                slot = lw.slicewise(lambda t, a=a: (t if a is None else a(t)).to(dtype).contiguous(), slot)
+            lw.register_assignment(self, var, slot)
+
+
+def assign(var, new_val: Tensor, name=None) -> Assign:
+    """Operation that sets ``var`` to ``new_val`` when fetched (Mesh TF ``mtf.assign``).
+
+    Raises:
+        ShapeError: naming the variable if the dims of ``new_val`` differ from the variable's.
+    """
+    return Assign([var], [new_val], name)
+
+
+def assign_add(var, val: Tensor, name=None) -> Assign:
+    """``var += val`` when fetched."""
+    v = _as_variable(var)
+    return Assign([v], [v.outputs[0] + val], name or "assign_add")
+
+
+def assign_sub(var, val: Tensor, name=None) -> Assign:
+    """``var -= val`` when fetched."""
+    v = _as_variable(var)
+    return Assign([v], [v.outputs[0] - val], name or "assign_sub")
+
+
+class Placeholder(Operation):
+    """An input fed at every run (full tensor; each processor keeps its slice)."""
+
+    def __init__(self, mesh, name, shape, dtype):
+        super().__init__([], mesh, name=name)
+        self.outputs = [Tensor(self, convert_to_shape(shape), dtype, name=self.name)]
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return []
+
+    def lower(self, lw):
+        out = self.outputs[0]
+        lw.set(out, lw.register_placeholder(out))
+
+
+def placeholder(mesh: Mesh, name: str, shape, dtype=torch.float32) -> Tensor:
+    """A graph input fed at every ``lowering.run(..., feeds={t: torch.Tensor})``.
+
+    The fed tensor must have the full shape (sizes in the declared dim order); feeding another
+    shape raises ``FeedError`` naming the placeholder.
+    """
+    return Placeholder(mesh, name, shape, dtype).outputs[0]
+
+
+class ImportOperation(Operation):
+    """A full torch tensor captured at build time; sliced once at plan time."""
+
+    def __init__(self, mesh, value: torch.Tensor, shape, name=None):
+        super().__init__([], mesh, name=name or "import")
+        shape = convert_to_shape(shape)
+        if tuple(value.shape) != tuple(shape.to_integer_list()):
+            raise ShapeError(f"import_tensor {self.name!r}: tensor of shape {list(value.shape)} does not match "
+                             f"the named shape {shape}.")
+        self.value = value
+        self.outputs = [Tensor(self, shape, value.dtype, name=self.name)]
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return []
+
+    def lower(self, lw):
+        out = self.outputs[0]
+        lw.set(out, lw.constant(lw.mesh_impl(self).import_full(self.value, lw.tensor_layout(out))))
+
+
+def _to_torch(value, dtype=None) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    elif not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    return value if dtype is None else value.to(dtype)
+
+
+def import_tensor(mesh: Mesh, value, shape, name=None, dtype=None) -> Tensor:
+    """A constant from a full torch tensor (or numpy array) with the given named shape.
+
+    Mesh TF ``mtf.import_tf_tensor``. Each processor keeps its slice (cut once, at plan time).
+
+    Raises:
+        ShapeError: if the tensor's sizes differ from ``shape``.
+    """
+    return ImportOperation(mesh, _to_torch(value, dtype), shape, name).outputs[0]
+
+
+def import_fully_replicated(mesh: Mesh, value, shape, name=None, dtype=None) -> Tensor:
+    """Like :func:`import_tensor` (Mesh TF ``mtf.import_fully_replicated``).
+
+    In Mesh TF this differs from ``import_tf_tensor`` in how the TF value reaches the devices;
+    here the full tensor is on the host either way and each processor keeps its slice, so the
+    two give the same program.
+    """
+    return ImportOperation(mesh, _to_torch(value, dtype), shape, name or "import_replicated").outputs[0]
+
+
+class ConstantOperation(Operation):
+    """A tensor of one repeated value (no data is stored beyond each processor's slice)."""
+
+    def __init__(self, mesh, value: float, shape, dtype, name=None):
+        super().__init__([], mesh, name=name or "constant")
+        self.value = value
+        self.outputs = [Tensor(self, convert_to_shape(shape), dtype, name=self.name)]
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return []
+
+    def lower(self, lw):
+        impl = lw.mesh_impl(self)
+        out = self.outputs[0]
+        sizes = lw.slice_shape(out)
+        v, dt = self.value, out.dtype
+        lw.set(out, lw.laid_out_constant(out, lambda p: torch.full(sizes, v, dtype=dt, device=impl.device(p))))
+
+
+def constant(mesh: Mesh, value, shape=None, dtype=torch.float32, name=None) -> Tensor:
+    """A constant tensor: a scalar ``value`` repeated over ``shape``, or a full array of ``shape``."""
+    shape = convert_to_shape(shape if shape is not None else [])
+    if isinstance(value, int | float | bool) or (hasattr(value, "ndim") and value.ndim == 0):
+        return ConstantOperation(mesh, float(value) if dtype.is_floating_point else value, shape, dtype,
+                                 name).outputs[0]
+    return import_tensor(mesh, value, shape, name, dtype)
+
+
+def zeros(mesh: Mesh, shape, dtype=torch.float32, name=None) -> Tensor:
+    """A tensor of zeros of the named ``shape``."""
+    return constant(mesh, 0, shape, dtype, name or "zeros")
+
+
+def ones(mesh: Mesh, shape, dtype=torch.float32, name=None) -> Tensor:
+    """A tensor of ones of the named ``shape``."""
+    return constant(mesh, 1, shape, dtype, name or "ones")
+
+
+def zeros_like(x: Tensor) -> Tensor:
+    return zeros(x.mesh, x.shape, x.dtype)
+
+
+def ones_like(x: Tensor) -> Tensor:
+    return ones(x.mesh, x.shape, x.dtype)
