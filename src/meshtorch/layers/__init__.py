@@ -1,5 +1,9 @@
 """Neural-network layers on named dimensions (Mesh TF ``mtf.layers``)."""
 
+from meshtorch.layers.attention import AttentionOperation, dot_product_attention, multihead_attention
 from meshtorch.layers.core import dense, softmax_cross_entropy_with_logits
+from meshtorch.layers.feedforward import dense_relu_dense
+from meshtorch.layers.norms import layer_norm, rms_norm
 
-__all__ = ["dense", "softmax_cross_entropy_with_logits"]
+__all__ = ["dense", "softmax_cross_entropy_with_logits", "layer_norm", "rms_norm", "dot_product_attention",
+           "multihead_attention", "AttentionOperation", "dense_relu_dense"]

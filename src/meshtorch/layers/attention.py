@@ -1,0 +1,214 @@
+"""Attention: scaled dot-product attention on named dims, and the multi-head attention layer.
+
+``dot_product_attention`` runs ``torch.nn.functional.scaled_dot_product_attention`` on each
+processor's slices. Every dimension other than the query length, memory length and the key /
+value feature dims is batch-like and may be split (batch, heads, ...) with no communication;
+the four attention dims are needed whole (``unsplittable_dims``). The multi-head layer's output
+projection contracts ``heads``: with heads split (Megatron-style model parallelism) that is one
+deferred all-reduce. Follows Mesh TF ``layers.multihead_attention`` / ``dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from meshtorch.core.dims import Shape, convert_to_dimension
+from meshtorch.core.errors import ShapeError
+from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._util import align_fn
+from meshtorch.ops.einsum import einsum
+from meshtorch.ops.initializers import VarianceScalingInitializer
+from meshtorch.ops.variables import get_variable
+
+
+def _name(d):
+    return d if isinstance(d, str) else convert_to_dimension(d).name
+
+
+class _AttentionSpec:
+    """Dim bookkeeping shared by the forward and gradient ops."""
+
+    def __init__(self, q, k, v, bias, length, memory, key, value, causal, scale):
+        self.length, self.memory, self.key, self.value = length, memory, key, value
+        self.causal, self.scale = causal, scale
+        for t, seq, feat, what in ((q, length, key, "query"), (k, memory, key, "key"), (v, memory, value, "value")):
+            for n in (seq, feat):
+                if n not in t.shape:
+                    raise ShapeError(f"attention: {what} tensor {t.name!r} {t.shape} has no dimension {n!r}.")
+        self.batch = [d for d in q.shape if d.name not in (length, key)]
+        bset = {d.name for d in self.batch}
+        for t, seq, feat, what in ((k, memory, key, "key"), (v, memory, value, "value")):
+            other = {d.name for d in t.shape if d.name not in (seq, feat)}
+            if other != bset:
+                raise ShapeError(f"attention: {what} tensor {t.name!r} {t.shape} must have the query's batch-like "
+                                 f"dims {sorted(bset)} besides {seq!r} and {feat!r}.")
+        lq, lk = q.shape.get_dim_by_name(length).size, k.shape.get_dim_by_name(memory).size
+        if causal and lq != lk:
+            raise ShapeError(f"attention: causal masking needs equal query and memory lengths, got {lq} and {lk}.")
+        self.bias_mem = memory if memory != length else f"memory_{length}"
+        q_order = Shape(self.batch + [q.shape.get_dim_by_name(length), q.shape.get_dim_by_name(key)])
+        k_order = Shape(self.batch + [k.shape.get_dim_by_name(memory), k.shape.get_dim_by_name(key)])
+        v_order = Shape(self.batch + [v.shape.get_dim_by_name(memory), v.shape.get_dim_by_name(value)])
+        self.out_shape = Shape([v.shape.get_dim_by_name(value) if d.name == key else d for d in q.shape]) \
+            if key != value else q.shape
+        self.align = [align_fn(q.shape, q_order), align_fn(k.shape, k_order), align_fn(v.shape, v_order)]
+        sdpa_out = Shape(self.batch + [q.shape.get_dim_by_name(length), v.shape.get_dim_by_name(value)])
+        self.out_align = align_fn(sdpa_out, self.out_shape)
+        self.dy_align = align_fn(self.out_shape, sdpa_out)
+        self.back = [align_fn(q_order, q.shape), align_fn(k_order, k.shape), align_fn(v_order, v.shape)]
+        self.bias_align = None
+        if bias is not None:
+            full = Shape(self.batch + [q.shape.get_dim_by_name(length), (self.bias_mem, lk)])
+            for d in bias.shape:
+                if d not in full.dims:
+                    raise ShapeError(f"attention: bias {bias.name!r} {bias.shape} has dimension {d} that is not one "
+                                     f"of {full} (name the memory dim {self.bias_mem!r}).")
+            self.bias_align = align_fn(bias.shape, full)
+
+    def _prep(self, q, k, v, b):
+        a = self.align
+        q, k, v = (t if f is None else f(t) for f, t in zip(a, (q, k, v), strict=True))
+        mask = None
+        if b is not None:
+            mask = b if self.bias_align is None else self.bias_align(b)
+        if self.causal and mask is not None:
+            lq, lk = q.shape[-2], k.shape[-2]
+            causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+            mask = mask.masked_fill(~causal, float("-inf"))
+        return q, k, v, mask
+
+    def forward(self, q, k, v, b=None):
+        q, k, v, mask = self._prep(q, k, v, b)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             is_causal=self.causal and mask is None, scale=self.scale)
+        return out if self.out_align is None else self.out_align(out)
+
+
+class AttentionOperation(Operation):
+    """Scaled dot-product attention on slices (see :func:`dot_product_attention`)."""
+
+    def __init__(self, q, k, v, bias, spec: _AttentionSpec, name=None):
+        super().__init__([q, k, v] + ([bias] if bias is not None else []), name=name or "attention")
+        self.spec = spec
+        self.unsplittable_dims = (spec.length, spec.memory, spec.key, spec.value, spec.bias_mem)
+        self.outputs = [Tensor(self, spec.out_shape, q.dtype)]
+
+    def lower(self, lw):
+        fwd = self.spec.forward
+        lw.set(self.outputs[0], lw.slicewise(fwd, *[lw.get(t) for t in self.inputs]))
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None:
+            return [None] * len(self.inputs)
+        g = AttentionGradOperation(self, dy)
+        return list(g.outputs)
+
+
+class AttentionGradOperation(Operation):
+    """Gradients of attention w.r.t. q, k, v (and bias): recomputes the slice forward under autograd."""
+
+    def __init__(self, fwd: AttentionOperation, dy: Tensor):
+        super().__init__(list(fwd.inputs) + [dy], name=f"{fwd.name}_grad")
+        self.fwd = fwd
+        self.unsplittable_dims = fwd.unsplittable_dims
+        self.outputs = [Tensor(self, t.shape, t.dtype, index=i) for i, t in enumerate(fwd.inputs)]
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        raise NotImplementedError("attention: second derivatives are not implemented.")
+
+    def lower(self, lw):
+        spec = self.fwd.spec
+        n = len(self.fwd.inputs)
+
+        def back(*xs):
+            ins, dy = xs[:n], xs[n]
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(True) for t in ins]
+                out = spec.forward(*leaves)
+                return torch.autograd.grad(out, leaves, dy)
+        slots = lw.slicewise(back, *[lw.get(t) for t in self.inputs], num_outputs=n)
+        slots = slots if n > 1 else (slots,)
+        # a bias lacking some batch-like dims is summed over them locally: partial over their mesh axes
+        for i, (t, s) in enumerate(zip(self.outputs, slots, strict=True)):
+            pending = frozenset()
+            if i == 3:
+                bias = self.fwd.inputs[3]
+                missing = [d.name for d in self.fwd.inputs[0].shape if d.name not in bias.shape]
+                pending = frozenset(lw.tensor_mesh_axes(self.fwd.inputs[0], missing))
+            lw.set(t, s, pending)
+
+
+def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, key_dim, value_dim=None,
+                          memory_length_dim=None, causal: bool = False, bias: Tensor | None = None,
+                          scale: float | None = None, name=None) -> Tensor:
+    """``softmax(q k^T * scale + bias) v`` with named dims, via ``F.scaled_dot_product_attention``.
+
+    Args:
+        q: ``[batch-like..., length, key_dim]``.
+        k: ``[batch-like..., memory_length, key_dim]``; v: ``[batch-like..., memory_length, value_dim]``.
+            For self-attention the memory dim may have the same name as ``length_dim``.
+        length_dim / memory_length_dim: the query and memory sequence dims (memory defaults to length).
+        key_dim / value_dim: feature dims (value defaults to key).
+        causal: mask memory positions after the query position (needs equal lengths).
+        bias: additive float bias with dims among q's batch-like dims, ``length_dim`` and the memory
+            dim (named ``memory_<length>`` when the memory dim shares the length's name); use large
+            negative values for padding masks. Differentiable (e.g. T5 relative-position bias).
+        scale: logit scale, default ``1/sqrt(key_dim.size)`` (T5 uses 1.0).
+
+    Returns:
+        Tensor of q's shape with ``key_dim`` replaced by ``value_dim``.
+
+    Raises:
+        ShapeError: if k/v lack q's batch-like dims, or a dim is missing.
+    """
+    length, key = _name(length_dim), _name(key_dim)
+    value = _name(value_dim) if value_dim is not None else key
+    memory = _name(memory_length_dim) if memory_length_dim is not None else length
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape.get_dim_by_name(key).size) if key in q.shape else 1.0
+    spec = _AttentionSpec(q, k, v, bias, length, memory, key, value, causal, scale)
+    return AttentionOperation(q, k, v, bias, spec, name).outputs[0]
+
+
+def multihead_attention(x: Tensor, heads_dim, kv_dim, length_dim, memory: Tensor | None = None,
+                        memory_length_dim=None, causal: bool = False, bias: Tensor | None = None,
+                        scale: float | None = None, name: str | None = None) -> Tensor:
+    """Multi-head attention layer (Vaswani et al. 2017; Mesh TF ``layers.multihead_attention``).
+
+    Variables ``{name}/q``, ``/k``, ``/v`` of shape ``[d_model, heads, d_kv]`` and ``{name}/o`` of
+    shape ``[heads, d_kv, d_model]``, where ``d_model`` is x's last dim.
+
+    Args:
+        x: ``[batch..., length, d_model]``.
+        heads_dim, kv_dim: Dimensions ``heads`` and ``d_kv`` (``heads`` may be split).
+        memory: encoder output ``[batch..., memory_length, d_model]`` for encoder-decoder attention;
+            None for self-attention.
+
+    Returns:
+        Tensor of x's shape.
+    """
+    heads, d_kv = convert_to_dimension(heads_dim), convert_to_dimension(kv_dim)
+    d_model = x.shape[-1]
+    name = x.graph.unique_name(name or "attention")
+    mem = x if memory is None else memory
+    init = VarianceScalingInitializer(1.0, "fan_in", "normal", reduced_dims=[d_model], new_dims=[heads, d_kv])
+    wq, wk, wv = (get_variable(x.mesh, f"{name}/{p}", [d_model, heads, d_kv], initializer=init, dtype=x.dtype)
+                  for p in "qkv")
+    wo = get_variable(x.mesh, f"{name}/o", [heads, d_kv, d_model], dtype=x.dtype,
+                      initializer=VarianceScalingInitializer(1.0, "fan_in", "normal", [heads, d_kv], [d_model]))
+    qkv_shape = (x.shape - [d_model.name]) + [heads, d_kv]
+    q = einsum([x, wq], output_shape=qkv_shape, name=f"{name}/q_proj")
+    mshape = (mem.shape - [d_model.name]) + [heads, d_kv]
+    k = einsum([mem, wk], output_shape=mshape, name=f"{name}/k_proj")
+    v = einsum([mem, wv], output_shape=mshape, name=f"{name}/v_proj")
+    o = dot_product_attention(q, k, v, length_dim, d_kv, memory_length_dim=memory_length_dim, causal=causal,
+                              bias=bias, scale=scale, name=f"{name}/sdpa")
+    return einsum([o, wo], output_shape=x.shape, name=f"{name}/o_proj")
