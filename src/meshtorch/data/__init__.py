@@ -1,0 +1,1 @@
+"""Data readers: MNIST IDX files, text corpora."""

@@ -1,0 +1,173 @@
+"""Decoder-only Transformer language model on named dimensions (pre-norm residual stack).
+
+Dimension names (the layout language talks about these): ``batch``, ``length``, ``d_model``,
+``heads``, ``d_kv``, ``d_ff``, ``vocab``. Typical layouts on a ``data:2,model:2`` mesh:
+``batch:data`` (data parallel), ``heads:model;d_ff:model;vocab:model`` (Megatron-style model
+parallel), or both. Follows Mesh TF's ``transformer`` package (Unitransformer with pre-norm
+layers) in structure; the parameter naming is ours and documented in :func:`variable_names`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+import meshtorch as mtf
+from meshtorch.core.dims import Dimension
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Hyper-parameters of the decoder-only LM."""
+
+    vocab_size: int = 256
+    d_model: int = 256
+    num_heads: int = 8
+    d_kv: int = 32
+    d_ff: int = 1024
+    num_layers: int = 4
+    length: int = 128
+    batch_size: int = 16
+    dropout: float = 0.0
+    activation: str = "relu"
+    gated: bool = False
+    norm: str = "rms"  # "rms" or "layer"
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
+    vocab_multiple: int = 1  # pad the vocab to a multiple of this (so a mesh axis can split it)
+
+    @property
+    def padded_vocab(self) -> int:
+        m = max(1, self.vocab_multiple)
+        return (self.vocab_size + m - 1) // m * m
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {
+    "tiny": LMConfig(d_model=64, num_heads=4, d_kv=16, d_ff=256, num_layers=2, length=64, batch_size=16),
+    "small": LMConfig(d_model=128, num_heads=4, d_kv=32, d_ff=512, num_layers=3, length=128, batch_size=16),
+    "base": LMConfig(),
+}
+
+
+def preset(name: str, **overrides) -> LMConfig:
+    """A named configuration (tiny, small, base) with fields overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass
+class LMGraph:
+    """The built graph and its handles."""
+
+    config: LMConfig
+    graph: mtf.Graph
+    mesh: mtf.Mesh
+    inputs: mtf.Tensor  # int64 [batch, length]
+    targets: mtf.Tensor  # int64 [batch, length]
+    logits: mtf.Tensor  # [batch, length, vocab]
+    loss: mtf.Tensor  # scalar, mean cross-entropy in nats (plus z-loss if any)
+    updates: list
+    step: object | None = None
+
+    def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> mtf.Lowering:
+        impl = mesh_impl if mesh_impl is not None else mtf.PlacementMeshImpl(mesh_shape, layout)
+        return mtf.Lowering(self.graph, {self.mesh: impl})
+
+
+def dims(c: LMConfig) -> dict[str, Dimension]:
+    return {"batch": Dimension("batch", c.batch_size), "length": Dimension("length", c.length),
+            "d_model": Dimension("d_model", c.d_model), "heads": Dimension("heads", c.num_heads),
+            "d_kv": Dimension("d_kv", c.d_kv), "d_ff": Dimension("d_ff", c.d_ff),
+            "vocab": Dimension("vocab", c.padded_vocab)}
+
+
+def _norm(c, x, d, name):
+    if c.norm == "rms":
+        return mtf.layers.rms_norm(x, d, name=name)
+    return mtf.layers.layer_norm(x, d, name=name)
+
+
+def _dropout(c, x, train):
+    if not train or c.dropout <= 0:
+        return x
+    return mtf.dropout(x, rate=c.dropout)
+
+
+def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True) -> LMGraph:
+    """Build the LM graph: embeddings, ``num_layers`` pre-norm blocks, final norm, logits, loss.
+
+    Variables: ``embedding`` [vocab, d_model] (std 1), ``pos_embedding`` [length, d_model]
+    (std 0.02), per layer ``layer_{i}/attention/{q,k,v}`` [d_model, heads, d_kv],
+    ``layer_{i}/attention/o`` [heads, d_kv, d_model], ``layer_{i}/ffn/wi/kernel`` [d_model, d_ff],
+    ``layer_{i}/ffn/wo/kernel`` [d_ff, d_model], norm scales ``.../scale`` [d_model], and
+    ``logits/kernel`` [d_model, vocab].
+
+    Args:
+        config: the LMConfig.
+        seed: graph seed (initial values and dropout).
+        optimizer: an ``mtf.optim`` optimizer; its update ops go to ``LMGraph.updates``.
+        train: build dropout (only when ``config.dropout > 0``).
+    """
+    c = config
+    d = dims(c)
+    graph = mtf.Graph(seed=seed)
+    mesh = mtf.Mesh(graph, "mesh")
+    inputs = mtf.placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
+    targets = mtf.placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
+    emb = mtf.get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
+                           initializer=mtf.random_normal_initializer(0.0, 1.0))
+    pos = mtf.get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
+                           initializer=mtf.random_normal_initializer(0.0, 0.02))
+    x = _embed(inputs, emb, d) + pos
+    x = _dropout(c, x, train)
+    for i in range(c.num_layers):
+        h = _norm(c, x, d["d_model"], f"layer_{i}/attention_norm")
+        h = mtf.layers.multihead_attention(h, d["heads"], d["d_kv"], "length", causal=True,
+                                           scale=1.0 / math.sqrt(c.d_kv), name=f"layer_{i}/attention")
+        x = x + _dropout(c, h, train)
+        h = _norm(c, x, d["d_model"], f"layer_{i}/ffn_norm")
+        h = mtf.layers.dense_relu_dense(h, d["d_ff"], activation=c.activation, gated=c.gated, name=f"layer_{i}/ffn")
+        x = x + _dropout(c, h, train)
+    x = _norm(c, x, d["d_model"], "final_norm")
+    logits = mtf.layers.dense(x, d["vocab"], use_bias=False, name="logits",
+                              kernel_initializer=mtf.VarianceScalingInitializer(1.0, "fan_in", "normal",
+                                                                                [d["d_model"]], [d["vocab"]]))
+    if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient)
+        mask = torch.zeros(c.padded_vocab)
+        mask[c.vocab_size:] = -1e9
+        logits = logits + mtf.import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+    soft = mtf.one_hot(targets, d["vocab"], dtype=logits.dtype)
+    if c.label_smoothing:  # spread over the real (unpadded) classes only
+        spread = torch.zeros(c.padded_vocab)
+        spread[: c.vocab_size] = c.label_smoothing / c.vocab_size
+        soft = soft * (1.0 - c.label_smoothing) + mtf.import_tensor(mesh, spread, [d["vocab"]], name="smoothing")
+    xent = mtf.layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"], z_loss=c.z_loss)
+    loss = mtf.reduce_mean(xent, name="loss")
+    updates, step = [], None
+    if optimizer is not None:
+        variables = graph.trainable_variables
+        grads = mtf.gradients([loss], variables)
+        updates = optimizer.apply_grads(grads, variables)
+    return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step)
+
+
+def _embed(ids, table, d):
+    """Embedding lookup: ``gather`` when available, else one_hot x einsum (Mesh TF's way)."""
+    gather = getattr(mtf, "gather", None)
+    if gather is not None:
+        return gather(table, ids, d["vocab"])
+    return mtf.einsum([mtf.one_hot(ids, d["vocab"]), table], reduced_dims=[d["vocab"]], name="embedding_lookup")
+
+
+def flops_per_token(c: LMConfig) -> float:
+    """Training FLOPs per token (6N for the weights + attention scores), PaLM appendix B convention."""
+    n = c.num_layers * (4 * c.d_model * c.num_heads * c.d_kv + 2 * c.d_model * c.d_ff * (1.5 if c.gated else 1))
+    n += c.d_model * c.padded_vocab
+    attn = c.num_layers * 2 * c.num_heads * c.d_kv * c.length  # QK^T and AV, causal average ~ L/2 each x2
+    return 6 * n + 6 * attn
