@@ -99,7 +99,8 @@ def _dropout(c, x, train):
     return mtf.dropout(x, rate=c.dropout)
 
 
-def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True) -> LMGraph:
+def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True,
+             clip_norm: float | None = None) -> LMGraph:
     """Build the LM graph: embeddings, ``num_layers`` pre-norm blocks, final norm, logits, loss.
 
     Variables: ``embedding`` [vocab, d_model] (std 1), ``pos_embedding`` [length, d_model]
@@ -113,6 +114,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         seed: graph seed (initial values and dropout).
         optimizer: an ``mtf.optim`` optimizer; its update ops go to ``LMGraph.updates``.
         train: build dropout (only when ``config.dropout > 0``).
+        clip_norm: clip gradients to this global norm before the optimizer (``mtf.optim.clip_by_global_norm``).
     """
     c = config
     d = dims(c)
@@ -153,6 +155,8 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     if optimizer is not None:
         variables = graph.trainable_variables
         grads = mtf.gradients([loss], variables)
+        if clip_norm:
+            grads, _ = mtf.optim.clip_by_global_norm(grads, clip_norm)
         updates = optimizer.apply_grads(grads, variables)
     return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step)
 

@@ -1,0 +1,85 @@
+"""Decoding from a trained LM: greedy, temperature / top-k sampling, and beam search.
+
+Each new token costs one forward run of the fixed-shape LM graph on the current token buffer;
+causal attention makes the positions after the current one irrelevant. Logits are fetched as
+full tensors and the choice is made on the host with a seeded ``torch.Generator``, so for a given
+seed the tokens are the same under every mesh and layout (the logits agree to float tolerance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _next_logits(lowering, lm, buf: torch.Tensor, t: int) -> torch.Tensor:
+    logits = lowering.run(lm.logits, feeds={lm.inputs: buf, lm.targets: buf})
+    return logits[:, t - 1, : lm.config.vocab_size].to(torch.float32)
+
+
+def _prepare(lm, prompt_ids, rows: int):
+    c = lm.config
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.int64).flatten()
+    if len(prompt) == 0:
+        raise ValueError("generate: the prompt must hold at least one token.")
+    if len(prompt) >= c.length:
+        raise ValueError(f"generate: prompt of {len(prompt)} tokens leaves no room in a sequence of {c.length}.")
+    if rows > c.batch_size:
+        raise ValueError(f"generate: {rows} rows do not fit in the graph's batch of {c.batch_size}.")
+    buf = torch.zeros(c.batch_size, c.length, dtype=torch.int64)
+    buf[:, : len(prompt)] = prompt
+    return buf, len(prompt)
+
+
+def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
+           seed: int = 0, num_samples: int = 1) -> list[list[int]]:
+    """Sample continuations of ``prompt_ids``; ``temperature=0`` is greedy decoding.
+
+    Args:
+        lowering / lm: a Lowering of an :class:`~meshtorch.models.transformer.LMGraph`.
+        prompt_ids: token ids (1-D).
+        top_k: keep only the ``top_k`` most likely tokens (0: all).
+        num_samples: independent samples (rows of the batch), at most the graph's batch size.
+
+    Returns:
+        ``num_samples`` lists of generated token ids (prompt excluded).
+    """
+    buf, t0 = _prepare(lm, prompt_ids, num_samples)
+    gen = torch.Generator().manual_seed(seed)
+    end = min(lm.config.length, t0 + max_new_tokens)
+    for t in range(t0, end):
+        logits = _next_logits(lowering, lm, buf, t)[:num_samples]
+        if temperature <= 0:
+            nxt = logits.argmax(-1)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
+        buf[:num_samples, t] = nxt
+    return [buf[i, t0:end].tolist() for i in range(num_samples)]
+
+
+def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32,
+                length_penalty: float = 0.0) -> list[int]:
+    """Beam search (Graves 2012; Mesh TF ``beam_search`` without EOS handling): the best sequence.
+
+    Beams are rows of the graph's batch. Scores are summed log-probabilities divided by
+    ``len**length_penalty`` when ranking the final beams.
+    """
+    buf, t0 = _prepare(lm, prompt_ids, beam_size)
+    scores = torch.full((beam_size,), float("-inf"))
+    scores[0] = 0.0  # all beams start equal: expand only the first
+    end = min(lm.config.length, t0 + max_new_tokens)
+    for t in range(t0, end):
+        logp = torch.log_softmax(_next_logits(lowering, lm, buf, t)[:beam_size], -1)
+        cand = (scores[:, None] + logp).flatten()
+        best = cand.topk(beam_size)
+        vocab = logp.shape[-1]
+        src, tok = best.indices // vocab, best.indices % vocab
+        buf[:beam_size] = buf[src].clone()
+        buf[:beam_size, t] = tok
+        scores = best.values
+    n = end - t0
+    final = scores / (max(n, 1) ** length_penalty)
+    return buf[int(final.argmax()), t0:end].tolist()
