@@ -343,3 +343,152 @@ def test_bad_hyperparameters_fail_at_graph_build():
         mtf.optim.AdamOptimizer().apply_grads([mtf.placeholder(mesh, "gv", "a:4,c:8")], [w])
     with pytest.raises(ValueError, match="2 gradients for 1"):
         mtf.optim.SgdOptimizer().apply_grads([gr, gr], [w])
+
+
+# ------------------------------------------------------------------ schedules
+def _eval_schedules(fns, steps, mesh_shape="all:4", layout="a:all"):
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    step = mtf.placeholder(mesh, "step", [], dtype=torch.int64)
+    outs = [f(mtf.cast(step, torch.float32)) for f in fns]
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+    res = [[v.item() for v in lw.run(outs, feeds={step: torch.tensor(s)})] for s in steps]
+    assert lw.counters.count() == 0  # scalar graph ops: no communication
+    return res
+
+
+def test_schedules_vs_formulas():
+    steps = [0, 1, 5, 99, 100, 101, 500, 999, 1000, 1500]
+    peak, warm, total, lo = 3e-4, 100, 1000, 1e-5
+    fns = [
+        lambda s: mtf.optim.constant_schedule(s, 0.25),
+        lambda s: mtf.optim.linear_warmup(s, warm, peak),
+        lambda s: mtf.optim.rsqrt_decay(s, warm),
+        lambda s: mtf.optim.cosine_decay_with_warmup(s, peak, warm, total, lo),
+        lambda s: mtf.optim.product_schedule(s, 2.0, lambda x: mtf.optim.linear_warmup(x, warm),
+                                             lambda x: mtf.optim.truncated_rsqrt(x, warm)),
+    ]
+
+    def cosine(s):
+        if s < warm:
+            return peak * s / warm
+        p = min(1.0, (s - warm) / (total - warm))
+        return lo + (peak - lo) * 0.5 * (1 + math.cos(math.pi * p))
+    formulas = [
+        lambda s: 0.25,
+        lambda s: peak * min(1.0, s / warm),
+        lambda s: 1.0 / math.sqrt(max(s, warm)),
+        cosine,
+        lambda s: 2.0 * min(1.0, s / warm) / math.sqrt(max(s, warm)),
+    ]
+    for s, row in zip(steps, _eval_schedules(fns, steps), strict=True):
+        for i, (got, f) in enumerate(zip(row, formulas, strict=True)):
+            want = f(s)
+            assert abs(got - want) <= 1e-6 * abs(want) + 1e-12, f"schedule {i} at step {s}: {got} vs {want}"
+    # cosine after warmup equals torch's CosineAnnealingLR (eta_min = lo, T_max = total - warm)
+    p = torch.nn.Parameter(torch.zeros(1))
+    topt = torch.optim.SGD([p], lr=peak)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(topt, T_max=total - warm, eta_min=lo)
+    torch_lrs = []
+    for _ in range(total - warm + 1):
+        torch_lrs.append(topt.param_groups[0]["lr"])
+        topt.step()
+        sched.step()
+    ks = [0, 1, 37, 450, 899, 900]
+    ours = _eval_schedules([fns[3]], [warm + k for k in ks], "", "")
+    for k, row in zip(ks, ours, strict=True):
+        assert abs(row[0] - torch_lrs[k]) <= 1e-6 * torch_lrs[k], (k, row[0], torch_lrs[k])
+    with pytest.raises(ValueError, match="warmup_steps"):
+        _eval_schedules([lambda s: mtf.optim.cosine_decay_with_warmup(s, 1.0, 10, 10)], [0])
+
+
+def test_adafactor_default_schedules_follow_mesh_tf():
+    """decay = 1 - (step + 1)^-0.8 and lr = min(0.01, rsqrt(step + 1)), step = global_step before increment."""
+    opt = mtf.optim.AdafactorOptimizer()
+    steps = [0, 1, 2, 9, 99, 9999, 10000]
+    res = _eval_schedules([opt.decay_rate, mtf.optim.adafactor_decay_rate_adam(0.999)], steps)
+    for s, (decay, adam_decay) in zip(steps, res, strict=True):
+        want = 1.0 - (s + 1.0) ** -0.8
+        assert abs(decay - want) <= 1e-6 * max(want, 1e-6) + 1e-7, (s, decay, want)
+        t = s + 1.0
+        want_adam = 0.999 * (1 - 0.999 ** (t - 1)) / (1 - 0.999 ** t)
+        assert abs(adam_decay - want_adam) <= 1e-6 * max(want_adam, 1e-6) + 1e-7, (s, adam_decay, want_adam)
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    lr = opt.lr(mesh)
+    step = mtf.optim.get_or_create_global_step(mesh)
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")})
+    for s in steps:
+        lw.set_variable_value(step, torch.tensor(s))
+        assert abs(lw.run(lr).item() - min(0.01, (s + 1) ** -0.5)) <= 1e-8
+
+
+# ------------------------------------------------------------------ global-norm clipping
+CLIP_SHAPES = {"w": "a:16,b:32", "u": "b:32,c:8", "bias": "c:8", "v": "d:4"}
+CLIP_LAYOUTS = LAYOUTS + [("rows:2;cols:2", "a:rows;c:cols"), ("all:4", "d:all")]
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e4])
+def test_clip_by_global_norm_vs_torch(max_norm):
+    params = _params(shapes=CLIP_SHAPES)
+    grads = _grads(params, 1, seed=3)[0]
+    leaves = [v.clone().requires_grad_(True) for _, v in params.values()]
+    for p, n in zip(leaves, params, strict=True):
+        p.grad = grads[n].clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(leaves, max_norm)
+    for mesh_shape, layout in CLIP_LAYOUTS:
+        g = mtf.Graph()
+        mesh = mtf.Mesh(g)
+        phs = {n: mtf.placeholder(mesh, n, s) for n, (s, _) in params.items()}
+        clipped, norm = mtf.optim.clip_by_global_norm([phs["w"], None, phs["u"], phs["bias"], phs["v"]], max_norm)
+        assert clipped[1] is None
+        clipped = [c for c in clipped if c is not None]
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+        fetch = [norm] + clipped
+        out = lw.run(fetch, feeds={phs[n]: grads[n] for n in params})
+        where = f"max_norm={max_norm} {mesh_shape!r} {layout!r}"
+        assert rel_error(out[0], torch_norm) <= RTOL, f"{where}: norm {out[0]} vs {torch_norm}"
+        for got, n in zip(out[1:], ["w", "u", "bias", "v"], strict=True):
+            p = leaves[list(params).index(n)]
+            assert rel_error(got, p.grad) <= RTOL, f"{where}: clipped {n}"
+        # the squared norm costs one all-reduce, over the union of the gradients' split axes
+        c = lw.plan_counters([norm])
+        want = 0 if mesh_shape == "" else 1
+        assert c.count("allreduce") == want, f"{where}: {c.summary()}"
+        if want:
+            (rec, n_rec), = c.collectives("allreduce")
+            assert rec.op.startswith("global_sum_of_squares") and rec.bytes_per_processor == 4
+
+
+def test_clip_inside_training_step_counts():
+    """Clipping the gradients of a data+model parallel step adds exactly one scalar all-reduce."""
+    def build():
+        g = mtf.Graph()
+        mesh = mtf.Mesh(g)
+        x = mtf.placeholder(mesh, "x", "batch:8,io:16")
+        w1 = mtf.get_variable(mesh, "w1", "io:16,hidden:32")
+        w2 = mtf.get_variable(mesh, "w2", "hidden:32,io:16")
+        h = mtf.relu(mtf.einsum([x, w1], output_shape="batch:8,hidden:32"))
+        y = mtf.einsum([h, w2], output_shape="batch:8,io:16")
+        loss = mtf.reduce_mean(mtf.square(y - x))
+        grads = mtf.gradients([loss], [w1, w2])
+        return g, mesh, x, loss, grads, [w1, w2]
+    counts, deltas, norms = [], [], []
+    for clip in (False, True):
+        g, mesh, x, loss, grads, ws = build()
+        norm = mtf.optim.global_norm(grads)
+        if clip:
+            grads, _ = mtf.optim.clip_by_global_norm(grads, 0.01)
+        ops = mtf.optim.SgdOptimizer(0.1).apply_grads(grads, ws)
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("rows:2;cols:2", "batch:rows;hidden:cols")})
+        counts.append(lw.plan_counters([loss] + ops).count("allreduce"))
+        xv = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        w0 = [lw.variable_value(n) for n in ("w1", "w2")]
+        out = lw.run([norm, loss] + ops, feeds={x: xv})
+        norms.append(out[0].item())
+        deltas.append([lw.variable_value(n) - v0 for n, v0 in zip(("w1", "w2"), w0, strict=True)])
+    assert counts[1] == counts[0] + 1, counts
+    assert norms[0] > 0.01 and abs(norms[0] - norms[1]) <= 1e-6 * norms[0]
+    coef = 0.01 / (norms[0] + 1e-6)
+    for d_plain, d_clip in zip(*deltas, strict=True):
+        assert rel_error(d_clip, d_plain * coef) <= 1e-3  # w is stored in float32: deltas ~1e-5 of w
