@@ -66,7 +66,8 @@ def _rms(x):
 
 
 # ------------------------------------------------------------------ Adafactor reference (paper + Mesh TF defaults)
-def ref_adafactor(params, grads_seq, lr=None, beta1=0.0, step0=0, min_dim=128, scale_by_param=True):
+def ref_adafactor(params, grads_seq, lr=None, beta1=0.0, step0=0, min_dim=128, scale_by_param=True, factored=True,
+                  clip=1.0):
     """Shazeer & Stern 2018, Alg. 4/5 with Mesh TF's choices, in float64 on full tensors.
 
     Factored: V_hat = R C / mean(R) with R, C running means of g^2 + eps1 over the largest / second
@@ -85,7 +86,7 @@ def ref_adafactor(params, grads_seq, lr=None, beta1=0.0, step0=0, min_dim=128, s
             g2 = g * g + 1e-30
             sz = sizes[n]
             order = sorted(range(len(sz)), key=lambda i: -sz[i])
-            if len(sz) >= 2 and sz[order[1]] >= min_dim:
+            if factored and len(sz) >= 2 and sz[order[1]] >= min_dim:
                 i0, i1 = order[0], order[1]
                 R = rho * slots.get(n + "_slot_vr", torch.zeros_like(g2.mean(i0, keepdim=True))) + \
                     (1 - rho) * g2.mean(i0, keepdim=True)
@@ -97,7 +98,8 @@ def ref_adafactor(params, grads_seq, lr=None, beta1=0.0, step0=0, min_dim=128, s
                 v_hat = rho * slots.get(n + "_slot_v", torch.zeros_like(g2)) + (1 - rho) * g2
                 slots[n + "_slot_v"] = v_hat
             u = g / v_hat.sqrt()
-            u = u / max(1.0, _rms(u).item())
+            if clip is not None:
+                u = u / max(1.0, _rms(u).item() / clip)
             alpha = rate * (max(1e-3, _rms(w[n]).item()) if scale_by_param else 1.0)
             step = alpha * u
             if beta1:
@@ -167,6 +169,20 @@ def test_adafactor_unscaled_tensor_lr_and_schedule_decay():
             return mtf.optim.AdafactorOptimizer(learning_rate=lr), {"lr": lr}
         got, _, _ = run_optimizer(make, params, grads, mesh_shape, layout, feeds={"lr": torch.tensor(0.02)})
         _compare(got, ref_adafactor(params, grads, lr=0.02), ["w", "u", "w_slot_vr"], f"tensor lr {layout!r}")
+
+
+def test_adafactor_unfactored_unclipped_small_min_dim():
+    params = _params(shapes={"w": "a:16,b:32", "u": "b:32,c:8"})
+    grads = _grads(params, 3, scale=10.0)
+    cases = [(dict(factored=False, clipping_threshold=None), dict(factored=False, clip=None)),
+             (dict(min_dim_size_to_factor=8, clipping_threshold=0.5), dict(min_dim=8, clip=0.5))]
+    for kw, ref_kw in cases:
+        ref = ref_adafactor(params, grads, **ref_kw)
+        for mesh_shape, layout in LAYOUTS[1:2] + LAYOUTS[4:]:
+            got, _, _ = run_optimizer(lambda mesh, kw=kw: (mtf.optim.AdafactorOptimizer(**kw), {}), params, grads,
+                                      mesh_shape, layout)
+            _compare(got, ref, list(ref), f"{kw} {layout!r}")
+        assert ("u_slot_vr" in ref) == (ref_kw.get("min_dim") == 8)
 
 
 def test_adafactor_factored_dims_and_slot_layouts():

@@ -21,6 +21,11 @@ Checked against the Mesh TF source (2020 version): ``min_dim_size_to_factor`` de
 ``beta1=0.0`` and ``step_num()`` is the float32 ``global_step`` read before its increment. Slots keep
 Mesh TF's names (``{var}_slot_vr``, ``_slot_vc``, ``_slot_v``, ``_slot_m``) and are float32. The RMS
 reductions are the only communication: ``mean`` over split dims gives an all-reduce.
+
+Differences from Mesh TF: the 0.05 factor on the default learning rate without parameter scaling
+ignores Mesh TF's ``layers.unit_scaling_convention()`` (default False there, absent here); Mesh TF
+increments ``global_step`` in its training loop with no ordering against the reads (racy in TF1
+graphs), we return the increment from ``apply_grads`` and every read in the run sees the old value.
 """
 
 from __future__ import annotations
