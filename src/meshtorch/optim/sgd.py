@@ -1,4 +1,4 @@
-"""SGD and momentum, built on the graph (Mesh TF ``mtf.optimize``).
+"""SGD and momentum, built on the graph (Mesh TF ``mtf.optimize``; formulas of ``torch.optim.SGD``).
 
 Slot variables (momentum) are variables with the same named shape as their parameter, so they
 are laid out by the same rules and live where the parameter's slices live.
@@ -6,61 +6,56 @@ are laid out by the same rules and live where the parameter's slices live.
 
 from __future__ import annotations
 
-from meshtorch.core.graph import Tensor
 from meshtorch.ops.initializers import zeros_initializer
-from meshtorch.ops.variables import Assign, Variable, _as_variable, get_variable
+from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.optim.base import Optimizer, check_grad
 
-
-class Optimizer:
-    """Base: ``apply_grads(grads, variables) -> [Assign]``; ``apply_grad`` per variable."""
-
-    def apply_grads(self, grads, variables) -> list[Assign]:
-        """One update per (gradient, variable) pair; pairs with a None gradient are skipped.
-
-        Args:
-            grads: Tensors from ``mtf.gradients`` (same named shape as each variable).
-            variables: Variables or their value tensors (e.g. ``graph.trainable_variables``).
-
-        Returns:
-            list of Assign operations; fetch them in ``lowering.run`` to apply the update.
-        """
-        ops = []
-        for g, v in zip(grads, variables, strict=True):
-            if g is None:
-                continue
-            ops.extend(self.apply_grad(g, _as_variable(v)))
-        return ops
-
-    def apply_grad(self, grad: Tensor, var: Variable) -> list[Assign]:
-        raise NotImplementedError
+__all__ = ["Optimizer", "SgdOptimizer", "MomentumOptimizer"]
 
 
 class SgdOptimizer(Optimizer):
-    """``w <- w - lr * g``.
+    """``g <- g + wd w; w <- w - lr g`` (``torch.optim.SGD(lr, weight_decay=wd)``).
 
     Args:
-        learning_rate: float, or a scalar Tensor (e.g. a schedule).
+        learning_rate: float, scalar Tensor, or schedule ``fn(step) -> Tensor``.
+        weight_decay: L2 coefficient added to the gradient (default 0).
     """
 
-    def __init__(self, learning_rate=0.1):
-        self.lr = learning_rate
+    def __init__(self, learning_rate=0.1, weight_decay=0.0):
+        super().__init__(learning_rate)
+        self.weight_decay = float(weight_decay)
 
     def apply_grad(self, grad, var):
-        return [Assign([var], [var.value - grad * self.lr], name=f"{var.name}/sgd")]
+        check_grad(grad, var, "SgdOptimizer")
+        if self.weight_decay:
+            grad = grad + var.value * self.weight_decay
+        return [Assign([var], [var.value - grad * self.lr(var.mesh)], name=f"{var.name}/sgd")]
 
 
 class MomentumOptimizer(Optimizer):
     """Heavy-ball momentum as ``torch.optim.SGD(momentum=m)``: ``v <- m v + g; w <- w - lr v``.
 
-    The momentum slot ``{var}/momentum`` is a non-trainable variable laid out like ``var``.
+    The momentum slot ``{var}/momentum`` is a non-trainable variable laid out like ``var``. Mesh
+    TF's ``MomentumOptimizer`` folds the learning rate into ``v`` instead (``v <- lr g + m v``); the
+    two agree for a constant learning rate; we follow torch so torch recipes port unchanged.
+
+    Args:
+        learning_rate: float, scalar Tensor, or schedule ``fn(step) -> Tensor``.
+        momentum: the factor m.
+        weight_decay: L2 coefficient added to the gradient (default 0).
     """
 
-    def __init__(self, learning_rate=0.1, momentum=0.9):
-        self.lr = learning_rate
-        self.momentum = momentum
+    def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=0.0):
+        super().__init__(learning_rate)
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
 
     def apply_grad(self, grad, var):
+        check_grad(grad, var, "MomentumOptimizer")
+        if self.weight_decay:
+            grad = grad + var.value * self.weight_decay
         v = get_variable(var.mesh, f"{var.name}/momentum", var.shape, initializer=zeros_initializer(),
                          dtype=var.dtype, trainable=False)
         new_v = v * self.momentum + grad
-        return [Assign([v.operation, var], [new_v, var.value - new_v * self.lr], name=f"{var.name}/momentum_update")]
+        return [Assign([v.operation, var], [new_v, var.value - new_v * self.lr(var.mesh)],
+                       name=f"{var.name}/momentum_update")]

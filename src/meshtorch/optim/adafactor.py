@@ -1,0 +1,173 @@
+"""Adafactor (Shazeer & Stern 2018) as Mesh TF's ``AdafactorOptimizer`` (mesh_tensorflow/optimize.py).
+
+For a variable ``w`` with gradient ``g`` and step ``s`` (updates before this one, 0 at the first)::
+
+    decay   = 1 - (s + 1)^-0.8                       (adafactor_decay_rate_pow(0.8))
+    lr      = min(0.01, 1/sqrt(s + 1))               (default; times 0.05 if not multiply_by_parameter_scale)
+    g2      = g^2 + epsilon1
+    factored (two largest dims d0 >= d1, both >= min_dim_size_to_factor):
+        vr <- decay vr + (1 - decay) mean_{d0}(g2)       vr: shape of w minus d0
+        vc <- decay vc + (1 - decay) mean_{d1}(g2)       vc: shape of w minus d1
+        x   = g * rsqrt(vr / mean_{d1}(vr)) * rsqrt(vc)
+    else:
+        v  <- decay v + (1 - decay) g2;   x = g * rsqrt(v)
+    x      /= max(1, rms(x) / clipping_threshold)                      (update clipping)
+    u       = x * lr * max(rms(w), epsilon2)                           (multiply_by_parameter_scale)
+    m      <- beta1 m + (1 - beta1) u;   u = m                         (only if beta1 > 0)
+    w      <- w - u
+
+Checked against the Mesh TF source (2020 version): ``min_dim_size_to_factor`` defaults to 128
+(older releases used 32), ``epsilon1=1e-30``, ``epsilon2=1e-3``, ``clipping_threshold=1.0``,
+``beta1=0.0`` and ``step_num()`` is the float32 ``global_step`` read before its increment. Slots keep
+Mesh TF's names (``{var}_slot_vr``, ``_slot_vc``, ``_slot_v``, ``_slot_m``) and are float32. The RMS
+reductions are the only communication: ``mean`` over split dims gives an all-reduce.
+
+Differences from Mesh TF: the 0.05 factor on the default learning rate without parameter scaling
+ignores Mesh TF's ``layers.unit_scaling_convention()`` (default False there, absent here); Mesh TF
+increments ``global_step`` in its training loop with no ordering against the reads (racy in TF1
+graphs), we return the increment from ``apply_grads`` and every read in the run sees the old value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.ops import elementwise as ew
+from meshtorch.ops.binary import maximum, minimum
+from meshtorch.ops.initializers import zeros_initializer
+from meshtorch.ops.reduce import reduce_mean
+from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.optim.base import Optimizer, check_grad, scalar_tensor
+
+__all__ = ["AdafactorOptimizer", "adafactor_decay_rate_pow", "adafactor_decay_rate_adam", "reduce_rms"]
+
+
+def reduce_rms(x):
+    """sqrt(mean(x^2)) over all dims: a scalar (Mesh TF ``optimize.reduce_rms``)."""
+    return ew.sqrt(reduce_mean(ew.square(x)))
+
+
+def adafactor_decay_rate_pow(exponent: float):
+    """Schedule ``step -> 1 - (step + 1)^-exponent`` (Mesh TF ``adafactor_decay_rate_pow``)."""
+    def decay(step):
+        return 1.0 - (step + 1.0) ** (-float(exponent))
+    return decay
+
+
+def adafactor_decay_rate_adam(beta2: float):
+    """Schedule ``step -> beta2 (1 - beta2^(t-1)) / (1 - beta2^t)``, ``t = step + 1``.
+
+    Mesh TF ``adafactor_decay_rate_adam``: Adam's second-moment decay with its bias correction folded in.
+    """
+    b2 = float(beta2)
+
+    def decay(step):
+        def f(s):
+            t = s.to(torch.float64) + 1.0
+            return (b2 * (1.0 - b2 ** (t - 1.0)) / (1.0 - b2 ** t)).to(torch.float32)
+        return ew.slicewise(f, [step], output_dtype=torch.float32, name="adafactor_decay_rate_adam")
+    return decay
+
+
+class AdafactorOptimizer(Optimizer):
+    """Adafactor with Mesh TF's defaults: ``AdafactorOptimizer()`` behaves like Mesh TF's.
+
+    Args:
+        multiply_by_parameter_scale: scale the step by ``max(rms(w), epsilon2)``.
+        learning_rate: None (Mesh TF default ``min(0.01, rsqrt(step + 1))``, times 0.05 without
+            parameter scaling), a float, a scalar Tensor or a schedule ``fn(step) -> Tensor``.
+        decay_rate: None (``1 - (step + 1)^-0.8``), or a float / scalar Tensor / schedule.
+        beta1: momentum on the (scaled, clipped) update; 0 disables it and its slot.
+        clipping_threshold: update clipping at this RMS; None disables it.
+        factored: use factored second moments where the shape allows.
+        epsilon1: added to squared gradients. epsilon2: floor of the parameter RMS.
+        min_dim_size_to_factor: factor only if the two largest dims are both at least this size.
+
+    Shapes: ``grad`` has the variable's named shape. Slots: ``vr`` = var shape minus ``d0``,
+    ``vc`` = var shape minus ``d1`` (factored), else ``v`` and (beta1) ``m`` of the var's shape; each
+    is laid out by the same rules as the variable.
+
+    Raises:
+        ValueError: if ``beta1`` is outside [0, 1) or a gradient's dims differ from its variable's.
+    """
+
+    def __init__(self, multiply_by_parameter_scale=True, learning_rate=None, decay_rate=None, beta1=0.0,
+                 clipping_threshold=1.0, factored=True, epsilon1=1e-30, epsilon2=1e-3, min_dim_size_to_factor=128):
+        super().__init__(learning_rate)
+        if not 0.0 <= beta1 < 1.0:
+            raise ValueError(f"AdafactorOptimizer: beta1 must be in [0, 1), got {beta1}.")
+        self.multiply_by_parameter_scale = bool(multiply_by_parameter_scale)
+        self.decay_rate = adafactor_decay_rate_pow(0.8) if decay_rate is None else decay_rate
+        self.beta1 = float(beta1)
+        self.clipping_threshold = clipping_threshold
+        self.factored = bool(factored)
+        self.epsilon1, self.epsilon2 = float(epsilon1), float(epsilon2)
+        self.min_dim_size_to_factor = int(min_dim_size_to_factor)
+
+    def factored_dims(self, shape):
+        """The two largest dims ``[d0, d1]`` to factor over, or None (Mesh TF ``_factored_dims``).
+
+        Ties keep the shape's order (a stable sort, as in Mesh TF).
+        """
+        if not self.factored or shape.ndims < 2:
+            return None
+        sorted_dims = sorted(shape.dims, key=lambda d: -d.size)
+        if sorted_dims[1].size < self.min_dim_size_to_factor:
+            return None
+        return sorted_dims[:2]
+
+    def lr(self, mesh):
+        if self.learning_rate is not None:
+            return super().lr(mesh)
+        c = self._context(mesh)
+        if "adafactor_lr" not in c:
+            lr = minimum(ew.rsqrt(c["step_float"] + 1.0), scalar_tensor(0.01, mesh))
+            if not self.multiply_by_parameter_scale:
+                lr = lr * 0.05
+            c["adafactor_lr"] = lr
+        return c["adafactor_lr"]
+
+    def apply_grad(self, grad, var):
+        check_grad(grad, var, "AdafactorOptimizer")
+        mesh = var.mesh
+        f32 = torch.float32
+        grad = ew.cast(grad, f32)
+        old_val = ew.cast(var.value, f32)
+        decay = self.hyper(self.decay_rate, "decay_rate", mesh)
+        mixing = 1.0 - decay
+        lr = self.lr(mesh)
+
+        def slot(suffix, shape):
+            return get_variable(mesh, f"{var.name}_slot_{suffix}", shape, initializer=zeros_initializer(),
+                                dtype=f32, trainable=False)
+
+        grad_squared = ew.square(grad) + self.epsilon1
+        if self.multiply_by_parameter_scale:
+            update_scale = maximum(reduce_rms(old_val), scalar_tensor(self.epsilon2, mesh)) * lr
+        else:
+            update_scale = lr
+        updates = []
+        fd = self.factored_dims(var.shape)
+        if fd:
+            d0, d1 = fd
+            vr_shape, vc_shape = var.shape - d0, var.shape - d1
+            vr, vc = slot("vr", vr_shape), slot("vc", vc_shape)
+            new_vr = vr * decay + reduce_mean(grad_squared, output_shape=vr_shape) * mixing
+            new_vc = vc * decay + reduce_mean(grad_squared, output_shape=vc_shape) * mixing
+            updates.append(Assign([vr.operation, vc.operation], [new_vr, new_vc], name=f"{var.name}/adafactor_v"))
+            long_term_mean = reduce_mean(new_vr, reduced_dim=d1)
+            x = grad * ew.rsqrt(new_vr / long_term_mean) * ew.rsqrt(new_vc)
+        else:
+            v = slot("v", var.shape)
+            new_v = v * decay + grad_squared * mixing
+            updates.append(Assign([v.operation], [new_v], name=f"{var.name}/adafactor_v"))
+            x = grad * ew.rsqrt(new_v)
+        if self.clipping_threshold is not None:
+            x = x / maximum(scalar_tensor(1.0, mesh), reduce_rms(x) / float(self.clipping_threshold))
+        subtrahend = x * update_scale
+        if self.beta1:
+            m = slot("m", var.shape)
+            subtrahend = m * self.beta1 + subtrahend * (1.0 - self.beta1)
+            updates.append(Assign([m.operation], [subtrahend], name=f"{var.name}/adafactor_m"))
+        updates.append(Assign([var], [old_val - subtrahend], name=f"{var.name}/adafactor_update"))
+        return updates

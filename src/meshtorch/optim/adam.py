@@ -1,0 +1,106 @@
+"""Adam (Kingma & Ba 2015) and AdamW (Loshchilov & Hutter 2019) as graph operations.
+
+Formulas of ``torch.optim.Adam`` / ``torch.optim.AdamW`` (amsgrad=False, maximize=False), with
+``t = step + 1`` the number of this update::
+
+    g <- g + wd * w                          (Adam only: L2 in the gradient)
+    w <- w * (1 - lr * wd)                   (AdamW only: decoupled decay)
+    m <- b1 m + (1 - b1) g
+    v <- b2 v + (1 - b2) g^2
+    w <- w - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+The slots ``{var}/adam_m`` and ``{var}/adam_v`` (Mesh TF's names in ``AdamWeightDecayOptimizer``)
+are non-trainable variables of the parameter's named shape, so they get its layout and need no
+communication. Mesh TF's ``AdamWeightDecayOptimizer`` has no bias correction and puts ``eps`` the
+same place; we follow torch (bias-corrected), so torch recipes port unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.ops import elementwise as ew
+from meshtorch.ops.initializers import zeros_initializer
+from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.optim.base import Optimizer, check_grad
+
+__all__ = ["AdamOptimizer", "AdamWOptimizer"]
+
+
+class AdamOptimizer(Optimizer):
+    """Adam as ``torch.optim.Adam(lr, betas, eps, weight_decay)`` (L2 weight decay in the gradient).
+
+    Args:
+        learning_rate: float, scalar Tensor, or schedule ``fn(step) -> Tensor`` (default 1e-3).
+        beta1, beta2: moment decay rates in [0, 1).
+        epsilon: added to ``sqrt(v_hat)`` (outside the square root, as torch).
+        weight_decay: L2 coefficient.
+
+    Shapes: ``grad`` has the variable's named shape; slots have it too. Parameters of any float
+    dtype are updated in float32 and cast back on assignment.
+
+    Raises:
+        ValueError: on betas outside [0, 1), negative epsilon or weight decay, or a gradient whose
+            dims differ from its variable's.
+    """
+
+    decoupled = False
+
+    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.0):
+        super().__init__(learning_rate)
+        for n, b in (("beta1", beta1), ("beta2", beta2)):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{type(self).__name__}: {n} must be in [0, 1), got {b}.")
+        if epsilon < 0 or weight_decay < 0:
+            raise ValueError(f"{type(self).__name__}: epsilon ({epsilon}) and weight_decay ({weight_decay}) "
+                             "must be >= 0.")
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.epsilon, self.weight_decay = float(epsilon), float(weight_decay)
+
+    def _corrections(self, mesh):
+        """(1 - b1^t, sqrt(1 - b2^t)) as float32 scalars, computed in float64 from the int step."""
+        c = self._context(mesh)
+        if "adam_bc" not in c:
+            b1, b2 = self.beta1, self.beta2
+            step = c["step"]
+            bc1 = ew.slicewise(lambda s: (1.0 - b1 ** (s.to(torch.float64) + 1)).to(torch.float32), [step],
+                               output_dtype=torch.float32, name="adam_bias_correction1")
+            bc2 = ew.slicewise(lambda s: torch.sqrt(1.0 - b2 ** (s.to(torch.float64) + 1)).to(torch.float32),
+                               [step], output_dtype=torch.float32, name="adam_bias_correction2_sqrt")
+            c["adam_bc"] = (bc1, bc2)
+        return c["adam_bc"]
+
+    def apply_grad(self, grad, var):
+        check_grad(grad, var, type(self).__name__)
+        mesh = var.mesh
+        lr = self.lr(mesh)
+        bc1, bc2_sqrt = self._corrections(mesh)
+        f32 = torch.float32
+        g = ew.cast(grad, f32)
+        w = ew.cast(var.value, f32)
+        if self.weight_decay and not self.decoupled:
+            g = g + w * self.weight_decay
+        if self.weight_decay and self.decoupled:
+            w = w * (1.0 - lr * self.weight_decay)
+        m = get_variable(mesh, f"{var.name}/adam_m", var.shape, initializer=zeros_initializer(), dtype=f32,
+                         trainable=False)
+        v = get_variable(mesh, f"{var.name}/adam_v", var.shape, initializer=zeros_initializer(), dtype=f32,
+                         trainable=False)
+        new_m = m * self.beta1 + g * (1.0 - self.beta1)
+        new_v = v * self.beta2 + ew.square(g) * (1.0 - self.beta2)
+        denom = ew.sqrt(new_v) / bc2_sqrt + self.epsilon
+        step_size = lr / bc1
+        new_w = w - new_m / denom * step_size
+        return [Assign([m.operation, v.operation, var], [new_m, new_v, new_w], name=f"{var.name}/adam_update")]
+
+
+class AdamWOptimizer(AdamOptimizer):
+    """AdamW as ``torch.optim.AdamW``: weight decay decoupled from the gradient, ``w <- w (1 - lr wd)``.
+
+    Same arguments as :class:`AdamOptimizer`; ``weight_decay`` defaults to 1e-2 as in torch.
+    """
+
+    decoupled = True
+
+    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=1e-2):
+        super().__init__(learning_rate, beta1, beta2, epsilon, weight_decay)
