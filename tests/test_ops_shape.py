@@ -78,7 +78,8 @@ OP_CASES = [
     OpCase("cumsum_partial_sum", lambda mesh, x, w: mtf.cumsum(mtf.einsum([x, w], output_shape="s:16"), "s"),
            {"x": X416, "w": ("b:4", _r(4, seed=9))}, lambda x, w: torch.cumsum(w @ x, 0)),
 ] + [
-    OpCase(f"shift_{off}_{'wrap' if wrap else 'zero'}", (lambda o, w: lambda mesh, x: mtf.shift(x, o, "s", w))(off, wrap),
+    OpCase(f"shift_{off}_{'wrap' if wrap else 'zero'}",
+           (lambda o, w: lambda mesh, x: mtf.shift(x, o, "s", w))(off, wrap),
            {"x": X416}, (lambda o, w: lambda x: _shift_ref(x, o, 1, w))(off, wrap))
     for off, wrap in [(1, False), (1, True), (-3, False), (-3, True), (6, False), (9, True), (-13, True),
                       (4, False), (-8, True), (16, False), (19, True), (0, False)]
