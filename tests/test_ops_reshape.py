@@ -2,7 +2,6 @@
 layout vs plain PyTorch, the collectives of each lowering case, random shapes and layouts, errors."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -35,6 +34,10 @@ OP_CASES = [
            {"x": ("b:4,h:8,s:4", _r(4, 8, 4))}, lambda x: x.reshape(4, 2, 4, 4)),
     OpCase("transpose", lambda mesh, x: mtf.transpose(x, "h:8,s:4,b:4"), {"x": ("b:4,h:8,s:4", _r(4, 8, 4))},
            lambda x: x.permute(1, 2, 0)),
+    OpCase("transpose_of_partial_sum", lambda mesh, x, w: mtf.transpose(mtf.einsum([x, w], output_shape="b:4,h:8"),
+                                                                        "h:8,b:4"),
+           {"x": ("b:4,k:4,h:8", _r(4, 4, 8)), "w": ("k:4", _r(4, seed=1))},
+           lambda x, w: torch.einsum("bkh,k->hb", x, w)),
 ]
 
 
@@ -162,18 +165,14 @@ def reshape_problem(draw):
     return old, new, mesh_shape, layout
 
 
-_TIMES = []
-
 
 @settings(max_examples=300, deadline=None)
 @given(reshape_problem())
 def test_reshape_random_layouts(problem):
-    t0 = time.perf_counter()
     old, new, mesh_shape, layout = problem
     x = torch.arange(math.prod(s for _, s in old), dtype=torch.float32).reshape([s for _, s in old])
     outs, _, _ = run_layout(lambda mesh, x: mtf.reshape(x, new), {"x": (old, x)}, mesh_shape, layout, grad=False)
     assert torch.equal(outs[0], x.reshape([s for _, s in new])), (old, new, mesh_shape, layout)
-    _TIMES.append(time.perf_counter() - t0)
 
 
 @settings(max_examples=25, deadline=None)
@@ -208,4 +207,14 @@ def test_rename_replace_transpose_errors():
         mtf.replace_dimensions(x, "q:3", "r:3")
     with pytest.raises(ShapeError, match="not a permutation.*'acts'"):
         mtf.transpose(x, "h:8,b:4")
+    with pytest.raises(ShapeError, match="not a permutation.*'acts'"):
+        mtf.transpose(x, "h:8,b:4,s:3")
     assert mtf.replace_dimensions(x.shape, "h:8", ["h1:2", "h2:4"]) == mtf.Shape("b:4,h1:2,h2:4,s:2")
+
+
+def test_transpose_is_local_and_counts_no_flops():
+    x = _r(4, 8, 4)
+    outs, _, lw = run_layout(lambda mesh, x: mtf.transpose(x, "s:4,b:4,h:8"), {"x": ("b:4,h:8,s:4", x)},
+                             "rows:2;cols:2", "h:rows;s:cols", grad=False)
+    assert torch.equal(outs[0], x.permute(2, 0, 1))
+    assert lw.counters.count() == 0 and lw.counters.einsum_flops == 0

@@ -154,7 +154,7 @@ def _mesh():
 def test_slice_bad_bounds_names_tensor_and_dim():
     mesh = _mesh()
     x = mtf.placeholder(mesh, "acts", "b:4,s:8")
-    with pytest.raises(ShapeError, match=r"acts.*|s"):
+    with pytest.raises(ShapeError, match="'s'.*'acts'"):
         mtf.slice(x, 6, 4, "s")
     with pytest.raises(ShapeError, match="'s'.*'acts'"):
         mtf.slice(x, -1, 2, "s")
