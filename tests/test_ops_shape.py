@@ -202,3 +202,16 @@ def test_unsplittable_free_layout_errors_are_layout_errors():
     mtf.slice(x, 0, 3, "s")
     with pytest.raises(mtf.LayoutError, match="'s'"):
         mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "s:all")})
+
+
+def test_linear_ops_keep_partial_sums_lazy():
+    x, w = _r(4, 16), _r(4, seed=9)
+
+    def build(mesh, x, w):
+        p = mtf.einsum([x, w], output_shape="s:16")  # partial sums over the axis splitting b
+        q = mtf.reduce_sum(x, output_shape="s:16")
+        return mtf.cumsum(mtf.shift(mtf.add_n([p, q]), 3, "s", False), "s")
+    outs, _, lw = run_layout(build, {"x": ("b:4,s:16", x), "w": ("b:4", w)}, "all:4", "b:all", grad=False)
+    ref = torch.cumsum(_shift_ref(w @ x + x.sum(0), 3, 0, False), 0)
+    assert torch.allclose(outs[0], ref, atol=1e-5)
+    assert lw.counters.count("allreduce") == 1 and lw.counters.count() == 1
