@@ -215,3 +215,12 @@ def test_linear_ops_keep_partial_sums_lazy():
     ref = torch.cumsum(_shift_ref(w @ x + x.sum(0), 3, 0, False), 0)
     assert torch.allclose(outs[0], ref, atol=1e-5)
     assert lw.counters.count("allreduce") == 1 and lw.counters.count() == 1
+
+
+def test_numpy_integers_accepted_and_floats_rejected():
+    import numpy as np
+    mesh = _mesh()
+    x = mtf.placeholder(mesh, "x", "b:4,s:8")
+    assert mtf.slice(x, np.int64(2), np.int32(4), "s").shape == mtf.Shape("b:4,s:4")
+    with pytest.raises(TypeError, match="begin"):
+        mtf.slice(x, 2.0, 4, "s")

@@ -13,6 +13,7 @@ the dim is not split there is no communication. stack onto a split new dim needs
 from __future__ import annotations
 
 import builtins
+import numbers
 
 import torch
 
@@ -37,9 +38,10 @@ def _dim_name(d) -> str:
     return d if isinstance(d, str) else d.name
 
 
-def _check_int(v, what: str, op: str):
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{op}: {what} must be a Python int, got {v!r}.")
+def _check_int(v, what: str, op: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{op}: {what} must be an integer, got {v!r}.")
+    return int(v)
 
 
 class BroadcastOperation(Operation):
@@ -111,8 +113,7 @@ class SliceOperation(_WholeDimOperation):
     def __init__(self, x: Tensor, begin: int, size: int, slice_dim_name: str, name=None):
         super().__init__([x], name=name or "slice")
         what = f"slice {self.name!r}"
-        _check_int(begin, "begin", what)
-        _check_int(size, "size", what)
+        begin, size = _check_int(begin, "begin", what), _check_int(size, "size", what)
         if slice_dim_name not in x.shape:
             raise ShapeError(f"{what}: tensor {x.name!r} {x.shape} has no dimension {slice_dim_name!r}.")
         n = x.shape.get_dim_by_name(slice_dim_name).size
@@ -160,8 +161,7 @@ class PadOperation(_WholeDimOperation):
         if len(paddings) != 2:
             raise ValueError(f"{what}: paddings must be [before, after], got {paddings!r}.")
         before, after = paddings
-        _check_int(before, "paddings[0]", what)
-        _check_int(after, "paddings[1]", what)
+        before, after = _check_int(before, "paddings[0]", what), _check_int(after, "paddings[1]", what)
         if before < 0 or after < 0:
             raise ValueError(f"{what}: paddings of {x.name!r} along {dim_name!r} must be >= 0, got {paddings!r}.")
         self.before, self.after, self.dim_name = before, after, dim_name
