@@ -1,0 +1,245 @@
+"""Ops along one (often sequence) dimension: shift, cumsum and range (Mesh TF ``mtf.shift``,
+``mtf.cumsum``, ``mtf.range``). Re-exported by :mod:`meshtorch.ops.shape`.
+
+Lowering when the dimension is split over mesh axis ``a`` (n processors, blocks of b = size/n):
+
+* shift by ``offset = q*b + r`` (0 <= r < b): in processor c's output block, positions [r, b)
+  are the first b - r elements of input block c - q and positions [0, r) the last r elements
+  of block c - q - 1 (modulo n with ``wrap``, else zeros off the end). Each part moves by one
+  ``lw.receive`` (a neighbour exchange) carrying only those elements, so a shift by less than a
+  block sends just the r boundary elements; nothing moves for parts that stay on the processor.
+  Mesh TF handles only |offset| <= b here.
+* cumsum: a local ``torch.cumsum`` (linear work), an all-gather of each slice's total (n numbers
+  per row), and the sum of the totals of the preceding blocks added locally. Mesh TF builds an
+  n x n mask and an einsum (quadratic work).
+* range: each processor creates its block from its offset (``lw.laid_out_constant``).
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+import torch
+
+from meshtorch.core.dims import convert_to_dimension
+from meshtorch.core.errors import ShapeError
+from meshtorch.core.graph import Mesh, Operation, Tensor
+from meshtorch.ops._relayout import coordinate_constant, itemsize
+
+__all__ = ["shift", "cumsum", "mtf_range", "range", "ShiftOperation", "CumsumOperation", "RangeOperation"]
+
+
+def _dim_index(x: Tensor, dim, what: str) -> tuple[str, int]:
+    name = dim if isinstance(dim, str) else convert_to_dimension(dim).name
+    if name not in x.shape:
+        raise ShapeError(f"{what}: tensor {x.name!r} {x.shape} has no dimension {name!r}.")
+    if not isinstance(dim, str) and convert_to_dimension(dim) != x.shape.get_dim_by_name(name):
+        raise ShapeError(f"{what}: dimension {dim} does not match {x.shape.get_dim_by_name(name)} of {x.name!r}.")
+    return name, x.shape.get_dim_index(name)
+
+
+def _shift_local(t: torch.Tensor, offset: int, axis: int, wrap: bool) -> torch.Tensor:
+    n = t.shape[axis]
+    if wrap:
+        return torch.roll(t, offset % n, dims=axis)
+    if abs(offset) >= n:
+        return torch.zeros_like(t)
+    if offset == 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = abs(offset)
+    z = t.new_zeros(shape)
+    if offset > 0:
+        return torch.cat([z, t.narrow(axis, 0, n - offset)], dim=axis)
+    return torch.cat([t.narrow(axis, -offset, n + offset), z], dim=axis)
+
+
+class ShiftOperation(Operation):
+    """``out[i] = x[i - offset]`` along ``dim``; wrapped around or zero-filled."""
+
+    def __init__(self, x: Tensor, offset: int, dim, wrap: bool, name=None):
+        super().__init__([x], name=name or "shift")
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise TypeError(f"shift {self.name!r}: offset must be a Python int, got {offset!r}.")
+        self.dim_name, self.axis = _dim_index(x, dim, f"shift {self.name!r}")
+        self.offset, self.wrap = offset, bool(wrap)
+        self.outputs = [Tensor(self, x.shape, x.dtype)]
+
+    def lower(self, lw):
+        x, out = self.inputs[0], self.outputs[0]
+        ax, wrap = self.axis, self.wrap
+        slot, pending = lw.get_lazy(x)  # linear: a pending partial sum stays lazy
+        a = lw.tensor_layout(x)[ax]
+        impl = lw.mesh_impl(self)
+        n = impl.shape[a].size if a is not None else 1
+        size = x.shape[ax].size
+        offset = self.offset % size if wrap else self.offset
+        if n == 1:
+            lw.set(out, lw.slicewise(lambda t: _shift_local(t, offset, ax, wrap), slot), pending)
+            return
+        if not wrap and abs(offset) >= size:
+            lw.set(out, lw.slicewise(torch.zeros_like, slot), pending)
+            return
+        blk = size // n
+        q, r = divmod(offset, blk)
+        local = lw.slice_shape(x)
+        isz = itemsize(x.dtype)
+
+        if r == 0:
+            lw.set(out, _move(lw, slot, a, n, q, wrap, x, int(np.prod(local, dtype=np.int64)) * isz), pending)
+            return
+        head = lw.slicewise(lambda t: t.narrow(ax, 0, blk - r), slot)   # -> positions [r, blk) of block c + q
+        tail = lw.slicewise(lambda t: t.narrow(ax, blk - r, r), slot)   # -> positions [0, r) of block c + q + 1
+        local_head = list(local)
+        local_head[ax] = blk - r
+        local_tail = list(local)
+        local_tail[ax] = r
+        head = _move(lw, head, a, n, q, wrap, x, int(np.prod(local_head, dtype=np.int64)) * isz)
+        tail = _move(lw, tail, a, n, q + 1, wrap, x, int(np.prod(local_tail, dtype=np.int64)) * isz)
+        lw.set(out, lw.slicewise(lambda tl, hd: torch.cat([tl, hd], dim=ax), tail, head), pending)
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None:
+            return [None]
+        return [shift(dy, -self.offset, self.dim_name, self.wrap, name=f"{self.name}_grad")]
+
+
+def _move(lw, part: int, a: int, n: int, procs: int, wrap: bool, t: Tensor, nbytes: int) -> int:
+    """Processor c on mesh axis ``a`` gets ``part`` of processor c - procs (wrapped, or zeros off the end)."""
+    src = [((c - procs) % n) if wrap else (c - procs if 0 <= c - procs < n else None) for c in builtins.range(n)]
+    if src == list(builtins.range(n)):
+        return part
+    if all(s is None for s in src):
+        return lw.slicewise(torch.zeros_like, part)
+    return lw.receive(part, a, src, t, nbytes=nbytes)
+
+
+def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
+    """Shift ``x`` by ``offset`` along ``dim``: ``out[i] = x[i - offset]`` (Mesh TF ``mtf.shift``).
+
+    Args:
+        offset: int; negative shifts the other way.
+        dim: Dimension or name of ``x``.
+        wrap: True: rotate (``torch.roll``); False: fill with zeros.
+
+    Returns:
+        Tensor of ``x.shape`` and dtype. Layouts: all. A split ``dim`` costs one or two receives
+        (neighbour exchanges) of boundary elements, none of the whole slice for small offsets.
+
+    Raises:
+        ShapeError: naming ``x``, if it lacks ``dim``; TypeError: a non-int offset.
+    """
+    return ShiftOperation(x, offset, dim, wrap, name).outputs[0]
+
+
+class CumsumOperation(Operation):
+    """Inclusive or exclusive running sum along ``dim``; ``reverse`` sums from the end."""
+
+    def __init__(self, x: Tensor, dim, exclusive: bool = False, reverse: bool = False, name=None):
+        super().__init__([x], name=name or "cumsum")
+        self.dim_name, self.axis = _dim_index(x, dim, f"cumsum {self.name!r}")
+        self.exclusive, self.reverse = bool(exclusive), bool(reverse)
+        self.outputs = [Tensor(self, x.shape, x.dtype)]
+
+    def lower(self, lw):
+        x, out = self.inputs[0], self.outputs[0]
+        ax, excl, rev = self.axis, self.exclusive, self.reverse
+        slot, pending = lw.get_lazy(x)  # linear: a pending partial sum stays lazy
+
+        def local(t):
+            c = t.flip(ax).cumsum(ax).flip(ax) if rev else t.cumsum(ax)
+            if excl:
+                n = t.shape[ax]
+                shape = list(t.shape)
+                shape[ax] = 1
+                z = t.new_zeros(shape)
+                c = torch.cat([c.narrow(ax, 1, n - 1), z], ax) if rev else torch.cat([z, c.narrow(ax, 0, n - 1)], ax)
+            return c
+        res = lw.slicewise(local, slot)
+        a = lw.tensor_layout(x)[ax]
+        impl = lw.mesh_impl(self)
+        if a is None or impl.shape[a].size == 1:
+            lw.set(out, res, pending)
+            return
+        n = impl.shape[a].size
+        totals = lw.slicewise(lambda t: t.sum(ax, keepdim=True), slot)
+        tshape = list(lw.slice_shape(x))
+        tshape[ax] = 1
+        nbytes = int(np.prod(tshape, dtype=np.int64)) * itemsize(x.dtype)
+        gathered = lw.allconcat(totals, a, ax, x, nbytes=nbytes)  # n totals per row: small
+
+        def add_prefix(c_local, g, coord):
+            before = g.narrow(ax, coord + 1, n - coord - 1) if rev else g.narrow(ax, 0, coord)
+            return c_local + before.sum(ax, keepdim=True)
+        lw.set(out, lw.slicewise(add_prefix, res, gathered, coordinate_constant(lw, x, a)), pending)
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None:
+            return [None]
+        return [cumsum(dy, self.dim_name, self.exclusive, reverse=not self.reverse, name=f"{self.name}_grad")]
+
+
+def cumsum(x: Tensor, dim, exclusive: bool = False, reverse: bool = False, name=None) -> Tensor:
+    """Running sum along ``dim`` (Mesh TF ``mtf.cumsum``; ``torch.cumsum``).
+
+    Args:
+        dim: Dimension or name of ``x``.
+        exclusive: out[i] = sum of x[j] for j < i (inclusive: j <= i).
+        reverse: sum from the end instead (j > i, or j >= i); an extension of Mesh TF's API,
+            used by the gradient (the gradient of a cumsum is the reverse cumsum).
+
+    Returns:
+        Tensor of ``x.shape`` and dtype. Layouts: all. A split ``dim`` costs an all-gather of one
+        total per slice row (size / block-size smaller than the tensor), not of ``x``.
+
+    Raises:
+        ShapeError: naming ``x``, if it lacks ``dim``.
+    """
+    return CumsumOperation(x, dim, exclusive, reverse, name).outputs[0]
+
+
+class RangeOperation(Operation):
+    """``[0, 1, ..., dim.size - 1]`` along ``dim``."""
+
+    def __init__(self, mesh: Mesh, dim, dtype, name=None):
+        super().__init__([], mesh, name=name or "range")
+        self.dim = convert_to_dimension(dim)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"range {self.name!r}: dtype must be a torch.dtype, got {dtype!r}.")
+        self.outputs = [Tensor(self, [self.dim], dtype)]
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return []
+
+    def lower(self, lw):
+        out = self.outputs[0]
+        impl = lw.mesh_impl(self)
+        layout = lw.tensor_layout(out)
+        n = lw.slice_shape(out)[0]
+        dt = out.dtype
+
+        def block(p):
+            b = impl.slice_begin(out.shape, p, layout)[0]
+            return torch.arange(b, b + n, device=impl.device(p)).to(dt)
+        lw.set(out, lw.laid_out_constant(out, block))
+
+
+def mtf_range(mesh: Mesh, dim, dtype=torch.int64, name=None) -> Tensor:
+    """``0 .. dim.size - 1`` along ``dim`` (Mesh TF ``mtf.range`` / ``mtf_range``).
+
+    Each processor creates its own block from its offset; no communication. No gradient.
+
+    Returns:
+        Tensor of shape ``[dim]`` and ``dtype`` (default int64; Mesh TF requires the dtype).
+    """
+    return RangeOperation(mesh, dim, dtype, name).outputs[0]
+
+
+range = mtf_range  # noqa: A001 - Mesh TF's name
