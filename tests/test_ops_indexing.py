@@ -87,8 +87,8 @@ def test_layout_invariance(case):
 
 def test_gather_mesh_axis_splitting_vocab_and_indices():
     """One axis splits the vocab of the weights and a dim of the indices: weights all-gathered first."""
-    layouts = [("all:4", "v:all;b:all"), ("rows:2;cols:2", "v:rows;s:rows;d:cols"), ("rows:2;cols:2", "v:rows;b:rows;d:cols"),
-               ("rows:2;cols:2", "v:cols;b:rows;s:cols")]
+    layouts = [("all:4", "v:all;b:all"), ("rows:2;cols:2", "v:rows;s:rows;d:cols"),
+               ("rows:2;cols:2", "v:rows;b:rows;d:cols"), ("rows:2;cols:2", "v:cols;b:rows;s:cols")]
     check_layouts(lambda mesh, w, ind: mtf.gather(w, ind, "v"), EMB, lambda w, ind: F.embedding(ind, w),
                   layouts=layouts)
     check_layouts(lambda mesh, a, b, ind: mtf.gather(mtf.einsum([a, b], output_shape="v:8,d:4"), ind, "v"),
