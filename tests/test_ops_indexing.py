@@ -121,6 +121,12 @@ def test_gather_split_vocab_one_allreduce():
                   "all:4", "v:all")
     (rec, _), = c.collectives()
     assert rec.kind == "allreduce" and rec.bytes_per_processor == 4 * 4 * 4
+    # lazily summed weights (einsum over a split h) pass through the lookup: the all-reduce is of the
+    # gathered rows (b*s*d), not of the whole table (v*d)
+    c = _counters(lambda mesh, a, b, ind: mtf.gather(mtf.einsum([a, b], output_shape="v:8,d:4"), ind, "v"),
+                  {"a": ("v:8,h:4", A), "b": ("h:4,d:4", B), "ind": ("b:4", IND[:, 0])}, "all:4", "h:all")
+    (rec, _), = c.collectives()
+    assert rec.kind == "allreduce" and rec.op.startswith("gather") and rec.bytes_per_processor == 4 * 4 * 4
 
 
 def test_gather_gradient_is_scatter_add_without_dense_onehot():
