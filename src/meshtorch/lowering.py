@@ -8,7 +8,8 @@ many times with no further planning (``run``).
 
 Run semantics (stricter than Mesh TF): within one ``run`` every read of a variable sees its value
 from before the run, and assignments take effect together at the end, so results never depend on
-the order the steps happen to execute in.
+the order the steps happen to execute in. Random ops draw fresh values on every run: run number
+``lowering.run_count`` (0 for the first) is part of their key (see ``run_counter_slot``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class Lowering:
         self.counters = Counters()
         self._current_op: Operation | None = None
         self._n_lowered_steps = 0
+        #: number of completed ``run`` calls; random ops mix it into their keys (fresh draws each run)
+        self.run_count = 0
+        self._run_counter_slots: dict[Mesh, int] = {}
         for op in graph.operations:
             self._current_op = op
             impl = self.mesh_impl(op)
@@ -146,6 +150,20 @@ class Lowering:
     def laid_out_constant(self, t: Tensor | Mesh, fn: Callable[[int], object]) -> int:
         """A slot holding ``fn(pnum)`` on each processor (plan-time constant)."""
         return self.constant(self.mesh_impl(t).laid_out_constant(fn))
+
+    def run_counter_slot(self, mesh: Mesh) -> int:
+        """A slot refilled at every ``run`` with the run counter, laid out on ``mesh``.
+
+        Each processor's value is the Python int :attr:`run_count` (runs completed before this
+        one: 0, 1, 2, ...), the same on every processor. Random ops (``meshtorch.ops.random``)
+        mix it into their keys so that every run draws fresh values (e.g. dropout masks per
+        training step) that are still a pure function of (graph seed, op key, run, index).
+        """
+        slot = self._run_counter_slots.get(mesh)
+        if slot is None:
+            self.mesh_impl(mesh)  # validates that the mesh has an implementation
+            slot = self._run_counter_slots[mesh] = self.new_slot()
+        return slot
 
     def set(self, t: Tensor, slot: int, pending=frozenset(), source=None):
         """Record that ``t``'s laid-out value lives in ``slot``.
@@ -355,6 +373,9 @@ class Lowering:
             env[s] = self.mesh_impl(t).import_full(self._check_feed(t, feeds[t]), self.tensor_layout(t))
         for var, s in prog.var_reads:
             env[s] = self.variables[var]
+        count = self.run_count
+        for mesh, s in self._run_counter_slots.items():
+            env[s] = self.mesh_impl(mesh).laid_out_constant(lambda p: count)
         for fn, ins, outs, frees in prog.steps:
             if len(outs) == 1:
                 env[outs[0]] = fn(*[env[i] for i in ins])
@@ -369,6 +390,7 @@ class Lowering:
         for var, s in prog.assignments:
             self.variables[var] = env[s]
         self.counters.add(prog.counters)
+        self.run_count += 1
         return results[0] if single else results
 
     def _check_feed(self, t: Tensor, value) -> torch.Tensor:
