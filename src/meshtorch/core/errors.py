@@ -19,3 +19,8 @@ class LayoutError(MeshtorchError, ValueError):
 
 class FeedError(MeshtorchError, ValueError):
     """A value fed to ``Lowering.run`` does not match its placeholder."""
+
+
+class CheckpointError(MeshtorchError, ValueError):
+    """A checkpoint cannot be written or read: corrupt or truncated file, missing variable, shape or
+    dtype mismatch. The message names the variable and the file."""
