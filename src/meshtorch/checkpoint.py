@@ -215,8 +215,8 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         if keep is not None:
-            for old in _complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old[1], ignore_errors=True)
+            for _, old in _complete_checkpoints(root)[:-keep]:
+                _delete(old)
     _barrier(lowering)
     return final
 
@@ -306,7 +306,8 @@ def _manifest(lowering, tmp: str, step: int, extra) -> dict:
                                   "(a process did not write its slices?).")
     meshes = {}
     for mesh, impl in lowering.mesh_to_impl.items():
-        meshes[mesh.name] = {"shape": str(impl.shape), "layout": str(impl.layout_rules),
+        meshes[mesh.name] = {"shape": ";".join(f"{d.name}:{d.size}" for d in impl.shape),
+                             "layout": ";".join(f"{a}:{b}" for a, b in impl.layout_rules.pairs),
                              "impl": type(impl).__name__}
     run_count = getattr(lowering, "run_count", None)
     return {
@@ -338,30 +339,50 @@ def _commit(root: str, tmp: str, final: str):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _delete(ckpt: str):
+    """Delete a checkpoint: rename it out of sight first, so a crash never leaves a half-deleted
+    ``ckpt-<step>`` that still looks complete."""
+    gone = os.path.join(os.path.dirname(ckpt), f".del-{os.path.basename(ckpt)}")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(ckpt, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
 def _remove_stale_temps(root: str):
-    """Remove temporary directories left by saves that crashed (one saver per root at a time)."""
+    """Clean up after saves that crashed (one saver per root at a time): remove unfinished temporary
+    and half-deleted directories; put back a ``ckpt-<step>`` that was moved aside to be replaced."""
     for fn in os.listdir(root):
-        if fn.startswith(".tmp-ckpt-") or fn.startswith(".old-ckpt-"):
-            shutil.rmtree(os.path.join(root, fn), ignore_errors=True)
+        p = os.path.join(root, fn)
+        if fn.startswith(".old-ckpt-"):
+            final = os.path.join(root, fn.removeprefix(".old-"))
+            if not os.path.exists(final) and os.path.isfile(os.path.join(p, MANIFEST)):
+                os.replace(p, final)
+                continue
+        if fn.startswith((".tmp-ckpt-", ".old-ckpt-", ".del-ckpt-")):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    out = []
+    """``[(step, dir)]`` sorted by step: ``ckpt-<step>`` with a manifest, or its ``.old-`` copy when a
+    save that replaces the same step crashed between its two renames."""
+    found = {}
     if not os.path.isdir(root):
-        return out
+        return []
     for fn in os.listdir(root):
-        m = _CKPT_RE.match(fn)
+        old = fn.startswith(".old-")
+        m = _CKPT_RE.match(fn.removeprefix(".old-"))
         p = os.path.join(root, fn)
-        if m and os.path.isfile(os.path.join(p, MANIFEST)):
-            out.append((int(m.group(1)), p))
-    return sorted(out)
+        if m and os.path.isfile(os.path.join(p, MANIFEST)) and (not old or int(m.group(1)) not in found):
+            found[int(m.group(1))] = p
+    return sorted(found.items())
 
 
 def latest_checkpoint(path: str) -> str | None:
     """The newest complete checkpoint directory ``<path>/ckpt-<step>`` (highest step), or None.
 
     Temporary directories of unfinished saves (``.tmp-ckpt-*``) and directories without a manifest
-    are ignored.
+    are ignored. If a save replacing an existing step crashed between moving the old directory aside
+    and renaming the new one in, the old one (``.old-ckpt-<step>``) is returned.
     """
     cks = _complete_checkpoints(os.path.abspath(path))
     return cks[-1][1] if cks else None
