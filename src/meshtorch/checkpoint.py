@@ -358,7 +358,7 @@ def _remove_stale_temps(root: str):
             if not os.path.exists(final) and os.path.isfile(os.path.join(p, MANIFEST)):
                 os.replace(p, final)
                 continue
-        if fn.startswith((".tmp-ckpt-", ".old-ckpt-", ".del-ckpt-")):
+        if fn.startswith((".tmp-ckpt-", ".old-ckpt-", ".del-")):
             shutil.rmtree(p, ignore_errors=True)
 
 
