@@ -328,7 +328,7 @@ def test_failed_save_leaves_previous_checkpoint(saved, monkeypatch):
 
 def test_bad_arguments(tmp_path):
     lw = build(*LAYOUT_C)[0]
-    for kw in ({"step": -1}, {"step": 1, "keep": 0}, {"step": 1, "extra": {"x": object()}}):
+    for kw in ({"step": -1}, {"step": 1.5}, {"step": 1, "keep": 0}, {"step": 1, "extra": {"x": object()}}):
         with pytest.raises(mtf.CheckpointError):
             mtf.save(lw, str(tmp_path), **kw)
     assert mtf.latest_checkpoint(str(tmp_path)) is None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import re
 import shutil
@@ -171,8 +172,13 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
             multi-process mesh, or if writing fails (the message names the file; the temporary
             directory is removed and earlier checkpoints are untouched).
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    try:
+        ok = not isinstance(step, bool) and operator.index(step) >= 0
+    except TypeError:
+        ok = False
+    if not ok:
         raise CheckpointError(f"save: step must be an int >= 0, got {step!r}.")
+    step = operator.index(step)
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"save: keep must be None or an int >= 1, got {keep!r}.")
     try:
@@ -235,8 +241,9 @@ def _save_file(tensors: dict, path: str):
         safetensors.torch.save_file(out, path, metadata={"format": "pt", "writer": FORMAT})
         _fsync_path(path)
     except Exception as e:
-        raise CheckpointError(f"save: writing {os.path.basename(path)!r} (variables {sorted(tensors)[:5]}...) "
-                              f"failed: {type(e).__name__}: {e}") from e
+        names = sorted(tensors)
+        raise CheckpointError(f"save: writing {os.path.basename(path)!r} (variables {names[:5]}"
+                              f"{'...' if len(names) > 5 else ''}) failed: {type(e).__name__}: {e}") from e
     return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
 
 
