@@ -12,7 +12,7 @@ LAYOUT_D = ("rows:2;cols:2", "hidden:rows;out:cols")
 BATCH, IO, OUT = 8, 6, 4
 
 
-def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torch.int64):
+def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torch.int64, w1_hidden_first=False):
     """Returns ``(lowering, x, y, loss, updates)``; variables: mlp/w1 [io, hidden], mlp/b1 [hidden],
     mlp/w2 [hidden, out], their momentum slots, and a global_step counter."""
     g = mtf.Graph(seed=seed)
@@ -21,7 +21,7 @@ def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torc
     hid, out = mtf.Dimension("hidden", hidden), mtf.Dimension("out", OUT)
     x = mtf.placeholder(mesh, "x", [batch, io])
     y = mtf.placeholder(mesh, "y", [batch, out])
-    w1 = mtf.get_variable(mesh, "mlp/w1", [io, hid])
+    w1 = mtf.get_variable(mesh, "mlp/w1", [hid, io] if w1_hidden_first else [io, hid])
     b1 = mtf.get_variable(mesh, "mlp/b1", [hid], initializer=0.1)
     w2 = mtf.get_variable(mesh, "mlp/w2", [hid, out])
     if extra_var:

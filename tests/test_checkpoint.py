@@ -129,6 +129,26 @@ def test_restore_values_equal_on_every_layout(tmp_path, full):
             assert torch.equal(s, want["mlp/w1"][impl.slice_bounds(var.shape, p)])
 
 
+def test_restore_permutes_dims_declared_in_another_order(tmp_path):
+    m = build(*LAYOUT_A)
+    train(m, 0, 2)
+    path = mtf.save(m[0], str(tmp_path), step=2)
+    w1 = m[0].variable_value("mlp/w1")
+    ref = train(m, 2, 3)
+    m2 = build(*LAYOUT_B, w1_hidden_first=True)  # mlp/w1 [hidden, io] instead of [io, hidden]
+    mtf.restore(m2[0], path)
+    assert torch.equal(m2[0].variable_value("mlp/w1"), w1.T)
+    _assert_close_losses(train(m2, 2, 3), ref)
+
+
+def test_set_variable_slices_checks_shape():
+    lw = build(*LAYOUT_A)[0]
+    with pytest.raises(mtf.FeedError, match=r"mlp/w1.*\[6, 4\].*processor 0"):
+        lw.set_variable_slices("mlp/w1", lambda p: torch.zeros(6, 8))
+    lw.set_variable_slices("mlp/w1", lambda p: torch.full((6, 4), float(p)))
+    assert torch.equal(lw.variable_value("mlp/w1"), torch.cat([torch.zeros(6, 4), torch.ones(6, 4)], 1))
+
+
 def test_manifest_describes_variables_and_rng(tmp_path):
     m = build(*LAYOUT_A)
     m[0].run_count = 7  # a Lowering that counts its runs gets the count saved and restored
