@@ -10,12 +10,12 @@ import threading
 import time
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 
 import meshtorch as mtf
 from _checkpoint_mlp import LAYOUT_A, LAYOUT_B, LAYOUT_C, LAYOUT_D, build, train, values
-from meshtorch import checkpoint as ckpt_mod
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(TESTS), "src")
@@ -239,8 +239,8 @@ def test_multi_rank_sharded_save_and_partial_restore(tmp_path, monkeypatch):
     assert all(torch.equal(m2[0].variable_value(n), v) for n, v in want.items())
     # a "2-rank" run: each rank reads only the files that overlap its slices
     opened = []
-    real_open = ckpt_mod.safetensors.safe_open
-    monkeypatch.setattr(ckpt_mod.safetensors, "safe_open", lambda p, **k: opened.append(os.path.basename(p))
+    real_open = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda p, **k: opened.append(os.path.basename(p))
                         or real_open(p, **k))
     two = _rank_lowerings("all:2", "hidden:all", 2)
     for r, lw in enumerate(two):
