@@ -233,6 +233,8 @@ def test_multi_rank_sharded_save_and_partial_restore(tmp_path, monkeypatch):
     _in_threads(lambda lw: mtf.save(lw, str(tmp_path), step=2), [(lw,) for lw in ranks])
     path = os.path.join(str(tmp_path), "ckpt-2")
     assert sorted(f for f in os.listdir(path) if f.startswith("index-")) == [f"index-p{r:05d}.json" for r in range(4)]
+    with pytest.raises(mtf.CheckpointError, match="full=True"):
+        mtf.save(ranks[1], str(tmp_path), step=3, full=True)  # a rank cannot write full tensors alone
     # a placement run (all processors in one process) restores it on another mesh
     m2 = build(*LAYOUT_A)
     mtf.restore(m2[0], path)
@@ -297,6 +299,9 @@ def test_missing_file_and_corrupt_manifest(saved):
         mtf.restore(build(*LAYOUT_C)[0], path)
     open(os.path.join(path, "manifest.json"), "w").write('{"format": "meshtorch-checkpoint", "vari')
     with pytest.raises(mtf.CheckpointError, match=r"manifest.json.*corrupt"):
+        mtf.restore(build(*LAYOUT_C)[0], path)
+    os.remove(os.path.join(path, "manifest.json"))  # e.g. the temporary directory of a killed save
+    with pytest.raises(mtf.CheckpointError, match="not a complete checkpoint"):
         mtf.restore(build(*LAYOUT_C)[0], path)
 
 
