@@ -5,6 +5,14 @@
 
 from meshtorch import layers, optim
 from meshtorch.autodiff import gradients
+from meshtorch.checkpoint import (
+    CheckpointError,
+    from_torch_state_dict,
+    latest_checkpoint,
+    restore,
+    save,
+    to_torch_state_dict,
+)
 from meshtorch.core import (
     Dimension,
     FeedError,

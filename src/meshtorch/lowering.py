@@ -434,6 +434,32 @@ class Lowering:
         value = self._check_feed(out, value).clone()
         self.variables[var] = self.mesh_impl(out).import_full(value, self.tensor_layout(out))
 
+    def set_variable_slices(self, var_or_name, fn: Callable[[int], torch.Tensor]):
+        """Overwrite a variable slice by slice: processor ``pnum`` gets ``fn(pnum)``.
+
+        ``fn(pnum)`` must return that processor's slice (dims in the variable's order, sizes
+        ``mesh_impl.slice_shape``); it is cast to the variable's dtype and moved to the processor's
+        device. Only the processors this process holds are asked (all of them on a placement mesh,
+        the local one under SPMD), so no process ever needs the full tensor. Used by
+        :func:`meshtorch.restore`.
+
+        Raises:
+            FeedError: naming the variable and processor, if a slice has the wrong shape.
+        """
+        var = self._variable(var_or_name)
+        out = var.outputs[0]
+        impl = self.mesh_impl(out)
+        want = impl.slice_shape(out.shape, self.tensor_layout(out))
+
+        def make(p):
+            t = fn(p)
+            if list(t.shape) != want:
+                raise FeedError(f"set_variable_slices: variable {var.name!r} {out.shape} needs slices of sizes "
+                                f"{want} on processor {p}, got {list(t.shape)}.")
+            return t.to(device=impl.device(p), dtype=out.dtype)
+
+        self.variables[var] = impl.laid_out_constant(make)
+
     @property
     def variable_names(self) -> list[str]:
         return list(self._variables_by_name)
