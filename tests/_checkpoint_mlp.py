@@ -31,9 +31,9 @@ def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torc
     loss = mtf.reduce_mean(mtf.square(pred - y))
     params = [w1, b1, w2]
     grads = mtf.gradients([loss], params)
+    # the optimizer finds this step counter (get_or_create_global_step) and increments it once per update
+    mtf.get_variable(mesh, "global_step", [], initializer=0, dtype=step_dtype, trainable=False)
     updates = mtf.optim.MomentumOptimizer(0.05, 0.9).apply_grads(grads, params)
-    step = mtf.get_variable(mesh, "global_step", [], initializer=0, dtype=step_dtype, trainable=False)
-    updates.append(mtf.assign_add(step, mtf.constant(mesh, 1, [], dtype=step_dtype)))
     lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
     return lw, x, y, loss, updates
 

@@ -24,6 +24,7 @@ class FeedError(MeshtorchError, ValueError):
 class DataError(MeshtorchError, ValueError):
     """An input data file is missing, truncated or malformed; the message names the file."""
 
+
 class CheckpointError(MeshtorchError, ValueError):
     """A checkpoint cannot be written or read: corrupt or truncated file, missing variable, shape or
     dtype mismatch. The message names the variable and the file."""
