@@ -65,7 +65,8 @@ def vocab_multiple(mesh_shape: str, layout: str) -> int:
 def make_optimizer(args):
     """The optimizer named by ``--optimizer`` with the ``--schedule`` learning rate."""
     o = mtf.optim
-    peak, warm, total = args.lr, max(args.warmup_steps, 1), max(args.steps, 1)
+    total = max(args.steps, 2)
+    peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
     if args.schedule == "constant":
         lr = peak
     elif args.schedule == "linear-warmup":
