@@ -23,12 +23,18 @@ class Optimizer:
 
         Returns:
             list of Assign operations; fetch them in ``lowering.run`` to apply the update.
+
+        A gradient in another dtype than the variable's slices (e.g. a bfloat16 gradient of a
+        mixed-precision variable's activation-dtype read) is cast to the slice dtype first, so
+        updates are applied in the variable's own precision.
         """
+        from meshtorch.ops.elementwise import cast
         ops = []
         for g, v in zip(grads, variables, strict=True):
             if g is None:
                 continue
-            ops.extend(self.apply_grad(g, _as_variable(v)))
+            var = _as_variable(v)
+            ops.extend(self.apply_grad(cast(g, var.dtype) if g.dtype != var.dtype else g, var))
         return ops
 
     def apply_grad(self, grad: Tensor, var: Variable) -> list[Assign]:
