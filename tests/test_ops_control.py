@@ -1,0 +1,167 @@
+"""Control flow and autodiff helpers: custom_gradient, recompute_grad, depend, Print, while_loop."""
+
+import pytest
+import torch
+
+import meshtorch as mtf
+from meshtorch.testing import OpCase
+
+
+def _r(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+X = ("b:4,h:8", _r(4, 8, seed=1))
+W = ("h:8,k:4", _r(8, 4, seed=2) * 0.5)
+V = ("k:4,h:8", _r(4, 8, seed=3) * 0.5)
+
+
+def _exp_grad(inputs, outputs, output_grads):
+    return [outputs[0] * output_grads[0]]
+
+
+def _matmul_grad(explicit_inputs, all_inputs, forward_operations, outputs, output_grads):
+    x, w = all_inputs
+    dy = output_grads[0]
+    return [mtf.einsum([dy, w], output_shape=x.shape), mtf.einsum([x, dy], output_shape=w.shape)]
+
+
+def _straight_through(inputs, outputs, output_grads):
+    return [output_grads[0]]
+
+
+def _block(x, w, v):
+    """relu(x w) v: contracts h then k (lazy all-reduces when they are split)."""
+    return mtf.einsum([mtf.relu(mtf.einsum([x, w], output_shape="b:4,k:4")), v], output_shape="b:4,h:8")
+
+
+OP_CASES = [
+    OpCase("custom_gradient_exp",
+           lambda mesh, x: mtf.custom_gradient(mtf.exp, _exp_grad, [x]),
+           {"x": X}, lambda x: torch.exp(x)),
+    OpCase("custom_gradient_captured_variable",
+           lambda mesh, x, w: mtf.custom_gradient(lambda a: mtf.einsum([a, w], output_shape="b:4,k:4"),
+                                                  _matmul_grad, [x]),
+           {"x": X, "w": W}, lambda x, w: x @ w),
+    OpCase("custom_gradient_straight_through",
+           lambda mesh, x: mtf.custom_gradient(mtf.sign, _straight_through, [x]) * x,
+           {"x": X}, lambda x: (x + (torch.sign(x) - x).detach()) * x),
+    OpCase("recompute_grad_block",
+           lambda mesh, x, w, v: mtf.recompute_grad(lambda a: _block(a, w, v), [x]),
+           {"x": X, "w": W, "v": V}, lambda x, w, v: torch.relu(x @ w) @ v),
+    OpCase("recompute_grad_two_outputs",
+           lambda mesh, x, w: mtf.recompute_grad(
+               lambda a, b: [mtf.tanh(mtf.einsum([a, b], output_shape="b:4,k:4")), mtf.reduce_sum(a * a)], [x, w]),
+           {"x": X, "w": W}, lambda x, w: [torch.tanh(x @ w), (x * x).sum()]),
+    OpCase("depend",
+           lambda mesh, x, y: mtf.depend(x * 2.0, [mtf.exp(y), y.operation]) + y,
+           {"x": X, "y": ("b:4,h:8", _r(4, 8, seed=4))}, lambda x, y: x * 2.0 + y),
+    OpCase("Print",
+           lambda mesh, x, y: mtf.Print(x * 2.0, [x, y], "test print", summarize=2) * y,
+           {"x": X, "y": ("b:4,h:8", _r(4, 8, seed=4))}, lambda x, y: x * 2.0 * y),
+]
+
+
+@pytest.mark.parametrize("case", OP_CASES, ids=[c.name for c in OP_CASES])
+def test_layout_invariance(case):
+    layouts = case.check()
+    assert ("rows:2;cols:2", "b:rows;h:cols") in layouts
+
+
+# ---------------------------------------------------------------- custom_gradient / recompute_grad
+def _counting_tanh(calls):
+    def fn(t):
+        calls.append(1)
+        return torch.tanh(t)
+    return fn
+
+
+def _recompute_graph(recompute: bool, calls: list):
+    g = mtf.Graph(seed=0)
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=0.0)
+    w = mtf.get_variable(mesh, "w", "h:8,k:4", initializer=0.0)
+    v = mtf.get_variable(mesh, "v", "k:4,h:8", initializer=0.0)
+
+    def fn(a):
+        hid = mtf.einsum([a, w], output_shape="b:4,k:4")
+        act = mtf.slicewise(_counting_tanh(calls), [hid], grad_function=lambda op, dy: [
+            mtf.slicewise(lambda y, d: d * (1 - y * y), [op.outputs[0], dy], name="tanh_grad")], name="counted_tanh")
+        return mtf.einsum([act, v], output_shape="b:4,h:8")
+
+    y = mtf.recompute_grad(fn, [x]) if recompute else fn(x)
+    loss = mtf.reduce_sum(y * y)
+    grads = mtf.gradients([loss], [x, w, v])
+    return g, mesh, [loss] + grads
+
+
+@pytest.mark.parametrize("mesh_shape,layout", [("", ""), ("all:4", "h:all"), ("rows:2;cols:2", "b:rows;k:cols")])
+def test_recompute_grad_runs_forward_twice_same_gradients(mesh_shape, layout):
+    results, counts = {}, {}
+    for recompute in (False, True):
+        calls = []
+        g, mesh, fetches = _recompute_graph(recompute, calls)
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+        for name, val in (("x", X[1]), ("w", W[1]), ("v", V[1])):
+            lw.set_variable_value(name, val)
+        n_procs = lw.mesh_impl(mesh).size
+        results[recompute] = lw.run(fetches)
+        counts[recompute] = len(calls) // n_procs
+        # the program holds the counted forward op once, or twice with recomputation
+        counts[recompute, "steps"] = sum(st.op == "counted_tanh" for st in lw.steps)
+    assert counts[False] == 1 and counts[True] == 2
+    assert counts[False, "steps"] == 1 and counts[True, "steps"] == 2
+    for a, b in zip(results[False], results[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_custom_gradient_errors():
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8")
+    y = mtf.custom_gradient(mtf.exp, lambda i, o, d: [mtf.reduce_sum(d[0], reduced_dim="h")], [x])
+    with pytest.raises(mtf.ShapeError, match="gradient for 'x'"):
+        mtf.gradients([mtf.reduce_sum(y)], [x])
+    z = mtf.custom_gradient(mtf.exp, lambda i, o, d: [d[0], d[0]], [x])
+    with pytest.raises(ValueError, match="returned 2 gradients for 1 inputs"):
+        mtf.gradients([mtf.reduce_sum(z)], [x])
+
+
+# ---------------------------------------------------------------- depend / Print
+def test_depend_runs_dependencies_only_when_fetched():
+    calls = []
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=1.0)
+    side = mtf.slicewise(_counting_tanh(calls), [x * 3.0], name="side")
+    y = x * 2.0
+    d = mtf.depend(y, [side])
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "b:all")})
+    torch.testing.assert_close(lw.run(y), torch.full((4, 8), 2.0))
+    assert calls == []
+    torch.testing.assert_close(lw.run(d), torch.full((4, 8), 2.0))
+    assert len(calls) == 4  # once per processor
+
+
+def test_depend_rejects_assignments():
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4")
+    with pytest.raises(ValueError, match="assignment"):
+        mtf.depend(x * 2.0, [mtf.assign(x, x * 3.0)])
+
+
+def test_print_prints_each_processor_slice(capsys):
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=0.0)
+    y = mtf.Print(x + 1.0, [x], "hello", summarize=2)
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("rows:2;cols:2", "b:rows;h:cols")})
+    lw.set_variable_value("x", torch.arange(32.0).reshape(4, 8))
+    out = lw.run(y)
+    torch.testing.assert_close(out, torch.arange(32.0).reshape(4, 8) + 1)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("hello")]
+    assert len(lines) == 4
+    # processor 3 = (row 1, col 1) holds rows 2-3, columns 4-7: first elements 20, 21
+    assert "[processor 3] x=[20, 21, ...] shape=[2, 4]" in lines[3]
+    assert "[processor 0] x=[0, 1, ...] shape=[2, 4]" in lines[0]
