@@ -165,3 +165,170 @@ def test_print_prints_each_processor_slice(capsys):
     # processor 3 = (row 1, col 1) holds rows 2-3, columns 4-7: first elements 20, 21
     assert "[processor 3] x=[20, 21, ...] shape=[2, 4]" in lines[3]
     assert "[processor 0] x=[0, 1, ...] shape=[2, 4]" in lines[0]
+
+
+# ---------------------------------------------------------------- while_loop
+LOOP_LAYOUTS = [("", ""), ("all:4", "b:all"), ("all:4", "h:all"), ("all:4", "k:all"),
+                ("rows:2;cols:2", "b:rows;h:cols"), ("rows:2;cols:2", "h:rows;k:cols")]
+
+
+def _i64(mesh, v):
+    return mtf.constant(mesh, v, dtype=torch.int64)
+
+
+def _loop_graph(n_iter, accumulate=True):
+    """y <- tanh((y w) v) + x for n_iter steps; accumulators sum(y w) over b,h-contractions."""
+    g = mtf.Graph(seed=0)
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=0.0)
+    w = mtf.get_variable(mesh, "w", "h:8,k:4", initializer=0.0)
+    v = mtf.get_variable(mesh, "v", "k:4,h:8", initializer=0.0)
+
+    def cond(i, y):
+        return mtf.less(i, _i64(mesh, n_iter))
+
+    def body(i, y):
+        yw = mtf.einsum([y, w], output_shape="b:4,k:4")
+        new_y = mtf.tanh(mtf.einsum([yw, v], output_shape="b:4,h:8")) + x
+        out = [i + _i64(mesh, 1), new_y]
+        if accumulate:
+            out += [mtf.einsum([y, w], output_shape="k:4"), mtf.reduce_sum(y)]
+        return out
+
+    outs = mtf.while_loop(cond, body, [_i64(mesh, 0), x * 0.5], has_accumulators=accumulate)
+    return g, mesh, outs
+
+
+def _loop_reference(n_iter):
+    x, w, v = X[1], W[1], V[1]
+    y = x * 0.5
+    acc_k, acc_s = torch.zeros(4), torch.zeros(())
+    for _ in range(n_iter):
+        acc_k = acc_k + (y @ w).sum(0)
+        acc_s = acc_s + y.sum()
+        y = torch.tanh((y @ w) @ v) + x
+    return [torch.tensor(n_iter), y, acc_k, acc_s]
+
+
+def _set_xwv(lw):
+    for name, val in (("x", X[1]), ("w", W[1]), ("v", V[1])):
+        if name in lw.variable_names:
+            lw.set_variable_value(name, val)
+
+
+@pytest.mark.parametrize("mesh_shape,layout", LOOP_LAYOUTS)
+def test_while_loop_matches_python_loop(mesh_shape, layout):
+    g, mesh, outs = _loop_graph(5)
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+    _set_xwv(lw)
+    got = lw.run(outs)
+    ref = _loop_reference(5)
+    assert got[0].item() == 5
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # zero iterations: the loop values come back unchanged, the accumulators are zero
+    g0, mesh0, outs0 = _loop_graph(0)
+    lw0 = mtf.Lowering(g0, {mesh0: mtf.PlacementMeshImpl(mesh_shape, layout)})
+    _set_xwv(lw0)
+    got0 = lw0.run(outs0)
+    torch.testing.assert_close(got0[1], X[1] * 0.5)
+    assert torch.count_nonzero(got0[2]) == 0 and got0[3].item() == 0
+
+
+def test_while_loop_accumulator_allreduce_happens_once_after_loop():
+    # h split over 'all': the accumulators contract h (partial sums); the loop values never do
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=0.0)
+    w = mtf.get_variable(mesh, "w", "h:8,k:4", initializer=0.0)
+
+    def body(i, y):
+        return [i + _i64(mesh, 1), y * 0.5 + x, mtf.einsum([y, w], output_shape="k:4"), mtf.reduce_sum(y)]
+
+    i, y, acc_k, acc_s = mtf.while_loop(lambda i, y: mtf.less(i, _i64(mesh, 5)), body, [_i64(mesh, 0), x],
+                                        has_accumulators=True)
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "h:all")})
+    _set_xwv(lw)
+    got = lw.run([y, acc_k, acc_s])
+    ry, rk, rs = X[1], torch.zeros(4), torch.zeros(())
+    for _ in range(5):
+        rk, rs, ry = rk + (ry @ W[1]).sum(0), rs + ry.sum(), ry * 0.5 + X[1]
+    for a, b in zip(got, [ry, rk, rs], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # one all-reduce per accumulator after 5 iterations (not one per iteration)
+    allreduces = lw.counters.collectives("allreduce")
+    assert sorted(n for _, n in allreduces) == [1, 1], lw.counters.summary()
+    assert {c.tensor for c, _ in allreduces} == {acc_k.name, acc_s.name}
+    # a lazy sum forced inside the body (a loop value) is all-reduced every iteration
+    lw.counters.reset()
+    g2 = mtf.Graph()
+    mesh2 = mtf.Mesh(g2)
+    x2 = mtf.get_variable(mesh2, "x", "b:4,h:8", initializer=0.0)
+    w2 = mtf.get_variable(mesh2, "w", "h:8,k:4", initializer=0.0)
+
+    def body2(i, s):
+        return [i + _i64(mesh2, 1), s + mtf.einsum([x2, w2], output_shape="k:4") * 0.0 + mtf.reduce_sum(x2 * 1.0)]
+
+    _, s2 = mtf.while_loop(lambda i, s: mtf.less(i, _i64(mesh2, 5)), body2,
+                           [_i64(mesh2, 0), mtf.zeros(mesh2, "k:4")])
+    lw2 = mtf.Lowering(g2, {mesh2: mtf.PlacementMeshImpl("all:4", "h:all")})
+    _set_xwv(lw2)
+    torch.testing.assert_close(lw2.run(s2), torch.full((4,), 5 * X[1].sum().item()), rtol=1e-5, atol=1e-5)
+    assert lw2.counters.count("allreduce") == 5 * 2, lw2.counters.summary()
+
+
+def test_while_loop_captured_lazy_sum_is_reduced_once_before_the_loop():
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=0.0)
+    w = mtf.get_variable(mesh, "w", "h:8,k:4", initializer=0.0)
+    xw = mtf.einsum([x, w], output_shape="b:4,k:4")  # lazy partial sums under h:all
+    _, acc = mtf.while_loop(lambda i, a: mtf.less(i, _i64(mesh, 5)),
+                            lambda i, a: [i + _i64(mesh, 1), a + mtf.tanh(xw)], [_i64(mesh, 0), mtf.zeros(mesh, "b:4,k:4")])
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "h:all")})
+    _set_xwv(lw)
+    torch.testing.assert_close(lw.run(acc), 5 * torch.tanh(X[1] @ W[1]), rtol=1e-5, atol=1e-5)
+    assert lw.counters.count("allreduce") == 1, lw.counters.summary()
+
+
+def test_nested_while_loop_and_num_loop_vars():
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=0.0)
+
+    def inner(y):
+        _, y2 = mtf.while_loop(lambda j, z: mtf.less(j, _i64(mesh, 2)),
+                               lambda j, z: [j + _i64(mesh, 1), z * 2.0 + x], [_i64(mesh, 0), y])
+        return y2
+
+    outs = mtf.while_loop(lambda i, y, c: mtf.less(i, _i64(mesh, 3)),
+                          lambda i, y, c: [i + _i64(mesh, 1), inner(y), c + 1.0],
+                          [_i64(mesh, 0), x, mtf.zeros(mesh, "")], num_loop_vars=2)
+    assert len(outs) == 2
+    ref = X[1]
+    for _ in range(6):
+        ref = ref * 2.0 + X[1]
+    for mesh_shape, layout in LOOP_LAYOUTS[:3]:
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+        lw.set_variable_value("x", X[1])
+        i, y = lw.run(outs)
+        assert i.item() == 3
+        torch.testing.assert_close(y, ref)
+
+
+def test_while_loop_errors():
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8")
+    i0 = _i64(mesh, 0)
+    with pytest.raises(mtf.ShapeError, match="scalar"):
+        mtf.while_loop(lambda i, y: y, lambda i, y: [i, y], [i0, x])
+    with pytest.raises(mtf.ShapeError, match="body output 1"):
+        mtf.while_loop(lambda i, y: mtf.less(i, i0), lambda i, y: [i, mtf.reduce_sum(y, reduced_dim="h")], [i0, x])
+    with pytest.raises(ValueError, match="has_accumulators"):
+        mtf.while_loop(lambda i, y: mtf.less(i, i0), lambda i, y: [i, y, y], [i0, x])
+    with pytest.raises(ValueError, match="assignments"):
+        mtf.while_loop(lambda i, y: mtf.less(i, i0), lambda i, y: [i, mtf.assign(x, y).inputs[0]], [i0, x])
+    _, y = mtf.while_loop(lambda i, y: mtf.less(i, _i64(mesh, 2)), lambda i, y: [i + _i64(mesh, 1), y * x], [i0, x])
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        mtf.gradients([mtf.reduce_sum(y)], [x])
