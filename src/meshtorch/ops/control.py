@@ -142,17 +142,15 @@ class WhileLoopOperation(Operation):
         zeros = [impl.laid_out_constant(lambda p, t=t: torch.zeros(lw.slice_shape(t), dtype=t.dtype,
                                                                     device=impl.device(p)))
                  for t in self.outputs[n:]]
-        counters = lw.counters
-
         def loop(*vals):
             state, ext_c, ext_b = list(vals[:n]), vals[n:n + nc], vals[n + nc:n + nc + nb]
             accs = list(zeros)
             while True:
-                counters.add(cond.counters)
+                lw.counters.add(cond.counters)
                 flag = cond(state, ext_c)[0]
                 if not bool(impl.local_slices(flag)[0].item()):
                     break
-                counters.add(body.counters)
+                lw.counters.add(body.counters)
                 outs = body(state, ext_b)
                 state = outs[:n]
                 accs = [impl.slicewise(torch.add, a, o) for a, o in zip(accs, outs[n:], strict=True)]
