@@ -330,9 +330,22 @@ def test_while_loop_errors():
         mtf.while_loop(lambda i, y: mtf.less(i, i0), lambda i, y: [i, y, y], [i0, x])
     with pytest.raises(ValueError, match="assignments"):
         mtf.while_loop(lambda i, y: mtf.less(i, i0), lambda i, y: [i, mtf.assign(x, y).inputs[0]], [i0, x])
-    _, y = mtf.while_loop(lambda i, y: mtf.less(i, _i64(mesh, 2)), lambda i, y: [i + _i64(mesh, 1), y * x], [i0, x])
+    inside = []
+
+    def body(i, y):
+        inside.append(y * x)
+        return [i + _i64(mesh, 1), inside[-1]]
+
+    _, y = mtf.while_loop(lambda i, y: mtf.less(i, _i64(mesh, 2)), body, [i0, x])
     with pytest.raises(NotImplementedError, match="no gradient"):
         mtf.gradients([mtf.reduce_sum(y)], [x])
+    leaked = inside[0] + 1.0  # a body tensor used outside the loop
+    with pytest.raises(ValueError, match="inside a while_loop"):
+        mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")})
+    g.operations.remove(leaked.operation)
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")})
+    with pytest.raises(ValueError, match="inside a while_loop"):
+        lw.run(inside[0])
 
 
 @pytest.mark.parametrize("mesh_shape,layout", [("", ""), ("all:4", "b:all"), ("all:4", "h:all"),

@@ -55,7 +55,7 @@ class _Lowered:
     slot: int
     pending: frozenset = frozenset()  # mesh axes of a deferred all-reduce (lazy sum)
     source: tuple | None = None  # (tensor, fn): this value is fn(source) with fn linear
-    depth: int = 0  # sub-program nesting depth the value was lowered at (0: the main program)
+    home: list | None = None  # the step list (main program or a sub-program) that computes it
 
 
 def run_steps(steps, env) -> None:
@@ -198,21 +198,25 @@ class Lowering:
         value is ``fn`` (linear, slicewise) of another lazy tensor; forcing then all-reduces the
         source once and reapplies ``fn``, so the source and its scaled copies share one all-reduce.
         """
-        self._lowered[t] = _Lowered(slot, frozenset(pending), source if pending else None, len(self._scopes))
+        self._lowered[t] = _Lowered(slot, frozenset(pending), source if pending else None, self._target)
+
+    def _lookup(self, t: Tensor) -> _Lowered:
+        lowered = self._lowered.get(t)
+        if lowered is None:
+            raise RuntimeError(f"Tensor {t.name!r} was used before it was lowered.")
+        if lowered.home is not self.steps and not any(lowered.home is s for s in self._scopes):
+            raise ValueError(f"Tensor {t.name!r} is computed inside a while_loop condition or body and is not "
+                             "visible here; use the loop's outputs (or an accumulator) instead.")
+        return lowered
 
     def get_lazy(self, t: Tensor) -> tuple[int, frozenset]:
         """``(slot, pending_mesh_axes)``: the value may still be a partial sum over those axes."""
-        try:
-            lw = self._lowered[t]
-        except KeyError:
-            raise RuntimeError(f"Tensor {t.name!r} was used before it was lowered.") from None
+        lw = self._lookup(t)
         return lw.slot, lw.pending
 
     def get(self, t: Tensor) -> int:
         """Slot of ``t``'s laid-out value, emitting the deferred all-reduce first if one is pending."""
-        lowered = self._lowered.get(t)
-        if lowered is None:
-            raise RuntimeError(f"Tensor {t.name!r} was used before it was lowered.")
+        lowered = self._lookup(t)
         if not lowered.pending:
             return lowered.slot
         if t not in self._forced:
@@ -220,7 +224,7 @@ class Lowering:
             # emit the all-reduce where t was lowered: a tensor of an enclosing program forced
             # inside a loop body is all-reduced once, before the loop, not every iteration
             saved_target = self._target
-            self._target = ([self.steps] + self._scopes)[lowered.depth]
+            self._target = lowered.home
             try:
                 if lowered.source is not None:
                     src, fn = lowered.source
