@@ -259,6 +259,9 @@ def test_while_loop_accumulator_allreduce_happens_once_after_loop():
     allreduces = lw.counters.collectives("allreduce")
     assert sorted(n for _, n in allreduces) == [1, 1], lw.counters.summary()
     assert {c.tensor for c, _ in allreduces} == {acc_k.name, acc_s.name}
+    listing = lw.program_str()  # the loop step lists its sub-programs; the all-reduces come after it
+    assert "body:" in listing and "cond:" in listing
+    assert listing.index("while_loop ") < listing.index("allreduce")
     # a lazy sum forced inside the body (a loop value) is all-reduced every iteration
     lw.counters.reset()
     g2 = mtf.Graph()

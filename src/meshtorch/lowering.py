@@ -38,6 +38,7 @@ class Step:
     kind: str = "compute"
     collective: Collective | None = None
     flops: int = 0
+    subprograms: tuple = ()  # (label, SubProgram) pairs this step runs (a while loop's cond and body)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class SubProgram:
     output_slots: tuple
     pending: tuple
     counters: Counters
+    listing: list = field(default_factory=list)  # the Step records, for program_str
 
     def __call__(self, inputs, externals) -> list:
         env = dict(zip(self.external_slots, externals, strict=True))
@@ -237,11 +239,14 @@ class Lowering:
         return self._forced[t]
 
     def emit(self, fn: Callable, inputs: Sequence[int], num_outputs: int = 1, kind: str = "compute",
-             collective: Collective | None = None, flops: int = 0):
-        """Append a step; returns the output slot (or a tuple of slots)."""
+             collective: Collective | None = None, flops: int = 0, subprograms: Sequence = ()):
+        """Append a step; returns the output slot (or a tuple of slots).
+
+        ``subprograms``: ``(label, SubProgram)`` pairs the step runs, listed by ``program_str``.
+        """
         outs = tuple(self.new_slot() for _ in range(num_outputs))
         op = self._current_op.name if self._current_op is not None else "<fetch>"
-        self._target.append(Step(fn, tuple(inputs), outs, op, kind, collective, flops))
+        self._target.append(Step(fn, tuple(inputs), outs, op, kind, collective, flops, tuple(subprograms)))
         return outs[0] if num_outputs == 1 else outs
 
     def slicewise(self, fn: Callable, *slots: int, mesh=None, num_outputs: int = 1, flops: int = 0):
@@ -339,7 +344,7 @@ class Lowering:
             counters.einsum_flops += st.flops
         frees = [tuple(f for f in fr if f in produced) for fr in frees]
         return SubProgram([(st.fn, st.inputs, st.outputs, frees[i]) for i, st in enumerate(chosen)],
-                          tuple(in_slots), external, tuple(out_slots), tuple(pending), counters)
+                          tuple(in_slots), external, tuple(out_slots), tuple(pending), counters, chosen)
 
     # ---- bookkeeping used by the placeholder / variable / assign ops
     def register_placeholder(self, t: Tensor) -> int:
@@ -500,14 +505,21 @@ class Lowering:
     # ================================================================= inspection
     def program_str(self, fetches=None) -> str:
         """The program as text: one line per step (kind, op, slots, collective)."""
-        steps = self.steps
         lines = []
-        for i, st in enumerate(steps):
-            extra = ""
-            if st.collective is not None:
-                c = st.collective
-                extra = f" over {','.join(c.mesh_axes)} {c.bytes_per_processor} B/processor"
-            lines.append(f"{i:4d} {st.kind:<10} {st.op:<28} {list(st.inputs)} -> {list(st.outputs)}{extra}")
+
+        def show(steps, indent):
+            for i, st in enumerate(steps):
+                extra = ""
+                if st.collective is not None:
+                    c = st.collective
+                    extra = f" over {','.join(c.mesh_axes)} {c.bytes_per_processor} B/processor"
+                lines.append(f"{indent}{i:4d} {st.kind:<10} {st.op:<28} {list(st.inputs)} -> {list(st.outputs)}{extra}")
+                for label, sub in st.subprograms:
+                    lines.append(f"{indent}     {label}: inputs {list(sub.input_slots)} external "
+                                 f"{list(sub.external_slots)} -> {list(sub.output_slots)}")
+                    show(sub.listing, indent + "     | ")
+
+        show(self.steps, "")
         return "\n".join(lines)
 
 

@@ -157,7 +157,8 @@ class WhileLoopOperation(Operation):
             return state + accs
 
         slots = lw.emit(loop, init + list(cond.external_slots) + list(body.external_slots),
-                        num_outputs=len(self.outputs), kind="while_loop")
+                        num_outputs=len(self.outputs), kind="while_loop",
+                        subprograms=[("cond", cond), ("body", body)])
         slots = [slots] if len(self.outputs) == 1 else list(slots)
         for i, (t, s) in enumerate(zip(self.outputs, slots, strict=True)):
             lw.set(t, s, body.pending[i] if i >= n else frozenset())
