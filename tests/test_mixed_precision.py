@@ -67,15 +67,19 @@ def test_low_precision_sums_accumulate_in_float32(dtype, mesh_shape, layout):
     xv = mtf.get_variable(mesh, "x", "m:4,n:4096", dtype=dtype, initializer=0.0)
     s = mtf.reduce_sum(xv, reduced_dim="n")
     mean = mtf.reduce_mean(xv)
+    gram = mtf.einsum([xv, xv], output_shape="m:4")  # sum of squares over n
     lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
     lw.set_variable_value("x", x)
-    got_s, got_mean = lw.run([s, mean])
+    got_s, got_mean, got_gram = lw.run([s, mean, gram])
     assert got_s.dtype == dtype
     exact = x.double().sum(1)
     # float32 partial sums rounded once (per processor, then summed): within 2 ulps of the exact sum
     ulp = torch.finfo(dtype).eps
     assert ((got_s.double() - exact).abs() / exact).max() <= 2 * ulp
     assert abs(got_mean.double().item() - x.double().mean().item()) / x.double().mean().item() <= 3 * ulp
+    # einsum: torch.einsum on bfloat16/float16 accumulates in float32 (per processor), then one rounding
+    exact_gram = (x.double() * x.double()).sum(1)
+    assert ((got_gram.double() - exact_gram).abs() / exact_gram).max() <= 3 * ulp
     # a sequential low-precision accumulation would be far off: e.g. bf16 stalls once the sum is
     # 256x the addend; the check above excludes it
     naive = torch.zeros((), dtype=dtype)
