@@ -206,7 +206,8 @@ class Lowering:
         lowered = self._lowered.get(t)
         if lowered is None:
             raise RuntimeError(f"Tensor {t.name!r} was used before it was lowered.")
-        if lowered.home is not self.steps and not any(lowered.home is s for s in self._scopes):
+        home = lowered.home
+        if home is not None and home is not self.steps and not any(home is s for s in self._scopes):
             raise ValueError(f"Tensor {t.name!r} is computed inside a while_loop condition or body and is not "
                              "visible here; use the loop's outputs (or an accumulator) instead.")
         return lowered
@@ -226,7 +227,7 @@ class Lowering:
             # emit the all-reduce where t was lowered: a tensor of an enclosing program forced
             # inside a loop body is all-reduced once, before the loop, not every iteration
             saved_target = self._target
-            self._target = lowered.home
+            self._target = lowered.home if lowered.home is not None else self.steps
             try:
                 if lowered.source is not None:
                     src, fn = lowered.source
