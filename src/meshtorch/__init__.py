@@ -95,6 +95,7 @@ from meshtorch.ops.reshape import *  # noqa: F403
 from meshtorch.ops.random import *  # noqa: F403
 from meshtorch.ops.conv import *  # noqa: F403
 from meshtorch.ops.control import *  # noqa: F403
+from meshtorch.ops.precision import *  # noqa: F403
 from meshtorch.ops.variables import (
     Variable,
     assign,

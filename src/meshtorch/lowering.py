@@ -39,6 +39,7 @@ class Step:
     kind: str = "compute"
     collective: Collective | None = None
     flops: int = 0
+    subprograms: tuple = ()  # (label, SubProgram) pairs this step runs (a while loop's cond and body)
 
 
 @dataclass
@@ -56,6 +57,47 @@ class _Lowered:
     slot: int
     pending: frozenset = frozenset()  # mesh axes of a deferred all-reduce (lazy sum)
     source: tuple | None = None  # (tensor, fn): this value is fn(source) with fn linear
+    home: list | None = None  # the step list (main program or a sub-program) that computes it
+
+
+def run_steps(steps, env) -> None:
+    """Execute ``(fn, inputs, outputs, frees)`` steps on ``env`` (a list or dict: slot -> laid-out value)."""
+    for fn, ins, outs, frees in steps:
+        if len(outs) == 1:
+            env[outs[0]] = fn(*[env[i] for i in ins])
+        else:
+            for o, v in zip(outs, fn(*[env[i] for i in ins]), strict=True):
+                env[o] = v
+        for f in frees:
+            env[f] = None
+
+
+@dataclass
+class SubProgram:
+    """A step list lowered apart from the main program (a loop body, a loop condition).
+
+    Built by :meth:`Lowering.lower_subprogram`; an op's step calls it, possibly many times, as
+    ``sub(input_values, external_values) -> output_values`` (laid-out values). ``external_slots``
+    are the slots of the enclosing program the steps read (captured tensors, constants, variable
+    reads); the op that runs the sub-program must list them among its step's inputs so that the
+    enclosing program computes them first and keeps them alive. ``counters`` are the collectives
+    and FLOPs of one execution; ``pending[i]`` the lazy all-reduce axes of output ``i`` (only for
+    outputs requested lazy).
+    """
+
+    steps: list  # (fn, inputs, outputs, frees), as in the main program
+    input_slots: tuple
+    external_slots: tuple
+    output_slots: tuple
+    pending: tuple
+    counters: Counters
+    listing: list = field(default_factory=list)  # the Step records, for program_str
+
+    def __call__(self, inputs, externals) -> list:
+        env = dict(zip(self.external_slots, externals, strict=True))
+        env.update(zip(self.input_slots, inputs, strict=True))
+        run_steps(self.steps, env)
+        return [env[s] for s in self.output_slots]
 
 
 class Lowering:
@@ -92,15 +134,19 @@ class Lowering:
         #: number of completed ``run`` calls; random ops mix it into their keys (fresh draws each run)
         self.run_count = 0
         self._run_counter_slots: dict[Mesh, int] = {}
+        self._scopes: list[list[Step]] = []  # step lists of the sub-programs being lowered (innermost last)
+        self._target: list[Step] = self.steps  # where emit() appends
         for op in graph.operations:
-            self._current_op = op
-            impl = self.mesh_impl(op)
-            for t in list(op.inputs) + list(op.outputs):
-                self.tensor_layout(t, op)
-            op.lower(self)
-            del impl
+            self._lower_op(op)
         self._current_op = None
         self._n_lowered_steps = len(self.steps)
+
+    def _lower_op(self, op: Operation):
+        self._current_op = op
+        self.mesh_impl(op)
+        for t in list(op.inputs) + list(op.outputs):
+            self.tensor_layout(t, op)
+        op.lower(self)
 
     # ================================================================= used by op.lower()
     def mesh_impl(self, x) -> MeshImpl:
@@ -172,25 +218,34 @@ class Lowering:
         value is ``fn`` (linear, slicewise) of another lazy tensor; forcing then all-reduces the
         source once and reapplies ``fn``, so the source and its scaled copies share one all-reduce.
         """
-        self._lowered[t] = _Lowered(slot, frozenset(pending), source if pending else None)
+        self._lowered[t] = _Lowered(slot, frozenset(pending), source if pending else None, self._target)
+
+    def _lookup(self, t: Tensor) -> _Lowered:
+        lowered = self._lowered.get(t)
+        if lowered is None:
+            raise RuntimeError(f"Tensor {t.name!r} was used before it was lowered.")
+        home = lowered.home
+        if home is not None and home is not self.steps and not any(home is s for s in self._scopes):
+            raise ValueError(f"Tensor {t.name!r} is computed inside a while_loop condition or body and is not "
+                             "visible here; use the loop's outputs (or an accumulator) instead.")
+        return lowered
 
     def get_lazy(self, t: Tensor) -> tuple[int, frozenset]:
         """``(slot, pending_mesh_axes)``: the value may still be a partial sum over those axes."""
-        try:
-            lw = self._lowered[t]
-        except KeyError:
-            raise RuntimeError(f"Tensor {t.name!r} was used before it was lowered.") from None
+        lw = self._lookup(t)
         return lw.slot, lw.pending
 
     def get(self, t: Tensor) -> int:
         """Slot of ``t``'s laid-out value, emitting the deferred all-reduce first if one is pending."""
-        lowered = self._lowered.get(t)
-        if lowered is None:
-            raise RuntimeError(f"Tensor {t.name!r} was used before it was lowered.")
+        lowered = self._lookup(t)
         if not lowered.pending:
             return lowered.slot
         if t not in self._forced:
             saved, self._current_op = self._current_op, t.operation  # attribute to the producer
+            # emit the all-reduce where t was lowered: a tensor of an enclosing program forced
+            # inside a loop body is all-reduced once, before the loop, not every iteration
+            saved_target = self._target
+            self._target = lowered.home if lowered.home is not None else self.steps
             try:
                 if lowered.source is not None:
                     src, fn = lowered.source
@@ -199,14 +254,18 @@ class Lowering:
                     self._forced[t] = self.allreduce(lowered.slot, sorted(lowered.pending), "SUM", t)
             finally:
                 self._current_op = saved
+                self._target = saved_target
         return self._forced[t]
 
     def emit(self, fn: Callable, inputs: Sequence[int], num_outputs: int = 1, kind: str = "compute",
-             collective: Collective | None = None, flops: int = 0):
-        """Append a step; returns the output slot (or a tuple of slots)."""
+             collective: Collective | None = None, flops: int = 0, subprograms: Sequence = ()):
+        """Append a step; returns the output slot (or a tuple of slots).
+
+        ``subprograms``: ``(label, SubProgram)`` pairs the step runs, listed by ``program_str``.
+        """
         outs = tuple(self.new_slot() for _ in range(num_outputs))
         op = self._current_op.name if self._current_op is not None else "<fetch>"
-        self.steps.append(Step(fn, tuple(inputs), outs, op, kind, collective, flops))
+        self._target.append(Step(fn, tuple(inputs), outs, op, kind, collective, flops, tuple(subprograms)))
         return outs[0] if num_outputs == 1 else outs
 
     def slicewise(self, fn: Callable, *slots: int, mesh=None, num_outputs: int = 1, flops: int = 0):
@@ -259,6 +318,53 @@ class Lowering:
         src = list(source_pcoord)
         return self.emit(lambda x: impl.receive(x, mesh_axis, src), [slot], kind="receive", collective=c)
 
+    # ---- sub-programs (loop bodies and conditions)
+    def lower_subprogram(self, ops: Sequence[Operation], inputs: Sequence[Tensor], outputs: Sequence[Tensor],
+                         lazy: Sequence[bool] | None = None) -> SubProgram:
+        """Lower ``ops`` (in order) into their own step list instead of the current one.
+
+        ``inputs`` are tensors the caller supplies at every execution (each gets a fresh slot);
+        tensors of the enclosing program that the ops read become the sub-program's
+        ``external_slots``. A pending all-reduce of an enclosing-program tensor is emitted in the
+        enclosing program (once), never in the sub-program. ``outputs`` are fully reduced, except
+        those flagged in ``lazy``, which stay partial sums (their axes in ``SubProgram.pending``).
+        Steps no output needs are dropped; slots are freed after their last use within one execution.
+        """
+        lazy = list(lazy) if lazy is not None else [False] * len(outputs)
+        saved_target, saved_op = self._target, self._current_op
+        steps: list[Step] = []
+        self._scopes.append(steps)
+        self._target = steps
+        try:
+            in_slots = []
+            for t in inputs:
+                self.tensor_layout(t)
+                in_slots.append(self.new_slot())
+                self.set(t, in_slots[-1])
+            for op in ops:
+                self._lower_op(op)
+            self._current_op = saved_op
+            out_slots, pending = [], []
+            for t, is_lazy in zip(outputs, lazy, strict=True):
+                slot, pend = self.get_lazy(t) if is_lazy else (self.get(t), frozenset())
+                out_slots.append(slot)
+                pending.append(pend)
+        finally:
+            self._scopes.pop()
+            self._target, self._current_op = saved_target, saved_op
+        chosen, frees = _select_steps(steps, set(out_slots), keep=set(out_slots) | set(self._constants))
+        produced = {o for st in chosen for o in st.outputs} | set(in_slots)
+        reads = [s for st in chosen for s in st.inputs] + out_slots
+        external = tuple(dict.fromkeys(s for s in reads if s not in produced))
+        counters = Counters()
+        for st in chosen:
+            if st.collective is not None:
+                counters.records[st.collective] += 1
+            counters.einsum_flops += st.flops
+        frees = [tuple(f for f in fr if f in produced) for fr in frees]
+        return SubProgram([(st.fn, st.inputs, st.outputs, frees[i]) for i, st in enumerate(chosen)],
+                          tuple(in_slots), external, tuple(out_slots), tuple(pending), counters, chosen)
+
     # ---- bookkeeping used by the placeholder / variable / assign ops
     def register_placeholder(self, t: Tensor) -> int:
         s = self.new_slot()
@@ -300,22 +406,10 @@ class Lowering:
                                  "(was it added to the graph after Lowering was built?).")
             result_slots.append((self.get(f), f))
         needed = {s for s, _ in result_slots if s is not None} | {s for _, s in assignments}
-        chosen = []
-        for st in reversed(self.steps):
-            if any(o in needed for o in st.outputs):
-                chosen.append(st)
-                needed.update(st.inputs)
-        chosen.reverse()
         # free each slot after its last use (never fetched/assigned/constant slots)
-        keep = {s for s, _ in result_slots if s is not None} | {s for _, s in assignments}
-        last_use: dict[int, int] = {}
-        for i, st in enumerate(chosen):
-            for s in st.inputs:
-                last_use[s] = i
-        frees = [[] for _ in chosen]
-        for s, i in last_use.items():
-            if s not in keep and s not in self._constants:
-                frees[i].append(s)
+        keep = set(needed) | set(self._constants)
+        chosen, frees = _select_steps(self.steps, needed, keep)
+        needed |= {s for st in chosen for s in st.inputs}
         steps = [(st.fn, st.inputs, st.outputs, tuple(frees[i])) for i, st in enumerate(chosen)]
         counters = Counters()
         counters.runs = 1
@@ -376,14 +470,7 @@ class Lowering:
         count = self.run_count
         for mesh, s in self._run_counter_slots.items():
             env[s] = self.mesh_impl(mesh).laid_out_constant(lambda p: count)
-        for fn, ins, outs, frees in prog.steps:
-            if len(outs) == 1:
-                env[outs[0]] = fn(*[env[i] for i in ins])
-            else:
-                for o, v in zip(outs, fn(*[env[i] for i in ins]), strict=True):
-                    env[o] = v
-            for f in frees:
-                env[f] = None
+        run_steps(prog.steps, env)
         results = []
         for s, t in prog.fetch_slots:
             results.append(None if s is None else self.mesh_impl(t).export_full(env[s], self.tensor_layout(t)))
@@ -467,15 +554,42 @@ class Lowering:
     # ================================================================= inspection
     def program_str(self, fetches=None) -> str:
         """The program as text: one line per step (kind, op, slots, collective)."""
-        steps = self.steps
         lines = []
-        for i, st in enumerate(steps):
-            extra = ""
-            if st.collective is not None:
-                c = st.collective
-                extra = f" over {','.join(c.mesh_axes)} {c.bytes_per_processor} B/processor"
-            lines.append(f"{i:4d} {st.kind:<10} {st.op:<28} {list(st.inputs)} -> {list(st.outputs)}{extra}")
+
+        def show(steps, indent):
+            for i, st in enumerate(steps):
+                extra = ""
+                if st.collective is not None:
+                    c = st.collective
+                    extra = f" over {','.join(c.mesh_axes)} {c.bytes_per_processor} B/processor"
+                lines.append(f"{indent}{i:4d} {st.kind:<10} {st.op:<28} {list(st.inputs)} -> {list(st.outputs)}{extra}")
+                for label, sub in st.subprograms:
+                    lines.append(f"{indent}     {label}: inputs {list(sub.input_slots)} external "
+                                 f"{list(sub.external_slots)} -> {list(sub.output_slots)}")
+                    show(sub.listing, indent + "     | ")
+
+        show(self.steps, "")
         return "\n".join(lines)
+
+
+def _select_steps(steps, needed: set, keep: set):
+    """The steps ``needed`` slots depend on (in order), and per step the slots to free after it."""
+    needed = set(needed)
+    chosen = []
+    for st in reversed(steps):
+        if any(o in needed for o in st.outputs):
+            chosen.append(st)
+            needed.update(st.inputs)
+    chosen.reverse()
+    last_use: dict[int, int] = {}
+    for i, st in enumerate(chosen):
+        for s in st.inputs:
+            last_use[s] = i
+    frees = [[] for _ in chosen]
+    for s, i in last_use.items():
+        if s not in keep:
+            frees[i].append(s)
+    return chosen, frees
 
 
 def _itemsize(dtype: torch.dtype) -> int:

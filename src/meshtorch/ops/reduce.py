@@ -45,6 +45,13 @@ class ReduceOperation(Operation):
         need_perm = perm != list(range(len(perm)))
         red_mesh_axes = lw.tensor_mesh_axes(x, [names[i] for i in red_axes])
         tfn = _TORCH[self.reduction]
+        if self.reduction == "SUM" and x.dtype in (torch.bfloat16, torch.float16):
+            # mixed precision: accumulate the local sum in float32, round once (torch does so for
+            # bfloat16 on CPU but not for float16; here it is explicit for both, on every device)
+            low = x.dtype
+
+            def tfn(t, dim):
+                return torch.sum(t, dim=dim, dtype=torch.float32).to(low)
 
         if not red_axes:
             def f(t):

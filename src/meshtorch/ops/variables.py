@@ -15,19 +15,26 @@ from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Mesh, Operation, Tensor
 from meshtorch.ops._util import align_fn
 from meshtorch.ops.initializers import convert_initializer
+from meshtorch.ops.precision import VariableDType
 
 
 class Variable(Operation):
-    """A trainable (or not) tensor with persistent slices. Its value is ``outputs[0]``."""
+    """A trainable (or not) tensor with persistent slices. Its value is ``outputs[0]``.
+
+    ``dtype``: a torch dtype or a :class:`~meshtorch.ops.precision.VariableDType`; the slices and
+    ``outputs[0]`` have its ``slice_dtype`` (initial values are drawn in ``master_dtype``, then cast).
+    """
 
     def __init__(self, mesh: Mesh, name: str, shape, dtype=torch.float32, initializer=None, trainable=True):
         if mesh.graph.name_in_use(name):
             raise ValueError(f"get_variable: the name {name!r} is already used in this graph; "
                              "variable names must be unique (they key checkpoints and initial values).")
+        vdtype = VariableDType.of(dtype)
         super().__init__([], mesh, name=name)
         self.initializer = convert_initializer(initializer)
         self.trainable = trainable
-        self.outputs = [Tensor(self, convert_to_shape(shape), dtype, name=name)]
+        self.variable_dtype = vdtype
+        self.outputs = [Tensor(self, convert_to_shape(shape), vdtype.slice_dtype, name=name)]
         self.graph.all_variables.append(self)
         if trainable:
             self.graph.trainable_variables.append(self)
@@ -42,7 +49,20 @@ class Variable(Operation):
 
     @property
     def dtype(self):
+        """The slice dtype: what the variable stores and updates are applied in."""
         return self.outputs[0].dtype
+
+    @property
+    def master_dtype(self):
+        return self.variable_dtype.master_dtype
+
+    @property
+    def slice_dtype(self):
+        return self.variable_dtype.slice_dtype
+
+    @property
+    def activation_dtype(self):
+        return self.variable_dtype.activation_dtype
 
     @property
     def has_gradient(self):
@@ -56,9 +76,10 @@ class Variable(Operation):
         out = self.outputs[0]
         layout = lw.tensor_layout(out)
         sizes = impl.slice_shape(out.shape, layout)
-        make = self.initializer.slice_fn(out.shape, out.dtype, getattr(self.graph, "seed", 0), self.name)
+        master = self.variable_dtype.master_dtype
+        make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name)
         value = impl.laid_out_constant(
-            lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)))
+            lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
         lw.set(out, lw.register_variable(self, value))
 
 
@@ -71,13 +92,27 @@ def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.flo
         shape: named shape.
         initializer: an Initializer (default Glorot uniform, fans from the last dim vs the rest),
             or a number for a constant.
-        dtype: torch dtype of the variable.
+        dtype: torch dtype of the variable, or a :class:`~meshtorch.ops.precision.VariableDType`
+            (mixed precision: slices stored in ``slice_dtype``, value returned in ``activation_dtype``).
         trainable: listed in ``graph.trainable_variables``.
+
+    Returns:
+        Tensor of ``shape`` in the activation dtype: the variable's value, or a cast of it when the
+        activation dtype differs from the slice dtype (``mtf.assign`` and the optimizers accept
+        either and update the variable itself, in its slice dtype).
 
     Raises:
         ValueError: if ``name`` is already used in the graph.
+        TypeError: if ``dtype`` is neither a torch dtype nor a VariableDType.
     """
-    return Variable(mesh, name, shape, dtype, initializer, trainable).outputs[0]
+    var = Variable(mesh, name, shape, dtype, initializer, trainable)
+    value = var.outputs[0]
+    if var.activation_dtype == value.dtype:
+        return value
+    from meshtorch.ops.elementwise import cast
+    out = cast(value, var.activation_dtype, name=f"{name}/read")
+    out.operation.variable = var  # lets assign / optimizers find the variable from its read
+    return out
 
 
 def _as_variable(v) -> Variable:
@@ -85,6 +120,8 @@ def _as_variable(v) -> Variable:
         return v
     if isinstance(v, Tensor) and isinstance(v.operation, Variable):
         return v.operation
+    if isinstance(v, Tensor) and isinstance(getattr(v.operation, "variable", None), Variable):
+        return v.operation.variable
     raise TypeError(f"Expected a variable (from mtf.get_variable), got {v!r}.")
 
 

@@ -140,6 +140,9 @@ class Optimizer:
         Returns:
             list of Assign operations; fetch them all in ``lowering.run`` to apply the update.
 
+        A gradient in another dtype than the variable's slices is cast to the slice dtype first, so
+        updates are applied in the variable's own precision.
+
         Raises:
             ValueError: if ``grads`` and ``variables`` differ in length.
         """
@@ -154,6 +157,8 @@ class Optimizer:
             var = _as_variable(v)
             if var.mesh not in meshes:
                 meshes.append(var.mesh)
+            if g.dtype != var.dtype:  # e.g. a bfloat16 gradient of a mixed-precision variable's read
+                g = ew.cast(g, var.dtype)
             ops.extend(self.apply_grad(g, var))
         for mesh in meshes:
             step = self.step_int(mesh)
