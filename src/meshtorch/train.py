@@ -17,7 +17,7 @@ import time
 import torch
 
 import meshtorch as mtf
-from meshtorch.data.text import ByteTokenizer, PackedDataset, load_corpus
+from meshtorch.data.text import ByteTokenizer, PackedDataset, load_documents
 from meshtorch.models.transformer import PRESETS, build_lm, flops_per_token, preset
 
 DEFAULT_MESH = "data:2,model:2"
@@ -126,7 +126,7 @@ def main_train(args) -> dict:
                  activation=args.activation, norm=args.norm, gated=args.gated or None,
                  vocab_multiple=vocab_multiple(args.mesh, args.layout))
     tok = ByteTokenizer()
-    dataset = PackedDataset.from_text(load_corpus(args.data), tok, cfg.length + 1)
+    dataset = PackedDataset.from_documents(load_documents(args.data), tok, cfg.length + 1)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
     lowering = mtf.Lowering(lm.graph, {lm.mesh: make_mesh_impl(args.mesh, args.layout)})
     eval_lm, eval_lowering = lm, lowering

@@ -33,20 +33,24 @@ class ByteTokenizer:
         return 1.0
 
 
-def builtin_corpus() -> str:
-    """CPython's pydoc topic texts (English prose about Python), in a fixed order."""
+def builtin_documents() -> list[str]:
+    """CPython's pydoc topic texts (English prose about Python), one document per topic, in a fixed order."""
     from pydoc_data import topics
-    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return [topics.topics[k] for k in sorted(topics.topics)]
 
 
-def load_corpus(paths: Sequence[str] | None = None) -> str:
-    """The concatenated text of ``paths`` (UTF-8), or the built-in corpus if ``paths`` is empty.
+def builtin_corpus() -> str:
+    return "\n\n".join(builtin_documents())
+
+
+def load_documents(paths: Sequence[str] | None = None) -> list[str]:
+    """One document per file of ``paths`` (UTF-8), or the built-in topics if ``paths`` is empty.
 
     Raises:
         DataError: naming the file, if it is missing, empty, or not valid UTF-8.
     """
     if not paths:
-        return builtin_corpus()
+        return builtin_documents()
     texts = []
     for p in paths:
         if not os.path.isfile(p):
@@ -59,16 +63,22 @@ def load_corpus(paths: Sequence[str] | None = None) -> str:
         except UnicodeDecodeError as e:
             raise DataError(f"Text file {p!r} is not valid UTF-8 (byte {e.start}: {e.reason}); "
                             "convert it to UTF-8 first.") from None
-    return "\n\n".join(texts)
+    return texts
+
+
+def load_corpus(paths: Sequence[str] | None = None) -> str:
+    """The concatenated text of :func:`load_documents`."""
+    return "\n\n".join(load_documents(paths))
 
 
 @dataclass
 class PackedDataset:
     """Token ids packed into ``[num_sequences, length]`` training and validation arrays.
 
-    The last ``validation_fraction`` of the token stream is held out (no sequence straddles the
-    split). Batches are drawn in an order fixed by the seed alone, so every layout and every
-    process sees the same examples.
+    Validation holds out whole documents (a seeded random ``validation_fraction`` of the bytes),
+    so no validation text is seen in training; with a single document its tail is held out. No
+    sequence straddles the split. Batches are drawn in an order fixed by the seed alone, so every
+    layout and every process sees the same examples.
     """
 
     train: torch.Tensor  # int64 [n_train, length]
@@ -76,7 +86,31 @@ class PackedDataset:
     length: int
 
     @classmethod
+    def from_documents(cls, docs: Sequence[str], tokenizer, length: int, validation_fraction: float = 0.05,
+                       seed: int = 0) -> PackedDataset:
+        """Hold out whole documents for validation (seeded), pack both parts into sequences."""
+        if len(docs) < 2:
+            return cls.from_text("\n\n".join(docs), tokenizer, length, validation_fraction)
+        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
+        total = sum(len(d) for d in docs)
+        val, n = [], 0
+        for i in order:
+            if n >= validation_fraction * total:
+                break
+            val.append(i)
+            n += len(docs[i])
+        train_text = "\n\n".join(docs[i] for i in range(len(docs)) if i not in set(val))
+        val_text = "\n\n".join(docs[i] for i in sorted(val))
+        enc = lambda t: torch.from_numpy(np.asarray(tokenizer.encode(t), dtype=np.int64))  # noqa: E731
+        train_ids, val_ids = enc(train_text), enc(val_text)
+        if len(train_ids) < length or len(val_ids) < length:
+            raise DataError(f"Corpus too small for sequences of length {length} with a validation split; "
+                            "give more text or a shorter --length.")
+        return cls(_pack(train_ids, length), _pack(val_ids, length), length)
+
+    @classmethod
     def from_text(cls, text: str, tokenizer, length: int, validation_fraction: float = 0.05) -> PackedDataset:
+        """Hold out the tail of one text for validation."""
         if not 0 < validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}.")
         ids = torch.from_numpy(np.asarray(tokenizer.encode(text), dtype=np.int64))
