@@ -9,6 +9,7 @@ from meshtorch.checkpoint import (
     CheckpointError,
     from_torch_state_dict,
     latest_checkpoint,
+    load_manifest,
     restore,
     save,
     to_torch_state_dict,

@@ -48,6 +48,10 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
+    p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (atomic, restorable on any layout)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--sample", type=int, default=200, help="bytes to sample after training (0: none)")
     p.add_argument("--prompt", default="The ")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -144,15 +148,29 @@ def main_train(args) -> dict:
     tokens_per_step = cfg.batch_size * cfg.length
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     fetches = [lm.loss] + lm.updates
-    epoch, it = 0, dataset.batches(cfg.batch_size, args.seed, 0)
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True)
+    start, epoch, in_epoch = 0, 0, 0
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise SystemExit("--resume needs --checkpoint-dir")
+        if mtf.latest_checkpoint(args.checkpoint_dir) is None:
+            print(f"no checkpoint in {args.checkpoint_dir!r} yet: starting from scratch")
+        else:
+            meta = mtf.restore(lowering, args.checkpoint_dir)
+            pos = (meta.get("extra") or {}).get("data", {})
+            start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
+            print(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})")
+    it = dataset.batches(cfg.batch_size, args.seed, epoch)
+    for _ in range(in_epoch):
+        next(it)
+    bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True)
     t_start = time.perf_counter()
     for step in bar:
         batch = next(it, None)
         if batch is None:
-            epoch += 1
+            epoch, in_epoch = epoch + 1, 0
             it = dataset.batches(cfg.batch_size, args.seed, epoch)
             batch = next(it)
+        in_epoch += 1
         t0 = time.perf_counter()
         loss = lowering.run(fetches, feeds={lm.inputs: batch[:, :-1], lm.targets: batch[:, 1:]})[0].item()
         dt = time.perf_counter() - t0
@@ -169,10 +187,17 @@ def main_train(args) -> dict:
             history["val_step"].append(step + 1)
             history["val_loss"].append(val)
             tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats, {val / math.log(2):.4f} bits per byte")
+        if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
+                                    or step + 1 == args.steps):
+            mtf.save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
+                     extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
+                            "mesh": args.mesh, "layout": args.layout})
+    if not history["val_loss"]:
+        raise SystemExit(f"nothing to train: the checkpoint is already at step {start} >= --steps {args.steps}")
     wall = time.perf_counter() - t_start
-    tps = args.steps * tokens_per_step / wall
+    tps = (args.steps - start) * tokens_per_step / wall
     val = history["val_loss"][-1]
-    print(f"done: {args.steps} steps in {wall:.1f} s, {tps:.0f} tokens/s, MFU {100 * tps * fpt / peak:.2f}% "
+    print(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s, MFU {100 * tps * fpt / peak:.2f}% "
           f"(peak {peak / 1e9:.1f} GFLOP/s measured)")
     print(f"validation: {val:.4f} nats/token, {val / math.log(2):.4f} bits per byte")
     print(lowering.counters.summary())
