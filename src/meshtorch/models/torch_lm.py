@@ -16,6 +16,39 @@ from torch import nn
 from meshtorch.models.transformer import LMConfig
 
 
+def moe_forward(x, router, wi, wo, capacity: int, top_k: int = 2, act=F.relu):
+    """Plain-PyTorch top-k MoE with capacity (the routing rules of :func:`meshtorch.layers.moe_ffn`).
+
+    Args:
+        x: ``[group, tokens, d_model]``; router ``[d_model, E]``; wi ``[E, d_model, d_ff]``; wo ``[E, d_ff, d_model]``.
+        capacity: slots per expert per group; positions go in token order to first choices, then to
+            second choices, ...; a choice that finds its expert full is dropped.
+
+    Returns:
+        ``(y [group, tokens, d_model], aux_loss scalar)``.
+    """
+    gates = torch.softmax(x.float() @ router.float(), dim=-1)  # [G, S, E]
+    E = gates.shape[-1]
+    vals, idx = torch.topk(gates, top_k, dim=-1)  # [G, S, k]
+    weights = vals / (vals.sum(-1, keepdim=True) + 1e-9) if top_k > 1 else vals
+    first = F.one_hot(idx[..., 0], E).to(gates.dtype)
+    aux = (gates.mean(1) * first.mean(1)).mean() * E * E
+    filled = torch.zeros(gates.shape[0], 1, E, dtype=gates.dtype)
+    combine = torch.zeros(*gates.shape, capacity, dtype=gates.dtype)
+    for j in range(top_k):
+        mask = F.one_hot(idx[..., j], E).to(gates.dtype)  # [G, S, E]
+        pos = (torch.cumsum(mask, 1) - mask + filled) * mask
+        keep = mask * (pos < capacity).to(gates.dtype)
+        filled = filled + keep.sum(1, keepdim=True)
+        slot = F.one_hot(pos.sum(-1).long().clamp(max=capacity), capacity + 1)[..., :capacity].to(gates.dtype)
+        combine = combine + keep[..., None] * slot[..., None, :] * weights[..., j, None, None]
+    dispatch = (combine > 0).to(x.dtype).detach()
+    expert_in = torch.einsum("gsec,gsm->egcm", dispatch, x)
+    h = act(torch.einsum("egcm,emh->egch", expert_in, wi))
+    out = torch.einsum("egch,ehm->egcm", h, wo)
+    return torch.einsum("egcm,gsec->gsm", out, combine.to(x.dtype)), aux.to(x.dtype)
+
+
 def _p(*shape):
     return nn.Parameter(torch.empty(*shape))
 
