@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtorch.layers.moe import expert_capacity
 from meshtorch.models.transformer import LMConfig
 
 
@@ -76,6 +77,14 @@ class TorchLM(nn.Module):
             for n in "qkv":
                 setattr(att, n, _p(c.d_model, c.num_heads, c.d_kv))
             att.o = _p(c.num_heads, c.d_kv, c.d_model)
+            layer = nn.Module()
+            if c.is_moe_layer(i):
+                moe = nn.Module()
+                for n, shape in (("router", (c.d_model, c.num_experts)), ("wi", (c.num_experts, c.d_model, c.d_ff)),
+                                 ("wo", (c.num_experts, c.d_ff, c.d_model))):
+                    setattr(moe, n, nn.Module())
+                    getattr(moe, n).kernel = _p(*shape)
+                layer.moe = moe
             ffn = nn.Module()
             ffn.wi = nn.Module()
             ffn.wi.kernel = _p(c.d_model, c.d_ff)
@@ -84,10 +93,10 @@ class TorchLM(nn.Module):
                 ffn.wi_gate.kernel = _p(c.d_model, c.d_ff)
             ffn.wo = nn.Module()
             ffn.wo.kernel = _p(c.d_ff, c.d_model)
-            layer = nn.Module()
             layer.attention = att
             layer.attention_norm = _Scale(c.d_model, layer_bias)
-            layer.ffn = ffn
+            if not c.is_moe_layer(i):
+                layer.ffn = ffn
             layer.ffn_norm = _Scale(c.d_model, layer_bias)
             layers[f"layer_{i}"] = layer
         for k, v in layers.items():
@@ -110,6 +119,8 @@ class TorchLM(nn.Module):
                 nn.init.normal_(p, std=0.02)
             elif name == "embedding":
                 nn.init.normal_(p)
+            elif ".moe.w" in name:
+                nn.init.normal_(p, std=1 / math.sqrt(p.shape[1]))
             else:
                 fan_in = p.shape[0] if not name.endswith(".o") else p.shape[0] * p.shape[1]
                 nn.init.normal_(p, std=1 / math.sqrt(fan_in))
@@ -131,9 +142,10 @@ class TorchLM(nn.Module):
             return F.silu(x)
         return x
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[batch, length, vocab]`` for int64 ``ids`` ``[batch, length]``."""
+    def forward(self, ids: torch.Tensor, return_aux: bool = False):
+        """Logits ``[batch, length, vocab]`` for int64 ``ids`` ``[batch, length]`` (and the summed MoE aux loss)."""
         c = self.c
+        aux = torch.zeros(())
         x = self.embedding[ids] + self.pos_embedding[: ids.shape[1]]
         for i in range(c.num_layers):
             layer = getattr(self, f"layer_{i}")
@@ -143,15 +155,22 @@ class TorchLM(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(c.d_kv))
             x = x + torch.einsum("bhlk,hkd->bld", o, a.o)
             h = self._norm(x, layer.ffn_norm)
+            if c.is_moe_layer(i):
+                m = layer.moe
+                cap = expert_capacity(c.length, c.num_experts, c.expert_capacity_factor, c.moe_min_capacity)
+                y, a = moe_forward(h, m.router.kernel, m.wi.kernel, m.wo.kernel, cap, c.moe_top_k, self._act)
+                x, aux = x + y, aux + a
+                continue
             f = layer.ffn
             u = h @ f.wi.kernel
             u = self._act(h @ f.wi_gate.kernel) * u if c.gated else self._act(u)
             x = x + u @ f.wo.kernel
         x = self._norm(x, self.final_norm)
-        return x @ self.logits.kernel + self.vocab_pad_mask
+        logits = x @ self.logits.kernel + self.vocab_pad_mask
+        return (logits, aux) if return_aux else logits
 
     def loss(self, ids, targets):
-        logits = self.forward(ids)
+        logits, aux = self.forward(ids, return_aux=True)
         c = self.c
         logp = torch.log_softmax(logits.float(), -1)
         nll = -logp.gather(-1, targets[..., None])[..., 0]
@@ -160,7 +179,7 @@ class TorchLM(nn.Module):
             nll = (1 - c.label_smoothing) * nll + c.label_smoothing * smooth
         if c.z_loss:
             nll = nll + c.z_loss * torch.logsumexp(logits, -1) ** 2
-        return nll.mean()
+        return nll.mean() + c.moe_aux_loss_coef * aux
 
 
 def state_dict_from_lowering(lowering, model: TorchLM) -> dict:
