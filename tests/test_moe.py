@@ -190,6 +190,8 @@ def test_lm_moe_matches_plain_pytorch_under_layouts():
         grads = mtf.gradients([lm.loss], variables)
         lw = lm.lowering(mesh_shape, layout)
         out = lw.run([lm.loss, lm.aux_loss] + grads, feeds={lm.inputs: x, lm.targets: y})
+        task = lw.run(lm.task_loss, feeds={lm.inputs: x, lm.targets: y})
+        assert abs(task.item() + c.moe_aux_loss_coef * out[1].item() - out[0].item()) < 1e-5
         if ref is None:
             model = TorchLM(c)
             model.load_state_dict({n.replace("/", "."): lw.variable_value(n) for n in lw.variable_names}, strict=True)

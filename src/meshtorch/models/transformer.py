@@ -88,6 +88,7 @@ class LMGraph:
     updates: list
     step: object | None = None
     aux_loss: mtf.Tensor | None = None  # sum of the MoE layers' load-balancing losses (before the coef)
+    task_loss: mtf.Tensor | None = None  # ``loss`` without the MoE auxiliary term (what evaluation reports)
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> mtf.Lowering:
         impl = mesh_impl if mesh_impl is not None else mtf.PlacementMeshImpl(mesh_shape, layout)
@@ -179,7 +180,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         spread[: c.vocab_size] = c.label_smoothing / c.vocab_size
         soft = soft * (1.0 - c.label_smoothing) + mtf.import_tensor(mesh, spread, [d["vocab"]], name="smoothing")
     xent = mtf.layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"], z_loss=c.z_loss)
-    loss = mtf.reduce_mean(xent, name="loss")
+    loss = task_loss = mtf.reduce_mean(xent, name="loss")
     aux_loss = None
     if aux_losses:
         aux_loss = mtf.add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
@@ -191,7 +192,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         if clip_norm:
             grads, _ = mtf.optim.clip_by_global_norm(grads, clip_norm)
         updates = optimizer.apply_grads(grads, variables)
-    return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss)
+    return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
 
 
 def _embed(ids, table, d):
