@@ -36,6 +36,10 @@ The auxiliary load-balancing loss (Mesh TF / GShard): per group, ``E * sum_e mea
 fraction of tokens whose first choice is e`` (before capacity), averaged over groups; it is 1 for
 perfectly uniform routing.
 
+Causality: first choices are served before second choices, so a later token's first choice can
+displace an earlier token's second choice (as in GShard / Mesh TF): in a decoder, a token's output
+depends slightly on later tokens unless nothing is dropped (or ``top_k=1``).
+
 Differences from Mesh TF: the second expert is always used if it fits (Mesh TF's ``"all"``
 second-expert policy; its default ``"random"`` policy is not implemented); ``top_k`` may be any
 k >= 1 (k = 1 keeps the raw gate, as Switch Transformer; k >= 2 renormalises the k gates); ties in
