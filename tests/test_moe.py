@@ -237,3 +237,18 @@ def test_lm_moe_expert_parallel_counters():
     assert fwd.count("allgather") == 0
     step = lw.plan_counters([lm.loss] + lm.updates)
     assert step.count("alltoall") == 4 and step.count("allgather") == 0
+
+
+def test_top1_routing_is_causal():
+    """With one expert per token, slots go in token order: later tokens never change earlier outputs."""
+    vals = {n: v for n, (_, v) in _inputs(1).items()}
+    x2 = vals["x"].clone()
+    x2[:, S // 2:] = torch.randn(G, S - S // 2, M, generator=torch.Generator().manual_seed(5))
+    y1, _ = token_reference(**vals, capacity=2, top_k=1)
+    y2, _ = token_reference(**{**vals, "x": x2}, capacity=2, top_k=1)
+    torch.testing.assert_close(y1[:, : S // 2], y2[:, : S // 2], rtol=0, atol=0)
+    case = _case("causal", capacity=2, top_k=1)
+    out = [mtf.testing.run_layout(case.build, {**case.inputs, "x": (SHAPES["x"], xx)}, "all:4",
+                                  "batch:all;experts:all", grad=False)[0][0] for xx in (vals["x"], x2)]
+    torch.testing.assert_close(out[0][:, : S // 2], out[1][:, : S // 2], rtol=0, atol=0)
+    torch.testing.assert_close(out[0], y1, rtol=1e-5, atol=1e-6)
