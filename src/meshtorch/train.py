@@ -29,7 +29,7 @@ def add_train_subcommand(subparsers) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     for flag, typ in (("layers", int), ("d-model", int), ("heads", int), ("d-kv", int), ("d-ff", int),
-                      ("length", int), ("batch-size", int), ("dropout", float)):
+                      ("length", int), ("batch-size", int), ("dropout", float), ("experts", int)):
         p.add_argument(f"--{flag}", type=typ, default=None, help="override the preset")
     p.add_argument("--activation", default=None, choices=["relu", "gelu", "gelu_tanh", "silu"])
     p.add_argument("--gated", action="store_true", help="gated feed-forward (GEGLU/SwiGLU)")
@@ -114,7 +114,8 @@ def evaluate(lowering, lm, dataset, batches: int) -> float:
     """Mean validation cross-entropy (nats per token) over ``batches`` batches."""
     total, n = 0.0, 0
     for b in dataset.batches(lm.config.batch_size, seed=0, split="validation"):
-        total += lowering.run(lm.loss, feeds={lm.inputs: b[:, :-1], lm.targets: b[:, 1:]}).item()
+        loss = lm.task_loss if getattr(lm, "task_loss", None) is not None else lm.loss
+        total += lowering.run(loss, feeds={lm.inputs: b[:, :-1], lm.targets: b[:, 1:]}).item()
         n += 1
         if n >= batches:
             break
@@ -128,7 +129,7 @@ def main_train(args) -> dict:
     cfg = preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv,
                  d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
                  activation=args.activation, norm=args.norm, gated=args.gated or None,
-                 vocab_multiple=vocab_multiple(args.mesh, args.layout))
+                 vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts)
     tok = ByteTokenizer()
     dataset = PackedDataset.from_documents(load_documents(args.data), tok, cfg.length + 1)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)

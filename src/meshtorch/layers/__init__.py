@@ -3,7 +3,9 @@
 from meshtorch.layers.attention import AttentionOperation, dot_product_attention, multihead_attention
 from meshtorch.layers.core import dense, softmax_cross_entropy_with_logits
 from meshtorch.layers.feedforward import dense_relu_dense
+from meshtorch.layers.moe import expert_capacity, moe_apply, moe_ffn, top_k_gating
 from meshtorch.layers.norms import layer_norm, rms_norm
 
 __all__ = ["dense", "softmax_cross_entropy_with_logits", "layer_norm", "rms_norm", "dot_product_attention",
-           "multihead_attention", "AttentionOperation", "dense_relu_dense"]
+           "multihead_attention", "AttentionOperation", "dense_relu_dense", "moe_ffn", "moe_apply", "expert_capacity",
+           "top_k_gating"]

@@ -13,7 +13,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtorch.layers.moe import expert_capacity
 from meshtorch.models.transformer import LMConfig
+
+
+def moe_forward(x, router, wi, wo, capacity: int, top_k: int = 2, act=F.relu):
+    """Plain-PyTorch top-k MoE with capacity (the routing rules of :func:`meshtorch.layers.moe_ffn`).
+
+    Args:
+        x: ``[group, tokens, d_model]``; router ``[d_model, E]``; wi ``[E, d_model, d_ff]``; wo ``[E, d_ff, d_model]``.
+        capacity: slots per expert per group; positions go in token order to first choices, then to
+            second choices, ...; a choice that finds its expert full is dropped.
+
+    Returns:
+        ``(y [group, tokens, d_model], aux_loss scalar)``.
+    """
+    gates = torch.softmax(x.float() @ router.float(), dim=-1)  # [G, S, E]
+    E = gates.shape[-1]
+    vals, idx = torch.topk(gates, top_k, dim=-1)  # [G, S, k]
+    weights = vals / (vals.sum(-1, keepdim=True) + 1e-9) if top_k > 1 else vals
+    first = F.one_hot(idx[..., 0], E).to(gates.dtype)
+    aux = (gates.mean(1) * first.mean(1)).mean() * E * E
+    filled = torch.zeros(gates.shape[0], 1, E, dtype=gates.dtype)
+    combine = torch.zeros(*gates.shape, capacity, dtype=gates.dtype)
+    for j in range(top_k):
+        mask = F.one_hot(idx[..., j], E).to(gates.dtype)  # [G, S, E]
+        pos = (torch.cumsum(mask, 1) - mask + filled) * mask
+        keep = mask * (pos < capacity).to(gates.dtype)
+        filled = filled + keep.sum(1, keepdim=True)
+        slot = F.one_hot(pos.sum(-1).long().clamp(max=capacity), capacity + 1)[..., :capacity].to(gates.dtype)
+        combine = combine + keep[..., None] * slot[..., None, :] * weights[..., j, None, None]
+    dispatch = (combine > 0).to(x.dtype).detach()
+    expert_in = torch.einsum("gsec,gsm->egcm", dispatch, x)
+    h = act(torch.einsum("egcm,emh->egch", expert_in, wi))
+    out = torch.einsum("egch,ehm->egcm", h, wo)
+    return torch.einsum("egcm,gsec->gsm", out, combine.to(x.dtype)), aux.to(x.dtype)
 
 
 def _p(*shape):
@@ -43,6 +77,14 @@ class TorchLM(nn.Module):
             for n in "qkv":
                 setattr(att, n, _p(c.d_model, c.num_heads, c.d_kv))
             att.o = _p(c.num_heads, c.d_kv, c.d_model)
+            layer = nn.Module()
+            if c.is_moe_layer(i):
+                moe = nn.Module()
+                for n, shape in (("router", (c.d_model, c.num_experts)), ("wi", (c.num_experts, c.d_model, c.d_ff)),
+                                 ("wo", (c.num_experts, c.d_ff, c.d_model))):
+                    setattr(moe, n, nn.Module())
+                    getattr(moe, n).kernel = _p(*shape)
+                layer.moe = moe
             ffn = nn.Module()
             ffn.wi = nn.Module()
             ffn.wi.kernel = _p(c.d_model, c.d_ff)
@@ -51,10 +93,10 @@ class TorchLM(nn.Module):
                 ffn.wi_gate.kernel = _p(c.d_model, c.d_ff)
             ffn.wo = nn.Module()
             ffn.wo.kernel = _p(c.d_ff, c.d_model)
-            layer = nn.Module()
             layer.attention = att
             layer.attention_norm = _Scale(c.d_model, layer_bias)
-            layer.ffn = ffn
+            if not c.is_moe_layer(i):
+                layer.ffn = ffn
             layer.ffn_norm = _Scale(c.d_model, layer_bias)
             layers[f"layer_{i}"] = layer
         for k, v in layers.items():
@@ -77,6 +119,8 @@ class TorchLM(nn.Module):
                 nn.init.normal_(p, std=0.02)
             elif name == "embedding":
                 nn.init.normal_(p)
+            elif ".moe.w" in name:
+                nn.init.normal_(p, std=1 / math.sqrt(p.shape[1]))
             else:
                 fan_in = p.shape[0] if not name.endswith(".o") else p.shape[0] * p.shape[1]
                 nn.init.normal_(p, std=1 / math.sqrt(fan_in))
@@ -98,9 +142,10 @@ class TorchLM(nn.Module):
             return F.silu(x)
         return x
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[batch, length, vocab]`` for int64 ``ids`` ``[batch, length]``."""
+    def forward(self, ids: torch.Tensor, return_aux: bool = False):
+        """Logits ``[batch, length, vocab]`` for int64 ``ids`` ``[batch, length]`` (and the summed MoE aux loss)."""
         c = self.c
+        aux = torch.zeros(())
         x = self.embedding[ids] + self.pos_embedding[: ids.shape[1]]
         for i in range(c.num_layers):
             layer = getattr(self, f"layer_{i}")
@@ -110,15 +155,22 @@ class TorchLM(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(c.d_kv))
             x = x + torch.einsum("bhlk,hkd->bld", o, a.o)
             h = self._norm(x, layer.ffn_norm)
+            if c.is_moe_layer(i):
+                m = layer.moe
+                cap = expert_capacity(c.length, c.num_experts, c.expert_capacity_factor, c.moe_min_capacity)
+                y, a = moe_forward(h, m.router.kernel, m.wi.kernel, m.wo.kernel, cap, c.moe_top_k, self._act)
+                x, aux = x + y, aux + a
+                continue
             f = layer.ffn
             u = h @ f.wi.kernel
             u = self._act(h @ f.wi_gate.kernel) * u if c.gated else self._act(u)
             x = x + u @ f.wo.kernel
         x = self._norm(x, self.final_norm)
-        return x @ self.logits.kernel + self.vocab_pad_mask
+        logits = x @ self.logits.kernel + self.vocab_pad_mask
+        return (logits, aux) if return_aux else logits
 
     def loss(self, ids, targets):
-        logits = self.forward(ids)
+        logits, aux = self.forward(ids, return_aux=True)
         c = self.c
         logp = torch.log_softmax(logits.float(), -1)
         nll = -logp.gather(-1, targets[..., None])[..., 0]
@@ -127,7 +179,7 @@ class TorchLM(nn.Module):
             nll = (1 - c.label_smoothing) * nll + c.label_smoothing * smooth
         if c.z_loss:
             nll = nll + c.z_loss * torch.logsumexp(logits, -1) ** 2
-        return nll.mean()
+        return nll.mean() + c.moe_aux_loss_coef * aux
 
 
 def state_dict_from_lowering(lowering, model: TorchLM) -> dict:

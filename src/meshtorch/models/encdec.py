@@ -1,0 +1,219 @@
+"""Encoder-decoder Transformer (T5-style) on named dimensions.
+
+Raffel et al. 2020 (T5), section 2.1, and Mesh TF ``transformer`` (Bitransformer): pre-norm
+residual layers with RMS norm (no bias); the encoder's self-attention is bidirectional with a
+padding mask; the decoder has causal self-attention, then encoder-decoder attention over the
+encoder output, then the feed-forward block. Positions come from T5's relative-position bias
+(bucketed signed distances, a learned scalar per bucket and head, one table per stack shared by its
+layers) or, with ``relative_attention=False``, from learned absolute position embeddings.
+
+Dimension names: ``batch``, ``length`` (the encoder's input positions and the decoder's target
+positions; the sizes may differ), ``memory_length`` (the encoder output as the decoder's memory,
+and the key positions of a self-attention bias), ``d_model``, ``heads``, ``d_kv``, ``d_ff``,
+``vocab``, ``relative_buckets``. Split ``batch``, ``heads``, ``d_ff``, ``vocab`` (and ``d_model``)
+as in the decoder-only LM; the attention sequence dims must stay whole.
+
+Differences from T5: the attention logits are scaled by ``1/sqrt(d_kv)`` (T5 folds that into the
+initialisation), the embedding is shared by encoder and decoder but not tied to the output layer
+(T5.1.1), and padding is token id ``pad_id`` (0) in both inputs and targets: padded targets carry
+no loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+import meshtorch as mtf
+from meshtorch.core.dims import Dimension
+
+__all__ = ["EncDecConfig", "EncDecGraph", "build_encdec", "relative_position_buckets"]
+
+
+@dataclass(frozen=True)
+class EncDecConfig:
+    """Hyper-parameters of the encoder-decoder model."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_heads: int = 4
+    d_kv: int = 32
+    d_ff: int = 512
+    num_encoder_layers: int = 2
+    num_decoder_layers: int = 2
+    input_length: int = 64
+    target_length: int = 64
+    batch_size: int = 16
+    dropout: float = 0.0
+    activation: str = "relu"
+    relative_attention: bool = True
+    num_buckets: int = 32
+    max_distance: int = 128
+    pad_id: int = 0
+    vocab_multiple: int = 1
+
+    @property
+    def padded_vocab(self) -> int:
+        m = max(1, self.vocab_multiple)
+        return (self.vocab_size + m - 1) // m * m
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EncDecGraph:
+    """The built graph and its handles."""
+
+    config: EncDecConfig
+    graph: mtf.Graph
+    mesh: mtf.Mesh
+    inputs: mtf.Tensor  # int64 [batch, length(input_length)]
+    targets: mtf.Tensor  # int64 [batch, length(target_length)]
+    logits: mtf.Tensor  # [batch, length, vocab]
+    loss: mtf.Tensor  # scalar: mean cross-entropy over the non-padding targets
+    updates: list
+
+    def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> mtf.Lowering:
+        impl = mesh_impl if mesh_impl is not None else mtf.PlacementMeshImpl(mesh_shape, layout)
+        return mtf.Lowering(self.graph, {self.mesh: impl})
+
+
+def relative_position_buckets(query_length: int, memory_length: int, bidirectional: bool, num_buckets: int = 32,
+                              max_distance: int = 128) -> torch.Tensor:
+    """T5's bucket of every (query, memory) pair: int64 ``[query_length, memory_length]``.
+
+    With ``n = query - memory``: bidirectional, half the buckets are for ``n < 0`` (memory after the
+    query) and ``|n|`` is bucketed in the other half; unidirectional, ``n`` is clamped at 0. Of the
+    ``b`` buckets for ``|n|``, distances below ``b/2`` get their own bucket; larger ones share
+    logarithmically spaced buckets up to ``max_distance`` (Mesh TF
+    ``_relative_position_bucket``, T5 section 2.1).
+
+    Raises:
+        ValueError: if ``num_buckets`` is too small (< 2, or < 4 when bidirectional).
+    """
+    if num_buckets < (4 if bidirectional else 2):
+        raise ValueError(f"relative_position_buckets: num_buckets={num_buckets} is too small.")
+    q = torch.arange(query_length)[:, None]
+    m = torch.arange(memory_length)[None, :]
+    n = q - m
+    ret = torch.zeros_like(n)
+    nb = num_buckets
+    if bidirectional:
+        nb //= 2
+        ret = ret + (n < 0).long() * nb
+        n = n.abs()
+    else:
+        n = n.clamp(min=0)
+    max_exact = nb // 2
+    large = max_exact + (torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+                         * (nb - max_exact)).long()
+    large = large.clamp(max=nb - 1)
+    return ret + torch.where(n < max_exact, n, large)
+
+
+def _dims(c: EncDecConfig):
+    return {"batch": Dimension("batch", c.batch_size), "d_model": Dimension("d_model", c.d_model),
+            "heads": Dimension("heads", c.num_heads), "d_kv": Dimension("d_kv", c.d_kv),
+            "d_ff": Dimension("d_ff", c.d_ff), "vocab": Dimension("vocab", c.padded_vocab),
+            "buckets": Dimension("relative_buckets", c.num_buckets)}
+
+
+def _relative_bias(c, mesh, d, qlen: int, mlen: int, bidirectional: bool, name: str):
+    """``[length, memory_length, heads]``: the stack's bias table gathered at the pairs' buckets."""
+    table = mtf.get_variable(mesh, f"{name}/relative_attention_bias", [d["buckets"], d["heads"]],
+                             initializer=mtf.random_normal_initializer(0.0, 1.0))
+    ids = relative_position_buckets(qlen, mlen, bidirectional, c.num_buckets, c.max_distance)
+    ids = mtf.import_tensor(mesh, ids, [Dimension("length", qlen), Dimension("memory_length", mlen)],
+                            name=f"{name}/relative_buckets")
+    return mtf.gather(table, ids, d["buckets"], name=f"{name}/relative_bias")
+
+
+def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: bool = True) -> EncDecGraph:
+    """Build the encoder-decoder graph and its loss (teacher forcing: decoder inputs = targets shifted right).
+
+    Variables: ``embedding`` [vocab, d_model] (shared by both stacks); ``{encoder,decoder}/
+    relative_attention_bias`` [relative_buckets, heads] (or ``.../pos_embedding`` [length, d_model]);
+    ``encoder/layer_{i}/{attention,attention_norm,ffn,ffn_norm}/...``;
+    ``decoder/layer_{i}/{self_attention,self_attention_norm,encdec_attention,encdec_attention_norm,ffn,
+    ffn_norm}/...``; ``{encoder,decoder}/final_norm/scale``; ``logits/kernel`` [d_model, vocab]. Attention
+    weights as :func:`meshtorch.layers.multihead_attention`, feed-forward as
+    :func:`meshtorch.layers.dense_relu_dense`.
+
+    Args:
+        config: the EncDecConfig.
+        seed: graph seed (initial values and dropout).
+        optimizer: an ``mtf.optim`` optimizer; its update ops go to ``EncDecGraph.updates``.
+        train: build dropout (when ``config.dropout > 0``).
+    """
+    c = config
+    d = _dims(c)
+    graph = mtf.Graph(seed=seed)
+    mesh = mtf.Mesh(graph, "mesh")
+    in_len, tgt_len = Dimension("length", c.input_length), Dimension("length", c.target_length)
+    inputs = mtf.placeholder(mesh, "inputs", [d["batch"], in_len], dtype=torch.int64)
+    targets = mtf.placeholder(mesh, "targets", [d["batch"], tgt_len], dtype=torch.int64)
+    emb = mtf.get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
+                           initializer=mtf.random_normal_initializer(0.0, 1.0))
+    scale = 1.0 / math.sqrt(c.d_kv)
+
+    def drop(x):
+        return mtf.dropout(x, rate=c.dropout) if train and c.dropout > 0 else x
+
+    def embed(ids, length, name):
+        x = mtf.gather(emb, ids, d["vocab"], name=f"{name}/embed")
+        if not c.relative_attention:
+            x = x + mtf.get_variable(mesh, f"{name}/pos_embedding", [length, d["d_model"]],
+                                     initializer=mtf.random_normal_initializer(0.0, 0.02))
+        return drop(x)
+
+    def attend(x, name, **kw):
+        return mtf.layers.multihead_attention(x, d["heads"], d["d_kv"], "length", scale=scale, name=name, **kw)
+
+    def ffn(x, name):
+        return mtf.layers.dense_relu_dense(x, d["d_ff"], activation=c.activation, name=name)
+
+    def norm(x, name):
+        return mtf.layers.rms_norm(x, d["d_model"], name=name)
+
+    # padding mask on the memory positions: -1e9 where the input is padding
+    mem_ids = mtf.rename_dimension(inputs, "length", "memory_length")
+    pad_bias = mtf.cast(mtf.equal(mem_ids, c.pad_id), torch.float32) * -1e9
+    # ---- encoder
+    x = embed(inputs, in_len, "encoder")
+    enc_bias = pad_bias
+    if c.relative_attention:
+        enc_bias = _relative_bias(c, mesh, d, c.input_length, c.input_length, True, "encoder") + pad_bias
+    for i in range(c.num_encoder_layers):
+        p = f"encoder/layer_{i}"
+        x = x + drop(attend(norm(x, f"{p}/attention_norm"), f"{p}/attention", bias=enc_bias))
+        x = x + drop(ffn(norm(x, f"{p}/ffn_norm"), f"{p}/ffn"))
+    memory = mtf.rename_dimension(drop(norm(x, "encoder/final_norm")), "length", "memory_length")
+    # ---- decoder
+    dec_ids = mtf.shift(targets, 1, "length", wrap=False)  # start token = 0 (= pad_id in T5)
+    x = embed(dec_ids, tgt_len, "decoder")
+    dec_bias = None
+    if c.relative_attention:
+        dec_bias = _relative_bias(c, mesh, d, c.target_length, c.target_length, False, "decoder")
+    for i in range(c.num_decoder_layers):
+        p = f"decoder/layer_{i}"
+        x = x + drop(attend(norm(x, f"{p}/self_attention_norm"), f"{p}/self_attention", causal=True, bias=dec_bias))
+        x = x + drop(attend(norm(x, f"{p}/encdec_attention_norm"), f"{p}/encdec_attention", memory=memory,
+                            memory_length_dim="memory_length", bias=pad_bias))
+        x = x + drop(ffn(norm(x, f"{p}/ffn_norm"), f"{p}/ffn"))
+    x = drop(norm(x, "decoder/final_norm"))
+    logits = mtf.layers.dense(x, d["vocab"], use_bias=False, name="logits")
+    if c.padded_vocab != c.vocab_size:
+        mask = torch.zeros(c.padded_vocab)
+        mask[c.vocab_size:] = -1e9
+        logits = logits + mtf.import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+    xent = mtf.layers.softmax_cross_entropy_with_logits(logits, mtf.one_hot(targets, d["vocab"]), d["vocab"])
+    weights = mtf.cast(mtf.not_equal(targets, c.pad_id), torch.float32)
+    loss = mtf.divide(mtf.reduce_sum(xent * weights), mtf.reduce_sum(weights), name="loss")
+    updates = []
+    if optimizer is not None:
+        variables = graph.trainable_variables
+        updates = optimizer.apply_grads(mtf.gradients([loss], variables), variables)
+    return EncDecGraph(c, graph, mesh, inputs, targets, logits, loss, updates)
