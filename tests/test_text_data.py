@@ -58,3 +58,17 @@ def test_batches_depend_only_on_seed_and_epoch():
 def test_corpus_too_small():
     with pytest.raises(DataError, match="too small"):
         PackedDataset.from_text("tiny", ByteTokenizer(), 128)
+
+
+def test_sentencepiece_tokenizer_round_trip_and_bits_per_byte(tmp_path):
+    from meshtorch.data.text import SentencePieceTokenizer
+    docs = builtin_documents()[:30]
+    tok = SentencePieceTokenizer(docs, vocab_size=400)
+    text = docs[0][:500]
+    assert tok.decode(tok.encode(text)) == text
+    ds = PackedDataset.from_documents(docs, tok, 33)
+    assert ds.bytes_per_token > 1.2  # pieces cover more than one byte (400 pieces, 256 of them bytes)
+    assert int(ds.train.max()) < tok.vocab_size == 400
+    tok.save(str(tmp_path / "t.model"))
+    again = SentencePieceTokenizer.from_file(str(tmp_path / "t.model"))
+    assert again.encode(text).tolist() == tok.encode(text).tolist()

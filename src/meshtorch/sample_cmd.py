@@ -7,9 +7,10 @@ from the ones it was trained with (checkpoints restore onto any layout).
 from __future__ import annotations
 
 import argparse
+import os
 
 import meshtorch as mtf
-from meshtorch.data.text import ByteTokenizer
+from meshtorch.data.text import ByteTokenizer, SentencePieceTokenizer
 from meshtorch.generate import beam_search, sample
 from meshtorch.models.transformer import LMConfig, build_lm
 
@@ -46,7 +47,8 @@ def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
 
 def main_sample(args):
     lm, lowering = load_lm(args.checkpoint_dir, args.mesh, args.layout)
-    tok = ByteTokenizer()
+    spm_path = os.path.join(args.checkpoint_dir, "tokenizer.model")
+    tok = SentencePieceTokenizer.from_file(spm_path) if os.path.exists(spm_path) else ByteTokenizer()
     prompt = tok.encode(args.prompt)
     if args.beam:
         outs = [beam_search(lowering, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens)]

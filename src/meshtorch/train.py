@@ -17,7 +17,7 @@ import time
 import torch
 
 import meshtorch as mtf
-from meshtorch.data.text import ByteTokenizer, PackedDataset, load_documents
+from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.models.transformer import PRESETS, build_lm, flops_per_token, preset
 
 DEFAULT_MESH = "data:2,model:2"
@@ -37,6 +37,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--mesh", default=DEFAULT_MESH, help='mesh shape, e.g. "data:2,model:2"; "" = 1 processor')
     p.add_argument("--layout", default=DEFAULT_LAYOUT, help="layout rules tensor_dim:mesh_axis;...")
     p.add_argument("--data", nargs="*", default=None, help="UTF-8 text files (default: built-in corpus)")
+    p.add_argument("--tokenizer", default="byte", choices=["byte", "sentencepiece"],
+                   help="UTF-8 bytes, or a SentencePiece model trained on the training documents")
+    p.add_argument("--vocab-size", type=int, default=1024, help="SentencePiece vocabulary size")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"])
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (adafactor: None = its own)")
@@ -126,12 +129,19 @@ def main_train(args) -> dict:
     from tqdm import tqdm
 
     torch.manual_seed(args.seed)
+    docs = load_documents(args.data)
+    if args.tokenizer == "sentencepiece":
+        tok = SentencePieceTokenizer(docs, vocab_size=args.vocab_size)
+        if args.checkpoint_dir:
+            tok.save(os.path.join(args.checkpoint_dir, "tokenizer.model"))
+    else:
+        tok = ByteTokenizer()
     cfg = preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv,
                  d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
-                 activation=args.activation, norm=args.norm, gated=args.gated or None,
+                 activation=args.activation, norm=args.norm, gated=args.gated or None, vocab_size=tok.vocab_size,
                  vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts)
-    tok = ByteTokenizer()
-    dataset = PackedDataset.from_documents(load_documents(args.data), tok, cfg.length + 1)
+    dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
+    bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
     lowering = mtf.Lowering(lm.graph, {lm.mesh: make_mesh_impl(args.mesh, args.layout)})
     eval_lm, eval_lowering = lm, lowering
@@ -187,12 +197,13 @@ def main_train(args) -> dict:
             val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
             history["val_step"].append(step + 1)
             history["val_loss"].append(val)
-            tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats, {val / math.log(2):.4f} bits per byte")
+            tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
+                       f"{val / math.log(2) / bpt:.4f} bits per byte")
         if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
                                     or step + 1 == args.steps):
             mtf.save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
                      extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
-                            "mesh": args.mesh, "layout": args.layout})
+                            "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
     if not history["val_loss"]:
         raise SystemExit(f"nothing to train: the checkpoint is already at step {start} >= --steps {args.steps}")
     wall = time.perf_counter() - t_start
@@ -200,21 +211,21 @@ def main_train(args) -> dict:
     val = history["val_loss"][-1]
     print(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s, MFU {100 * tps * fpt / peak:.2f}% "
           f"(peak {peak / 1e9:.1f} GFLOP/s measured)")
-    print(f"validation: {val:.4f} nats/token, {val / math.log(2):.4f} bits per byte")
+    print(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
     print(lowering.counters.summary())
     if args.plot:
-        _plot(history, args.plot)
+        _plot(history, args.plot, bpt)
         print(f"loss curve: {args.plot}")
     if args.sample:
         from meshtorch.generate import sample
         ids = sample(eval_lowering, eval_lm, tok.encode(args.prompt), max_new_tokens=args.sample,
                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)[0]
         print("sample:\n" + args.prompt + tok.decode(ids))
-    return {"history": history, "val_bits_per_byte": val / math.log(2), "tokens_per_s": tps,
+    return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
             "lowering": lowering, "lm": lm}
 
 
-def _plot(history: dict, path: str) -> None:
+def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,8 +233,9 @@ def _plot(history: dict, path: str) -> None:
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(history["step"], [v / math.log(2) for v in history["loss"]], lw=0.8, label="train")
-    ax.plot(history["val_step"], [v / math.log(2) for v in history["val_loss"]], "o-", label="validation")
+    k = 1.0 / math.log(2) / bytes_per_token
+    ax.plot(history["step"], [v * k for v in history["loss"]], lw=0.8, label="train")
+    ax.plot(history["val_step"], [v * k for v in history["val_loss"]], "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("bits per byte")
     ax.grid(alpha=0.3)

@@ -33,6 +33,71 @@ class ByteTokenizer:
         return 1.0
 
 
+class SentencePieceTokenizer:
+    """A SentencePiece model (Kudo & Richardson 2018) trained on the corpus, with byte fallback.
+
+    Needs the optional ``sentencepiece`` package (``pip install meshtorch[spm]``).
+
+    Args:
+        texts: training documents.
+        vocab_size: number of pieces (>= 260 with byte fallback).
+        model_type: ``"unigram"`` (SentencePiece's default) or ``"bpe"``.
+    """
+
+    def __init__(self, texts: Sequence[str], vocab_size: int = 1024, model_type: str = "unigram"):
+        try:
+            import sentencepiece as spm
+        except ImportError:
+            raise DataError("the SentencePiece tokenizer needs the 'sentencepiece' package: "
+                            "pip install sentencepiece (or meshtorch[spm]).") from None
+        import io
+        model = io.BytesIO()
+        lines = [line for t in texts for line in t.splitlines() if line.strip()]
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+                                       model_type=model_type, byte_fallback=True, character_coverage=1.0,
+                                       minloglevel=2, num_threads=1, add_dummy_prefix=False,
+                                       remove_extra_whitespaces=False, normalization_rule_name="identity")
+        self._load(model.getvalue())
+
+    def _load(self, proto: bytes):
+        import sentencepiece as spm
+        self._proto = proto
+        self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        self.vocab_size = self._sp.get_piece_size()
+
+    @classmethod
+    def from_file(cls, path: str) -> SentencePieceTokenizer:
+        """Load a model written by :meth:`save`."""
+        try:
+            import sentencepiece  # noqa: F401
+        except ImportError:
+            raise DataError("the SentencePiece tokenizer needs the 'sentencepiece' package.") from None
+        tok = cls.__new__(cls)
+        with open(path, "rb") as f:
+            tok._load(f.read())
+        return tok
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(self._proto)
+
+    def encode(self, text: str) -> np.ndarray:
+        # line by line, newlines as explicit byte pieces, so packed sequences keep the text's layout
+        nl = self._sp.piece_to_id("<0x0A>")
+        out: list[int] = []
+        for i, line in enumerate(text.split("\n")):
+            if i:
+                out.append(nl)
+            if line:
+                out.extend(self._sp.encode(line))
+        return np.asarray(out, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        return self._sp.decode(ids)
+
+
 def builtin_documents() -> list[str]:
     """CPython's pydoc topic texts (English prose about Python), one document per topic, in a fixed order."""
     from pydoc_data import topics
@@ -84,6 +149,7 @@ class PackedDataset:
     train: torch.Tensor  # int64 [n_train, length]
     validation: torch.Tensor  # int64 [n_val, length]
     length: int
+    bytes_per_token: float = 1.0  # UTF-8 bytes per token on the validation text (for bits per byte)
 
     @classmethod
     def from_documents(cls, docs: Sequence[str], tokenizer, length: int, validation_fraction: float = 0.05,
@@ -106,7 +172,8 @@ class PackedDataset:
         if len(train_ids) < length or len(val_ids) < length:
             raise DataError(f"Corpus too small for sequences of length {length} with a validation split; "
                             "give more text or a shorter --length.")
-        return cls(_pack(train_ids, length), _pack(val_ids, length), length)
+        bpt = len(val_text.encode("utf-8")) / max(len(val_ids), 1)
+        return cls(_pack(train_ids, length), _pack(val_ids, length), length, bpt)
 
     @classmethod
     def from_text(cls, text: str, tokenizer, length: int, validation_fraction: float = 0.05) -> PackedDataset:
@@ -119,7 +186,8 @@ class PackedDataset:
             raise DataError(f"Corpus of {len(ids)} tokens is too small for sequences of length {length} "
                             "with a validation split; give more text or a shorter --length.")
         train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val:]
-        return cls(_pack(train_ids, length), _pack(val_ids, length), length)
+        bpt = len(text.encode("utf-8")) / max(len(ids), 1)
+        return cls(_pack(train_ids, length), _pack(val_ids, length), length, bpt)
 
     def batches(self, batch_size: int, seed: int, epoch: int = 0, split: str = "train") -> Iterator[torch.Tensor]:
         """Shuffled (train) or in-order (validation) ``[batch_size, length]`` batches; the tail is dropped."""
