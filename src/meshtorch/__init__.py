@@ -6,6 +6,7 @@
 from meshtorch import layers, optim
 from meshtorch.autodiff import gradients
 from meshtorch.core import (
+    DataError,
     Dimension,
     FeedError,
     Graph,

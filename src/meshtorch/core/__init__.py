@@ -1,13 +1,13 @@
 """Named dimensions, shapes, graphs and layout rules. Knows nothing of PyTorch execution."""
 
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension, convert_to_shape
-from meshtorch.core.errors import FeedError, LayoutError, MeshtorchError, ShapeError
+from meshtorch.core.errors import DataError, FeedError, LayoutError, MeshtorchError, ShapeError
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
 from meshtorch.core.layout import LayoutRules, TensorLayout, convert_to_layout_rules
 
 __all__ = [
     "Dimension", "Shape", "convert_to_dimension", "convert_to_shape",
-    "FeedError", "LayoutError", "MeshtorchError", "ShapeError",
+    "DataError", "FeedError", "LayoutError", "MeshtorchError", "ShapeError",
     "Graph", "Mesh", "Operation", "Tensor",
     "LayoutRules", "TensorLayout", "convert_to_layout_rules",
 ]

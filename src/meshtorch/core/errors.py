@@ -19,3 +19,7 @@ class LayoutError(MeshtorchError, ValueError):
 
 class FeedError(MeshtorchError, ValueError):
     """A value fed to ``Lowering.run`` does not match its placeholder."""
+
+
+class DataError(MeshtorchError, ValueError):
+    """A data file is missing, truncated or malformed (the message names the file)."""

@@ -1,0 +1,5 @@
+"""Data readers for meshtorch's example jobs."""
+
+from meshtorch.data.mnist import DEFAULT_DATA_DIR, load_idx, load_mnist
+
+__all__ = ["DEFAULT_DATA_DIR", "load_idx", "load_mnist"]
