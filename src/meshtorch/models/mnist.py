@@ -54,6 +54,7 @@ class MnistModel:
         labels: placeholder ``[batch]`` int64 (class ids in [0, classes)).
         w1: variable ``[rows, cols, hidden]``; w2: variable ``[hidden, classes]`` (value tensors).
         hidden_activations: ``[batch, hidden]``; logits: ``[batch, classes]``; loss: scalar float32.
+        w1_grad, w2_grad: d loss / d w1 and d loss / d w2 (same named shapes as the weights).
         update_ops: the SGD Assign operations; fetch them with ``loss`` to train one step.
     """
 
@@ -71,6 +72,8 @@ class MnistModel:
     hidden_activations: Tensor
     logits: Tensor
     loss: Tensor
+    w1_grad: Tensor
+    w2_grad: Tensor
     update_ops: list[Operation] = field(default_factory=list)
 
     def make_lowering(self, mesh_shape="", layout="", devices=None) -> Lowering:
@@ -145,4 +148,4 @@ def build_mnist_model(batch_size: int = 100, hidden_size: int = 1024, learning_r
     w1_grad, w2_grad = gradients([loss], [w1, w2])
     update_ops = SgdOptimizer(learning_rate).apply_grads([w1_grad, w2_grad], [w1, w2])
     return MnistModel(graph, mesh, batch_dim, rows_dim, cols_dim, hidden_dim, classes_dim, images, labels,
-                      w1, w2, hidden, logits, loss, update_ops)
+                      w1, w2, hidden, logits, loss, w1_grad, w2_grad, update_ops)
