@@ -155,6 +155,9 @@ def add_parser(subparsers):
     p.add_argument("--seed", type=int, default=0, help="seed of initial weights and shuffling (default: %(default)s)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="directory of the IDX files (default: %(default)s)")
     p.add_argument("--steps-per-epoch", type=int, default=None, help="cap on steps per epoch (default: all)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (default 0: torch's default, one per core); 1 is much faster on "
+                        "a CPU shared with other busy processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
     return p
@@ -165,8 +168,12 @@ def main(args) -> int:
     for what in ("epochs", "batch_size", "hidden"):
         if getattr(args, what) <= 0:
             raise ValueError(f"--{what.replace('_', '-')} must be positive, got {getattr(args, what)}.")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"meshtorch mnist: mesh {args.mesh!r} layout {args.layout!r} epochs {args.epochs} batch {args.batch_size} "
-          f"hidden {args.hidden} lr {args.lr} seed {args.seed}", flush=True)
+          f"hidden {args.hidden} lr {args.lr} seed {args.seed} threads {torch.get_num_threads()}", flush=True)
     run = train_mnist(args.mesh, args.layout, args.epochs, args.batch_size, args.hidden, args.lr, args.seed,
                       args.data_dir, steps_per_epoch=args.steps_per_epoch, progress=not args.no_progress,
                       log=lambda s: print(s, flush=True))
