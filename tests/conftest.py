@@ -3,3 +3,9 @@ import sys
 
 # Test this checkout's sources even when another checkout is pip-installed (e.g. git worktrees).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+import torch  # noqa: E402
+
+# The suite's tensors are small: one intra-op thread avoids oversubscribing the 2 CPU cores (and
+# the gloo worker processes some tests start), which made steps 10-20x slower under load.
+torch.set_num_threads(1)

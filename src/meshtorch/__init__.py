@@ -15,6 +15,7 @@ from meshtorch.checkpoint import (
     to_torch_state_dict,
 )
 from meshtorch.core import (
+    DataError,
     Dimension,
     FeedError,
     Graph,

@@ -59,3 +59,6 @@ def main_sample(args):
         print(args.prompt + tok.decode(ids))
         print("-" * 40)
     return outs
+
+
+add_parser = add_sample_subcommand  # the cli's module protocol

@@ -243,3 +243,6 @@ def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+add_parser = add_train_subcommand  # the cli's module protocol

@@ -1,0 +1,182 @@
+"""The ``meshtorch mnist`` job: train the Mesh TF README model on (Fashion-)MNIST.
+
+The training loop is shared by the command line (:mod:`meshtorch.cli`) and the tests. Batches
+are drawn from a permutation made by a ``torch.Generator`` seeded with ``seed`` alone, so runs
+under different meshes and layouts see exactly the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from meshtorch.data.mnist import load_mnist
+from meshtorch.lowering import Lowering
+from meshtorch.models.mnist import MnistModel, build_mnist_model
+
+
+@dataclass
+class EpochStats:
+    """One epoch: mean training loss over its steps, test accuracy (None if not evaluated), throughput."""
+
+    epoch: int
+    train_loss: float
+    test_accuracy: float | None
+    examples_per_sec: float
+    train_seconds: float
+    eval_seconds: float = 0.0
+
+
+@dataclass
+class MnistRun:
+    """Result of :func:`train_mnist`: per-epoch stats, every step's loss, the model and its lowering."""
+
+    epochs: list[EpochStats]
+    step_losses: list[float]
+    model: MnistModel
+    lowering: Lowering
+    wall_seconds: float = 0.0
+    config: dict = field(default_factory=dict)
+
+
+def evaluate(model: MnistModel, lowering: Lowering, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Accuracy of ``argmax(logits)`` on ``images`` uint8 ``[N, rows, cols]``, ``labels`` ``[N]``.
+
+    The last batch is padded with zeros when ``N`` is not a multiple of the batch size; padded
+    rows are not counted.
+    """
+    b = model.batch.size
+    n = images.shape[0]
+    correct = 0
+    for start in range(0, n, b):
+        x, y = images[start:start + b], labels[start:start + b]
+        k = x.shape[0]
+        if k < b:
+            x = torch.cat([x, x.new_zeros((b - k, *x.shape[1:]))])
+            y = torch.cat([y, y.new_zeros(b - k)])
+        logits = lowering.run(model.logits, feeds=model.feeds(x, y))
+        correct += int((logits[:k].argmax(dim=-1) == labels[start:start + k]).sum())
+    return correct / max(n, 1)
+
+
+def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_size: int = 100,
+                hidden: int = 1024, lr: float = 0.1, seed: int = 0, data_dir: str | None = None,
+                data: tuple | None = None, steps_per_epoch: int | None = None, evaluate_each_epoch: bool = True,
+                progress: bool = False, log: Callable[[str], None] | None = None) -> MnistRun:
+    """Train the README MNIST model with SGD on a PlacementMeshImpl; evaluate after each epoch.
+
+    Args:
+        mesh_shape, layout: e.g. ``"rows:2;cols:2"``, ``"batch:rows;hidden:cols"``.
+        epochs, batch_size, hidden, lr, seed: as the command-line flags.
+        data_dir: IDX files directory (default Fashion-MNIST's Debian location).
+        data: optional ``((train_images, train_labels), (test_images, test_labels))`` already loaded.
+        steps_per_epoch: optional cap on steps per epoch (default: every full batch).
+        evaluate_each_epoch: compute test accuracy after each epoch.
+        progress: show a tqdm bar.
+        log: called with one line per epoch (e.g. ``print``).
+
+    Returns:
+        :class:`MnistRun`.
+
+    Raises:
+        DataError: if the data files are missing or malformed. LayoutError: on an illegal layout.
+        ValueError: if the training set holds fewer examples than one batch.
+    """
+    t_start = time.perf_counter()
+    if data is None:
+        data = (load_mnist("train", data_dir), load_mnist("test", data_dir))
+    (train_x, train_y), (test_x, test_y) = data
+    n = train_x.shape[0]
+    if n < batch_size:
+        raise ValueError(f"mnist: the training set has {n} examples, fewer than one batch of {batch_size}.")
+    model = build_mnist_model(batch_size=batch_size, hidden_size=hidden, learning_rate=lr, seed=seed,
+                              rows=train_x.shape[1], cols=train_x.shape[2])
+    lowering = model.make_lowering(mesh_shape, layout)
+    fetches = model.train_fetches()
+    steps = n // batch_size if steps_per_epoch is None else min(steps_per_epoch, n // batch_size)
+    gen = torch.Generator().manual_seed(seed)
+    stats, step_losses = [], []
+    for epoch in range(1, epochs + 1):
+        perm = torch.randperm(n, generator=gen)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step", leave=False)
+        t0 = time.perf_counter()
+        epoch_losses = []
+        for s in range(steps):
+            idx = perm[s * batch_size:(s + 1) * batch_size]
+            loss = lowering.run(fetches, feeds=model.feeds(train_x[idx], train_y[idx]))[0]
+            epoch_losses.append(float(loss))
+            if bar is not None:
+                bar.update(1)
+                if s % 20 == 0:
+                    bar.set_postfix(loss=f"{epoch_losses[-1]:.4f}")
+        train_s = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        acc, eval_s = None, 0.0
+        if evaluate_each_epoch:
+            t1 = time.perf_counter()
+            acc = evaluate(model, lowering, test_x, test_y)
+            eval_s = time.perf_counter() - t1
+        step_losses += epoch_losses
+        st = EpochStats(epoch, sum(epoch_losses) / len(epoch_losses), acc, steps * batch_size / train_s, train_s,
+                        eval_s)
+        stats.append(st)
+        if log is not None:
+            acc_s = "n/a" if acc is None else f"{100 * acc:.2f}%"
+            log(f"epoch {epoch}/{epochs}: train loss {st.train_loss:.4f}  test accuracy {acc_s}  "
+                f"{st.examples_per_sec:,.0f} examples/s  ({train_s:.1f}s train, {eval_s:.1f}s eval)")
+    config = dict(mesh=mesh_shape, layout=layout, epochs=epochs, batch_size=batch_size, hidden=hidden, lr=lr,
+                  seed=seed)
+    return MnistRun(stats, step_losses, model, lowering, time.perf_counter() - t_start, config)
+
+
+def add_parser(subparsers):
+    """Register ``meshtorch mnist`` on an argparse subparsers object."""
+    from meshtorch.data.mnist import DEFAULT_DATA_DIR
+    p = subparsers.add_parser(
+        "mnist", help="train Mesh TF's README MNIST model on (Fashion-)MNIST",
+        description="Train Mesh TensorFlow's README MNIST model (one hidden ReLU layer, SGD) on a simulated "
+                    "processor mesh. The layout changes where computation and communication happen, "
+                    "never the numbers.")
+    p.add_argument("--mesh", default="rows:2;cols:2", help='mesh shape, e.g. "rows:2;cols:2", "all:4", or "" '
+                   "for one processor (default: %(default)s)")
+    p.add_argument("--layout", default="batch:rows;hidden:cols",
+                   help="layout rules tensor_dim:mesh_axis (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training set (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=100, help="examples per step (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=1024, help="size of the hidden dim (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of initial weights and shuffling (default: %(default)s)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="directory of the IDX files (default: %(default)s)")
+    p.add_argument("--steps-per-epoch", type=int, default=None, help="cap on steps per epoch (default: all)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (default 0: torch's default, one per core); 1 is much faster on "
+                        "a CPU shared with other busy processes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args) -> int:
+    """Run the job from parsed arguments; print per-epoch results and the communication summary."""
+    for what in ("epochs", "batch_size", "hidden"):
+        if getattr(args, what) <= 0:
+            raise ValueError(f"--{what.replace('_', '-')} must be positive, got {getattr(args, what)}.")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"meshtorch mnist: mesh {args.mesh!r} layout {args.layout!r} epochs {args.epochs} batch {args.batch_size} "
+          f"hidden {args.hidden} lr {args.lr} seed {args.seed} threads {torch.get_num_threads()}", flush=True)
+    run = train_mnist(args.mesh, args.layout, args.epochs, args.batch_size, args.hidden, args.lr, args.seed,
+                      args.data_dir, steps_per_epoch=args.steps_per_epoch, progress=not args.no_progress,
+                      log=lambda s: print(s, flush=True))
+    print(run.lowering.counters.summary())
+    print(f"wall time {run.wall_seconds:.1f}s")
+    return 0
