@@ -50,6 +50,7 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
     p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (atomic, restorable on any layout)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
@@ -129,6 +130,8 @@ def main_train(args) -> dict:
     from tqdm import tqdm
 
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     docs = load_documents(args.data)
     if args.tokenizer == "sentencepiece":
         tok = SentencePieceTokenizer(docs, vocab_size=args.vocab_size)
@@ -173,7 +176,7 @@ def main_train(args) -> dict:
     it = dataset.batches(cfg.batch_size, args.seed, epoch)
     for _ in range(in_epoch):
         next(it)
-    bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True)
+    bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5)
     t_start = time.perf_counter()
     for step in bar:
         batch = next(it, None)
