@@ -199,7 +199,7 @@ def _walk(steps, size, records, live: int = 0) -> tuple[int, int, int]:
     starting with ``live`` bytes (the feeds) live."""
     peak = live
     peak_i, largest = -1, 0
-    for i, (_, ins, outs, frees) in enumerate(steps):
+    for i, (_, _ins, outs, frees) in enumerate(steps):
         out_b = [size(o) for o in outs]
         largest = max([largest, *out_b])
         st = records.get(outs[0])
@@ -338,13 +338,24 @@ def graph_dimensions(graph) -> list[str]:
 def candidate_layouts(dim_names: Sequence[str], mesh_axes: Sequence[str], dim_sizes: dict | None = None,
                       axis_sizes: dict | None = None) -> list[str]:
     """All layout rules giving each mesh axis at most one dimension (each dimension at most one
-    axis), the all-replicated ``""`` first; with sizes, dims not divisible by an axis are skipped."""
-    out = []
-    options = [[None, *dim_names] for _ in mesh_axes]
+    axis), in order of ``dim_names`` per axis (the all-replicated ``""`` last).
+
+    With sizes (``dim_sizes``: name -> set of sizes; ``axis_sizes``: axis -> size), dims not
+    divisible by an axis are skipped, and of the rules that differ only by swapping mesh axes of
+    equal size (``batch:data;heads:model`` vs ``heads:data;batch:model`` on a 2x2 mesh) only the
+    first is kept: the cost model cannot tell them apart.
+    """
+    out, seen = [], set()
+    options = [[*dim_names, None] for _ in mesh_axes]
     for combo in itertools.product(*options):
         used = [d for d in combo if d is not None]
         if len(used) != len(set(used)):
             continue
+        if axis_sizes:
+            key = frozenset((d, axis_sizes[a]) for d, a in zip(combo, mesh_axes, strict=True) if d is not None)
+            if key in seen:
+                continue
+            seen.add(key)
         if dim_sizes and axis_sizes and any(
                 d is not None and any(s % axis_sizes[a] for s in dim_sizes.get(d, ()))
                 for d, a in zip(combo, mesh_axes, strict=True)):

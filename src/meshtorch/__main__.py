@@ -1,0 +1,5 @@
+"""``python -m meshtorch``."""
+
+from meshtorch.cli import main
+
+raise SystemExit(main())
