@@ -1,6 +1,7 @@
 """meshtorch.planning: the memory/FLOPs/communication report vs what the lowering actually holds and
 executes, the dry-run lowering, the layout search, and ``meshtorch plan``."""
 
+import collections
 import math
 
 import pytest
@@ -236,6 +237,26 @@ def test_search_drops_illegal_layouts():
                             candidate_rules=["batch:all", "hidden:all", ""])
     assert [lay for lay, _ in ranked if lay == "batch:all"] == []
     assert {lay for lay, _ in ranked} == {"hidden:all", ""}
+
+
+def test_greedy_refinement_finds_several_dims_on_one_axis():
+    from meshtorch.models.transformer import build_lm, preset
+    cfg = preset("tiny", num_layers=1, d_model=1024, num_heads=16, d_kv=64, d_ff=4096, length=256, batch_size=32,
+                 vocab_size=32000)
+    lm = build_lm(cfg, optimizer=mtf.optim.SgdOptimizer(0.1))  # big, but a dry run allocates nothing
+    refined = search_layouts(lambda: lm, "data:2,model:2")
+    plain = search_layouts(lambda: lm, "data:2,model:2", refine=0)
+    assert all(max(collections.Counter(a for _, a in _pairs(lay)).values(), default=0) <= 1 for lay, _ in plain)
+    best, rep = refined[0]
+    assert max(collections.Counter(a for _, a in _pairs(best)).values()) >= 2  # e.g. heads:model;d_ff:model
+    assert rep.estimated_time["total_s"] < plain[0][1].estimated_time["total_s"]
+    again = memory_report(mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl("data:2,model:2", best)},
+                                       materialize=False), [lm.loss] + lm.updates)
+    assert estimate_time(again)["total_s"] == pytest.approx(rep.estimated_time["total_s"])
+
+
+def _pairs(rules):
+    return [tuple(p.split(":")) for p in rules.split(";") if p]
 
 
 def test_plan_cli_reports_and_searches(capsys):

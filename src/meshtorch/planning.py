@@ -113,7 +113,7 @@ class MemoryReport:
                  f"   at step {self.peak_step[0]} ({self.peak_step[1]})",
                  f"  total                              {_human(self.total_bytes):>12}",
                  f"  largest single activation          {_human(self.largest_slot_bytes):>12}"
-                 + (f"   ({self.estimated_slots} slot sizes estimated)" if self.estimated_slots else ""),
+                 + (f"   ({self.estimated_slots} slot size(s) estimated)" if self.estimated_slots else ""),
                  f"einsum FLOPs per step: {self.einsum_flops:.3e} global, {self.flops_per_processor:.3e} "
                  "per processor"]
         comm = self.communication()
@@ -364,6 +364,19 @@ def candidate_layouts(dim_names: Sequence[str], mesh_axes: Sequence[str], dim_si
     return out
 
 
+def _rule_pairs(rules: str) -> list[tuple[str, str]]:
+    return [tuple(p.split(":")) for p in rules.replace(",", ";").split(";") if p.strip()]
+
+
+def _rules_str(pairs, dim_names: Sequence[str], axes: Sequence[str]) -> str:
+    """Canonical rule text: by mesh axis, then by the dims' order in the graph."""
+    def pos(seq, x):
+        return list(seq).index(x) if x in seq else len(seq)
+
+    pairs = sorted(pairs, key=lambda p: (pos(axes, p[1]), pos(dim_names, p[0]), p))
+    return ";".join(f"{d}:{a}" for d, a in pairs)
+
+
 def _default_fetches(built):
     if isinstance(built, tuple):
         return built[2]
@@ -374,7 +387,8 @@ def _default_fetches(built):
 
 def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str] | None = None,
                    memory_limit_bytes: int | None = None, fetches_fn: Callable | None = None,
-                   cost: CostModel | None = None, max_candidates: int = 256) -> list[tuple[str, MemoryReport]]:
+                   cost: CostModel | None = None, max_candidates: int = 256,
+                   refine: int | None = None) -> list[tuple[str, MemoryReport]]:
     """Rank layout rules for a model on a mesh by estimated step time (best first).
 
     Args:
@@ -390,9 +404,15 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
             ``[model.loss] + model.updates``).
         cost: the :class:`CostModel` (default ``CostModel()``).
         max_candidates: try at most this many candidates (in enumeration order).
+        refine: then improve the best ``refine`` layouts greedily: add the one ``dim:axis`` rule
+            (several dims may share an axis, e.g. ``heads:model;d_ff:model``) that lowers the
+            estimated time most (or, over the memory limit, the memory), until none does. 0: off;
+            default 3, or 0 when ``candidate_rules`` are given (only those are tried).
 
     Returns:
-        ``[(layout rules, MemoryReport)]`` sorted by ``report.estimated_time["total_s"]`` (ties:
+        ``[(layout rules, MemoryReport)]`` of every legal layout tried that fits the limit (one
+        of each set equal up to swapping mesh axes of one size), sorted by
+        ``report.estimated_time["total_s"]`` (ties:
         smaller ``total_bytes``). Illegal layouts (``LayoutError`` from the lowering: size not
         divisible, a dimension an op needs whole split, two dims of one tensor on one axis) are left out.
 
@@ -409,7 +429,8 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
     cost = cost or CostModel()
     probe = PlacementMeshImpl(mesh_shape, "")
     axis_sizes = {d.name: d.size for d in probe.shape}
-    if candidate_rules is None:
+    default_candidates = candidate_rules is None
+    if default_candidates:
         if len(axis_sizes) > 3:
             raise ValueError(f"search_layouts: the default exhaustive search allows at most 3 mesh axes, "
                              f"got {list(axis_sizes)}; pass candidate_rules.")
@@ -419,20 +440,53 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
                 for d in t.shape:
                     sizes[d.name].add(d.size)
         candidate_rules = candidate_layouts(graph_dimensions(graph), list(axis_sizes), sizes, axis_sizes)
-    results = []
+    limit = memory_limit_bytes
+    if refine is None:
+        refine = 3 if default_candidates else 0
+    scored: dict[str, MemoryReport | None] = {}
+
+    def score(rules: str) -> MemoryReport | None:
+        if rules not in scored:
+            try:
+                lw = Lowering(graph, {mesh: PlacementMeshImpl(mesh_shape, rules)}, materialize=False)
+            except LayoutError:
+                scored[rules] = None
+                return None
+            rep = memory_report(lw, fetches)
+            rep.layout = rules
+            rep.estimated_time = estimate_time(rep, cost)
+            scored[rules] = rep
+        return scored[rules]
+
+    def rank(rep: MemoryReport):  # layouts over the limit rank after every layout within it
+        over = limit is not None and rep.total_bytes > limit
+        return (over, rep.total_bytes if over else 0, rep.estimated_time["total_s"], rep.total_bytes)
+
     for rules in list(candidate_rules)[:max_candidates]:
-        try:
-            lw = Lowering(graph, {mesh: PlacementMeshImpl(mesh_shape, rules)}, materialize=False)
-        except LayoutError:
-            continue
-        rep = memory_report(lw, fetches)
-        rep.layout = rules
-        if memory_limit_bytes is not None and rep.total_bytes > memory_limit_bytes:
-            continue
-        rep.estimated_time = estimate_time(rep, cost)
-        results.append((rules, rep))
+        score(rules)
+    dim_names = graph_dimensions(graph)
+    seeds = sorted((r for r in scored.values() if r is not None), key=rank)[:refine]
+    for rep in seeds:  # greedy: add one more dim:axis rule while that lowers the rank
+        while True:
+            pairs = _rule_pairs(rep.layout)
+            used = {d for d, _ in pairs}
+            nbrs = [score(_rules_str(pairs + [(d, a)], dim_names, list(axis_sizes)))
+                    for d in dim_names if d not in used for a in axis_sizes]
+            nbrs = [r for r in nbrs if r is not None and rank(r) < rank(rep)]
+            if not nbrs:
+                break
+            rep = min(nbrs, key=rank)
+    results, seen = [], set()
+    for rules, r in sorted(((k, r) for k, r in scored.items() if r is not None), key=lambda kr: rank(kr[1])):
+        groups = defaultdict(set)
+        for d, a in _rule_pairs(rules):
+            groups[a].add(d)
+        key = frozenset((axis_sizes.get(a, a), frozenset(ds)) for a, ds in groups.items())
+        if key not in seen and (limit is None or r.total_bytes <= limit):
+            seen.add(key)
+            results.append((rules, r))
     if not results:
         raise ValueError(f"search_layouts: no legal layout on mesh {mesh_shape!r} fits "
-                         f"{'the memory limit ' + _human(memory_limit_bytes) if memory_limit_bytes else 'the graph'}.")
+                         f"{'the memory limit ' + _human(limit) if limit else 'the graph'}.")
     results.sort(key=lambda r: (r[1].estimated_time["total_s"], r[1].total_bytes))
     return results

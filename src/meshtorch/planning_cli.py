@@ -86,13 +86,17 @@ def main_plan(args) -> list:
         print(rep.summary())
         return [(args.layout, rep)]
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
-    ranked = search_layouts(lambda: lm, args.mesh, memory_limit_bytes=limit, fetches_fn=lambda m: fetches, cost=cost)
+    try:
+        ranked = search_layouts(lambda: lm, args.mesh, memory_limit_bytes=limit, fetches_fn=lambda m: fetches,
+                                cost=cost)
+    except ValueError as e:
+        raise SystemExit(f"meshtorch plan: {e}") from None
     print(f"{len(ranked)} legal layouts{' within ' + args.memory_limit if limit else ''}; best {args.top}:")
-    print(f"  {'rank':>4}  {'layout':<40}{'time ms':>10}{'compute':>10}{'comm':>10}{'memory/proc':>13}"
+    print(f"  {'rank':>4}  {'layout':<50}{'time ms':>10}{'compute':>10}{'comm':>10}{'memory/proc':>13}"
           f"{'comm/proc':>12}")
     for i, (lay, r) in enumerate(ranked[:args.top]):
         t = r.estimated_time
         comm = sum(b for _, b in r.communication().values())
-        print(f"  {i + 1:>4}  {lay or '(replicated)':<40}{t['total_s'] * 1e3:>10.3f}{t['compute_s'] * 1e3:>10.3f}"
+        print(f"  {i + 1:>4}  {lay or '(replicated)':<50}{t['total_s'] * 1e3:>10.3f}{t['compute_s'] * 1e3:>10.3f}"
               f"{t['comm_s'] * 1e3:>10.3f}{r.total_bytes / 2 ** 20:>10.1f} MiB{comm / 2 ** 20:>8.2f} MiB")
     return ranked
