@@ -180,6 +180,28 @@ def test_report_on_the_lm_matches_the_lowering_and_a_measured_run(layout):
     assert "allreduce" in rep.summary() and "peak activations" in rep.summary()
 
 
+@pytest.mark.parametrize("mesh_shape,layout,split", [("", "", 1), ("all:4", "big:all", 4)])
+def test_peak_includes_a_loop_body(mesh_shape, layout, split):
+    """A loop whose body builds a [b:4, big:1024] float32 value (16 KiB whole) from [b:4, h:8] ones."""
+    g = mtf.Graph(seed=0)
+    mesh = mtf.Mesh(g, "m")
+    x = mtf.get_variable(mesh, "x", "b:4,h:8")
+    w = mtf.get_variable(mesh, "w", "h:8,big:1024")
+    v = mtf.get_variable(mesh, "v", "big:1024,h:8")
+
+    def body(i, y):
+        wide = mtf.tanh(mtf.einsum([y, w], output_shape="b:4,big:1024"))
+        return [i + mtf.constant(mesh, 1, dtype=torch.int64), mtf.einsum([wide, v], output_shape="b:4,h:8")]
+
+    _, y = mtf.while_loop(lambda i, y: mtf.less(i, mtf.constant(mesh, 3, dtype=torch.int64)), body,
+                          [mtf.constant(mesh, 0, dtype=torch.int64), x * 1.0])
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)}, materialize=False)
+    rep = memory_report(lw, y)
+    wide = 4 * 1024 * 4 // split
+    assert rep.largest_slot_bytes == wide
+    assert wide <= rep.peak_activation_bytes <= 3 * wide  # the einsum and the tanh outputs, plus small ones
+
+
 def test_cost_model_formulas():
     c = mtf.counters.Collective("allreduce", ("all",), "op", "t", 1000, 4, "SUM")
     cm = CostModel(flop_rate=1e9, bandwidth=1e6, latency=1e-3)
