@@ -292,3 +292,5 @@ def test_plan_cli_reports_and_searches(capsys):
     out = capsys.readouterr().out
     assert "legal layouts" in out and out.count("\n") >= 5
     assert math.isfinite(float(out.strip().splitlines()[-1].split()[2]))
+    with pytest.raises(SystemExit, match="length"):
+        main(args + ["--layout", "batch:data;length:model"])  # attention needs length whole

@@ -13,6 +13,7 @@ import math
 import re
 
 import meshtorch as mtf
+from meshtorch.core.errors import LayoutError
 from meshtorch.models.transformer import PRESETS, build_lm, preset
 from meshtorch.planning import CostModel, estimate_time, memory_report, search_layouts
 
@@ -79,7 +80,10 @@ def main_plan(args) -> list:
           "(dry run: nothing allocated or executed)")
     fetches = [lm.loss] + lm.updates
     if not args.search:
-        lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+        try:
+            lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+        except LayoutError as e:
+            raise SystemExit(f"meshtorch plan: illegal layout {args.layout!r}: {e}") from None
         rep = memory_report(lw, fetches)
         rep.layout = args.layout
         rep.estimated_time = estimate_time(rep, cost)
