@@ -49,9 +49,12 @@ def add_plan_subcommand(subparsers) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts to print with --search")
     p.add_argument("--memory-limit", default=None, help="with --search: drop layouts needing more per processor "
                                                         "(e.g. 16GiB)")
-    p.add_argument("--flop-rate", type=float, default=CostModel.flop_rate, help="cost model: FLOP/s per processor")
-    p.add_argument("--bandwidth", type=float, default=CostModel.bandwidth, help="cost model: link bytes/s")
-    p.add_argument("--latency", type=float, default=CostModel.latency, help="cost model: seconds per collective")
+    p.add_argument("--hardware", default="gpu", choices=["gpu", "cpu"],
+                   help="cost-model defaults: gpu = CostModel() (1e14 FLOP/s, 1e11 B/s, 1e-5 s), "
+                        "cpu = CostModel.cpu() (1e11, 1e10, 5e-5)")
+    p.add_argument("--flop-rate", type=float, default=None, help="cost model: FLOP/s per processor")
+    p.add_argument("--bandwidth", type=float, default=None, help="cost model: link bytes/s")
+    p.add_argument("--latency", type=float, default=None, help="cost model: seconds per collective")
     p.set_defaults(func=main_plan)
 
 
@@ -63,7 +66,9 @@ def _config(args, vocab_multiple: int):
 
 def main_plan(args) -> list:
     """Print the plan (or the ranked layouts); returns ``[(layout, MemoryReport)]``."""
-    cost = CostModel(args.flop_rate, args.bandwidth, args.latency)
+    base = CostModel.cpu() if args.hardware == "cpu" else CostModel()
+    cost = CostModel(args.flop_rate or base.flop_rate, args.bandwidth or base.bandwidth,
+                     args.latency if args.latency is not None else base.latency)
     impl = mtf.PlacementMeshImpl(args.mesh, "" if args.search else args.layout)
     if args.search:  # the vocab must be divisible by whichever axis the search puts it on
         multiple = math.lcm(*[d.size for d in impl.shape]) if impl.shape.ndims else 1
