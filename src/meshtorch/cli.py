@@ -12,7 +12,7 @@ import sys
 
 from meshtorch.core.errors import MeshtorchError
 
-_COMMANDS = ["meshtorch.train", "meshtorch.sample_cmd", "meshtorch.mnist_job"]
+_COMMANDS = ["meshtorch.train", "meshtorch.sample_cmd", "meshtorch.mnist_job", "meshtorch.planning_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,6 +106,12 @@ class Lowering:
     Args:
         graph: the Graph (operations added after this call are not part of the program).
         mesh_to_impl: ``{Mesh: MeshImpl}``.
+        materialize: ``False`` plans without computing variables' initial values (a dry run:
+            ``lowering.variables[v]`` is ``None``, the program, ``plan_counters`` and
+            :mod:`meshtorch.planning` reports are the same; ``run`` raises RuntimeError).
+
+    ``slot_bytes[slot]`` is the per-processor byte size of the value in ``slot`` for every slot
+    a tensor was ``set`` to (and every forced all-reduce), from ``slice_shape`` and dtype.
 
     Raises:
         LayoutError: naming the tensor and dimension, if the layout rules are illegal for some
@@ -113,8 +119,10 @@ class Lowering:
             whole is split).
     """
 
-    def __init__(self, graph: Graph, mesh_to_impl: dict[Mesh, MeshImpl]):
+    def __init__(self, graph: Graph, mesh_to_impl: dict[Mesh, MeshImpl], materialize: bool = True):
         self.graph = graph
+        self.materialize = materialize
+        self.slot_bytes: dict[int, int] = {}  # slot -> per-processor bytes (for memory planning)
         self.mesh_to_impl = dict(mesh_to_impl)
         self.steps: list[Step] = []
         self._n_slots = 0
@@ -219,6 +227,11 @@ class Lowering:
         source once and reapplies ``fn``, so the source and its scaled copies share one all-reduce.
         """
         self._lowered[t] = _Lowered(slot, frozenset(pending), source if pending else None, self._target)
+        self._record_bytes(slot, t)
+
+    def _record_bytes(self, slot: int, t: Tensor):
+        if slot not in self.slot_bytes:
+            self.slot_bytes[slot] = int(np.prod(self.slice_shape(t), dtype=np.int64)) * _itemsize(t.dtype)
 
     def _lookup(self, t: Tensor) -> _Lowered:
         lowered = self._lowered.get(t)
@@ -252,6 +265,7 @@ class Lowering:
                     self._forced[t] = self.slicewise(fn, self.get(src), mesh=t)
                 else:
                     self._forced[t] = self.allreduce(lowered.slot, sorted(lowered.pending), "SUM", t)
+                self._record_bytes(self._forced[t], t)
             finally:
                 self._current_op = saved
                 self._target = saved_target
@@ -452,7 +466,11 @@ class Lowering:
 
         Raises:
             FeedError: naming the placeholder, if one the fetches need is missing or has the wrong shape.
+            RuntimeError: on a dry-run lowering (``materialize=False``).
         """
+        if not self.materialize:
+            raise RuntimeError("Lowering(..., materialize=False) is a dry run for planning: its variables have "
+                               "no storage, so it cannot run; build a Lowering with materialize=True to run.")
         single = not isinstance(fetches, list | tuple)
         fetches = [fetches] if single else list(fetches)
         prog = self._program(fetches)

@@ -78,8 +78,10 @@ class Variable(Operation):
         sizes = impl.slice_shape(out.shape, layout)
         master = self.variable_dtype.master_dtype
         make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name)
-        value = impl.laid_out_constant(
-            lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
+        value = None  # a dry-run lowering (materialize=False) allocates no storage
+        if getattr(lw, "materialize", True):
+            value = impl.laid_out_constant(
+                lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
         lw.set(out, lw.register_variable(self, value))
 
 
