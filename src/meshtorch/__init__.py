@@ -24,6 +24,7 @@ from meshtorch.core import (
 from meshtorch.counters import Collective, Counters
 from meshtorch.lowering import Lowering
 from meshtorch.mesh import MeshImpl, PlacementMeshImpl
+from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.ops.binary import (
     add,
     divide,

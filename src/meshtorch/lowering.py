@@ -329,7 +329,7 @@ class Lowering:
         c.add(self._program(fetches).counters)
         return c
 
-    def run(self, fetches, feeds: dict | None = None):
+    def run(self, fetches, feeds: dict | None = None, feed_slices: bool = False, return_slices: bool = False):
         """Execute the steps ``fetches`` need; return full ``torch.Tensor``s (None for assign ops).
 
         Args:
@@ -337,9 +337,16 @@ class Lowering:
                 and their assignments committed at the end of the run.
             feeds: ``{placeholder Tensor: torch.Tensor or numpy array}`` with the placeholder's
                 full shape (dimension order as declared).
+            feed_slices: feeds hold this process's *slices* instead of full tensors: one slice
+                (slice shape, see :meth:`local_slice_bounds`) when the process holds one processor
+                (SPMD, or a 1-processor mesh), else a list with one slice per
+                ``mesh_impl.local_pnums()`` entry. No process then needs the whole batch.
+            return_slices: return each fetched tensor as this process's slice(s) (same convention
+                as ``feed_slices``) instead of the full tensor (which costs an all-gather on SPMD).
 
         Raises:
-            FeedError: naming the placeholder, if one the fetches need is missing or has the wrong shape.
+            FeedError: naming the placeholder, if one the fetches need is missing or has the wrong
+                (full or slice) shape.
         """
         single = not isinstance(fetches, list | tuple)
         fetches = [fetches] if single else list(fetches)
@@ -352,7 +359,10 @@ class Lowering:
             if t not in feeds:
                 raise FeedError(f"Placeholder {t.name!r} {t.shape} is needed by the fetches but was not fed; "
                                 f"pass feeds={{{t.name}: tensor}}.")
-            env[s] = self.mesh_impl(t).import_full(self._check_feed(t, feeds[t]), self.tensor_layout(t))
+            if feed_slices:
+                env[s] = self._import_slices(t, feeds[t])
+            else:
+                env[s] = self.mesh_impl(t).import_full(self._check_feed(t, feeds[t]), self.tensor_layout(t))
         for var, s in prog.var_reads:
             env[s] = self.variables[var]
         for fn, ins, outs, frees in prog.steps:
@@ -365,11 +375,41 @@ class Lowering:
                 env[f] = None
         results = []
         for s, t in prog.fetch_slots:
-            results.append(None if s is None else self.mesh_impl(t).export_full(env[s], self.tensor_layout(t)))
+            if s is None:
+                results.append(None)
+            elif return_slices:
+                local = self.mesh_impl(t).local_slices(env[s])
+                results.append(local[0] if len(local) == 1 else local)
+            else:
+                results.append(self.mesh_impl(t).export_full(env[s], self.tensor_layout(t)))
         for var, s in prog.assignments:
             self.variables[var] = env[s]
         self.counters.add(prog.counters)
         return results[0] if single else results
+
+    def local_slice_bounds(self, t: Tensor) -> list[tuple[slice, ...]]:
+        """Index ranges (one ``slice`` per dim of ``t``) of the slices this process holds, one per
+        ``mesh_impl(t).local_pnums()`` entry: what to feed with ``run(..., feed_slices=True)``."""
+        impl = self.mesh_impl(t)
+        lay = self.tensor_layout(t)
+        return [impl.slice_bounds(t.shape, p, lay) for p in impl.local_pnums()]
+
+    def _import_slices(self, t: Tensor, value):
+        impl = self.mesh_impl(t)
+        n = len(impl.local_pnums())
+        values = list(value) if isinstance(value, list | tuple) else [value]
+        if len(values) != n:
+            raise FeedError(f"Placeholder {t.name!r}: feed_slices=True needs {n} local slice(s) (one per "
+                            f"processor this process holds), got {len(values)}.")
+        want = tuple(self.slice_shape(t))
+        out = []
+        for p, v in zip(impl.local_pnums(), values, strict=True):
+            v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+            if tuple(v.shape) != want:
+                raise FeedError(f"Placeholder {t.name!r} {t.shape} has slice shape {list(want)} on processor {p} "
+                                f"(layout {self.tensor_layout(t)}), but was fed a slice of shape {list(v.shape)}.")
+            out.append(v.to(device=impl.device(p), dtype=t.dtype))
+        return impl.from_local_slices(out)
 
     def _check_feed(self, t: Tensor, value) -> torch.Tensor:
         if isinstance(value, np.ndarray):

@@ -1,0 +1,40 @@
+"""Command line: ``meshtorch <command> ...`` (also ``python -m meshtorch``).
+
+Each command lives in its own module exposing ``add_parser(subparsers)`` (which sets
+``func``); add a new command by appending its module to ``_COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from meshtorch.core.errors import MeshtorchError
+
+_COMMANDS = ["meshtorch.launch"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subcommand per module in ``_COMMANDS``."""
+    parser = argparse.ArgumentParser(prog="meshtorch", description="Mesh TensorFlow's named-dimension model "
+                                     "parallelism on PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    sub.required = True
+    for mod in _COMMANDS:
+        importlib.import_module(mod).add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``meshtorch`` script. Returns the exit status (2 on a meshtorch error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (MeshtorchError, ValueError) as e:
+        print(f"meshtorch {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data helpers: which examples each process reads (:mod:`meshtorch.data.sharding`)."""
