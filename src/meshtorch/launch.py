@@ -11,8 +11,8 @@
 
 Failure behaviour (no silent hang): when a rank raises, its uncaught exception is recorded in the
 process group's key-value store ("rank R: <exception>"); a watchdog thread in every other rank polls
-that key (every 0.25 s) and exits the process with status 1 and a message naming the failed rank and
-the cause. A rank that dies without raising (killed) closes its sockets, so its peers' next
+that key (every 0.25 s) and exits the process with status 1 (2 s later, so that the failed rank
+exits first and launchers name it) and a message naming the failed rank and the cause. A rank that dies without raising (killed) closes its sockets, so its peers' next
 collective raises at once; a rank that hangs makes its peers' collectives time out after
 ``timeout_s`` (default 60 s, env ``MESHTORCH_TIMEOUT``). ``meshtorch launch`` (and torchrun) also
 stop the remaining ranks when one exits non-zero.
@@ -141,9 +141,9 @@ def report_failure(exc: BaseException | str) -> str | None:
 
 
 class _Watchdog(threading.Thread):
-    def __init__(self, store, rank: int, poll_s: float):
+    def __init__(self, store, rank: int, poll_s: float, exit_delay_s: float):
         super().__init__(name="meshtorch-failure-watchdog", daemon=True)
-        self.store, self.rank, self.poll_s = store, rank, poll_s
+        self.store, self.rank, self.poll_s, self.exit_delay_s = store, rank, poll_s, exit_delay_s
         self.stopped = threading.Event()
         self.reported = False  # this rank recorded its own failure
 
@@ -159,28 +159,38 @@ class _Watchdog(threading.Thread):
                 return
             print(f"meshtorch: rank {self.rank} stopping because {msg}", file=sys.stderr, flush=True)
             sys.stdout.flush()
+            # exit a little after the failed rank, so that torchrun / meshtorch launch name it as the first failure
+            time.sleep(self.exit_delay_s)
             os._exit(1)
 
 
-def start_watchdog(poll_s: float = 0.25) -> None:
-    """Start the failure watchdog thread and the uncaught-exception hook (idempotent)."""
+def start_watchdog(poll_s: float = 0.25, exit_delay_s: float = 2.0) -> None:
+    """Start the failure watchdog thread and the uncaught-exception hook (idempotent).
+
+    The watchdog checks the store every ``poll_s`` seconds; on another rank's failure it prints the
+    record and exits with status 1 after ``exit_delay_s`` seconds (so the failed rank exits first).
+    """
     global _watchdog
     store = _store()
     if store is None or _watchdog is not None:
         return
-    _watchdog = _Watchdog(store, dist.get_rank(), poll_s)
+    _watchdog = _Watchdog(store, dist.get_rank(), poll_s, exit_delay_s)
     _watchdog.start()
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
-        if _watchdog is not None and dist.is_initialized():
-            first = report_failure(exc)
-            _watchdog.reported = True
-            mine = f"rank {dist.get_rank()} "
-            if first and not first.startswith(mine):
-                print(f"meshtorch: rank {dist.get_rank()} failed after {first}", file=sys.stderr, flush=True)
-            time.sleep(2 * poll_s + 0.25)  # let the others read the record before this store host may exit
+        if _watchdog is None or not dist.is_initialized():
+            previous(exc_type, exc, tb)
+            return
+        _watchdog.reported = True
+        first = report_failure(exc)
         previous(exc_type, exc, tb)
+        rank = dist.get_rank()
+        if first and not first.startswith(f"rank {rank} "):
+            print(f"meshtorch: rank {rank} failed (above) after {first}", file=sys.stderr, flush=True)
+        else:
+            print(f"meshtorch: rank {rank} failed: {first or exc!r}", file=sys.stderr, flush=True)
+        time.sleep(2 * poll_s + 0.25)  # let the others read the record before this process (maybe the store host) exits
 
     sys.excepthook = hook
 
@@ -190,6 +200,8 @@ def stop_watchdog() -> None:
     global _watchdog
     if _watchdog is not None:
         _watchdog.stopped.set()
+        if _watchdog is not threading.current_thread():
+            _watchdog.join(timeout=5.0)  # never leave it inside a store call while the store is torn down
         _watchdog = None
 
 

@@ -38,6 +38,7 @@ class SpmdRun:
     results: list
     timed_out: bool
     elapsed: float
+    start_wall: float = 0.0  # time.time() when the processes were started
 
     def check(self):
         """Raise AssertionError with every failed rank's stderr unless all ranks exited 0."""
@@ -67,7 +68,7 @@ def run_spmd(target: str, args=(), nprocs: int = 4, timeout_s: float = 120.0, di
         base["PYTHONPATH"] = os.pathsep.join([SRC_DIR, *extra_path, base.get("PYTHONPATH", "")])
         base["OMP_NUM_THREADS"] = "1"
         errs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(nprocs)]  # noqa: SIM115
-        start = time.monotonic()
+        start, start_wall = time.monotonic(), time.time()
         procs = [subprocess.Popen([sys.executable, "-m", "meshtorch.testing_spmd", tmp],
                                   env=launch_env(r, nprocs, port, base, dist_timeout_s),
                                   stdout=subprocess.DEVNULL, stderr=errs[r]) for r in range(nprocs)]
@@ -99,7 +100,7 @@ def run_spmd(target: str, args=(), nprocs: int = 4, timeout_s: float = 120.0, di
                     results.append(pickle.load(f))
             else:
                 results.append(None)
-    return SpmdRun(codes, exit_times, stderr, results, timed_out, elapsed)
+    return SpmdRun(codes, exit_times, stderr, results, timed_out, elapsed, start_wall)
 
 
 def _child_main(tmp: str):

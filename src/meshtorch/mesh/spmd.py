@@ -66,6 +66,10 @@ class SpmdMeshImpl(MeshImpl):
 
     def __init__(self, mesh_shape, layout_rules, device=None, backend=None):
         super().__init__(mesh_shape, layout_rules)
+        if dist.is_initialized():  # the existing group's backend decides where slices live
+            backend = dist.get_backend()
+            if device is None and backend != "nccl":
+                device = "cpu"
         self._device, backend = default_device_and_backend(device, backend)
         if not dist.is_initialized():
             from meshtorch.launch import init_distributed

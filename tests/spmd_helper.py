@@ -1,0 +1,121 @@
+"""Functions run inside the 4 gloo processes of tests/test_spmd.py (via meshtorch.testing_spmd.run_spmd).
+
+Each builds a small graph, runs it on SpmdMeshImpl and returns what the parent process compares with
+a PlacementMeshImpl run of the same graph (the parent never trusts the workers' own comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import meshtorch as mtf
+from meshtorch.data.sharding import batch_slice, local_batch_indices, local_feed
+
+INIT_LAYOUTS = [("all:4", "hidden:all"), ("all:4", "r:all"), ("rows:2;cols:2", "hidden:rows;classes:cols"),
+                ("rows:2;cols:2", "r:rows;c:cols")]
+FEED_LAYOUTS = [("all:4", "batch:all"), ("rows:2;cols:2", "batch:rows;hidden:cols"), ("all:4", "hidden:all")]
+
+
+def init_graph():
+    """Variables with several initializers: ``{name: Tensor}`` and the graph."""
+    g = mtf.Graph(seed=3)
+    mesh = mtf.Mesh(g, "mesh")
+    r, c, h, k = mtf.Dimension("r", 4), mtf.Dimension("c", 4), mtf.Dimension("hidden", 8), mtf.Dimension("classes", 4)
+    vs = {
+        "w1": mtf.get_variable(mesh, "w1", [r, c, h]),  # Glorot uniform
+        "w2": mtf.get_variable(mesh, "w2", [h, k], initializer=mtf.random_normal_initializer(stddev=0.5)),
+        "w3": mtf.get_variable(mesh, "w3", [k, r], initializer=mtf.truncated_normal_initializer()),
+        "b": mtf.get_variable(mesh, "b", [k], initializer=0.25),
+    }
+    return g, mesh, vs
+
+
+def init_values_worker():
+    """Per layout: {variable name: (local slice, its index bounds, slice shape the impl expects)}."""
+    out = {}
+    for mesh_shape, layout in INIT_LAYOUTS:
+        g, mesh, vs = init_graph()
+        lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl(mesh_shape, layout)})
+        got = {}
+        for name, t in vs.items():
+            value = lw.variables[t.operation]
+            (bounds,) = lw.local_slice_bounds(t)
+            got[name] = (value.clone(), bounds, lw.slice_shape(t), type(value).__name__)
+        out[(mesh_shape, layout)] = got
+    return out
+
+
+def feed_graph():
+    g = mtf.Graph(seed=5)
+    mesh = mtf.Mesh(g, "mesh")
+    batch, io, hidden = mtf.Dimension("batch", 8), mtf.Dimension("io", 4), mtf.Dimension("hidden", 8)
+    x = mtf.placeholder(mesh, "x", [batch, io])
+    w = mtf.get_variable(mesh, "w", [io, hidden])
+    y = mtf.relu(mtf.einsum([x, w], output_shape=[batch, hidden]))
+    loss = mtf.reduce_mean(mtf.square(y))
+    (gw,) = mtf.gradients([loss], [w])
+    update = mtf.assign_sub(w, gw * 0.5)
+    return g, mesh, x, w, y, loss, update
+
+
+def example_rows(ids: torch.Tensor) -> torch.Tensor:
+    """The 'dataset': example i is a fixed function of i, so a process computes only the rows it reads."""
+    j = torch.arange(4, dtype=torch.float32)
+    return torch.sin(ids.to(torch.float32)[:, None] * 1.7 + j[None, :] * 0.3) + 0.2
+
+
+def feeds_worker(steps: int = 3):
+    """Train with local feeds; returns per layout the losses, local y slices with bounds and final w."""
+    out = {}
+    for mesh_shape, layout in FEED_LAYOUTS:
+        g, mesh, x, w, y, loss, update = feed_graph()
+        lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl(mesh_shape, layout)})
+        rec = {"loss": [], "y": [], "ids": []}
+        for step in range(steps):
+            batch_ids = torch.arange(8) + 8 * step  # the global batch's example ids
+            ids = local_batch_indices(lw, x, "batch", indices=batch_ids)
+            rec["ids"].append(ids)
+            feed = local_feed(lw, x, example_rows(ids))
+            loss_v, y_local, _ = lw.run([loss, y, update], feeds={x: feed}, feed_slices=True, return_slices=True)
+            (bounds,) = lw.local_slice_bounds(y)
+            rec["loss"].append(float(loss_v.reshape(())))
+            rec["y"].append((y_local.clone(), bounds))
+        rec["w"] = lw.variable_value("w")
+        # the same program with a full feed still works, and batch_slice gives the same slice
+        full = example_rows(torch.arange(8))
+        rec["full_feed_loss"] = float(lw.run(loss, feeds={x: full}))
+        rec["batch_slice_loss"] = float(lw.run(loss, feeds={x: batch_slice(full, lw, x)}, feed_slices=True))
+        try:
+            lw.run(loss, feeds={x: full}, feed_slices=True)
+            rec["bad_feed"] = None
+        except mtf.FeedError as e:
+            rec["bad_feed"] = str(e)
+        out[(mesh_shape, layout)] = rec
+    try:
+        mtf.SpmdMeshImpl("all:2", "")
+        out["wrong_mesh"] = None
+    except mtf.MeshtorchError as e:
+        out["wrong_mesh"] = str(e)
+    return out
+
+
+def failing_worker(fail_rank: int, fail_step: int, how: str = "raise"):
+    """Train a data-parallel step in a loop; ``fail_rank`` raises (or dies) at ``fail_step``."""
+    g, mesh, x, w, y, loss, update = feed_graph()
+    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all")})
+    rank = dist.get_rank()
+    for step in range(fail_step + 50):
+        if rank == fail_rank and step == fail_step:
+            print(f"FAILING_AT {time.time():.3f}", file=sys.stderr, flush=True)
+            if how == "exit":
+                os._exit(3)
+            raise RuntimeError(f"injected failure at step {step}")
+        ids = local_batch_indices(lw, x, indices=torch.arange(8))
+        lw.run([loss, update], feeds={x: local_feed(lw, x, example_rows(ids))}, feed_slices=True)
+        time.sleep(0.05)
+    return "finished"
