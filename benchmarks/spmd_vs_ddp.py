@@ -114,8 +114,8 @@ def main(argv=None):
     print("DDP       steps/s per block:", ", ".join(f"{v:.1f}" for v in res["times"]["ddp"]))
     print(f"median: meshtorch {m:.1f} steps/s, DDP {d:.1f} steps/s, ratio meshtorch/DDP = {m / d:.3f}")
     err = max(abs(a - b) / abs(b) for a, b in zip(res["mtf_losses"], res["ddp_losses"], strict=True))
-    print(f"first 5 losses meshtorch {['%.5f' % v for v in res['mtf_losses']]}")
-    print(f"first 5 losses DDP       {['%.5f' % v for v in res['ddp_losses']]}  (max rel. diff {err:.2e})")
+    print(f"first 5 losses meshtorch {[f'{v:.5f}' for v in res['mtf_losses']]}")
+    print(f"first 5 losses DDP       {[f'{v:.5f}' for v in res['ddp_losses']]}  (max rel. diff {err:.2e})")
 
 
 if __name__ == "__main__":

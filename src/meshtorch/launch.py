@@ -12,10 +12,11 @@
 Failure behaviour (no silent hang): when a rank raises, its uncaught exception is recorded in the
 process group's key-value store ("rank R: <exception>"); a watchdog thread in every other rank polls
 that key (every 0.25 s) and exits the process with status 1 (2 s later, so that the failed rank
-exits first and launchers name it) and a message naming the failed rank and the cause. A rank that dies without raising (killed) closes its sockets, so its peers' next
-collective raises at once; a rank that hangs makes its peers' collectives time out after
-``timeout_s`` (default 60 s, env ``MESHTORCH_TIMEOUT``). ``meshtorch launch`` (and torchrun) also
-stop the remaining ranks when one exits non-zero.
+exits first and launchers name it) and a message naming the failed rank and the cause. A rank
+that dies without raising (killed) closes its sockets, so its peers' next collective raises at
+once; a rank that hangs makes its peers' collectives time out after ``timeout_s`` (default 60 s,
+env ``MESHTORCH_TIMEOUT``). ``meshtorch launch`` (and torchrun) also stop the remaining ranks when
+one exits non-zero.
 """
 
 from __future__ import annotations
