@@ -45,3 +45,12 @@ def examples(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def max_rss_mib() -> float:
     """Peak resident set size of this process so far (MiB; Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def current_rss_mib() -> float:
+    """Resident set size now (MiB), from /proc/self/statm (Linux)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1024.0 * 1024.0)

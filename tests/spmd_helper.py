@@ -105,7 +105,7 @@ def feeds_worker(steps: int = 3):
 
 
 def failing_worker(fail_rank: int, fail_step: int, how: str = "raise"):
-    """Train a data-parallel step in a loop; ``fail_rank`` raises (or dies) at ``fail_step``."""
+    """Train a data-parallel step in a loop; ``fail_rank`` raises, dies or hangs (``how``) at ``fail_step``."""
     g, mesh, x, w, y, loss, update = feed_graph()
     lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all")})
     rank = dist.get_rank()
@@ -114,6 +114,8 @@ def failing_worker(fail_rank: int, fail_step: int, how: str = "raise"):
             print(f"FAILING_AT {time.time():.3f}", file=sys.stderr, flush=True)
             if how == "exit":
                 os._exit(3)
+            if how == "hang":
+                time.sleep(3600)
             raise RuntimeError(f"injected failure at step {step}")
         ids = local_batch_indices(lw, x, indices=torch.arange(8))
         lw.run([loss, update], feeds={x: local_feed(lw, x, example_rows(ids))}, feed_slices=True)
