@@ -85,7 +85,10 @@ def shutdown_distributed() -> None:
     Without it gloo's threads may abort the interpreter at exit ("terminate called without an
     active exception", status -6).
     """
+    from meshtorch.mesh import spmd
+
     stop_watchdog()
+    spmd._GROUPS.clear()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
