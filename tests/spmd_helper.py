@@ -107,7 +107,7 @@ def feeds_worker(steps: int = 3):
 def failing_worker(fail_rank: int, fail_step: int, how: str = "raise"):
     """Train a data-parallel step in a loop; ``fail_rank`` raises, dies or hangs (``how``) at ``fail_step``."""
     g, mesh, x, w, y, loss, update = feed_graph()
-    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all")})
+    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl(f"all:{dist.get_world_size()}", "batch:all")})
     rank = dist.get_rank()
     for step in range(fail_step + 50):
         if rank == fail_rank and step == fail_step:
