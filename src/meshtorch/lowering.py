@@ -383,7 +383,7 @@ class Lowering:
             else:
                 results.append(self.mesh_impl(t).export_full(env[s], self.tensor_layout(t)))
         for var, s in prog.assignments:
-            self.variables[var] = env[s]
+            self.variables[var] = self.mesh_impl(var.outputs[0]).materialize(env[s])
         self.counters.add(prog.counters)
         return results[0] if single else results
 

@@ -171,6 +171,11 @@ class MeshImpl:
         """The slices this process holds, in pnum order."""
         raise NotImplementedError
 
+    def materialize(self, x):
+        """``x`` with any communication still in flight finished (the Lowering calls it before keeping
+        a value beyond one run, e.g. a variable's new value). Identity unless collectives are asynchronous."""
+        return x
+
     def local_pnums(self) -> list[int]:
         """Processor numbers whose slices this process holds (default: all, as in placement)."""
         return list(range(self.size))

@@ -56,6 +56,8 @@ class SpmdMeshImpl(MeshImpl):
         backend: used only if the default process group is not initialized yet (it is then
             initialized from torchrun's environment, see :func:`meshtorch.launch.init_distributed`);
             default ``nccl`` for CUDA devices, ``gloo`` otherwise.
+        async_allreduce: start all-reduces asynchronously and wait at the first use of the result,
+            so that independent computation overlaps the communication (default True).
 
     Raises:
         MeshtorchError: if the mesh has a different number of processors than the world size.
@@ -64,8 +66,9 @@ class SpmdMeshImpl(MeshImpl):
     same fetches in the same order. Source: Mesh TF ``SimdMeshImpl``; PyTorch ``torch.distributed``.
     """
 
-    def __init__(self, mesh_shape, layout_rules, device=None, backend=None):
+    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_allreduce: bool = True):
         super().__init__(mesh_shape, layout_rules)
+        self.async_allreduce = async_allreduce
         if dist.is_initialized():  # the existing group's backend decides where slices live
             backend = dist.get_backend()
             if device is None and backend != "nccl":
@@ -116,7 +119,10 @@ class SpmdMeshImpl(MeshImpl):
         return [self.rank]
 
     def local_slices(self, x) -> list[torch.Tensor]:
-        return [x]
+        return [_ready(x)]
+
+    def materialize(self, x):
+        return _ready(x)
 
     def from_local_slices(self, slices):
         return slices[0]
@@ -126,7 +132,7 @@ class SpmdMeshImpl(MeshImpl):
         return fn(self.rank)
 
     def slicewise(self, fn, *inputs, num_outputs: int = 1):
-        out = fn(*inputs)
+        out = fn(*[_ready(x) for x in inputs])
         return out if num_outputs == 1 else tuple(out)
 
     def allreduce(self, x, mesh_axes, reduction="SUM"):
@@ -138,6 +144,8 @@ class SpmdMeshImpl(MeshImpl):
         group, _ = self._group(mesh_axes)
         buf, back = _wire(x)
         buf = buf.clone()  # all_reduce works in place; never modify an input slot
+        if self.async_allreduce:
+            return _InFlight(dist.all_reduce(buf, op=_OPS[reduction], group=group, async_op=True), buf, back)
         dist.all_reduce(buf, op=_OPS[reduction], group=group)
         return back(buf)
 
@@ -201,7 +209,7 @@ class SpmdMeshImpl(MeshImpl):
     def export_full(self, x, layout: TensorLayout) -> torch.Tensor:
         used = sorted({a for a in layout if a is not None})
         if not used:
-            return x
+            return _ready(x)
         split = [(i, a) for i, a in enumerate(layout) if a is not None]
         group, ranks = self._group(used)
         n = len(ranks)
@@ -217,8 +225,35 @@ class SpmdMeshImpl(MeshImpl):
         return back(_assemble(pieces, split, self.shape))
 
 
+class _InFlight:
+    """An all-reduce started asynchronously (``async_op=True``); its value is waited for on first use.
+
+    Lets computation that does not need the sum (e.g. the next layer's gradient) overlap with the
+    communication, as DistributedDataParallel's bucketed all-reduces do. Only this module sees
+    these objects: every primitive resolves its inputs, and the Lowering calls :meth:`materialize`
+    before storing a value beyond the run.
+    """
+
+    __slots__ = ("work", "buf", "back", "value")
+
+    def __init__(self, work, buf, back):
+        self.work, self.buf, self.back, self.value = work, buf, back, None
+
+    def result(self) -> torch.Tensor:
+        if self.value is None:
+            self.work.wait()
+            self.value = self.back(self.buf)
+            self.work = self.buf = None
+        return self.value
+
+
+def _ready(x):
+    return x.result() if isinstance(x, _InFlight) else x
+
+
 def _wire(x: torch.Tensor):
     """``(tensor to communicate, function back to x's dtype)``: bool travels as uint8 (gloo/NCCL lack bool)."""
+    x = _ready(x)
     if x.dtype == torch.bool:
         return x.to(torch.uint8), lambda t: t.to(torch.bool)
     return x, lambda t: t
