@@ -121,3 +121,27 @@ def failing_worker(fail_rank: int, fail_step: int, how: str = "raise"):
         lw.run([loss, update], feeds={x: local_feed(lw, x, example_rows(ids))}, feed_slices=True)
         time.sleep(0.05)
     return "finished"
+
+
+def assign_sum_graph():
+    """``v <- einsum(x, w)`` contracting the split ``batch``: the assigned value is an all-reduce's output."""
+    g = mtf.Graph(seed=7)
+    mesh = mtf.Mesh(g, "mesh")
+    batch, io, hidden = mtf.Dimension("batch", 8), mtf.Dimension("io", 4), mtf.Dimension("hidden", 8)
+    x = mtf.placeholder(mesh, "x", [batch, io])
+    w = mtf.get_variable(mesh, "w", [batch, hidden])
+    v = mtf.get_variable(mesh, "v", [io, hidden], initializer=0.0)
+    op = mtf.assign(v, mtf.einsum([x, w], output_shape=[io, hidden]))
+    return g, mesh, x, v, op
+
+
+def async_worker():
+    """Assign an all-reduce output directly (async and sync all-reduce); variable must be a plain tensor."""
+    out = {}
+    for async_allreduce in (True, False):
+        g, mesh, x, v, op = assign_sum_graph()
+        lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all", async_allreduce=async_allreduce)})
+        lw.run(op, feeds={x: example_rows(torch.arange(8))})
+        stored = lw.variables[v.operation]
+        out[async_allreduce] = (type(stored).__name__, stored.clone(), lw.variable_value("v"))
+    return out

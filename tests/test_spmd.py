@@ -37,7 +37,8 @@ def job():
     """The one 4-process job: (op suite report, initial values, feed results, wall seconds)."""
     tasks = [("meshtorch.testing_spmd:op_suite_worker", (OP_MODULES,)),
              ("spmd_helper:init_values_worker", ()),
-             ("spmd_helper:feeds_worker", ())]
+             ("spmd_helper:feeds_worker", ()),
+             ("spmd_helper:async_worker", ())]
     t0 = time.monotonic()
     run = run_spmd("meshtorch.testing_spmd:run_tasks", args=(tasks,), nprocs=4, timeout_s=JOB_TIMEOUT_S,
                    extra_path=[TESTS_DIR]).check()
@@ -107,6 +108,20 @@ def test_local_feeds_and_slices(job):
                 assert "'x'" in r["bad_feed"] and "slice shape" in r["bad_feed"]
     # batch split over 4 ranks: each rank read 2 of the 8 examples
     assert [len(rec[("all:4", "batch:all")]["ids"][0]) for rec in per_rank] == [2, 2, 2, 2]
+
+
+def test_assigned_allreduce_output_is_materialized(job):
+    """A variable assigned straight from an (asynchronous) all-reduce holds a finished tensor after the run."""
+    (g, mesh, x, v, op), lw = _placement_lowering(H.assign_sum_graph, "all:4", "batch:all")
+    lw.run(op, feeds={x: H.example_rows(torch.arange(8))})
+    want = lw.variable_value("v")
+    assert want.abs().max() > 0
+    for rec in (r[3] for r in job):
+        for async_allreduce in (True, False):
+            type_name, stored, full = rec[async_allreduce]
+            assert type_name == "Tensor"
+            assert rel_error(full, want) <= 1e-6 and torch.equal(stored, full)
+        assert torch.equal(rec[True][1], rec[False][1])
 
 
 def test_feed_slices_on_placement():
