@@ -145,3 +145,61 @@ def async_worker():
         stored = lw.variables[v.operation]
         out[async_allreduce] = (type(stored).__name__, stored.clone(), lw.variable_value("v"))
     return out
+
+
+PRIMITIVE_MESHES = ["all:4", "rows:2;cols:2"]
+
+
+def primitive_inputs():
+    """Full tensors of three dtypes and the layouts (mesh axis per tensor dim) to import them with."""
+    gen = torch.Generator().manual_seed(11)
+    f = torch.randn(4, 6, 8, generator=gen)
+    tensors = {"float32": f, "int64": (f * 10).to(torch.int64), "bool": f > 0.3}
+    layouts = {"all:4": [(None, None, None), (0, None, None), (None, None, 0)],
+               "rows:2;cols:2": [(None, None, None), (0, None, 1), (1, 0, None), (None, None, 0)]}
+    return tensors, layouts
+
+
+def primitive_calls(impl, x, layout):
+    """``[(name, laid-out result)]``: every primitive on ``x`` (the same list for any MeshImpl)."""
+    from itertools import combinations
+
+    out = []
+    nd = impl.ndims
+    for r in range(1, nd + 1):
+        for axes in combinations(range(nd), r):
+            for red in ("SUM", "MAX", "MIN"):
+                out.append((f"allreduce{axes}{red}", impl.allreduce(x, list(axes), red)))
+    for a in range(nd):
+        n = impl.shape[a].size
+        for c in range(3):
+            out.append((f"allconcat{a},{c}", impl.allconcat(x, a, c)))
+            for sp in range(3):
+                if impl.slice_shape([("d0", 4), ("d1", 6), ("d2", 8)], _layout(layout))[sp] % n == 0:
+                    out.append((f"alltoall{a},{sp},{c}", impl.alltoall(x, a, sp, c)))
+        for off in (1, -1, 2):
+            for wrap in (True, False):
+                out.append((f"shift{a},{off},{wrap}", impl.shift_by_n_processors(x, a, off, wrap)))
+        out.append((f"receive{a}", impl.receive(x, a, [n - 1 - c if c % 2 == 0 else None for c in range(n)])))
+    out.append(("export", impl.export_full(x, _layout(layout))))
+    return out
+
+
+def _layout(t):
+    from meshtorch.core.layout import TensorLayout
+
+    return TensorLayout(t)
+
+
+def primitives_worker():
+    """SpmdMeshImpl primitives on every dtype/layout: ``{(mesh, dtype, layout, name): local result}``."""
+    tensors, layouts = primitive_inputs()
+    out = {}
+    for mesh_shape in PRIMITIVE_MESHES:
+        impl = mtf.SpmdMeshImpl(mesh_shape, "")
+        for dtype, full in tensors.items():
+            for lay in layouts[mesh_shape]:
+                x = impl.import_full(full, _layout(lay))
+                for name, value in primitive_calls(impl, x, lay):
+                    out[(mesh_shape, dtype, lay, name)] = impl.local_slices(value)[0] if name != "export" else value
+    return out
