@@ -83,17 +83,38 @@ def shutdown_distributed() -> None:
     """Stop the watchdog and destroy the process groups (registered at exit by :func:`init_distributed`).
 
     Without it gloo's threads may abort the interpreter at exit ("terminate called without an
-    active exception", status -6).
+    active exception", status -6). Unless some rank recorded a failure, the ranks first meet at a
+    barrier (gloo: ``monitored_barrier``, at most 30 s) so that none tears down its connections
+    while a peer is still inside the last collective.
     """
     from meshtorch.mesh import spmd
 
     stop_watchdog()
     spmd._GROUPS.clear()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if not _failure_recorded():  # all ranks leave together, so none tears down mid-collective
         try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(30.0, DEFAULT_TIMEOUT_S)))
+            else:
+                dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer is gone: nothing to wait for
             pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def _failure_recorded() -> bool:
+    store = _store()
+    if store is None:
+        return False
+    try:
+        return bool(store.check([FAILED_KEY]))
+    except Exception:  # noqa: BLE001 - store gone: treat as failed, do not wait
+        return True
 
 
 def make_mesh_impl(mesh_shape, layout, device=None):
