@@ -245,3 +245,33 @@ def test_meshtorch_launch(tmp_path, fail):
         assert "rank 1 failed first" in p.stderr and "boom on rank one" in p.stderr, p.stderr[-3000:]
         assert "rank 0 stopping because rank 1" in p.stderr, p.stderr[-3000:]
         print(f"\nmeshtorch launch with a failing rank: exit 1 after {time.monotonic() - t0:.1f} s in all")
+
+
+def test_gradient_allreduce_is_hoisted_before_earlier_layers_backward():
+    """Data parallel 2-layer MLP: the last layer's gradient sum is issued before the first layer's gradient
+    einsum (so an asynchronous all-reduce overlaps it), and results are unchanged."""
+    g = mtf.Graph(seed=1)
+    mesh = mtf.Mesh(g, "mesh")
+    b, i, h, o = mtf.Dimension("batch", 8), mtf.Dimension("io", 4), mtf.Dimension("hidden", 8), mtf.Dimension("out", 4)
+    x = mtf.placeholder(mesh, "x", [b, i])
+    w1, w2 = mtf.get_variable(mesh, "w1", [i, h]), mtf.get_variable(mesh, "w2", [h, o])
+    y = mtf.einsum([mtf.relu(mtf.einsum([x, w1], output_shape=[b, h])), w2], output_shape=[b, o])
+    loss = mtf.reduce_mean(mtf.square(y))
+    update = mtf.optim.SgdOptimizer(0.1).apply_grads(mtf.gradients([loss], [w1, w2]), [w1, w2])
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "batch:all")})
+    steps = lw._program(update).steps
+    produced_by = {o: k for k, st in enumerate(steps) for o in st[2]}
+    kinds = [lw.steps[[id(s.fn) for s in lw.steps].index(id(st[0]))] for st in steps]
+    allreduces = [k for k, s in enumerate(kinds) if s.kind == "allreduce"]
+    assert len(allreduces) == 2
+    for k in allreduces:  # right after the step that makes its input
+        assert all(produced_by.get(s, -1) == k - 1 for s in steps[k][1] if s in produced_by), kinds[k].op
+    first_einsum_grad = min(k for k, s in enumerate(kinds) if s.op.startswith("einsum_grad"))
+    assert allreduces[0] < first_einsum_grad, [s.op for s in kinds]
+    ref = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")})
+    feed = H.example_rows(torch.arange(8))
+    for _ in range(2):
+        lw.run(update, feeds={x: feed})
+        ref.run(update, feeds={x: feed})
+    for n in ("w1", "w2"):
+        assert rel_error(lw.variable_value(n), ref.variable_value(n)) <= 1e-6

@@ -288,6 +288,7 @@ class Lowering:
                 chosen.append(st)
                 needed.update(st.inputs)
         chosen.reverse()
+        chosen = _hoist_collectives(chosen)
         # free each slot after its last use (never fetched/assigned/constant slots)
         keep = {s for s, _ in result_slots if s is not None} | {s for _, s in assignments}
         last_use: dict[int, int] = {}
@@ -468,6 +469,26 @@ class Lowering:
                 extra = f" over {','.join(c.mesh_axes)} {c.bytes_per_processor} B/processor"
             lines.append(f"{i:4d} {st.kind:<10} {st.op:<28} {list(st.inputs)} -> {list(st.outputs)}{extra}")
         return "\n".join(lines)
+
+
+def _hoist_collectives(steps: list) -> list:
+    """Move each collective to just after the step producing its input.
+
+    The order stays valid (a collective's inputs exist where it lands; its outputs are used no earlier
+    than before) and is a deterministic function of the program, so every SPMD process issues the
+    same collectives in the same order. A lazy all-reduce is emitted where its sum is first *needed*
+    (e.g. by the optimizer update), so without this the gradient sums of all layers would start only
+    after the whole backward pass; hoisted, an asynchronous all-reduce overlaps the remaining backward
+    computation (as DDP's buckets do).
+    """
+    out: list = []
+    for st in steps:
+        if st.collective is None:
+            out.append(st)
+            continue
+        made = {o: i for i, prev in enumerate(out) for o in prev.outputs}
+        out.insert(max([-1] + [made.get(s, -1) for s in st.inputs]) + 1, st)
+    return out
 
 
 def _itemsize(dtype: torch.dtype) -> int:
