@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 
-def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async_allreduce: bool = True) -> dict:
+def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async_allreduce: bool = False) -> dict:
     sys.path.insert(0, HERE)
     import mlp_model as M
     import torch.distributed as dist
@@ -104,17 +104,17 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--blocking", action="store_true", help="blocking all-reduces (async_allreduce=False)")
+    ap.add_argument("--async-allreduce", action="store_true", help="asynchronous all-reduces (CPU default: blocking)")
     args = ap.parse_args(argv)
     from meshtorch.testing_spmd import run_spmd
 
     res = run_spmd("spmd_vs_ddp:worker", args=(args.hidden, args.batch, args.steps, args.blocks, args.threads,
-                                                 not args.blocking),
+                                                 args.async_allreduce),
                    nprocs=2, timeout_s=900, extra_path=[HERE]).check().results[0]
     m = statistics.median(res["times"]["meshtorch"])
     d = statistics.median(res["times"]["ddp"])
     print(f"MNIST MLP hidden {args.hidden}, global batch {args.batch}, 2 gloo processes x {args.threads} thread(s), "
-          f"{args.blocks} blocks of {args.steps} steps, {'blocking' if args.blocking else 'async'} all-reduce")
+          f"{args.blocks} blocks of {args.steps} steps, {'async' if args.async_allreduce else 'blocking'} all-reduce")
     print("meshtorch steps/s per block:", ", ".join(f"{v:.1f}" for v in res["times"]["meshtorch"]))
     print("DDP       steps/s per block:", ", ".join(f"{v:.1f}" for v in res["times"]["ddp"]))
     paired = statistics.median(a / b for a, b in zip(res["times"]["meshtorch"], res["times"]["ddp"], strict=True))

@@ -221,7 +221,7 @@ value = float(lw.run(loss, feeds={{x: H.example_rows(torch.arange(8))}}))
 if {fail} and dist.get_rank() == 1:
     raise ValueError("boom on rank one")
 lw.run(loss, feeds={{x: H.example_rows(torch.arange(8))}})
-print("LOSS", dist.get_rank(), value)
+sys.stdout.write(f"LOSS {{dist.get_rank()}} {{value!r}}\\n")  # one write(): lines of the 2 ranks never interleave
 """
 
 

@@ -129,11 +129,13 @@ def spmd_layouts(case, per_mesh: int = 2) -> list:
 def op_suite_worker(module_names, per_mesh: int = 2, rtol_vs_placement: float = 1e-6) -> dict:
     """Run every OP_CASES entry of ``module_names`` on SpmdMeshImpl; rank 0 compares.
 
+    ``all:4`` runs use blocking all-reduces and ``rows:2;cols:2`` runs asynchronous ones, so both paths
+    of :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` see the whole suite.
+
     Returns (rank 0) ``{case name: [(mesh, layout, error message or None)]}``; other ranks ``{}``.
     """
     import torch.distributed as dist
 
-    from meshtorch.mesh.spmd import SpmdMeshImpl
     from meshtorch.testing import reference_run, rel_error, run_layout
 
     rank = dist.get_rank()
@@ -149,7 +151,7 @@ def op_suite_worker(module_names, per_mesh: int = 2, rtol_vs_placement: float = 
             for mesh_shape, layout in spmd_layouts(case, per_mesh):
                 try:
                     outs, grads, _ = run_layout(case.build, case.inputs, mesh_shape, layout, grad=case.grad,
-                                                make_impl=SpmdMeshImpl)
+                                                make_impl=_make_spmd)
                     err = None
                     if rank == 0:
                         err = _compare(case, outs, grads, mesh_shape, layout, rtol_vs_placement,
@@ -158,6 +160,12 @@ def op_suite_worker(module_names, per_mesh: int = 2, rtol_vs_placement: float = 
                     err = traceback.format_exc(limit=8)
                 report[key].append((mesh_shape, layout, err))
     return report if rank == 0 else {}
+
+
+def _make_spmd(mesh_shape, layout):
+    from meshtorch.mesh.spmd import SpmdMeshImpl
+
+    return SpmdMeshImpl(mesh_shape, layout, async_allreduce=(mesh_shape == "rows:2;cols:2"))
 
 
 def _same_on_all_ranks(inputs) -> bool:

@@ -57,7 +57,9 @@ class SpmdMeshImpl(MeshImpl):
             initialized from torchrun's environment, see :func:`meshtorch.launch.init_distributed`);
             default ``nccl`` for CUDA devices, ``gloo`` otherwise.
         async_allreduce: start all-reduces asynchronously and wait at the first use of the result,
-            so that independent computation overlaps the communication (default True).
+            so that independent computation overlaps the communication. Default: on for CUDA
+            devices; off on CPU, where gloo's reduction competes with the computation for the same
+            cores (measured no faster on the 2-core test machine, see docs/distributed.md).
 
     Raises:
         MeshtorchError: if the mesh has a different number of processors than the world size.
@@ -66,14 +68,14 @@ class SpmdMeshImpl(MeshImpl):
     same fetches in the same order. Source: Mesh TF ``SimdMeshImpl``; PyTorch ``torch.distributed``.
     """
 
-    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_allreduce: bool = True):
+    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_allreduce: bool | None = None):
         super().__init__(mesh_shape, layout_rules)
-        self.async_allreduce = async_allreduce
         if dist.is_initialized():  # the existing group's backend decides where slices live
             backend = dist.get_backend()
             if device is None and backend != "nccl":
                 device = "cpu"
         self._device, backend = default_device_and_backend(device, backend)
+        self.async_allreduce = self._device.type == "cuda" if async_allreduce is None else bool(async_allreduce)
         if not dist.is_initialized():
             from meshtorch.launch import init_distributed
             init_distributed(backend=backend)
