@@ -173,7 +173,7 @@ def _same_on_all_ranks(inputs) -> bool:
 
     sums = []
     for _, (_, v) in sorted(inputs.items()):
-        v = v.detach().to(torch.float64).reshape(-1)
+        v = torch.nan_to_num(v.detach().to(torch.float64).reshape(-1), nan=12345.0, posinf=1e300, neginf=-1e300)
         sums += [v.sum(), (v * torch.arange(1, v.numel() + 1, dtype=torch.float64)).sum()]
     x = torch.stack(sums) if sums else torch.zeros(1, dtype=torch.float64)
     lo, hi = x.clone(), x.clone()
