@@ -34,6 +34,7 @@ from meshtorch.core import (
 from meshtorch.counters import Collective, Counters
 from meshtorch.lowering import Lowering
 from meshtorch.mesh import MeshImpl, PlacementMeshImpl
+from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.planning import CostModel, MemoryReport, memory_report, search_layouts
 from meshtorch.ops.binary import (
     add,

@@ -12,7 +12,8 @@ import sys
 
 from meshtorch.core.errors import MeshtorchError
 
-_COMMANDS = ["meshtorch.train", "meshtorch.sample_cmd", "meshtorch.mnist_job", "meshtorch.planning_cli"]
+_COMMANDS = ["meshtorch.train", "meshtorch.sample_cmd", "meshtorch.mnist_job", "meshtorch.planning_cli",
+             "meshtorch.launch"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -455,7 +455,7 @@ class Lowering:
         c.add(self._program(fetches).counters)
         return c
 
-    def run(self, fetches, feeds: dict | None = None):
+    def run(self, fetches, feeds: dict | None = None, feed_slices: bool = False, return_slices: bool = False):
         """Execute the steps ``fetches`` need; return full ``torch.Tensor``s (None for assign ops).
 
         Args:
@@ -463,9 +463,16 @@ class Lowering:
                 and their assignments committed at the end of the run.
             feeds: ``{placeholder Tensor: torch.Tensor or numpy array}`` with the placeholder's
                 full shape (dimension order as declared).
+            feed_slices: feeds hold this process's *slices* instead of full tensors: one slice
+                (slice shape, see :meth:`local_slice_bounds`) when the process holds one processor
+                (SPMD, or a 1-processor mesh), else a list with one slice per
+                ``mesh_impl.local_pnums()`` entry. No process then needs the whole batch.
+            return_slices: return each fetched tensor as this process's slice(s) (same convention
+                as ``feed_slices``) instead of the full tensor (which costs an all-gather on SPMD).
 
         Raises:
-            FeedError: naming the placeholder, if one the fetches need is missing or has the wrong shape.
+            FeedError: naming the placeholder, if one the fetches need is missing or has the wrong
+                (full or slice) shape.
             RuntimeError: on a dry-run lowering (``materialize=False``).
         """
         if not self.materialize:
@@ -482,7 +489,10 @@ class Lowering:
             if t not in feeds:
                 raise FeedError(f"Placeholder {t.name!r} {t.shape} is needed by the fetches but was not fed; "
                                 f"pass feeds={{{t.name}: tensor}}.")
-            env[s] = self.mesh_impl(t).import_full(self._check_feed(t, feeds[t]), self.tensor_layout(t))
+            if feed_slices:
+                env[s] = self._import_slices(t, feeds[t])
+            else:
+                env[s] = self.mesh_impl(t).import_full(self._check_feed(t, feeds[t]), self.tensor_layout(t))
         for var, s in prog.var_reads:
             env[s] = self.variables[var]
         count = self.run_count
@@ -491,12 +501,42 @@ class Lowering:
         run_steps(prog.steps, env)
         results = []
         for s, t in prog.fetch_slots:
-            results.append(None if s is None else self.mesh_impl(t).export_full(env[s], self.tensor_layout(t)))
+            if s is None:
+                results.append(None)
+            elif return_slices:
+                local = self.mesh_impl(t).local_slices(env[s])
+                results.append(local[0] if len(local) == 1 else local)
+            else:
+                results.append(self.mesh_impl(t).export_full(env[s], self.tensor_layout(t)))
         for var, s in prog.assignments:
-            self.variables[var] = env[s]
+            self.variables[var] = self.mesh_impl(var.outputs[0]).materialize(env[s])
         self.counters.add(prog.counters)
         self.run_count += 1
         return results[0] if single else results
+
+    def local_slice_bounds(self, t: Tensor) -> list[tuple[slice, ...]]:
+        """Index ranges (one ``slice`` per dim of ``t``) of the slices this process holds, one per
+        ``mesh_impl(t).local_pnums()`` entry: what to feed with ``run(..., feed_slices=True)``."""
+        impl = self.mesh_impl(t)
+        lay = self.tensor_layout(t)
+        return [impl.slice_bounds(t.shape, p, lay) for p in impl.local_pnums()]
+
+    def _import_slices(self, t: Tensor, value):
+        impl = self.mesh_impl(t)
+        n = len(impl.local_pnums())
+        values = list(value) if isinstance(value, list | tuple) else [value]
+        if len(values) != n:
+            raise FeedError(f"Placeholder {t.name!r}: feed_slices=True needs {n} local slice(s) (one per "
+                            f"processor this process holds), got {len(values)}.")
+        want = tuple(self.slice_shape(t))
+        out = []
+        for p, v in zip(impl.local_pnums(), values, strict=True):
+            v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+            if tuple(v.shape) != want:
+                raise FeedError(f"Placeholder {t.name!r} {t.shape} has slice shape {list(want)} on processor {p} "
+                                f"(layout {self.tensor_layout(t)}), but was fed a slice of shape {list(v.shape)}.")
+            out.append(v.to(device=impl.device(p), dtype=t.dtype))
+        return impl.from_local_slices(out)
 
     def _check_feed(self, t: Tensor, value) -> torch.Tensor:
         if isinstance(value, np.ndarray):
@@ -599,6 +639,7 @@ def _select_steps(steps, needed: set, keep: set):
             chosen.append(st)
             needed.update(st.inputs)
     chosen.reverse()
+    chosen = _hoist_collectives(chosen)
     last_use: dict[int, int] = {}
     for i, st in enumerate(chosen):
         for s in st.inputs:
@@ -608,6 +649,26 @@ def _select_steps(steps, needed: set, keep: set):
         if s not in keep:
             frees[i].append(s)
     return chosen, frees
+
+
+def _hoist_collectives(steps: list) -> list:
+    """Move each collective to just after the step producing its input.
+
+    The order stays valid (a collective's inputs exist where it lands; its outputs are used no earlier
+    than before) and is a deterministic function of the program, so every SPMD process issues the
+    same collectives in the same order. A lazy all-reduce is emitted where its sum is first *needed*
+    (e.g. by the optimizer update), so without this the gradient sums of all layers would start only
+    after the whole backward pass; hoisted, an asynchronous all-reduce overlaps the remaining backward
+    computation (as DDP's buckets do).
+    """
+    out: list = []
+    for st in steps:
+        if st.collective is None:
+            out.append(st)
+            continue
+        made = {o: i for i, prev in enumerate(out) for o in prev.outputs}
+        out.insert(max([-1] + [made.get(s, -1) for s in st.inputs]) + 1, st)
+    return out
 
 
 def _itemsize(dtype: torch.dtype) -> int:

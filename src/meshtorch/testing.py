@@ -94,8 +94,11 @@ def enumerate_layouts(build, inputs, meshes=DEFAULT_MESHES, seed=0, max_pairs=12
     return out
 
 
-def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_seed=1234):
-    """Build and run once; returns (outputs, {input name: gradient or None}, lowering)."""
+def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_seed=1234, make_impl=None):
+    """Build and run once; returns (outputs, {input name: gradient or None}, lowering).
+
+    ``make_impl(mesh_shape, layout) -> MeshImpl`` (default ``PlacementMeshImpl``) picks the implementation.
+    """
     g = mtf.Graph(seed=seed)
     mesh = mtf.Mesh(g, "mesh")
     tensors = _make_inputs(mesh, inputs)
@@ -118,7 +121,7 @@ def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_s
             grad_names = [n for n, gr in zip(grad_names, grads, strict=True) if gr is not None]
         else:
             grad_names = []
-    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+    lw = mtf.Lowering(g, {mesh: (make_impl or mtf.PlacementMeshImpl)(mesh_shape, layout)})
     for n, (_, v) in inputs.items():
         if v.dtype.is_floating_point:
             lw.set_variable_value(n, v)

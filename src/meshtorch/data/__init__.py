@@ -1,4 +1,4 @@
-"""Data readers: MNIST IDX files, text corpora."""
+"""Data readers: MNIST IDX files, text corpora; which examples each process reads (``sharding``)."""
 
 from meshtorch.data.mnist import DEFAULT_DATA_DIR, load_idx, load_mnist
 

@@ -171,5 +171,18 @@ class MeshImpl:
         """The slices this process holds, in pnum order."""
         raise NotImplementedError
 
+    def materialize(self, x):
+        """``x`` with any communication still in flight finished (the Lowering calls it before keeping
+        a value beyond one run, e.g. a variable's new value). Identity unless collectives are asynchronous."""
+        return x
+
+    def local_pnums(self) -> list[int]:
+        """Processor numbers whose slices this process holds (default: all, as in placement)."""
+        return list(range(self.size))
+
+    def from_local_slices(self, slices: Sequence[torch.Tensor]):
+        """Laid-out value from this process's slices, one per :meth:`local_pnums` entry, in that order."""
+        return list(slices)
+
     def __repr__(self):
         return f"{type(self).__name__}({str(self.shape)!r}, {str(self.layout_rules)!r})"
