@@ -42,7 +42,7 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--vocab-size", type=int, default=1024, help="SentencePiece vocabulary size")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"])
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (adafactor: None = its own)")
+    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (adafactor: <= 0 = its own schedule)")
     p.add_argument("--schedule", default="cosine", choices=["constant", "linear-warmup", "rsqrt", "cosine"])
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -50,7 +50,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (0: torch's default). One is fastest for the small per-processor "
+                        "slices of a simulated mesh on a few cores; raise it for large models")
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
     p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (atomic, restorable on any layout)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
