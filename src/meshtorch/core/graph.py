@@ -108,6 +108,8 @@ class Operation:
 
     #: dimension names this op needs whole on every processor (layouts may not split them)
     unsplittable_dims: tuple[str, ...] = ()
+    #: False for ops no gradient flows through (sources, assignments, comparisons...)
+    differentiable: bool = True
 
     def __init__(self, inputs, mesh: Mesh | None = None, name: str | None = None):
         self.inputs: list[Tensor] = list(inputs)
@@ -132,10 +134,12 @@ class Operation:
 
     @property
     def has_gradient(self) -> bool:
-        return True
+        return self.differentiable
 
     def gradient(self, grad_ys):
         """Gradients for each input given gradients of each output (None = zero)."""
+        if not self.differentiable:
+            return [None] * len(self.inputs)
         raise NotImplementedError(f"{type(self).__name__} {self.name!r} has no gradient.")
 
     def lower(self, lowering):

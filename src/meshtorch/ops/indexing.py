@@ -49,12 +49,7 @@ class OneHotOperation(Operation):
         self.output_dim = output_dim
         self.outputs = [Tensor(self, indices.shape + [output_dim], dtype)]
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return [None]
+    differentiable = False
 
     def lower(self, lw):
         out = self.outputs[0]

@@ -84,12 +84,7 @@ class RandomOperation(Operation):
         self.key = self.name if seed is None else f"seed={int(seed)}"
         self.outputs = [Tensor(self, convert_to_shape(shape), dtype)]
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return []
+    differentiable = False
 
     def lower(self, lw):
         impl = lw.mesh_impl(self)

@@ -211,12 +211,7 @@ class RangeOperation(Operation):
             raise TypeError(f"range {self.name!r}: dtype must be a torch.dtype, got {dtype!r}.")
         self.outputs = [Tensor(self, [self.dim], dtype)]
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return []
+    differentiable = False
 
     def lower(self, lw):
         out = self.outputs[0]

@@ -64,12 +64,7 @@ class Variable(Operation):
     def activation_dtype(self):
         return self.variable_dtype.activation_dtype
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return []
+    differentiable = False
 
     def lower(self, lw):
         impl = lw.mesh_impl(self)
@@ -140,12 +135,7 @@ class Assign(Operation):
                 raise ShapeError(f"assign: variable {var.name!r} has shape {var.shape} but the new value "
                                  f"{val.name!r} has shape {val.shape}; the dims must match.")
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return [None] * len(self.inputs)
+    differentiable = False
 
     def lower(self, lw):
         for var, val in zip(self.variables, self.inputs, strict=True):
@@ -185,12 +175,7 @@ class Placeholder(Operation):
         super().__init__([], mesh, name=name)
         self.outputs = [Tensor(self, convert_to_shape(shape), dtype, name=self.name)]
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return []
+    differentiable = False
 
     def lower(self, lw):
         out = self.outputs[0]
@@ -218,12 +203,7 @@ class ImportOperation(Operation):
         self.value = value
         self.outputs = [Tensor(self, shape, value.dtype, name=self.name)]
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return []
+    differentiable = False
 
     def lower(self, lw):
         out = self.outputs[0]
@@ -267,12 +247,7 @@ class ConstantOperation(Operation):
         self.value = value
         self.outputs = [Tensor(self, convert_to_shape(shape), dtype, name=self.name)]
 
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return []
+    differentiable = False
 
     def lower(self, lw):
         impl = lw.mesh_impl(self)
