@@ -1,0 +1,449 @@
+"""Hypothesis property tests: random named shapes, meshes and legal layouts for the elementwise, binary,
+reduce and einsum families (and a chain einsum -> binary -> rename -> reduce), each compared with plain
+PyTorch on full tensors, values and gradients.
+
+Every example draws a small pool of named dims (sizes from {1,2,3,4,6,8}), tensor shapes as ordered
+subsets of the pool, one mesh and a random *legal* layout for it (a dim may go on a mesh axis only if
+its size divides by the axis size, and no tensor of the graph gets two dims on one axis; einsum and
+chain layouts may put different dims of different operands on one axis). Values are drawn as normal
+floats, small integers (ties and zeros, which exercise the max/min/relu/abs tie rules) or hypothesis
+float32 arrays. The gradient check differentiates ``sum(out * random cotangent)`` exactly as
+:func:`meshtorch.testing.check_layouts` does for the op suites. ``derandomize=True`` keeps CI
+reproducible.
+"""
+
+import string
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import meshtorch as mtf
+from meshtorch.testing import check_layouts
+
+NAMES = ("b", "h", "k", "s", "d", "e")
+SIZES = (4, 2, 8, 6, 3, 1)  # shrinks towards splittable sizes
+MESHES = ("", "all:2", "all:4", "rows:2;cols:2", "x:3;y:2")
+SETTINGS = dict(max_examples=200, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# ------------------------------------------------------------------ named-dim helpers for the references
+
+
+def align(t: torch.Tensor, names, target) -> torch.Tensor:
+    """Full tensor with dims ``names`` -> dims ``target`` order, size 1 where ``names`` lacks a dim."""
+    names = list(names)
+    perm = [names.index(n) for n in target if n in names]
+    t = t.permute(perm) if perm else t
+    for i, n in enumerate(target):
+        if n not in names:
+            t = t.unsqueeze(i)
+    return t
+
+
+def spec(names, sizes) -> str:
+    """``"b:4,h:8"`` for names ``["b", "h"]`` (``""`` for a scalar)."""
+    return ",".join(f"{n}:{sizes[n]}" for n in names)
+
+
+# ------------------------------------------------------------------ strategies
+
+
+@st.composite
+def dim_pool(draw, min_dims=1, max_dims=4):
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=min_dims, max_size=max_dims, unique=True))
+    return {n: draw(st.sampled_from(SIZES)) for n in names}
+
+
+@st.composite
+def ordered_subset(draw, names, min_size=0, max_size=None):
+    """A random subset of ``names`` in random order."""
+    names = list(names)
+    max_size = len(names) if max_size is None else min(max_size, len(names))
+    k = draw(st.integers(min(min_size, max_size), max_size))
+    return draw(st.permutations(names))[:k]
+
+
+def _legal(rules, name, axis, size, tensors) -> bool:
+    """May ``name:axis`` join ``rules``: divisible, name not yet split, and no tensor gets ``axis`` twice?"""
+    if size % axis.size or any(r[0] == name for r in rules):
+        return False
+    return not any(name in t and any(r[1] == axis.name and r[0] in t for r in rules) for t in tensors)
+
+
+@st.composite
+def mesh_and_layout(draw, sizes, tensors, mesh_shape=None, rules=()):
+    """``(mesh_shape, layout)``: a mesh from MESHES and a legal layout for every tensor in ``tensors``.
+
+    Starting from ``rules``, for each mesh axis and each tensor (in random order), usually put one of its
+    dims on the axis if that is legal, so one axis can split different dims of different tensors when no
+    single tensor holds two of them.
+    """
+    mesh_shape = draw(st.sampled_from(MESHES)) if mesh_shape is None else mesh_shape
+    rules = list(rules)
+    for axis in mtf.convert_to_shape(mesh_shape):
+        for t in draw(st.permutations(tensors)):
+            cands = [n for n in t if _legal(rules, n, axis, sizes[n], tensors)]
+            if cands and draw(st.integers(0, 3)):
+                rules.append((draw(st.sampled_from(cands)), axis.name))
+    return mesh_shape, ";".join(f"{n}:{a}" for n, a in rules)
+
+
+@st.composite
+def values(draw, names, sizes, positive=False, hypothesis_floats=True):
+    """A float32 tensor of dims ``names``: normal, small integers (ties, zeros) or hypothesis floats."""
+    shape = [sizes[n] for n in names]
+    numel = int(np.prod(shape, dtype=np.int64))
+    kinds = ["normal", "ints"] + (["hypothesis"] if numel <= 64 and hypothesis_floats else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "hypothesis":
+        a = draw(arrays(np.float32, shape, elements=st.floats(-3, 3, width=32, allow_subnormal=False)))
+        t = torch.from_numpy(np.ascontiguousarray(a)).reshape(shape)
+    else:
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        t = torch.randn(shape, generator=g) if kind == "normal" else torch.randint(-2, 3, shape, generator=g).float()
+    return t.abs() + 0.5 if positive else t
+
+
+# float32 sums of up to a few hundred random terms can cancel to a small result, and a different summation
+# order (per-slice partial sums, then an all-reduce) then moves it by more than the op suites' 1e-5 of its
+# size; a layout bug (a wrong slice, a missing or doubled all-reduce) errs by O(1). float64 examples keep
+# the tight bound.
+RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+@st.composite
+def dtype(draw):
+    return draw(st.sampled_from([torch.float32, torch.float64]))
+
+
+def _events(mesh_shape, layout, operands=(), out=()):
+    """Label the example for ``--hypothesis-show-statistics``: mesh, splits, contracted splits, shared axes."""
+    rules = [r.split(":") for r in layout.split(";") if r]
+    event(f"mesh {mesh_shape or '1 processor'}: {len(rules)} split dim(s)")
+    if any(n not in out and any(n in ns for ns in operands) for n, _ in rules):
+        event("a split dim is contracted (deferred all-reduce)")
+    axes = [a for _, a in rules]
+    if len(set(axes)) < len(axes):
+        event("one mesh axis splits different dims of different tensors")
+
+
+def _check(build, inputs, reference, mesh_shape, layout, dt=torch.float32, grad=True):
+    inputs = {k: (s, v.to(dt)) for k, (s, v) in inputs.items()}
+    check_layouts(build, inputs, reference, layouts=[(mesh_shape, layout)], grad=grad, rtol=RTOL[dt],
+                  min_layouts=1)
+
+
+# ------------------------------------------------------------------ 1. unary elementwise
+
+# name -> (mtf fn, torch reference, needs positive input, has gradient)
+UNARY = {
+    "relu": (mtf.relu, torch.relu, False, True),
+    "exp": (mtf.exp, torch.exp, False, True),
+    "log": (mtf.log, torch.log, True, True),
+    "sqrt": (mtf.sqrt, torch.sqrt, True, True),
+    "rsqrt": (mtf.rsqrt, torch.rsqrt, True, True),
+    "tanh": (mtf.tanh, torch.tanh, False, True),
+    "sigmoid": (mtf.sigmoid, torch.sigmoid, False, True),
+    "gelu": (mtf.gelu, torch.nn.functional.gelu, False, True),
+    "gelu_tanh": (lambda x: mtf.gelu(x, approximate="tanh"),
+                  lambda x: torch.nn.functional.gelu(x, approximate="tanh"), False, True),
+    "square": (mtf.square, torch.square, False, True),
+    "negative": (mtf.negative, torch.neg, False, True),
+    "neg_operator": (lambda x: -x, lambda x: -x, False, True),
+    "reciprocal": (mtf.reciprocal, torch.reciprocal, True, True),
+    "abs": (mtf.abs, torch.abs, False, True),
+    "sign": (mtf.sign, torch.sign, False, False),
+    "identity": (mtf.identity, lambda x: x * 1, False, True),
+    "stop_gradient": (mtf.stop_gradient, lambda x: x.detach(), False, True),
+    "cast_float64": (lambda x: mtf.cast(x, torch.float64), lambda x: x.double(), False, True),
+    "add_scalar": (lambda x: x + 1.5, lambda x: x + 1.5, False, True),
+    "radd_int": (lambda x: 2 + x, lambda x: 2 + x, False, True),
+    "sub_scalar": (lambda x: x - 0.25, lambda x: x - 0.25, False, True),
+    "rsub_scalar": (lambda x: 3.0 - x, lambda x: 3.0 - x, False, True),
+    "mul_scalar": (lambda x: x * -2.5, lambda x: x * -2.5, False, True),
+    "div_scalar": (lambda x: x / 4.0, lambda x: x / 4.0, False, True),
+    "rdiv_scalar": (lambda x: 2.0 / x, lambda x: 2.0 / x, True, True),
+    "pow2": (lambda x: x ** 2, lambda x: x ** 2, False, True),
+    "pow3": (lambda x: x ** 3, lambda x: x ** 3, False, True),
+    "pow_half": (lambda x: x ** 0.5, lambda x: x ** 0.5, True, True),
+}
+
+
+@st.composite
+def unary_problem(draw):
+    sizes = draw(dim_pool(0, 4))
+    names = draw(st.permutations(list(sizes)))
+    op = draw(st.sampled_from(sorted(UNARY)))
+    mesh_shape, layout = draw(mesh_and_layout(sizes, [names]))
+    x = draw(values(names, sizes, positive=UNARY[op][2]))
+    return op, spec(names, sizes), x, mesh_shape, layout
+
+
+@settings(**SETTINGS)
+@given(unary_problem(), dtype())
+def test_unary_random_shapes_and_layouts(problem, dt):
+    op, shape, x, mesh_shape, layout = problem
+    _events(mesh_shape, layout)
+    fn, ref, _, grad = UNARY[op]
+    _check(lambda mesh, x: fn(x), {"x": (shape, x)}, ref, mesh_shape, layout, dt, grad=grad)
+
+
+# ------------------------------------------------------------------ 2. binary broadcasting
+
+# name -> (mtf fn, torch fn, y positive, float output with gradient)
+BINARY = {
+    "add": (mtf.add, torch.add, False, True),
+    "add_operator": (lambda x, y: x + y, torch.add, False, True),
+    "subtract": (mtf.subtract, torch.sub, False, True),
+    "multiply": (mtf.multiply, torch.mul, False, True),
+    "divide": (mtf.divide, torch.div, True, True),
+    "maximum": (mtf.maximum, torch.maximum, False, True),
+    "minimum": (mtf.minimum, torch.minimum, False, True),
+    "greater": (mtf.greater, torch.gt, False, False),
+    "equal": (mtf.equal, torch.eq, False, False),
+    "less_equal": (mtf.less_equal, torch.le, False, False),
+}
+
+
+@st.composite
+def binary_problem(draw):
+    sizes = draw(dim_pool(1, 4))
+    xn = draw(ordered_subset(list(sizes)))
+    yn = draw(ordered_subset(list(sizes)))
+    union = xn + [n for n in yn if n not in xn]  # Mesh TF: x's dims, then y's new dims
+    out = draw(st.one_of(st.none(), st.permutations(union)))
+    op = draw(st.sampled_from(sorted(BINARY)))
+    if op == "add_operator":
+        out = None
+    mesh_shape, layout = draw(mesh_and_layout(sizes, [xn, yn, union]))
+    x = draw(values(xn, sizes))
+    y = draw(values(yn, sizes, positive=BINARY[op][2]))
+    return op, sizes, xn, yn, union, out, x, y, mesh_shape, layout
+
+
+@settings(**SETTINGS)
+@given(binary_problem(), dtype())
+def test_binary_broadcast_random_shapes_and_layouts(problem, dt):
+    op, sizes, xn, yn, union, out, x, y, mesh_shape, layout = problem
+    _events(mesh_shape, layout)
+    fn, tfn, _, grad = BINARY[op]
+    target = union if out is None else list(out)
+
+    def build(mesh, x, y):
+        z = fn(x, y) if out is None else fn(x, y, output_shape=spec(out, sizes))
+        assert list(z.shape.dimension_names) == target, (z.shape, target)
+        return z
+
+    def reference(x, y):
+        return tfn(align(x, xn, target), align(y, yn, target)).expand([sizes[n] for n in target])
+
+    _check(build, {"x": (spec(xn, sizes), x), "y": (spec(yn, sizes), y)}, reference, mesh_shape, layout, dt, grad=grad)
+
+
+# ------------------------------------------------------------------ 3. reductions
+
+REDUCE = {
+    "sum": (mtf.reduce_sum, lambda x, d: x.sum(d)),
+    "mean": (mtf.reduce_mean, lambda x, d: x.mean(d)),
+    "max": (mtf.reduce_max, lambda x, d: x.amax(d)),
+    "min": (mtf.reduce_min, lambda x, d: x.amin(d)),
+    "logsumexp": (mtf.reduce_logsumexp, lambda x, d: torch.logsumexp(x, d)),
+}
+
+
+@st.composite
+def reduce_problem(draw):
+    sizes = draw(dim_pool(1, 4))
+    xn = draw(st.permutations(list(sizes)))
+    op = draw(st.sampled_from([*sorted(REDUCE), "softmax", "log_softmax"]))
+    if op in ("softmax", "log_softmax"):
+        out = [draw(st.sampled_from(xn))]  # the softmax dim
+        tensors = [xn, [n for n in xn if n not in out]]
+    else:
+        out = draw(ordered_subset(xn))
+        tensors = [xn, out]
+    mesh_shape, layout = draw(mesh_and_layout(sizes, tensors))
+    return op, sizes, xn, out, draw(values(xn, sizes)), mesh_shape, layout
+
+
+@settings(**SETTINGS)
+@given(reduce_problem(), dtype())
+def test_reduce_random_subsets_and_layouts(problem, dt):
+    op, sizes, xn, out, x, mesh_shape, layout = problem
+    _events(mesh_shape, layout, [xn], out)
+    if op in ("softmax", "log_softmax"):
+        fn = mtf.softmax if op == "softmax" else mtf.log_softmax
+        i = xn.index(out[0])
+        tfn = torch.softmax if op == "softmax" else torch.log_softmax
+        _check(lambda mesh, x: fn(x, out[0]), {"x": (spec(xn, sizes), x)}, lambda x: tfn(x, i), mesh_shape, layout, dt)
+        return
+    fn, tfn = REDUCE[op]
+    reduced = tuple(i for i, n in enumerate(xn) if n not in out)
+
+    def reference(x):
+        r = tfn(x, reduced) if reduced else x  # torch reads dim=() as "all dims"
+        return align(r, [n for n in xn if n in out], out)
+
+    _check(lambda mesh, x: fn(x, output_shape=spec(out, sizes)), {"x": (spec(xn, sizes), x)}, reference,
+           mesh_shape, layout, dt)
+
+
+# ------------------------------------------------------------------ 4. einsum
+
+
+def torch_einsum(operand_names, out_names, *ts):
+    letters = {}
+    for n in [*(n for ns in operand_names for n in ns), *out_names]:
+        letters.setdefault(n, string.ascii_letters[len(letters)])
+    eq = ",".join("".join(letters[n] for n in ns) for ns in operand_names) + "->" + "".join(letters[n] for n in out_names)
+    return torch.einsum(eq, *ts)
+
+
+@st.composite
+def with_dim(draw, names, must, max_size=3):
+    """An ordered subset of ``names`` (at most ``max_size``) that holds ``must``."""
+    rest = draw(ordered_subset([n for n in names if n != must], max_size=max_size - 1))
+    i = draw(st.integers(0, len(rest)))
+    return [*rest[:i], must, *rest[i:]]
+
+
+@st.composite
+def einsum_problem(draw):
+    """1-3 operands over a shared dim pool, output a random ordered subset of their union.
+
+    In about half the examples one mesh axis is made to split a dim ``a`` of the first operand and a
+    different dim ``b`` of the last (no tensor holds both): the lowering must all-gather one of them, since
+    a local einsum of the slices would pair the wrong ones (Mesh TF mis-computes or rejects this).
+    """
+    shared = draw(st.booleans())
+    sizes = draw(dim_pool(2 if shared else 1, 4))
+    k = draw(st.integers(2 if shared else 1, 3))
+    names = list(sizes)
+    if shared:
+        a, b = draw(st.permutations(names))[:2]
+        first = draw(with_dim([n for n in names if n != b], a))
+        last = draw(with_dim([n for n in names if n != a], b))
+        middle = [draw(ordered_subset([n for n in names if n != draw(st.sampled_from([a, b]))], max_size=3))]
+        operands = [first, *middle[: k - 2], last]
+    else:
+        operands = [draw(ordered_subset(names, max_size=3)) for _ in range(k)]
+    union = list(dict.fromkeys(n for ns in operands for n in ns))
+    out = draw(ordered_subset(union))
+    mesh_shape, rules = None, []
+    if shared:
+        if a in out and b in out:
+            out.remove(draw(st.sampled_from([a, b])))
+        mesh_shape = draw(st.sampled_from(MESHES[1:]))
+        axis = mtf.convert_to_shape(mesh_shape)[0]
+        for n in (a, b):
+            sizes[n] = axis.size * draw(st.sampled_from([1, 2]))
+        rules = [(a, axis.name), (b, axis.name)]
+    mesh_shape, layout = draw(mesh_and_layout(sizes, [*operands, out], mesh_shape, rules))
+    xs = [draw(values(ns, sizes)) for ns in operands]
+    return sizes, operands, out, xs, mesh_shape, layout
+
+
+@settings(**SETTINGS)
+@given(einsum_problem(), dtype())
+def test_einsum_random_operands_and_layouts(problem, dt):
+    sizes, operands, out, xs, mesh_shape, layout = problem
+    _events(mesh_shape, layout, operands, out)
+    names = [f"x{i}" for i in range(len(xs))]
+
+    def build(mesh, **ts):
+        return mtf.einsum([ts[n] for n in names], output_shape=spec(out, sizes))
+
+    def reference(**ts):
+        return torch_einsum(operands, out, *[ts[n] for n in names])
+
+    inputs = {n: (spec(ns, sizes), x) for n, ns, x in zip(names, operands, xs, strict=True)}
+    _check(build, inputs, reference, mesh_shape, layout, dt)
+
+
+# ------------------------------------------------------------------ 5. chain: lazy all-reduce through ops
+
+MIDDLE = ("add_einsum", "sub_einsum", "add_tensor", "mul_scalar", "negative", "none")
+FINAL = ("reduce_sum", "reduce_max", "reduce_mean", "none")
+
+
+@st.composite
+def chain_problem(draw):
+    """e1 = einsum(x, y) -> middle op (with e2 = einsum(x, z) or w) -> maybe rename -> final reduce."""
+    sizes = draw(dim_pool(2, 4))
+    xn, yn, zn = (draw(ordered_subset(list(sizes), 1, 3)) for _ in range(3))
+    union = list(dict.fromkeys(xn + yn + zn))
+    sn = draw(ordered_subset(list(dict.fromkeys(xn + yn))))
+    middle = draw(st.sampled_from(MIDDLE))
+    if middle in ("add_einsum", "sub_einsum"):  # e2 = einsum(x, z) must have e1's dims
+        sn = [n for n in sn if n in xn + zn]
+    wn = draw(ordered_subset(sn))
+    rename = draw(st.sampled_from([None, *sn]))
+    sn2 = [("r" if n == rename else n) for n in sn]
+    sizes = {**sizes, "r": sizes[rename]} if rename else sizes
+    final = draw(st.sampled_from(FINAL))
+    rn = draw(ordered_subset(sn2)) if final != "none" else sn2
+    tensors = [xn, yn, zn, sn, wn, sn2, rn]
+    mesh_shape, layout = draw(mesh_and_layout(sizes, tensors))
+    vals = {k: draw(values(ns, sizes, hypothesis_floats=False)) for k, ns in (("x", xn), ("y", yn), ("z", zn), ("w", wn))}
+    return sizes, dict(x=xn, y=yn, z=zn, w=wn), union, sn, middle, rename, final, rn, vals, mesh_shape, layout
+
+
+def _apply_final(final, t, names, out):
+    reduced = tuple(i for i, n in enumerate(names) if n not in out)
+    if final == "none" or not reduced:
+        r = t
+    elif final == "reduce_sum":
+        r = t.sum(reduced)
+    elif final == "reduce_max":
+        r = t.amax(reduced)
+    else:
+        r = t.mean(reduced)
+    return align(r, [n for n in names if n in out], out)
+
+
+@settings(**SETTINGS)
+@given(chain_problem(), dtype())
+def test_chain_einsum_binary_reduce(problem, dt):
+    sizes, nm, union, sn, middle, rename, final, rn, vals, mesh_shape, layout = problem
+    _events(mesh_shape, layout, [nm["x"], nm["y"]], sn)
+    event(f"middle {middle}, final {final}, rename {bool(rename)}")
+    s = spec(sn, sizes)
+
+    def build(mesh, x, y, z=None, w=None):
+        t = mtf.einsum([x, y], output_shape=s)
+        if middle in ("add_einsum", "sub_einsum"):
+            e2 = mtf.einsum([x, z], output_shape=s)
+            t = t + e2 if middle == "add_einsum" else t - e2
+        elif middle == "add_tensor":
+            t = mtf.add(t, w)
+        elif middle == "mul_scalar":
+            t = t * 0.5
+        elif middle == "negative":
+            t = -t
+        if rename:
+            t = mtf.rename_dimension(t, rename, "r")
+        if final == "none":
+            return t
+        return getattr(mtf, final)(t, output_shape=spec(rn, sizes))
+
+    def reference(x, y, z=None, w=None):
+        t = torch_einsum([nm["x"], nm["y"]], sn, x, y)
+        if middle in ("add_einsum", "sub_einsum"):
+            e2 = torch_einsum([nm["x"], nm["z"]], sn, x, z)
+            t = t + e2 if middle == "add_einsum" else t - e2
+        elif middle == "add_tensor":
+            t = t + align(w, nm["w"], sn)
+        elif middle == "mul_scalar":
+            t = t * 0.5
+        elif middle == "negative":
+            t = -t
+        names = [("r" if n == rename else n) for n in sn]
+        return _apply_final(final, t, names, rn)
+
+    used = ["x", "y"] + (["z"] if middle in ("add_einsum", "sub_einsum") else []) + (["w"] if middle == "add_tensor" else [])
+    inputs = {k: (spec(nm[k], sizes), vals[k]) for k in used}
+    _check(build, inputs, reference, mesh_shape, layout, dt)
