@@ -25,7 +25,7 @@ from meshtorch.testing import check_layouts
 
 NAMES = ("b", "h", "k", "s", "d", "e")
 SIZES = (4, 2, 8, 6, 3, 1)  # shrinks towards splittable sizes
-MESHES = ("", "all:2", "all:4", "rows:2;cols:2", "x:3;y:2")
+MESHES = ("", "all:2", "all:4", "rows:2;cols:2", "x:3;y:2", "p:2;q:2;r:2")
 SETTINGS = dict(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -328,7 +328,8 @@ def einsum_problem(draw):
         a, b = draw(st.permutations(names))[:2]
         first = draw(with_dim([n for n in names if n != b], a))
         last = draw(with_dim([n for n in names if n != a], b))
-        middle = [draw(ordered_subset([n for n in names if n != draw(st.sampled_from([a, b]))], max_size=3))]
+        drop = draw(st.sampled_from([a, b]))  # the middle operand may hold one of a, b, not both
+        middle = [draw(ordered_subset([n for n in names if n != drop], max_size=3))]
         operands = [first, *middle[: k - 2], last]
     else:
         operands = [draw(ordered_subset(names, max_size=3)) for _ in range(k)]
@@ -367,7 +368,8 @@ def test_einsum_random_operands_and_layouts(problem, dt):
 
 # ------------------------------------------------------------------ 5. chain: lazy all-reduce through ops
 
-MIDDLE = ("add_einsum", "sub_einsum", "add_tensor", "mul_scalar", "negative", "none")
+# linear ops may keep a pending all-reduce lazy; affine and non-linear ones must force it first
+MIDDLE = ("add_einsum", "sub_einsum", "add_tensor", "mul_scalar", "negative", "add_scalar", "tanh", "none")
 FINAL = ("reduce_sum", "reduce_max", "reduce_mean", "none")
 
 
@@ -427,6 +429,10 @@ def test_chain_einsum_binary_reduce(problem, dt):
             t = t * 0.5
         elif middle == "negative":
             t = -t
+        elif middle == "add_scalar":
+            t = t + 1.0
+        elif middle == "tanh":
+            t = mtf.tanh(t)
         if rename:
             t = mtf.rename_dimension(t, rename, "r")
         if final == "none":
@@ -444,6 +450,10 @@ def test_chain_einsum_binary_reduce(problem, dt):
             t = t * 0.5
         elif middle == "negative":
             t = -t
+        elif middle == "add_scalar":
+            t = t + 1.0
+        elif middle == "tanh":
+            t = torch.tanh(t)
         names = [("r" if n == rename else n) for n in sn]
         return _apply_final(final, t, names, rn)
 
