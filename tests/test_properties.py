@@ -211,37 +211,50 @@ BINARY = {
 
 @st.composite
 def binary_problem(draw):
+    """x op y with random, partly overlapping shapes; sometimes y is a Python scalar on either side."""
     sizes = draw(dim_pool(1, 4))
-    xn = draw(ordered_subset(list(sizes)))
-    yn = draw(ordered_subset(list(sizes)))
-    union = xn + [n for n in yn if n not in xn]  # Mesh TF: x's dims, then y's new dims
-    out = draw(st.one_of(st.none(), st.permutations(union)))
     op = draw(st.sampled_from(sorted(BINARY)))
-    if op == "add_operator":
-        out = None
+    side = draw(st.sampled_from([None, None, "right", "left"]))  # where a Python scalar operand goes
+    xn = draw(ordered_subset(list(sizes)))
+    yn = [] if side else draw(ordered_subset(list(sizes)))
+    union = xn + [n for n in yn if n not in xn]  # Mesh TF: x's dims, then y's new dims
+    out = None if op == "add_operator" else draw(st.one_of(st.none(), st.permutations(union)))
     mesh_shape, layout = draw(mesh_and_layout(sizes, [xn, yn, union]))
-    x = draw(values(xn, sizes))
-    y = draw(values(yn, sizes, positive=BINARY[op][2]))
-    return op, sizes, xn, yn, union, out, x, y, mesh_shape, layout
+    x = draw(values(xn, sizes, positive=side == "left" and BINARY[op][2]))
+    y = draw(st.sampled_from([0.0, 0.5, -1.0, 2.0])) if side else draw(values(yn, sizes, positive=BINARY[op][2]))
+    if side == "right" and BINARY[op][2]:
+        y = 2.0
+    return op, side, sizes, xn, yn, union, out, x, y, mesh_shape, layout
 
 
 @settings(**SETTINGS)
 @given(binary_problem(), dtype())
 def test_binary_broadcast_random_shapes_and_layouts(problem, dt):
-    op, sizes, xn, yn, union, out, x, y, mesh_shape, layout = problem
+    op, side, sizes, xn, yn, union, out, x, y, mesh_shape, layout = problem
     _events(mesh_shape, layout)
+    event(f"scalar operand: {side}")
     fn, tfn, _, grad = BINARY[op]
     target = union if out is None else list(out)
+    kw = {} if out is None else {"output_shape": spec(out, sizes)}
 
-    def build(mesh, x, y):
-        z = fn(x, y) if out is None else fn(x, y, output_shape=spec(out, sizes))
-        assert list(z.shape.dimension_names) == target, (z.shape, target)
+    def build(mesh, x, y=None):
+        z = fn(x, y, **kw) if side is None else fn(x, c, **kw) if side == "right" else fn(c, x, **kw)
+        assert list(z.shape.dimension_names) == target, (op, side, z.shape, target)
         return z
 
-    def reference(x, y):
-        return tfn(align(x, xn, target), align(y, yn, target)).expand([sizes[n] for n in target])
+    def reference(x, y=None):
+        x = align(x, xn, target)
+        if side is None:
+            y = align(y, yn, target)
+        else:
+            x, y = (x, torch.tensor(c, dtype=x.dtype)) if side == "right" else (torch.tensor(c, dtype=x.dtype), x)
+        return tfn(x, y).expand([sizes[n] for n in target])
 
-    _check(build, {"x": (spec(xn, sizes), x), "y": (spec(yn, sizes), y)}, reference, mesh_shape, layout, dt, grad=grad)
+    inputs = {"x": (spec(xn, sizes), x)}
+    if side is None:
+        inputs["y"] = (spec(yn, sizes), y)
+    c = y
+    _check(build, inputs, reference, mesh_shape, layout, dt, grad=grad)
 
 
 # ------------------------------------------------------------------ 3. reductions
