@@ -1,5 +1,5 @@
 """Hypothesis property tests: random named shapes, meshes and legal layouts for the elementwise, binary,
-reduce and einsum families (and a chain einsum -> binary -> rename -> reduce), each compared with plain
+reduce and einsum families (and a chain einsum -> binary -> rename/reshape -> reduce), each compared with plain
 PyTorch on full tensors, values and gradients.
 
 Every example draws a small pool of named dims (sizes from {1,2,3,4,6,8}), tensor shapes as ordered
@@ -409,18 +409,27 @@ FINAL = ("reduce_sum", "reduce_max", "reduce_mean", "none")
 
 @st.composite
 def chain_problem(draw):
-    """e1 = einsum(x, y) -> middle op (with e2 = einsum(x, z) or w) -> maybe rename -> final reduce."""
+    """e1 = einsum(x, y) -> middle op (with e2 = einsum(x, z) or w) -> rename or reshape -> final reduce.
+
+    The rename (a dim to ``r``) or reshape (two adjacent dims merged into ``m``) moves a possibly split,
+    possibly still lazily summed dim: the reshape lowering must gather, slice or keep it correctly.
+    """
     sizes = draw(dim_pool(2, 4))
     xn, yn, zn = (draw(ordered_subset(list(sizes), 1, 3)) for _ in range(3))
-    union = list(dict.fromkeys(xn + yn + zn))
     sn = draw(ordered_subset(list(dict.fromkeys(xn + yn))))
     middle = draw(st.sampled_from(MIDDLE))
     if middle in ("add_einsum", "sub_einsum"):  # e2 = einsum(x, z) must have e1's dims
         sn = [n for n in sn if n in xn + zn]
     wn = draw(ordered_subset(sn))
-    rename = draw(st.sampled_from([None, *sn]))
-    sn2 = [("r" if n == rename else n) for n in sn]
-    sizes = {**sizes, "r": sizes[rename]} if rename else sizes
+    post = draw(st.sampled_from([None, "rename", "merge"] if len(sn) > 1 else [None, "rename"] if sn else [None]))
+    if post == "rename":
+        i = draw(st.integers(0, len(sn) - 1))
+        sn2, sizes = [*sn[:i], "r", *sn[i + 1:]], {**sizes, "r": sizes[sn[i]]}
+    elif post == "merge":
+        i = draw(st.integers(0, len(sn) - 2))
+        sn2, sizes = [*sn[:i], "m", *sn[i + 2:]], {**sizes, "m": sizes[sn[i]] * sizes[sn[i + 1]]}
+    else:
+        sn2 = sn
     final = draw(st.sampled_from(FINAL))
     rn = draw(ordered_subset(sn2)) if final != "none" else sn2
     tensors = [xn, yn, zn, sn, wn, sn2, rn]
@@ -428,7 +437,7 @@ def chain_problem(draw):
     # no hypothesis floats: their ties could be broken differently by two summation orders before reduce_max
     vals = {k: draw(values(ns, sizes, hypothesis_floats=False))
             for k, ns in (("x", xn), ("y", yn), ("z", zn), ("w", wn))}
-    return sizes, dict(x=xn, y=yn, z=zn, w=wn), union, sn, middle, rename, final, rn, vals, mesh_shape, layout
+    return sizes, dict(x=xn, y=yn, z=zn, w=wn), sn, middle, post, sn2, final, rn, vals, mesh_shape, layout
 
 
 def _apply_final(final, t, names, out):
@@ -447,9 +456,9 @@ def _apply_final(final, t, names, out):
 @settings(**SETTINGS)
 @given(chain_problem(), dtype())
 def test_chain_einsum_binary_reduce(problem, dt):
-    sizes, nm, union, sn, middle, rename, final, rn, vals, mesh_shape, layout = problem
+    sizes, nm, sn, middle, post, sn2, final, rn, vals, mesh_shape, layout = problem
     _events(mesh_shape, layout, [nm["x"], nm["y"]], sn)
-    event(f"middle {middle}, final {final}, rename {bool(rename)}")
+    event(f"middle {middle}, then {post}, final {final}")
     s = spec(sn, sizes)
 
     def build(mesh, x, y, z=None, w=None):
@@ -467,8 +476,10 @@ def test_chain_einsum_binary_reduce(problem, dt):
             t = t + 1.0
         elif middle == "square":
             t = mtf.square(t)
-        if rename:
-            t = mtf.rename_dimension(t, rename, "r")
+        if post == "rename":
+            t = mtf.rename_dimension(t, next(n for n in sn if n not in sn2), "r")
+        elif post == "merge":
+            t = mtf.reshape(t, spec(sn2, sizes))
         if final == "none":
             return t
         return getattr(mtf, final)(t, output_shape=spec(rn, sizes))
@@ -488,8 +499,8 @@ def test_chain_einsum_binary_reduce(problem, dt):
             t = t + 1.0
         elif middle == "square":
             t = torch.square(t)
-        names = [("r" if n == rename else n) for n in sn]
-        return _apply_final(final, t, names, rn)
+        t = t.reshape([sizes[n] for n in sn2])
+        return _apply_final(final, t, sn2, rn)
 
     # only the inputs the graph uses (an unused one has no mtf gradient but a zero torch one)
     used = ["x", "y"] + (["z"] if middle in ("add_einsum", "sub_einsum") else []) + (["w"] if middle == "add_tensor"
