@@ -367,10 +367,19 @@ def einsum_problem(draw):
     else:
         operands = [draw(ordered_subset(names, max_size=3)) for _ in range(k)]
     union = list(dict.fromkeys(n for ns in operands for n in ns))
-    out = draw(ordered_subset(union))
+    # output_shape given, or Mesh TF's inference (dims in exactly one operand), or reduced_dims
+    mode = draw(st.sampled_from(["output_shape", "output_shape", "inferred", "reduced_dims"]))
+    if mode == "inferred":
+        out = [n for n in union if sum(n in ns for ns in operands) == 1]
+    elif mode == "reduced_dims":
+        reduced = draw(ordered_subset(union))
+        out = [n for n in union if n not in reduced]
+    else:
+        out = draw(ordered_subset(union))
     mesh_shape, rules = None, []
     if shared:
         if a in out and b in out:
+            mode = "output_shape"
             out.remove(draw(st.sampled_from([a, b])))
         mesh_shape = draw(st.sampled_from(MESHES[1:]))
         axis = mtf.convert_to_shape(mesh_shape)[0]
@@ -379,18 +388,24 @@ def einsum_problem(draw):
         rules = [(a, axis.name), (b, axis.name)]
     mesh_shape, layout = draw(mesh_and_layout(sizes, [*operands, out], mesh_shape, rules))
     xs = [draw(values(ns, sizes)) for ns in operands]
-    return sizes, operands, out, xs, mesh_shape, layout
+    return sizes, operands, mode, out, xs, mesh_shape, layout
 
 
 @settings(**SETTINGS)
 @given(einsum_problem(), dtype())
 def test_einsum_random_operands_and_layouts(problem, dt):
-    sizes, operands, out, xs, mesh_shape, layout = problem
+    sizes, operands, mode, out, xs, mesh_shape, layout = problem
     _events(mesh_shape, layout, operands, out)
+    event(f"einsum {mode}")
     names = [f"x{i}" for i in range(len(xs))]
 
     def build(mesh, **ts):
-        return mtf.einsum([ts[n] for n in names], output_shape=spec(out, sizes))
+        xs = [ts[n] for n in names]
+        if mode == "inferred":
+            return mtf.einsum(xs)
+        if mode == "reduced_dims":
+            return mtf.einsum(xs, reduced_dims=[n for n in sizes if n not in out and any(n in o for o in operands)])
+        return mtf.einsum(xs, output_shape=spec(out, sizes))
 
     def reference(**ts):
         return torch_einsum(operands, out, *[ts[n] for n in names])
