@@ -418,7 +418,8 @@ def test_einsum_random_operands_and_layouts(problem, dt):
 
 # linear ops may keep a pending all-reduce lazy; affine and non-linear ones must force it first (square, not
 # tanh: tanh saturates on these sums and its float32 gradient 1 - tanh**2 is then pure rounding)
-MIDDLE = ("add_einsum", "sub_einsum", "add_tensor", "mul_scalar", "negative", "add_scalar", "square", "none")
+MIDDLE = ("add_einsum", "sub_einsum", "add_tensor", "mul_scalar", "div_scalar", "negative", "identity", "add_scalar",
+          "square", "none")
 FINAL = ("reduce_sum", "reduce_max", "reduce_mean", "none")
 
 
@@ -436,6 +437,7 @@ def chain_problem(draw):
     if middle in ("add_einsum", "sub_einsum"):  # e2 = einsum(x, z) must have e1's dims
         sn = [n for n in sn if n in xn + zn]
     wn = draw(ordered_subset(sn))
+    e2n = draw(st.permutations(sn))  # e2's dim order: the sum of two lazy sums stays lazy only if aligned
     post = draw(st.sampled_from([None, "rename", "merge"] if len(sn) > 1 else [None, "rename"] if sn else [None]))
     if post == "rename":
         i = draw(st.integers(0, len(sn) - 1))
@@ -452,7 +454,7 @@ def chain_problem(draw):
     # no hypothesis floats: their ties could be broken differently by two summation orders before reduce_max
     vals = {k: draw(values(ns, sizes, hypothesis_floats=False))
             for k, ns in (("x", xn), ("y", yn), ("z", zn), ("w", wn))}
-    return sizes, dict(x=xn, y=yn, z=zn, w=wn), sn, middle, post, sn2, final, rn, vals, mesh_shape, layout
+    return sizes, dict(x=xn, y=yn, z=zn, w=wn, e2=e2n), sn, middle, post, sn2, final, rn, vals, mesh_shape, layout
 
 
 def _apply_final(final, t, names, out):
@@ -479,14 +481,18 @@ def test_chain_einsum_binary_reduce(problem, dt):
     def build(mesh, x, y, z=None, w=None):
         t = mtf.einsum([x, y], output_shape=s)
         if middle in ("add_einsum", "sub_einsum"):
-            e2 = mtf.einsum([x, z], output_shape=s)
+            e2 = mtf.einsum([x, z], output_shape=spec(nm["e2"], sizes))
             t = t + e2 if middle == "add_einsum" else t - e2
         elif middle == "add_tensor":
             t = mtf.add(t, w)
         elif middle == "mul_scalar":
             t = t * 0.5
+        elif middle == "div_scalar":
+            t = t / 4.0
         elif middle == "negative":
             t = -t
+        elif middle == "identity":
+            t = mtf.identity(t)
         elif middle == "add_scalar":
             t = t + 1.0
         elif middle == "square":
@@ -508,6 +514,8 @@ def test_chain_einsum_binary_reduce(problem, dt):
             t = t + align(w, nm["w"], sn)
         elif middle == "mul_scalar":
             t = t * 0.5
+        elif middle == "div_scalar":
+            t = t / 4.0
         elif middle == "negative":
             t = -t
         elif middle == "add_scalar":
