@@ -431,13 +431,25 @@ def chain_problem(draw):
     possibly still lazily summed dim: the reshape lowering must gather, slice or keep it correctly.
     """
     sizes = draw(dim_pool(2, 4))
-    xn, yn, zn = (draw(ordered_subset(list(sizes), 1, 3)) for _ in range(3))
-    sn = draw(ordered_subset(list(dict.fromkeys(xn + yn))))
-    middle = draw(st.sampled_from(MIDDLE))
-    if middle in ("add_einsum", "sub_einsum"):  # e2 = einsum(x, z) must have e1's dims
-        sn = [n for n in sn if n in xn + zn]
+    names = list(sizes)
+    contracted = draw(st.sampled_from([None, *names]))  # a dim of x that neither e1 nor e2 keeps
+    sn = draw(ordered_subset([n for n in names if n != contracted], min_size=1, max_size=3))
+    xn = draw(ordered_subset([n for n in names if n != contracted], max_size=2))
+    xn = draw(st.permutations(xn + [contracted])) if contracted else xn
+    yn, zn = (draw(st.permutations(list(dict.fromkeys([n for n in sn if n not in xn]
+                                                      + draw(ordered_subset(names, max_size=1))))))
+              for _ in range(2))  # e1 = einsum(x, y) and e2 = einsum(x, z) can both have e1's dims sn
+    mesh_shape, rules = None, []
+    if contracted and draw(st.integers(0, 3)):  # usually split it: e1, e2 are lazy sums over one mesh axis
+        mesh_shape = draw(st.sampled_from(MESHES[1:]))
+        axis = mtf.convert_to_shape(mesh_shape)[0]
+        sizes[contracted] = axis.size * draw(st.sampled_from([1, 2]))
+        rules = [(contracted, axis.name)]
+    middle = draw(st.sampled_from(("add_einsum", "sub_einsum", *MIDDLE)))  # sums of lazy sums twice as often
     wn = draw(ordered_subset(sn))
     e2n = draw(st.permutations(sn))  # e2's dim order: the sum of two lazy sums stays lazy only if aligned
+    if e2n == sn and draw(st.integers(0, 2)):
+        e2n = sn[::-1]
     post = draw(st.sampled_from([None, "rename", "merge"] if len(sn) > 1 else [None, "rename"] if sn else [None]))
     if post == "rename":
         i = draw(st.integers(0, len(sn) - 1))
@@ -450,7 +462,7 @@ def chain_problem(draw):
     final = draw(st.sampled_from(FINAL))
     rn = draw(ordered_subset(sn2)) if final != "none" else sn2
     tensors = [xn, yn, zn, sn, wn, sn2, rn]
-    mesh_shape, layout = draw(mesh_and_layout(sizes, tensors))
+    mesh_shape, layout = draw(mesh_and_layout(sizes, tensors, mesh_shape, rules))
     # no hypothesis floats: their ties could be broken differently by two summation orders before reduce_max
     vals = {k: draw(values(ns, sizes, hypothesis_floats=False))
             for k, ns in (("x", xn), ("y", yn), ("z", zn), ("w", wn))}
@@ -476,6 +488,12 @@ def test_chain_einsum_binary_reduce(problem, dt):
     sizes, nm, sn, middle, post, sn2, final, rn, vals, mesh_shape, layout = problem
     _events(mesh_shape, layout, [nm["x"], nm["y"]], sn)
     event(f"middle {middle}, then {post}, final {final}")
+    rules = dict(r.split(":") for r in layout.split(";") if r)
+    kept_axes = {rules[n] for n in sn if n in rules}  # an axis that splits an output dim gathers the others
+    lazy = [{rules[d] for d in {*nm["x"], *nm[o]} if d in rules and d not in sn and rules[d] not in kept_axes}
+            for o in "yz"]
+    if middle in ("add_einsum", "sub_einsum") and lazy[0] and lazy[0] == lazy[1]:
+        event(f"e1 {middle[:3]} e2, both lazy over one mesh axis set, {'' if nm['e2'] == sn else 'not '}aligned")
     s = spec(sn, sizes)
 
     def build(mesh, x, y, z=None, w=None):
