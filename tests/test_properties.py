@@ -445,6 +445,13 @@ def chain_problem(draw):
         axis = mtf.convert_to_shape(mesh_shape)[0]
         sizes[contracted] = axis.size * draw(st.sampled_from([1, 2]))
         rules = [(contracted, axis.name)]
+        others = [n for n in names if n not in sn and n not in xn and n not in yn]
+        if len(mtf.convert_to_shape(mesh_shape)) > 1 and others and draw(st.booleans()):
+            # z alone contracts a dim split over a second axis: e2 is lazy over more axes than e1
+            extra, axis2 = draw(st.sampled_from(others)), mtf.convert_to_shape(mesh_shape)[1]
+            zn = draw(st.permutations([*zn, extra])) if extra not in zn else zn
+            sizes[extra] = axis2.size * draw(st.sampled_from([1, 2]))
+            rules.append((extra, axis2.name))
     middle = draw(st.sampled_from(("add_einsum", "sub_einsum", *MIDDLE)))  # sums of lazy sums twice as often
     wn = draw(ordered_subset(sn))
     e2n = draw(st.permutations(sn))  # e2's dim order: the sum of two lazy sums stays lazy only if aligned
@@ -494,6 +501,8 @@ def test_chain_einsum_binary_reduce(problem, dt):
             for o in "yz"]
     if middle in ("add_einsum", "sub_einsum") and lazy[0] and lazy[0] == lazy[1]:
         event(f"e1 {middle[:3]} e2, both lazy over one mesh axis set, {'' if nm['e2'] == sn else 'not '}aligned")
+    if middle in ("add_einsum", "sub_einsum") and lazy[0] and lazy[1] and lazy[0] != lazy[1]:
+        event("e1 and e2 lazy over different mesh axes")
     s = spec(sn, sizes)
 
     def build(mesh, x, y, z=None, w=None):
