@@ -37,6 +37,11 @@ OP_CASES = [
           {"x": ("b:4,h:8", X)}),
     _case("scalar_left_ops", lambda m, x: 1.0 - x + 2.0 * x / 3.0, lambda x: 1.0 - x + 2.0 * x / 3.0,
           {"x": ("b:4,h:8", X)}),
+    # regression: with a Python scalar operand, output_shape used to be ignored silently
+    _case("scalar_right_output_shape", lambda m, x: mtf.multiply(x, 3.0, output_shape="h:8,b:4"),
+          lambda x: 3.0 * x.T, {"x": ("b:4,h:8", X)}),
+    _case("scalar_left_output_shape", lambda m, x: mtf.subtract(2.0, x, output_shape="h:8,b:4"),
+          lambda x: (2.0 - x).T, {"x": ("b:4,h:8", X)}),
 ]
 for _n, _f, _t in [("equal", mtf.equal, torch.eq), ("not_equal", mtf.not_equal, torch.ne),
                    ("less", mtf.less, torch.lt), ("less_equal", mtf.less_equal, torch.le),

@@ -41,6 +41,7 @@ OP_CASES = [
            lambda x: (x.double() * 2).float()),
     _unary("scalar_ops", lambda x: (2.0 - x) * 3.0 / 2.0 + 1.0 - 0.5, lambda x: (2.0 - x) * 3.0 / 2.0 + 1.0 - 0.5),
     _unary("rdiv", lambda x: 2.0 / x, lambda x: 2.0 / x, True),
+    _unary("rdiv_zero", lambda x: 0.0 / x, lambda x: 0.0 / x, True),  # regression: its gradient was NaN
     _unary("pow", lambda x: x ** 3, lambda x: x ** 3),
     _unary("stop_gradient", lambda x: mtf.stop_gradient(x) * x, lambda x: x.detach() * x),
     OpCase("slicewise_broadcast",

@@ -4,7 +4,8 @@ The output shape is the union of the input shapes: ``x``'s dims, then ``y``'s di
 lacks (Mesh TF's ``_infer_binary_broadcast_shape``). One name with two sizes is an error. No
 communication is needed: a dimension has the same layout in every tensor. The sum or
 difference of two lazily all-reduced tensors over the same mesh axes stays lazy, so sums of
-partial sums cost one all-reduce.
+partial sums cost one all-reduce. With a Python scalar operand, ``output_shape`` (a permutation of the
+tensor's dims) is honoured; Mesh TF ignores it there.
 """
 
 from __future__ import annotations
@@ -117,10 +118,13 @@ _GRADS = {
 
 
 def _binary(fn, kind, x, y, output_shape=None, name=None, output_dtype=None, scalar_kinds=None):
-    if not isinstance(x, Tensor) and isinstance(y, Tensor) and scalar_kinds:
-        return ew.scalar_op(y, x, scalar_kinds[1])
-    if isinstance(x, Tensor) and not isinstance(y, Tensor) and scalar_kinds:
-        return ew.scalar_op(x, y, scalar_kinds[0])
+    if scalar_kinds and isinstance(x, Tensor) != isinstance(y, Tensor):
+        t = ew.scalar_op(y, x, scalar_kinds[1]) if isinstance(y, Tensor) else ew.scalar_op(x, y, scalar_kinds[0])
+        # Mesh TF ignores output_shape with a scalar operand; we honour it as for two tensors (a local permute)
+        if output_shape is None:
+            return t
+        from meshtorch.ops.reshape import transpose
+        return transpose(t, output_shape)
     if not isinstance(x, Tensor) or not isinstance(y, Tensor):
         x, y = _tensorize(x, y, kind)
     return BinaryOperation(fn, x, y, kind, output_shape, output_dtype, name).outputs[0]

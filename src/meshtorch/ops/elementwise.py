@@ -239,8 +239,9 @@ def scalar_op(x: Tensor, c: float, kind: str) -> Tensor:
     if kind == "div":
         return _unary(lambda t: t / c, x, lambda op, dy: [scalar_op(dy, c, "div")], "div_scalar", linear=True)
     if kind == "rdiv":
+        # d(c/x)/dx = -c / x**2 from the input: the output form -y**2 / c is 0/0 = NaN for c == 0
         return _unary(lambda t: c / t, x,
-                      lambda op, dy: [_g2(lambda y, d: -d * y * y / c, "rdiv_grad")(op.outputs[0], dy)],
+                      lambda op, dy: [_g2(lambda a, d: -d * c / (a * a), "rdiv_grad")(op.inputs[0], dy)],
                       "rdiv_scalar")
     if kind == "pow":
         return _unary(lambda t: t ** c, x,
