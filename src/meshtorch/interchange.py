@@ -52,11 +52,13 @@ def _parse_pattern(pattern: str, var_name: str, dims: list[str]) -> list[list[st
     return groups
 
 
-def _entries(lowering, name_map) -> list:
+def _entries(lowering, name_map, trainable_only: bool = False) -> list:
     """``[(variable op, torch name, groups or None)]`` for the variables in scope."""
     out = []
     if name_map is None:
         for var in lowering.variables:
+            if trainable_only and not var.trainable:
+                continue
             out.append((var, var.name.replace("/", "."), None))
         return out
     by_name = {v.name: v for v in lowering.variables}
@@ -89,8 +91,12 @@ def _torch_shape(var, groups) -> list[int]:
     return sizes
 
 
-def to_torch_state_dict(lowering, name_map: dict | None = None) -> dict[str, torch.Tensor]:
+def to_torch_state_dict(lowering, name_map: dict | None = None,
+                        trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """``{torch name: full tensor}`` of the lowering's variables (see the module doc for ``name_map``).
+
+    ``trainable_only`` (with the default naming) leaves out optimizer slots and step counters, so
+    the result loads into the equivalent ``nn.Module`` with ``strict=True``.
 
     Each value is the variable's full logical tensor (gathered from its slices), permuted and
     reshaped as the name map says, on the CPU, contiguous. Ready for ``nn.Module.load_state_dict``.
@@ -100,7 +106,7 @@ def to_torch_state_dict(lowering, name_map: dict | None = None) -> dict[str, tor
             variables map to one torch name.
     """
     sd = {}
-    for var, tname, groups in _entries(lowering, name_map):
+    for var, tname, groups in _entries(lowering, name_map, trainable_only):
         if tname in sd:
             raise CheckpointError(f"to_torch_state_dict: two variables map to torch name {tname!r} "
                                   f"(the second is {var.name!r}).")
@@ -113,7 +119,8 @@ def to_torch_state_dict(lowering, name_map: dict | None = None) -> dict[str, tor
     return sd
 
 
-def from_torch_state_dict(lowering, state_dict: dict, name_map: dict | None = None, strict: bool = True) -> dict:
+def from_torch_state_dict(lowering, state_dict: dict, name_map: dict | None = None, strict: bool = True,
+                          trainable_only: bool = False) -> dict:
     """Set the lowering's variables from a torch ``state_dict`` of full tensors (inverse of
     :func:`to_torch_state_dict` with the same ``name_map``).
 
@@ -123,6 +130,7 @@ def from_torch_state_dict(lowering, state_dict: dict, name_map: dict | None = No
     Args:
         strict: if True, every variable in scope must have its torch name in ``state_dict`` and
             every key of ``state_dict`` must be used.
+        trainable_only: with the default naming, leave optimizer slots and step counters as they are.
 
     Returns:
         ``{"loaded": [...], "missing": [...], "unexpected": [...]}`` (variable names; torch keys).
@@ -131,7 +139,7 @@ def from_torch_state_dict(lowering, state_dict: dict, name_map: dict | None = No
         CheckpointError: naming the variable and torch key, on a shape mismatch; on a missing or
             unexpected key when ``strict``.
     """
-    entries = _entries(lowering, name_map)
+    entries = _entries(lowering, name_map, trainable_only)
     used = {tname for _, tname, _ in entries}
     missing = [v.name for v, tname, _ in entries if tname not in state_dict]
     unexpected = sorted(k for k in state_dict if k not in used)
