@@ -27,3 +27,33 @@ def mnist_worker(mesh_shape: str, layout: str):
     run = train_mnist(mesh_shape, layout, data=synthetic_mnist(), log=lines.append, start_log=lines.append,
                       **MNIST_KW)
     return run.step_losses, run.epochs[0].test_accuracy, lines
+
+
+# ---------------------------------------------------------------------- checkpoints across process counts
+CKPT_SAVE = ("rows:2;cols:2", "batch:rows;hidden:cols")
+CKPT_RESTORE_2 = ("all:2", "hidden:all")
+
+
+def ckpt_save_worker(path: str):
+    """4 ranks: train the momentum MLP 2 steps on CKPT_SAVE, ``mtf.save`` (every rank writes its slices);
+    return (losses, full variable values gathered with ``variable_value``, checkpoint directory)."""
+    import _checkpoint_mlp as M
+    import meshtorch as mtf
+    from meshtorch.launch import make_mesh_impl
+
+    model = M.build(*CKPT_SAVE, make_impl=make_mesh_impl)
+    losses = [float(v) for v in M.train(model, 0, 2)]
+    final = mtf.save(model[0], path, step=2)
+    return losses, M.values(model[0]), final
+
+
+def ckpt_restore_worker(path: str):
+    """2 ranks: restore onto CKPT_RESTORE_2; return (full values, the loss of the next training step)."""
+    import _checkpoint_mlp as M
+    import meshtorch as mtf
+    from meshtorch.launch import make_mesh_impl
+
+    model = M.build(*CKPT_RESTORE_2, make_impl=make_mesh_impl)
+    meta = mtf.restore(model[0], path)
+    values = M.values(model[0])
+    return values, float(M.train(model, 2, 1)[0]), meta["step"]
