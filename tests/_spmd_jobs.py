@@ -57,3 +57,34 @@ def ckpt_restore_worker(path: str):
     meta = mtf.restore(model[0], path)
     values = M.values(model[0])
     return values, float(M.train(model, 2, 1)[0]), meta["step"]
+
+
+# ---------------------------------------------------------------------- meshtorch train
+TRAIN_ARGV = ["train", "--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "2", "--d-kv", "16",
+              "--d-ff", "64", "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--plot", "",
+              "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2", "--steps", "5", "--eval-every", "5",
+              "--sample", "6", "--temperature", "0", "--mesh", "data:2,model:2",
+              "--layout", "batch:data;heads:model;d_ff:model;vocab:model"]
+
+
+def train_args(extra=()):
+    import argparse
+
+    from meshtorch.train import add_train_subcommand
+
+    p = argparse.ArgumentParser()
+    add_train_subcommand(p.add_subparsers(dest="cmd"))
+    return p.parse_args([*TRAIN_ARGV, *extra])
+
+
+def train_worker(checkpoint_dir: str):
+    """``meshtorch train`` for 5 steps with a checkpoint: (train losses, validation losses, sample ids, stdout)."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    args = train_args(["--checkpoint-dir", checkpoint_dir])
+    with contextlib.redirect_stdout(buf):
+        out = args.func(args)
+    h = out["history"]
+    return h["loss"], h["val_loss"], out["sample_ids"], buf.getvalue()
