@@ -155,7 +155,9 @@ def main_train(args) -> dict:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    make_mesh_impl(args.mesh, args.layout)  # under torchrun: initialize torch.distributed before anything prints
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
+        from meshtorch.launch import init_distributed
+        init_distributed()
     main_process = is_main_process()
 
     def say(*a):
