@@ -187,8 +187,10 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "mnist", help="train Mesh TF's README MNIST model on (Fashion-)MNIST",
         description="Train Mesh TensorFlow's README MNIST model (one hidden ReLU layer, SGD) on a simulated "
-                    "processor mesh. The layout changes where computation and communication happen, "
-                    "never the numbers.")
+                    "processor mesh, or as one process per processor under "
+                    "`torchrun --nproc-per-node N -m meshtorch mnist` or `meshtorch launch -n N -- mnist` "
+                    "(each process feeds only its batch slice; rank 0 prints). "
+                    "The layout changes where computation and communication happen, never the numbers.")
     p.add_argument("--mesh", default="rows:2;cols:2", help='mesh shape, e.g. "rows:2;cols:2", "all:4", or "" '
                    "for one processor (default: %(default)s)")
     p.add_argument("--layout", default="batch:rows;hidden:cols",
