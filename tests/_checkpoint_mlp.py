@@ -12,9 +12,12 @@ LAYOUT_D = ("rows:2;cols:2", "hidden:rows;out:cols")
 BATCH, IO, OUT = 8, 6, 4
 
 
-def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torch.int64, w1_hidden_first=False):
+def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torch.int64, w1_hidden_first=False,
+          make_impl=None):
     """Returns ``(lowering, x, y, loss, updates)``; variables: mlp/w1 [io, hidden], mlp/b1 [hidden],
-    mlp/w2 [hidden, out], their momentum slots, and a global_step counter."""
+    mlp/w2 [hidden, out], their momentum slots, and a global_step counter. ``make_impl(mesh_shape,
+    layout)`` makes the mesh implementation (default ``PlacementMeshImpl``; e.g.
+    ``meshtorch.launch.make_mesh_impl`` for SPMD)."""
     g = mtf.Graph(seed=seed)
     mesh = mtf.Mesh(g, "mesh")
     batch, io = mtf.Dimension("batch", BATCH), mtf.Dimension("io", IO)
@@ -34,7 +37,7 @@ def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torc
     # the optimizer finds this step counter (get_or_create_global_step) and increments it once per update
     mtf.get_variable(mesh, "global_step", [], initializer=0, dtype=step_dtype, trainable=False)
     updates = mtf.optim.MomentumOptimizer(0.05, 0.9).apply_grads(grads, params)
-    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+    lw = mtf.Lowering(g, {mesh: (make_impl or mtf.PlacementMeshImpl)(mesh_shape, layout)})
     return lw, x, y, loss, updates
 
 

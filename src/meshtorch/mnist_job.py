@@ -3,6 +3,13 @@
 The training loop is shared by the command line (:mod:`meshtorch.cli`) and the tests. Batches
 are drawn from a permutation made by a ``torch.Generator`` seeded with ``seed`` alone, so runs
 under different meshes and layouts see exactly the same batches in the same order.
+
+The same code runs as one process (a simulated mesh, :class:`~meshtorch.mesh.placement.PlacementMeshImpl`)
+or as one process per processor under ``torchrun`` / ``meshtorch launch``
+(:class:`~meshtorch.mesh.spmd.SpmdMeshImpl`, chosen by :func:`meshtorch.launch.make_mesh_impl`). Every
+process draws the same permutation but reads only the examples of its own batch slice
+(:func:`~meshtorch.data.sharding.local_batch_indices`) and feeds them with ``feed_slices=True``;
+evaluation feeds slices the same way and gathers the logits. Only the main process prints.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from meshtorch.data.mnist import load_mnist
+from meshtorch.data.sharding import local_batch_indices, local_feed
+from meshtorch.launch import is_main_process, make_mesh_impl
 from meshtorch.lowering import Lowering
 from meshtorch.models.mnist import MnistModel, build_mnist_model
 
@@ -42,22 +51,44 @@ class MnistRun:
     config: dict = field(default_factory=dict)
 
 
+def local_feeds(model: MnistModel, lowering: Lowering, images: torch.Tensor, labels: torch.Tensor,
+                batch_ids: torch.Tensor) -> dict:
+    """``feed_slices=True`` feeds for the batch of example ids ``batch_ids`` (int64 ``[batch]``).
+
+    Reads only the rows of ``images`` (uint8 or float ``[N, rows, cols]``) and ``labels`` (``[N]``) that
+    this process's slices of the ``images`` / ``labels`` placeholders hold (all of them on a placement
+    mesh). Ids ``>= N`` (padding) read as zero images with label 0.
+    """
+    feeds = {}
+    for t, src in ((model.images, images), (model.labels, labels)):
+        ids = local_batch_indices(lowering, t, indices=batch_ids)
+        pad = ids >= src.shape[0]
+        rows = src[ids.clamp(max=src.shape[0] - 1)]
+        if bool(pad.any()):
+            rows = rows.clone()
+            rows[pad] = 0
+        if t is model.images and rows.dtype == torch.uint8:
+            rows = rows.to(torch.float32) / 255.0
+        feeds[t] = local_feed(lowering, t, rows.to(t.dtype))
+    return feeds
+
+
 def evaluate(model: MnistModel, lowering: Lowering, images: torch.Tensor, labels: torch.Tensor) -> float:
     """Accuracy of ``argmax(logits)`` on ``images`` uint8 ``[N, rows, cols]``, ``labels`` ``[N]``.
 
-    The last batch is padded with zeros when ``N`` is not a multiple of the batch size; padded
-    rows are not counted.
+    Each process feeds only its batch slices (``feed_slices=True``); the logits ``[batch, classes]``
+    are gathered (an all-gather under SPMD), so every process returns the same accuracy. The last
+    batch is padded with zeros when ``N`` is not a multiple of the batch size; padded rows are not
+    counted.
     """
     b = model.batch.size
     n = images.shape[0]
     correct = 0
     for start in range(0, n, b):
-        x, y = images[start:start + b], labels[start:start + b]
-        k = x.shape[0]
-        if k < b:
-            x = torch.cat([x, x.new_zeros((b - k, *x.shape[1:]))])
-            y = torch.cat([y, y.new_zeros(b - k)])
-        logits = lowering.run(model.logits, feeds=model.feeds(x, y))
+        k = min(b, n - start)
+        ids = torch.arange(start, start + b, dtype=torch.int64)
+        logits = lowering.run(model.logits, feeds=local_feeds(model, lowering, images, labels, ids),
+                              feed_slices=True)
         correct += int((logits[:k].argmax(dim=-1) == labels[start:start + k]).sum())
     return correct / max(n, 1)
 
@@ -65,8 +96,13 @@ def evaluate(model: MnistModel, lowering: Lowering, images: torch.Tensor, labels
 def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_size: int = 100,
                 hidden: int = 1024, lr: float = 0.1, seed: int = 0, data_dir: str | None = None,
                 data: tuple | None = None, steps_per_epoch: int | None = None, evaluate_each_epoch: bool = True,
-                progress: bool = False, log: Callable[[str], None] | None = None) -> MnistRun:
-    """Train the README MNIST model with SGD on a PlacementMeshImpl; evaluate after each epoch.
+                progress: bool = False, log: Callable[[str], None] | None = None,
+                start_log: Callable[[str], None] | None = None) -> MnistRun:
+    """Train the README MNIST model with SGD; evaluate after each epoch.
+
+    The mesh is :func:`meshtorch.launch.make_mesh_impl`'s: SPMD (one processor per process) under
+    torchrun / ``meshtorch launch``, else a simulated placement mesh. Each process reads only its
+    batch slices. ``progress`` and ``log`` act on the main process only.
 
     Args:
         mesh_shape, layout: e.g. ``"rows:2;cols:2"``, ``"batch:rows;hidden:cols"``.
@@ -77,6 +113,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
         evaluate_each_epoch: compute test accuracy after each epoch.
         progress: show a tqdm bar.
         log: called with one line per epoch (e.g. ``print``).
+        start_log: called once with a line describing the run (mesh, layout, processes, threads).
 
     Returns:
         :class:`MnistRun`.
@@ -94,7 +131,15 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
         raise ValueError(f"mnist: the training set has {n} examples, fewer than one batch of {batch_size}.")
     model = build_mnist_model(batch_size=batch_size, hidden_size=hidden, learning_rate=lr, seed=seed,
                               rows=train_x.shape[1], cols=train_x.shape[2])
-    lowering = model.make_lowering(mesh_shape, layout)
+    lowering = Lowering(model.graph, {model.mesh: make_mesh_impl(mesh_shape, layout)})
+    main_process = is_main_process()
+    progress = progress and main_process
+    log = log if main_process else None
+    if start_log is not None and main_process:
+        import torch.distributed as dist
+        procs = dist.get_world_size() if dist.is_initialized() else 1
+        start_log(f"meshtorch mnist: mesh {mesh_shape!r} layout {layout!r} epochs {epochs} batch {batch_size} "
+                  f"hidden {hidden} lr {lr} seed {seed} processes {procs} threads {torch.get_num_threads()}")
     fetches = model.train_fetches()
     steps = n // batch_size if steps_per_epoch is None else min(steps_per_epoch, n // batch_size)
     gen = torch.Generator().manual_seed(seed)
@@ -109,7 +154,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
         epoch_losses = []
         for s in range(steps):
             idx = perm[s * batch_size:(s + 1) * batch_size]
-            loss = lowering.run(fetches, feeds=model.feeds(train_x[idx], train_y[idx]))[0]
+            loss = lowering.run(fetches, feeds=local_feeds(model, lowering, train_x, train_y, idx), feed_slices=True)[0]
             epoch_losses.append(float(loss))
             if bar is not None:
                 bar.update(1)
@@ -142,8 +187,10 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "mnist", help="train Mesh TF's README MNIST model on (Fashion-)MNIST",
         description="Train Mesh TensorFlow's README MNIST model (one hidden ReLU layer, SGD) on a simulated "
-                    "processor mesh. The layout changes where computation and communication happen, "
-                    "never the numbers.")
+                    "processor mesh, or as one process per processor under "
+                    "`torchrun --nproc-per-node N -m meshtorch mnist` or `meshtorch launch -n N -- mnist` "
+                    "(each process feeds only its batch slice; rank 0 prints). "
+                    "The layout changes where computation and communication happen, never the numbers.")
     p.add_argument("--mesh", default="rows:2;cols:2", help='mesh shape, e.g. "rows:2;cols:2", "all:4", or "" '
                    "for one processor (default: %(default)s)")
     p.add_argument("--layout", default="batch:rows;hidden:cols",
@@ -159,6 +206,7 @@ def add_parser(subparsers):
                    help="torch intra-op threads (default 0: torch's default, one per core); 1 is much faster on "
                         "a CPU shared with other busy processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
     p.set_defaults(func=main)
     return p
 
@@ -172,11 +220,11 @@ def main(args) -> int:
         raise ValueError(f"--threads must be >= 0, got {args.threads}.")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"meshtorch mnist: mesh {args.mesh!r} layout {args.layout!r} epochs {args.epochs} batch {args.batch_size} "
-          f"hidden {args.hidden} lr {args.lr} seed {args.seed} threads {torch.get_num_threads()}", flush=True)
     run = train_mnist(args.mesh, args.layout, args.epochs, args.batch_size, args.hidden, args.lr, args.seed,
-                      args.data_dir, steps_per_epoch=args.steps_per_epoch, progress=not args.no_progress,
-                      log=lambda s: print(s, flush=True))
-    print(run.lowering.counters.summary())
-    print(f"wall time {run.wall_seconds:.1f}s")
+                      args.data_dir, steps_per_epoch=args.steps_per_epoch, evaluate_each_epoch=not args.no_eval,
+                      progress=not args.no_progress, log=lambda s: print(s, flush=True),
+                      start_log=lambda s: print(s, flush=True))
+    if is_main_process():  # after train_mnist: under torchrun it initialized torch.distributed
+        print(run.lowering.counters.summary())
+        print(f"wall time {run.wall_seconds:.1f}s")
     return 0

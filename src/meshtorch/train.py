@@ -5,6 +5,12 @@ simulated 4-processor mesh ``data:2,model:2`` with the layout
 ``batch:data;heads:model;d_ff:model;vocab:model`` (data parallel x Megatron-style model parallel),
 shows loss, tokens/s and MFU in a progress bar, reports validation loss in nats and bits per
 byte, writes a loss-curve PNG and prints a sample.
+
+Under ``torchrun --nproc-per-node N`` / ``meshtorch launch -n N`` (N = mesh size) every process
+holds one processor (:class:`~meshtorch.mesh.spmd.SpmdMeshImpl`): all draw the same batches, each
+feeds only its rows of the batch (``feed_slices=True``), every process calls ``mtf.save`` (each
+writes the slices it owns) and ``mtf.restore``; only the main process prints, shows the progress
+bar and writes the plot and the tokenizer.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 import torch
 
 import meshtorch as mtf
+from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.models.transformer import PRESETS, build_lm, flops_per_token, preset
 
@@ -116,12 +123,28 @@ def make_mesh_impl(mesh_shape: str, layout: str):
     return spmd_or_placement(mesh_shape, layout)
 
 
+def is_main_process() -> bool:
+    """True on rank 0 under torchrun, and in a single process."""
+    from meshtorch.launch import is_main_process as main
+    return main()
+
+
+def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
+    """``feed_slices=True`` feeds for a token batch int64 ``[batch, length + 1]``: inputs ``batch[:, :-1]``
+    and targets ``batch[:, 1:]``, only the rows (and columns) this process's slices hold."""
+    feeds = {}
+    for t, full in ((lm.inputs, batch[:, :-1]), (lm.targets, batch[:, 1:])):
+        rows = full[local_batch_indices(lowering, t)]
+        feeds[t] = local_feed(lowering, t, rows)
+    return feeds
+
+
 def evaluate(lowering, lm, dataset, batches: int) -> float:
-    """Mean validation cross-entropy (nats per token) over ``batches`` batches."""
+    """Mean validation cross-entropy (nats per token) over ``batches`` batches (per-process batch slices)."""
     total, n = 0.0, 0
     for b in dataset.batches(lm.config.batch_size, seed=0, split="validation"):
         loss = lm.task_loss if getattr(lm, "task_loss", None) is not None else lm.loss
-        total += lowering.run(loss, feeds={lm.inputs: b[:, :-1], lm.targets: b[:, 1:]}).item()
+        total += lowering.run(loss, feeds=batch_feeds(lowering, lm, b), feed_slices=True).item()
         n += 1
         if n >= batches:
             break
@@ -134,10 +157,19 @@ def main_train(args) -> dict:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
+        from meshtorch.launch import init_distributed
+        init_distributed()
+    main_process = is_main_process()
+
+    def say(*a):
+        if main_process:
+            print(*a, flush=True)
+
     docs = load_documents(args.data)
     if args.tokenizer == "sentencepiece":
         tok = SentencePieceTokenizer(docs, vocab_size=args.vocab_size)
-        if args.checkpoint_dir:
+        if args.checkpoint_dir and main_process:
             tok.save(os.path.join(args.checkpoint_dir, "tokenizer.model"))
     else:
         tok = ByteTokenizer()
@@ -154,10 +186,10 @@ def main_train(args) -> dict:
         eval_lm = build_lm(cfg, seed=args.seed, train=False)
         eval_lowering = mtf.Lowering(eval_lm.graph, {eval_lm.mesh: make_mesh_impl(args.mesh, args.layout)})
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
-    print(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
+    say(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
           f"batch {cfg.batch_size} x length {cfg.length}")
-    print(f"mesh {args.mesh!r} layout {args.layout!r}; {len(dataset.train)} train / "
+    say(f"mesh {args.mesh!r} layout {args.layout!r}; {len(dataset.train)} train / "
           f"{len(dataset.validation)} validation sequences")
     peak = measure_peak_flops()
     fpt = flops_per_token(cfg)
@@ -169,16 +201,17 @@ def main_train(args) -> dict:
         if not args.checkpoint_dir:
             raise SystemExit("--resume needs --checkpoint-dir")
         if mtf.latest_checkpoint(args.checkpoint_dir) is None:
-            print(f"no checkpoint in {args.checkpoint_dir!r} yet: starting from scratch")
+            say(f"no checkpoint in {args.checkpoint_dir!r} yet: starting from scratch")
         else:
             meta = mtf.restore(lowering, args.checkpoint_dir)
             pos = (meta.get("extra") or {}).get("data", {})
             start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
-            print(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})")
+            say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})")
     it = dataset.batches(cfg.batch_size, args.seed, epoch)
     for _ in range(in_epoch):
         next(it)
-    bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5)
+    bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
+               disable=not main_process)
     t_start = time.perf_counter()
     for step in bar:
         batch = next(it, None)
@@ -188,7 +221,7 @@ def main_train(args) -> dict:
             batch = next(it)
         in_epoch += 1
         t0 = time.perf_counter()
-        loss = lowering.run(fetches, feeds={lm.inputs: batch[:, :-1], lm.targets: batch[:, 1:]})[0].item()
+        loss = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)[0].item()
         dt = time.perf_counter() - t0
         history["step"].append(step)
         history["loss"].append(loss)
@@ -202,8 +235,9 @@ def main_train(args) -> dict:
             val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
             history["val_step"].append(step + 1)
             history["val_loss"].append(val)
-            tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
-                       f"{val / math.log(2) / bpt:.4f} bits per byte")
+            if main_process:
+                tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
+                           f"{val / math.log(2) / bpt:.4f} bits per byte")
         if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
                                     or step + 1 == args.steps):
             mtf.save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
@@ -214,20 +248,21 @@ def main_train(args) -> dict:
     wall = time.perf_counter() - t_start
     tps = (args.steps - start) * tokens_per_step / wall
     val = history["val_loss"][-1]
-    print(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s, MFU {100 * tps * fpt / peak:.2f}% "
+    say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s, MFU {100 * tps * fpt / peak:.2f}% "
           f"(peak {peak / 1e9:.1f} GFLOP/s measured)")
-    print(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
-    print(lowering.counters.summary())
-    if args.plot:
+    say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
+    say(lowering.counters.summary())
+    if args.plot and main_process:
         _plot(history, args.plot, bpt)
-        print(f"loss curve: {args.plot}")
-    if args.sample:
+        say(f"loss curve: {args.plot}")
+    ids = None
+    if args.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
         from meshtorch.generate import sample
         ids = sample(eval_lowering, eval_lm, tok.encode(args.prompt), max_new_tokens=args.sample,
                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)[0]
-        print("sample:\n" + args.prompt + tok.decode(ids))
+        say("sample:\n" + args.prompt + tok.decode(ids))
     return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
-            "lowering": lowering, "lm": lm}
+            "lowering": lowering, "lm": lm, "sample_ids": ids}
 
 
 def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:

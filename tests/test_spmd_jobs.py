@@ -1,0 +1,72 @@
+"""The MNIST job and ``meshtorch train`` as 4 gloo processes (SpmdMeshImpl, per-rank feeds) vs one
+process on the simulated mesh (PlacementMeshImpl): same step losses, same accuracy, main-only output."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import _spmd_jobs as J
+from meshtorch.mnist_job import train_mnist
+from meshtorch.testing_spmd import run_spmd
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+MESH, LAYOUT = "rows:2;cols:2", "batch:rows;hidden:cols"
+
+
+def _rel(a, b) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_mnist_spmd_losses_equal_placement():
+    run = run_spmd("_spmd_jobs:mnist_worker", args=(MESH, LAYOUT), nprocs=4, timeout_s=120,
+                   extra_path=[TESTS_DIR]).check()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_mnist(MESH, LAYOUT, data=J.synthetic_mnist(), **J.MNIST_KW)
+    finally:
+        torch.set_num_threads(n)
+    assert len(ref.step_losses) == 20
+    for rank, (losses, acc, lines) in enumerate(run.results):
+        assert len(losses) == 20, rank
+        assert _rel(losses, ref.step_losses) <= 1e-5, (rank, losses, ref.step_losses)
+        assert acc == ref.epochs[0].test_accuracy, (rank, acc)
+        # only the main process logs
+        assert (len(lines) == 2) == (rank == 0), (rank, lines)
+    assert "processes 4" in run.results[0][2][0]
+
+
+def test_train_spmd_equals_placement(tmp_path, capsys):
+    run = run_spmd("_spmd_jobs:train_worker", args=(str(tmp_path / "spmd"),), nprocs=4, timeout_s=150,
+                   extra_path=[TESTS_DIR]).check()
+    args = J.train_args(["--checkpoint-dir", str(tmp_path / "placement")])
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = args.func(args)
+    finally:
+        torch.set_num_threads(n)
+    ref_out = capsys.readouterr().out
+    h = ref["history"]
+    assert len(h["loss"]) == 5 and len(h["val_loss"]) == 1
+    for rank, (losses, val, ids, out) in enumerate(run.results):
+        assert _rel(losses, h["loss"]) <= 1e-5, (rank, losses, h["loss"])
+        assert _rel(val, h["val_loss"]) <= 1e-5, (rank, val, h["val_loss"])
+        assert ids == ref["sample_ids"] and len(ids) == 6, rank
+        assert (out != "") == (rank == 0), (rank, out)  # only the main process prints
+    assert "validation:" in run.results[0][3] and "sample:" in run.results[0][3] and "sample:" in ref_out
+
+    # the checkpoint the 4 ranks saved restores on one process with the placement run's values
+    import meshtorch as mtf
+    lw, lm = ref["lowering"], ref["lm"]
+    twin = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl("", "")})
+    assert mtf.restore(twin, str(tmp_path / "spmd"))["step"] == 5
+    for name in lw.variable_names:
+        a, b = twin.variable_value(name), lw.variable_value(name)
+        if a.dtype.is_floating_point:
+            assert float((a - b).abs().max()) <= 1e-5 * max(float(b.abs().max()), 1e-6), name
+        else:
+            assert torch.equal(a, b), name
