@@ -46,7 +46,10 @@ def main():
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-layouts", action="store_true", help="skip the 4-processor placement layouts")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both (0: torch default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = LMConfig(vocab_size=args.vocab, vocab_multiple=4, d_model=args.d_model, num_heads=args.heads,
                    d_kv=args.d_model // args.heads, d_ff=args.d_ff, num_layers=args.layers, length=args.length,
                    batch_size=args.batch_size)
