@@ -97,7 +97,8 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
                 hidden: int = 1024, lr: float = 0.1, seed: int = 0, data_dir: str | None = None,
                 data: tuple | None = None, steps_per_epoch: int | None = None, evaluate_each_epoch: bool = True,
                 progress: bool = False, log: Callable[[str], None] | None = None,
-                start_log: Callable[[str], None] | None = None) -> MnistRun:
+                start_log: Callable[[str], None] | None = None,
+                activation_dtype: torch.dtype = torch.float32) -> MnistRun:
     """Train the README MNIST model with SGD; evaluate after each epoch.
 
     The mesh is :func:`meshtorch.launch.make_mesh_impl`'s: SPMD (one processor per process) under
@@ -114,6 +115,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
         progress: show a tqdm bar.
         log: called with one line per epoch (e.g. ``print``).
         start_log: called once with a line describing the run (mesh, layout, processes, threads).
+        activation_dtype: compute dtype (e.g. ``torch.bfloat16``); weights stay float32.
 
     Returns:
         :class:`MnistRun`.
@@ -130,7 +132,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
     if n < batch_size:
         raise ValueError(f"mnist: the training set has {n} examples, fewer than one batch of {batch_size}.")
     model = build_mnist_model(batch_size=batch_size, hidden_size=hidden, learning_rate=lr, seed=seed,
-                              rows=train_x.shape[1], cols=train_x.shape[2])
+                              rows=train_x.shape[1], cols=train_x.shape[2], activation_dtype=activation_dtype)
     lowering = Lowering(model.graph, {model.mesh: make_mesh_impl(mesh_shape, layout)})
     main_process = is_main_process()
     progress = progress and main_process
@@ -207,6 +209,8 @@ def add_parser(subparsers):
                         "a CPU shared with other busy processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
+    p.add_argument("--activation-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype; weights stay float32 (mtf.VariableDType) (default: %(default)s)")
     p.set_defaults(func=main)
     return p
 
@@ -222,6 +226,7 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     run = train_mnist(args.mesh, args.layout, args.epochs, args.batch_size, args.hidden, args.lr, args.seed,
                       args.data_dir, steps_per_epoch=args.steps_per_epoch, evaluate_each_epoch=not args.no_eval,
+                      activation_dtype=getattr(torch, args.activation_dtype),
                       progress=not args.no_progress, log=lambda s: print(s, flush=True),
                       start_log=lambda s: print(s, flush=True))
     if is_main_process():  # after train_mnist: under torchrun it initialized torch.distributed

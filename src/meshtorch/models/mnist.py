@@ -31,9 +31,10 @@ from meshtorch.layers.core import softmax_cross_entropy_with_logits
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.ops.einsum import einsum
-from meshtorch.ops.elementwise import relu
+from meshtorch.ops.elementwise import cast, relu
 from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer
+from meshtorch.ops.precision import VariableDType
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.variables import get_variable, placeholder
 from meshtorch.optim.sgd import SgdOptimizer
@@ -104,7 +105,7 @@ class MnistModel:
 
 def build_mnist_model(batch_size: int = 100, hidden_size: int = 1024, learning_rate: float = 0.1,
                       seed: int = 0, rows: int = IMAGE_ROWS, cols: int = IMAGE_COLS,
-                      num_classes: int = NUM_CLASSES) -> MnistModel:
+                      num_classes: int = NUM_CLASSES, activation_dtype: torch.dtype = torch.float32) -> MnistModel:
     """Build the README MNIST model and its SGD update (no layout yet: see ``make_lowering``).
 
     Args:
@@ -113,6 +114,9 @@ def build_mnist_model(batch_size: int = 100, hidden_size: int = 1024, learning_r
         learning_rate: SGD step size.
         seed: graph seed; the initial weights are a function of it (and not of the layout).
         rows, cols, num_classes: image and label sizes (28, 28, 10 for (Fashion-)MNIST).
+        activation_dtype: dtype of the forward and backward computation (e.g. ``torch.bfloat16``);
+            the weights are stored and updated in float32 (``mtf.VariableDType``), and reductions
+            accumulate in float32.
 
     Returns:
         :class:`MnistModel`.
@@ -133,15 +137,17 @@ def build_mnist_model(batch_size: int = 100, hidden_size: int = 1024, learning_r
     classes_dim = Dimension("classes", num_classes)
 
     images = placeholder(mesh, "images", [batch_dim, rows_dim, cols_dim], dtype=torch.float32)
+    x = images if activation_dtype == torch.float32 else cast(images, activation_dtype)
+    vdtype = VariableDType(torch.float32, torch.float32, activation_dtype)
     labels = placeholder(mesh, "labels", [batch_dim], dtype=torch.int64)
     # torch.nn.Linear's scale: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) = variance scaling 1/3, fan_in, uniform
-    w1 = get_variable(mesh, "w1", [rows_dim, cols_dim, hidden_dim],
+    w1 = get_variable(mesh, "w1", [rows_dim, cols_dim, hidden_dim], dtype=vdtype,
                       initializer=VarianceScalingInitializer(1.0 / 3.0, "fan_in", "uniform",
                                                              reduced_dims=[rows_dim, cols_dim], new_dims=[hidden_dim]))
-    w2 = get_variable(mesh, "w2", [hidden_dim, classes_dim],
+    w2 = get_variable(mesh, "w2", [hidden_dim, classes_dim], dtype=vdtype,
                       initializer=VarianceScalingInitializer(1.0 / 3.0, "fan_in", "uniform",
                                                              reduced_dims=[hidden_dim], new_dims=[classes_dim]))
-    hidden = relu(einsum([images, w1], output_shape=[batch_dim, hidden_dim], name="hidden_einsum"), name="hidden")
+    hidden = relu(einsum([x, w1], output_shape=[batch_dim, hidden_dim], name="hidden_einsum"), name="hidden")
     logits = einsum([hidden, w2], output_shape=[batch_dim, classes_dim], name="logits")
     loss = reduce_mean(softmax_cross_entropy_with_logits(logits, one_hot(labels, classes_dim), classes_dim),
                        name="loss")
