@@ -182,6 +182,16 @@ class HaloReduceOperation(Operation):
         w = b + 2 * h
 
         def overlap_add(t):
+            """Widened blocks -> strip of ``nb * b + 2h`` rows: each block's rows added where they came from."""
+            if h <= b:  # fast path: a halo only reaches the adjacent block
+                blk = t.movedim((st.ib, st.is_), (0, 1)) if st.ib is not None else t.movedim(st.is_, 0)[None]
+                nb = blk.shape[0]
+                core = blk[:, h:h + b].clone()
+                if nb > 1:
+                    core[:-1, b - h:] += blk[1:, :h]  # left halo of block j+1 = tail of block j
+                    core[1:, :h] += blk[:-1, h + b:]  # right halo of block j-1 = head of block j
+                core = core.reshape(nb * b, *core.shape[2:])
+                return torch.cat([blk[0, :h], core, blk[nb - 1, h + b:]], 0)
             s = st.to_strip(t)  # [nb * w, rest..] (blocks of w rows)
             nb = s.shape[0] // w
             idx = (torch.arange(nb, device=s.device).unsqueeze(1) * b + torch.arange(w, device=s.device)).reshape(-1)
