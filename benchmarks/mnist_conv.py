@@ -5,7 +5,11 @@ Runs ``meshtorch.models.mnist_conv`` twice from the same seed: on one processor 
 test accuracy after each epoch, per-epoch mean losses, their relative difference between the two
 runs, the largest relative difference over the first 20 step losses, and the wall time.
 
-    python benchmarks/mnist_conv.py [--epochs 2] [--batch 200] [--lr 0.01] [--max-steps N] [--threads T]
+    python benchmarks/mnist_conv.py [--epochs 2] [--batch 200] [--lr 0.02] [--max-steps N] [--threads T]
+    # or the two runs as separate processes, then compare:
+    python benchmarks/mnist_conv.py --run one --out one.json &
+    python benchmarks/mnist_conv.py --run part --out part.json
+    python benchmarks/mnist_conv.py --run compare one.json part.json
 
 Data: the gzip IDX files in ``--data`` (default /usr/share/datasets/fashion-mnist).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import sys
 import time
@@ -41,7 +46,7 @@ def load(data_dir: str, split: str):
     return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy())
 
 
-def train(mesh_shape, layout, train_set, test_set, epochs=2, batch=200, lr=0.01, seed=0, max_steps=None,
+def train(mesh_shape, layout, train_set, test_set, epochs=2, batch=200, lr=0.02, seed=0, max_steps=None,
           log=print):
     """Train; returns {"step_losses", "epoch_losses", "test_acc", "seconds"}."""
     model = build_conv_model(batch_size=batch, seed=seed, learning_rate=lr)
@@ -92,26 +97,43 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=200)
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--data", default=DATA)
+    p.add_argument("--run", choices=["both", "one", "part", "compare"], default="both",
+                   help="train both layouts, only one (write --out JSON), or compare saved JSON results")
+    p.add_argument("--out", default=None)
+    p.add_argument("results", nargs="*", help="JSON files for --run compare")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     train_set, test_set = load(args.data, "train"), load(args.data, "test")
     kw = dict(epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, max_steps=args.max_steps)
-    one = train("", "", train_set, test_set, **kw)
-    part = train(DEFAULT_MESH, DEFAULT_LAYOUT, train_set, test_set, **kw)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, lr {args.lr}")
+    if args.run != "compare":
+        layouts = {"one": ("", ""), "part": (DEFAULT_MESH, DEFAULT_LAYOUT)}
+        names = ["one", "part"] if args.run == "both" else [args.run]
+        res = {n: train(*layouts[n], train_set, test_set, **kw) for n in names}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f)
+        if args.run != "both":
+            return res
+    else:
+        res = {}
+        for path in args.results:
+            with open(path) as f:
+                res.update(json.load(f))
+    one, part = res["one"], res["part"]
+    print(f"torch {torch.__version__}, batch {args.batch}, lr {args.lr}, momentum 0.9, {args.epochs} epochs")
     for name, r in (("1 processor", one), (f"{DEFAULT_MESH} {DEFAULT_LAYOUT}", part)):
         print(f"{name:45s} test acc per epoch {[round(a, 4) for a in r['test_acc']]}  "
               f"epoch mean losses {[round(x, 6) for x in r['epoch_losses']]}  {r['seconds']:.0f}s")
     ep = [rel(a, b) for a, b in zip(part["epoch_losses"], one["epoch_losses"], strict=True)]
     n20 = min(20, len(one["step_losses"]))
     first = max(rel(a, b) for a, b in zip(part["step_losses"][:n20], one["step_losses"][:n20], strict=True))
-    print(f"per-epoch mean loss rel. diff {['%.2e' % e for e in ep]}; first {n20} steps max rel. diff {first:.2e}")
+    print(f"per-epoch mean loss rel. diff {[f'{e:.2e}' for e in ep]}; first {n20} steps max rel. diff {first:.2e}")
     print(f"time ratio partitioned / one processor: {part['seconds'] / one['seconds']:.2f}")
     return one, part
 

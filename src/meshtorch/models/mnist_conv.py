@@ -10,8 +10,9 @@ the convolutions exchange 4-pixel halos with the neighbouring processors.
 
 Differences from Mesh TF: the blocked image is built on the host (:func:`to_blocks`) and fed as a
 placeholder (Mesh TF reshapes and transposes inside the graph); the optimizer is momentum SGD
-(``torch.optim.SGD`` semantics; Mesh TF uses Adafactor) unless another is passed; images are scaled
-to ``[0, 1]``.
+(``torch.optim.SGD`` semantics; Mesh TF uses Adafactor) unless another is passed; the filters start
+He-normal (variance 2 / (81 x in_channels); Mesh TF: TF's Glorot-uniform default), which lets plain
+momentum SGD train the ReLU convolutions from the first steps; images are scaled to ``[0, 1]``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from meshtorch.lowering import Lowering
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.ops.elementwise import relu
 from meshtorch.ops.indexing import one_hot
+from meshtorch.ops.initializers import VarianceScalingInitializer
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.variables import placeholder
 from meshtorch.optim.sgd import MomentumOptimizer
@@ -101,7 +103,7 @@ class ConvMnistModel:
 
 
 def build_conv_model(batch_size: int = 200, seed: int = 0, hidden_size: int = 512, filters: int = 16,
-                     filter_size: int = 9, learning_rate: float = 0.01, momentum: float = 0.9, optimizer=None,
+                     filter_size: int = 9, learning_rate: float = 0.02, momentum: float = 0.9, optimizer=None,
                      rows: int = 28, cols: int = 28, row_blocks: int = ROW_BLOCKS, col_blocks: int = COL_BLOCKS,
                      num_classes: int = NUM_CLASSES) -> ConvMnistModel:
     """Build Mesh TF's convolutional MNIST model and its update (no layout yet: see ``make_lowering``).
@@ -139,8 +141,15 @@ def build_conv_model(batch_size: int = 200, seed: int = 0, hidden_size: int = 51
     labels = placeholder(mesh, "labels", [batch], dtype=torch.int64)
 
     k = (filter_size, filter_size)
-    f1 = relu(conv2d_with_blocks(images, Dimension("filters1", filters), k, (1, 1), "SAME", rb, cb, name="conv0"))
-    f2 = relu(conv2d_with_blocks(f1, Dimension("filters2", filters), k, (1, 1), "SAME", rb, cb, name="conv1"))
+
+    def he(in_name, out_name):  # He et al. 2015: normal, variance 2 / (window x in_channels)
+        return VarianceScalingInitializer(2.0, "fan_in", "normal", reduced_dims=["fh", "fw", in_name],
+                                          new_dims=[out_name])
+
+    f1 = relu(conv2d_with_blocks(images, Dimension("filters1", filters), k, (1, 1), "SAME", rb, cb,
+                                 filter_initializer=he("one_channel", "filters1"), name="conv0"))
+    f2 = relu(conv2d_with_blocks(f1, Dimension("filters2", filters), k, (1, 1), "SAME", rb, cb,
+                                 filter_initializer=he("filters1", "filters2"), name="conv1"))
     x = reduce_mean(f2, reduced_dim="filters2")
     h1 = dense(x, Dimension("hidden1", hidden_size), reduced_dims=[rb, cb, rs, cs], activation=relu, name="hidden1")
     h2 = dense(h1, Dimension("hidden2", hidden_size), activation=relu, name="hidden2")
