@@ -105,7 +105,7 @@ class ConvMnistModel:
 def build_conv_model(batch_size: int = 200, seed: int = 0, hidden_size: int = 512, filters: int = 16,
                      filter_size: int = 9, learning_rate: float = 0.02, momentum: float = 0.9, optimizer=None,
                      rows: int = 28, cols: int = 28, row_blocks: int = ROW_BLOCKS, col_blocks: int = COL_BLOCKS,
-                     num_classes: int = NUM_CLASSES) -> ConvMnistModel:
+                     num_classes: int = NUM_CLASSES, dtype: torch.dtype = torch.float32) -> ConvMnistModel:
     """Build Mesh TF's convolutional MNIST model and its update (no layout yet: see ``make_lowering``).
 
     Args:
@@ -116,6 +116,7 @@ def build_conv_model(batch_size: int = 200, seed: int = 0, hidden_size: int = 51
         learning_rate, momentum: of the default :class:`MomentumOptimizer`.
         optimizer: any meshtorch optimizer with ``apply_grads(grads, variables)`` (overrides the above).
         rows, cols, row_blocks, col_blocks: image size and its block grid (28, 28, 4, 4).
+        dtype: of the images, activations and variables (float32; float64 for exactness checks).
 
     Returns:
         :class:`ConvMnistModel`.
@@ -137,7 +138,7 @@ def build_conv_model(batch_size: int = 200, seed: int = 0, hidden_size: int = 51
     rs, cs = Dimension("rows_size", rows // row_blocks), Dimension("cols_size", cols // col_blocks)
     channel = Dimension("one_channel", 1)
     classes = Dimension("classes", num_classes)
-    images = placeholder(mesh, "images", [batch, rb, cb, rs, cs, channel], dtype=torch.float32)
+    images = placeholder(mesh, "images", [batch, rb, cb, rs, cs, channel], dtype=dtype)
     labels = placeholder(mesh, "labels", [batch], dtype=torch.int64)
 
     k = (filter_size, filter_size)
