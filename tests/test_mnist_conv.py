@@ -59,7 +59,7 @@ def test_forward_matches_plain_pytorch():
 
 def test_first_20_steps_agree_on_real_data():
     """One processor vs spatial partitioning b1:2;b2:2 (halo exchange across processors): same losses."""
-    batch, steps = 20, 20
+    batch, steps = 10, 20
     xs, ys = _train_batches(batch * steps)
     runs = []
     for mesh_shape, layout in (("", ""), (DEFAULT_MESH, DEFAULT_LAYOUT)):
