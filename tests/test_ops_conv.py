@@ -261,3 +261,15 @@ def test_spatial_split_is_rejected_at_lowering():
     del y
     with pytest.raises(LayoutError, match="'h'"):
         mtf.Lowering(mesh.graph, {mesh: mtf.PlacementMeshImpl("all:2", "h:all")})
+
+
+def test_layers_create_mesh_tf_shaped_filters():
+    mesh = _mesh()
+    x = mtf.placeholder(mesh, "img", "b:2,h:8,w:8,c:3")
+    y = mtf.layers.conv2d(x, mtf.Dimension("o", 5), filter_size=(3, 1), strides=(2, 2), name="c0")
+    t = mtf.layers.conv2d_transpose(y, mtf.Dimension("u", 2), name="up")
+    assert y.shape == mtf.Shape("b:2,h:4,w:4,o:5") and t.shape == mtf.Shape("b:2,h:8,w:8,u:2")
+    shapes = {v.name: v.shape for v in mesh.graph.all_variables}
+    assert shapes == {"c0/kernel": mtf.Shape("fh:3,fw:1,c:3,o:5"), "up/kernel": mtf.Shape("fh:2,fw:2,u:2,o:5")}
+    with pytest.raises(ShapeError, match="'c'"):
+        mtf.layers.conv2d(x, mtf.Dimension("c", 4))
