@@ -47,9 +47,9 @@ def load(data_dir: str, split: str):
 
 
 def train(mesh_shape, layout, train_set, test_set, epochs=2, batch=200, lr=0.02, seed=0, max_steps=None,
-          log=print):
+          warmup=100, log=print):
     """Train; returns {"step_losses", "epoch_losses", "test_acc", "seconds"}."""
-    model = build_conv_model(batch_size=batch, seed=seed, learning_rate=lr)
+    model = build_conv_model(batch_size=batch, seed=seed, learning_rate=lr, warmup_steps=warmup)
     lw = model.make_lowering(mesh_shape, layout)
     xs, ys = train_set
     fetches = model.train_fetches()
@@ -99,6 +99,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=200)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=100, help="linear learning-rate warmup steps")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--data", default=DATA)
@@ -110,7 +111,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     train_set, test_set = load(args.data, "train"), load(args.data, "test")
-    kw = dict(epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, max_steps=args.max_steps)
+    kw = dict(epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, max_steps=args.max_steps,
+              warmup=args.warmup)
     if args.run != "compare":
         layouts = {"one": ("", ""), "part": (DEFAULT_MESH, DEFAULT_LAYOUT)}
         names = ["one", "part"] if args.run == "both" else [args.run]
@@ -126,7 +128,8 @@ def main(argv=None):
             with open(path) as f:
                 res.update(json.load(f))
     one, part = res["one"], res["part"]
-    print(f"torch {torch.__version__}, batch {args.batch}, lr {args.lr}, momentum 0.9, {args.epochs} epochs")
+    print(f"torch {torch.__version__}, batch {args.batch}, lr {args.lr} (warmup {args.warmup} steps), momentum 0.9, "
+          f"{args.epochs} epochs")
     for name, r in (("1 processor", one), (f"{DEFAULT_MESH} {DEFAULT_LAYOUT}", part)):
         print(f"{name:45s} test acc per epoch {[round(a, 4) for a in r['test_acc']]}  "
               f"epoch mean losses {[round(x, 6) for x in r['epoch_losses']]}  {r['seconds']:.0f}s")
