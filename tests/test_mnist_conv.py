@@ -77,3 +77,19 @@ def test_first_20_steps_agree_on_real_data():
     rel = max(abs(a - b) / abs(b) for a, b in zip(part, one, strict=True))
     assert rel <= 1e-5, (rel, one, part)
     assert np.mean(one[-5:]) < np.mean(one[:5]) - 0.05, one  # it learns
+
+
+def test_float64_training_is_layout_invariant():
+    """In float64 the layouts agree to rounding over training steps (float32 runs drift apart by chaos only)."""
+    batch, steps = 4, 12
+    xs, ys = _train_batches(batch * steps)
+    runs = []
+    for mesh_shape, layout in (("", ""), (DEFAULT_MESH, DEFAULT_LAYOUT)):
+        model = build_conv_model(batch_size=batch, seed=1, hidden_size=64, learning_rate=0.05, warmup_steps=0,
+                                 dtype=torch.float64)
+        lw = model.make_lowering(mesh_shape, layout)
+        runs.append([float(lw.run(model.train_fetches(), feeds=model.feeds(xs[i * batch:(i + 1) * batch],
+                                                                            ys[i * batch:(i + 1) * batch]))[0])
+                     for i in range(steps)])
+    rel = max(abs(a - b) / abs(b) for a, b in zip(*runs, strict=True))
+    assert rel <= 1e-10, rel
