@@ -119,7 +119,7 @@ def main(argv=None):
         res = {n: train(*layouts[n], train_set, test_set, **kw) for n in names}
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(res, f)
+                json.dump({**res, "config": {"lr": args.lr, "warmup": args.warmup}}, f)
         if args.run != "both":
             return res
     else:
@@ -128,6 +128,7 @@ def main(argv=None):
             with open(path) as f:
                 res.update(json.load(f))
     one, part = res["one"], res["part"]
+    args.lr, args.warmup = res.get("config", {}).get("lr", args.lr), res.get("config", {}).get("warmup", args.warmup)
     print(f"torch {torch.__version__}, batch {args.batch}, lr {args.lr} (warmup {args.warmup} steps), momentum 0.9, "
           f"{args.epochs} epochs")
     for name, r in (("1 processor", one), (f"{DEFAULT_MESH} {DEFAULT_LAYOUT}", part)):
