@@ -98,6 +98,8 @@ from meshtorch.ops.shape import *  # noqa: F403
 from meshtorch.ops.reshape import *  # noqa: F403
 from meshtorch.ops.random import *  # noqa: F403
 from meshtorch.ops.conv import *  # noqa: F403
+from meshtorch.ops.conv_blocks import *  # noqa: F403
+from meshtorch.ops.pool import *  # noqa: F403
 from meshtorch.ops.control import *  # noqa: F403
 from meshtorch.ops.precision import *  # noqa: F403
 from meshtorch.ops.variables import (

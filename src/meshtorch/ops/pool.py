@@ -1,0 +1,218 @@
+"""Max and average pooling over named spatial dimensions (Mesh TF ``mtf.max_pool2d`` / ``avg_pool2d``).
+
+``x [other dims..., spatial dims...]``: every dim that is not pooled is batch-like (channels too),
+flattened into torch's N on each processor and pooled with ``torch.nn.functional.{max,avg}_pool{n}d``.
+The spatial dims default to Mesh TF's NHWC convention: the ``n`` dims just before the last dim;
+they are unsplittable (a window must not straddle processors: pool per block on a blocked image
+instead, where the block dims may split). Every other dim splits freely with no communication.
+
+Strides default to the window (Mesh TF pools with stride = ksize) and may be anything; padding is
+TF's: ``"VALID"`` or ``"SAME"`` (windows hanging over the edge ignore the missing elements: max over
+the present ones, average divided by the number present, as ``tf.nn.avg_pool``).
+
+Gradient: :class:`PoolGradOperation`, lowered per slice by PyTorch's own pooling backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from meshtorch.core.dims import Dimension, Shape
+from meshtorch.core.errors import ShapeError
+from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._util import dim_names
+from meshtorch.ops.conv import _check_padding, _normalize_strides, _torch_pad, conv_output_size, conv_padding
+
+__all__ = ["PoolOperation", "PoolGradOperation", "pool", "max_pool1d", "max_pool2d", "max_pool3d",
+           "avg_pool1d", "avg_pool2d", "avg_pool3d"]
+
+_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def _pool_fn(kind: str, n: int, ksize, strides, pads):
+    """Per-slice pooling on ``(N, *S)`` tensors (the channel-free layout used here)."""
+    tpad = _torch_pad(pads)
+    any_pad = any(tpad)
+    k = tuple(ksize)
+    s = tuple(strides)
+    if kind == "MAX":
+        mp = _MAX[n]
+
+        def f(t):
+            t = t.unsqueeze(1)
+            if any_pad:
+                t = F.pad(t, tpad, value=float("-inf"))
+            return mp(t, k, s).squeeze(1)
+        return f
+    ap = _AVG[n]
+
+    def g(t):
+        t = t.unsqueeze(1)
+        if not any_pad:
+            return ap(t, k, s).squeeze(1)
+        y = ap(F.pad(t, tpad), k, s)
+        ones = F.pad(torch.ones((1, 1, *t.shape[2:]), dtype=t.dtype, device=t.device), tpad)
+        frac = ap(ones, k, s)  # fraction of each window that lies inside the input
+        return (y / frac).squeeze(1)
+    return g
+
+
+class PoolOperation(Operation):
+    """``kind`` ("MAX" or "AVG") pooling of ``x`` over ``spatial_dims`` with window ``ksize``."""
+
+    def __init__(self, x: Tensor, kind: str, ksize, strides=None, padding="VALID", spatial_dims=None, name=None):
+        super().__init__([x], name=name or f"{kind.lower()}_pool")
+        what = f"{kind.lower()}_pool {self.name!r}"
+        if kind not in ("MAX", "AVG"):
+            raise ValueError(f"{what}: kind must be MAX or AVG, got {kind!r}.")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{what}: input {x.name!r} must be floating point, got {x.dtype}.")
+        ksize = [ksize] if isinstance(ksize, int) else list(ksize)
+        n = len(ksize)
+        if n not in (1, 2, 3) or any(int(k) < 1 for k in ksize):
+            raise ValueError(f"{what}: ksize must be 1 to 3 positive ints, got {ksize}.")
+        self.kind, self.n = kind, n
+        self.ksize = tuple(int(k) for k in ksize)
+        self.strides = self.ksize if strides is None else _normalize_strides(strides, n, what)
+        self.padding = _check_padding(padding, what)
+        if spatial_dims is None:
+            if x.shape.ndims < n + 1:
+                raise ShapeError(f"{what}: input {x.name!r} {x.shape} needs {n} spatial dims before its last dim "
+                                 "(Mesh TF NHWC); pass spatial_dims to choose others.")
+            spatial_dims = [d.name for d in x.shape[-n - 1:-1]]
+        self.spatial = dim_names(spatial_dims)
+        if len(self.spatial) != n or len(set(self.spatial)) != n:
+            raise ShapeError(f"{what}: need {n} distinct spatial dims for ksize {ksize}, got {self.spatial}.")
+        out_dims, self.pads = [], []
+        for d in x.shape:
+            if d.name in self.spatial:
+                i = self.spatial.index(d.name)
+                size = conv_output_size(d.size, self.ksize[i], self.strides[i], self.padding)
+                if size < 1:
+                    raise ShapeError(f"{what}: spatial dim {d} of {x.name!r} is smaller than the window "
+                                     f"{self.ksize[i]} (VALID).")
+                out_dims.append(Dimension(d.name, size))
+            else:
+                out_dims.append(d)
+        for i, s in enumerate(self.spatial):
+            if s not in x.shape:
+                raise ShapeError(f"{what}: input {x.name!r} {x.shape} has no dimension {s!r}.")
+            self.pads.append(conv_padding(x.shape.get_dim_by_name(s).size, self.ksize[i], self.strides[i],
+                                          self.padding))
+        self.unsplittable_dims = tuple(self.spatial)
+        self.outputs = [Tensor(self, Shape(out_dims), x.dtype)]
+        names = x.shape.dimension_names
+        sidx = [names.index(s) for s in self.spatial]
+        self._perm = [i for i in range(len(names)) if i not in sidx] + sidx
+        self._inv = [self._perm.index(i) for i in range(len(names))]
+
+    def slice_fn(self):
+        """``f(slice) -> pooled slice`` in the input's dim order (also used by the gradient)."""
+        pool = _pool_fn(self.kind, self.n, self.ksize, self.strides, self.pads)
+        perm, inv, n = self._perm, self._inv, self.n
+
+        def f(t):
+            t = t.permute(perm)
+            bshape = t.shape[: t.ndim - n]
+            y = pool(t.reshape(-1, *t.shape[t.ndim - n:]))
+            return y.reshape(*bshape, *y.shape[1:]).permute(inv)
+        return f
+
+    def lower(self, lw):
+        lw.set(self.outputs[0], lw.slicewise(self.slice_fn(), lw.get(self.inputs[0])))
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        if dy is None:
+            return [None]
+        return [PoolGradOperation(self, dy).outputs[0]]
+
+
+class PoolGradOperation(Operation):
+    """Gradient of a :class:`PoolOperation` w.r.t. its input: inputs ``(x, dy)``, output x's shape.
+
+    Lowered per slice with PyTorch's pooling backward (``torch.autograd.grad`` of the same slice
+    function), so ties and padding are treated exactly as PyTorch treats them. No second gradient.
+    """
+
+    def __init__(self, forward: PoolOperation, dy: Tensor, name=None):
+        x = forward.inputs[0]
+        super().__init__([x, dy], name=name or f"{forward.name}_grad")
+        if dy.shape != forward.outputs[0].shape:
+            raise ShapeError(f"pool gradient {self.name!r}: dy {dy.shape} differs from the pool output "
+                             f"{forward.outputs[0].shape}.")
+        self.forward = forward
+        self.unsplittable_dims = forward.unsplittable_dims
+        self.outputs = [Tensor(self, x.shape, x.dtype)]
+
+    def lower(self, lw):
+        f = self.forward.slice_fn()
+
+        def g(xs, ds):
+            with torch.enable_grad():
+                t = xs.detach().requires_grad_(True)
+                (gx,) = torch.autograd.grad(f(t), t, ds)
+            return gx
+
+        x, dy = self.inputs
+        lw.set(self.outputs[0], lw.slicewise(g, lw.get(x), lw.get(dy)))
+
+
+def pool(x: Tensor, kind: str, ksize, strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
+    """Max (``kind="MAX"``) or average (``"AVG"``) pooling; see the module docstring.
+
+    Args:
+        x: float Tensor ``[..., spatial..., c]``.
+        ksize: window, one int per spatial dim (1 to 3 of them).
+        strides: default ``ksize``; int, per-dim ints, or Mesh TF's ``[1, *s, 1]``.
+        padding: ``"VALID"`` (default, Mesh TF) or ``"SAME"``.
+        spatial_dims: dims to pool (default the ``len(ksize)`` dims before x's last dim).
+
+    Returns:
+        x's dims with the spatial ones resized (same names), x's dtype.
+
+    Raises:
+        ShapeError: missing/duplicate spatial dims or a VALID window larger than the input.
+        ValueError: bad ksize/strides/padding. TypeError: integer input.
+        LayoutError (at lowering): a layout splits a pooled dim.
+    """
+    return PoolOperation(x, kind, ksize, strides, padding, spatial_dims, name).outputs[0]
+
+
+def _n(ksize, n, what):
+    ksize = [ksize] * n if isinstance(ksize, int) else list(ksize)
+    if len(ksize) != n:
+        raise ValueError(f"{what}: ksize must have {n} entries, got {ksize}.")
+    return ksize
+
+
+def max_pool1d(x, ksize=2, strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
+    """1-d max pooling (``F.max_pool1d`` per slice); see :func:`pool`."""
+    return pool(x, "MAX", _n(ksize, 1, "max_pool1d"), strides, padding, spatial_dims, name or "max_pool1d")
+
+
+def max_pool2d(x, ksize=(2, 2), strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
+    """2-d max pooling (Mesh TF ``mtf.max_pool2d``, x ``[..., h, w, c]``); see :func:`pool`."""
+    return pool(x, "MAX", _n(ksize, 2, "max_pool2d"), strides, padding, spatial_dims, name or "max_pool2d")
+
+
+def max_pool3d(x, ksize=(2, 2, 2), strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
+    """3-d max pooling (Mesh TF ``mtf.max_pool3d``, x ``[..., d, h, w, c]``); see :func:`pool`."""
+    return pool(x, "MAX", _n(ksize, 3, "max_pool3d"), strides, padding, spatial_dims, name or "max_pool3d")
+
+
+def avg_pool1d(x, ksize=2, strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
+    """1-d average pooling; see :func:`pool`."""
+    return pool(x, "AVG", _n(ksize, 1, "avg_pool1d"), strides, padding, spatial_dims, name or "avg_pool1d")
+
+
+def avg_pool2d(x, ksize=(2, 2), strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
+    """2-d average pooling (Mesh TF ``mtf.avg_pool2d``); see :func:`pool`."""
+    return pool(x, "AVG", _n(ksize, 2, "avg_pool2d"), strides, padding, spatial_dims, name or "avg_pool2d")
+
+
+def avg_pool3d(x, ksize=(2, 2, 2), strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
+    """3-d average pooling (Mesh TF ``mtf.avg_pool3d``); see :func:`pool`."""
+    return pool(x, "AVG", _n(ksize, 3, "avg_pool3d"), strides, padding, spatial_dims, name or "avg_pool3d")
