@@ -51,6 +51,14 @@ class MnistRun:
     config: dict = field(default_factory=dict)
 
 
+MODEL_DEFAULTS = {
+    "mlp": {"mesh": "rows:2;cols:2", "layout": "batch:rows;hidden:cols", "epochs": 3, "batch_size": 100,
+            "hidden": 1024, "lr": 0.1},
+    "conv": {"mesh": "b1:2;b2:2", "layout": "row_blocks:b1;col_blocks:b2", "epochs": 2, "batch_size": 200,
+             "hidden": 512, "lr": 0.02},
+}
+
+
 def local_feeds(model: MnistModel, lowering: Lowering, images: torch.Tensor, labels: torch.Tensor,
                 batch_ids: torch.Tensor) -> dict:
     """``feed_slices=True`` feeds for the batch of example ids ``batch_ids`` (int64 ``[batch]``).
@@ -69,6 +77,8 @@ def local_feeds(model: MnistModel, lowering: Lowering, images: torch.Tensor, lab
             rows[pad] = 0
         if t is model.images and rows.dtype == torch.uint8:
             rows = rows.to(torch.float32) / 255.0
+        if t is model.images and hasattr(model, "prepare_images"):  # e.g. the conv model's blocks
+            rows = model.prepare_images(rows)
         feeds[t] = local_feed(lowering, t, rows.to(t.dtype))
     return feeds
 
@@ -98,7 +108,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
                 data: tuple | None = None, steps_per_epoch: int | None = None, evaluate_each_epoch: bool = True,
                 progress: bool = False, log: Callable[[str], None] | None = None,
                 start_log: Callable[[str], None] | None = None,
-                activation_dtype: torch.dtype = torch.float32) -> MnistRun:
+                activation_dtype: torch.dtype = torch.float32, model_kind: str = "mlp") -> MnistRun:
     """Train the README MNIST model with SGD; evaluate after each epoch.
 
     The mesh is :func:`meshtorch.launch.make_mesh_impl`'s: SPMD (one processor per process) under
@@ -115,7 +125,9 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
         progress: show a tqdm bar.
         log: called with one line per epoch (e.g. ``print``).
         start_log: called once with a line describing the run (mesh, layout, processes, threads).
-        activation_dtype: compute dtype (e.g. ``torch.bfloat16``); weights stay float32.
+        activation_dtype: compute dtype (e.g. ``torch.bfloat16``); weights stay float32 (mlp only).
+        model_kind: ``"mlp"`` (Mesh TF's README model) or ``"conv"`` (Mesh TF's examples/mnist.py:
+            blocked 9x9 convolutions with halo exchange, momentum SGD; ``hidden`` and ``lr`` apply).
 
     Returns:
         :class:`MnistRun`.
@@ -131,8 +143,17 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
     n = train_x.shape[0]
     if n < batch_size:
         raise ValueError(f"mnist: the training set has {n} examples, fewer than one batch of {batch_size}.")
-    model = build_mnist_model(batch_size=batch_size, hidden_size=hidden, learning_rate=lr, seed=seed,
-                              rows=train_x.shape[1], cols=train_x.shape[2], activation_dtype=activation_dtype)
+    if model_kind == "conv":
+        if activation_dtype != torch.float32:
+            raise ValueError("mnist: --activation-dtype applies to the mlp model only.")
+        from meshtorch.models.mnist_conv import build_conv_model
+        model = build_conv_model(batch_size=batch_size, seed=seed, hidden_size=hidden, learning_rate=lr,
+                                 rows=train_x.shape[1], cols=train_x.shape[2])
+    elif model_kind == "mlp":
+        model = build_mnist_model(batch_size=batch_size, hidden_size=hidden, learning_rate=lr, seed=seed,
+                                  rows=train_x.shape[1], cols=train_x.shape[2], activation_dtype=activation_dtype)
+    else:
+        raise ValueError(f"mnist: unknown model {model_kind!r}; choose mlp or conv.")
     lowering = Lowering(model.graph, {model.mesh: make_mesh_impl(mesh_shape, layout)})
     main_process = is_main_process()
     progress = progress and main_process
@@ -193,14 +214,17 @@ def add_parser(subparsers):
                     "`torchrun --nproc-per-node N -m meshtorch mnist` or `meshtorch launch -n N -- mnist` "
                     "(each process feeds only its batch slice; rank 0 prints). "
                     "The layout changes where computation and communication happen, never the numbers.")
-    p.add_argument("--mesh", default="rows:2;cols:2", help='mesh shape, e.g. "rows:2;cols:2", "all:4", or "" '
-                   "for one processor (default: %(default)s)")
-    p.add_argument("--layout", default="batch:rows;hidden:cols",
-                   help="layout rules tensor_dim:mesh_axis (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the training set (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=100, help="examples per step (default: %(default)s)")
-    p.add_argument("--hidden", type=int, default=1024, help="size of the hidden dim (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--model", default="mlp", choices=sorted(MODEL_DEFAULTS),
+                   help="mlp: Mesh TF's README model; conv: Mesh TF's examples/mnist.py (spatially partitioned "
+                        "convolutions) (default: %(default)s)")
+    p.add_argument("--mesh", default=None, help='mesh shape, e.g. "rows:2;cols:2", "all:4", or "" for one processor '
+                   "(default: mlp rows:2;cols:2, conv b1:2;b2:2)")
+    p.add_argument("--layout", default=None, help="layout rules tensor_dim:mesh_axis (default: mlp "
+                   "batch:rows;hidden:cols, conv row_blocks:b1;col_blocks:b2)")
+    p.add_argument("--epochs", type=int, default=None, help="passes over the training set (default: mlp 3, conv 2)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per step (default: mlp 100, conv 200)")
+    p.add_argument("--hidden", type=int, default=None, help="size of the hidden dims (default: mlp 1024, conv 512)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: mlp 0.1 SGD, conv 0.02 momentum)")
     p.add_argument("--seed", type=int, default=0, help="seed of initial weights and shuffling (default: %(default)s)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="directory of the IDX files (default: %(default)s)")
     p.add_argument("--steps-per-epoch", type=int, default=None, help="cap on steps per epoch (default: all)")
@@ -217,6 +241,9 @@ def add_parser(subparsers):
 
 def main(args) -> int:
     """Run the job from parsed arguments; print per-epoch results and the communication summary."""
+    for k, v in MODEL_DEFAULTS[args.model].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     for what in ("epochs", "batch_size", "hidden"):
         if getattr(args, what) <= 0:
             raise ValueError(f"--{what.replace('_', '-')} must be positive, got {getattr(args, what)}.")
@@ -226,7 +253,7 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     run = train_mnist(args.mesh, args.layout, args.epochs, args.batch_size, args.hidden, args.lr, args.seed,
                       args.data_dir, steps_per_epoch=args.steps_per_epoch, evaluate_each_epoch=not args.no_eval,
-                      activation_dtype=getattr(torch, args.activation_dtype),
+                      activation_dtype=getattr(torch, args.activation_dtype), model_kind=args.model,
                       progress=not args.no_progress, log=lambda s: print(s, flush=True),
                       start_log=lambda s: print(s, flush=True))
     if is_main_process():  # after train_mnist: under torchrun it initialized torch.distributed

@@ -97,6 +97,10 @@ class ConvMnistModel:
         """``[loss] + update_ops``: what one training step fetches."""
         return [self.loss, *self.update_ops]
 
+    def prepare_images(self, images) -> torch.Tensor:
+        """Host-side blocking of ``[k, 28, 28]`` image rows (what the ``images`` placeholder holds)."""
+        return to_blocks(images, self.row_blocks, self.col_blocks)
+
     def feeds(self, images, labels) -> dict:
         """Feeds for one batch: images ``[batch, 28, 28]`` (uint8 scaled by 1/255) are blocked on the host."""
         return {self.images: to_blocks(images, self.row_blocks, self.col_blocks),
