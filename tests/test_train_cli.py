@@ -8,7 +8,7 @@ from meshtorch.generate import beam_search, sample
 from meshtorch.sample_cmd import add_sample_subcommand, load_lm
 from meshtorch.train import add_train_subcommand
 
-SMALL = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "2", "--d-kv", "16", "--d-ff", "64",
+SMALL = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
          "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "",
          "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2"]
 
@@ -35,14 +35,14 @@ def test_resume_is_bitwise_identical_and_decoding_is_layout_independent(tmp_path
 
     # decode from the checkpoint on three meshes: same tokens
     outs = []
-    for mesh, layout in [("", ""), ("all:4", "batch:all"),
+    for mesh, layout in [("", ""), ("all:4", "batch:all"), ("all:4", "heads:all;d_ff:all;vocab:all"),
                          ("data:2,model:2", "batch:data;heads:model;d_ff:model;vocab:model")]:
         lm, lw = load_lm(str(tmp_path / "a"), mesh, layout)
         prompt = torch.tensor([84, 104, 101, 32])
         outs.append((sample(lw, lm, prompt, 8, temperature=0),
                      sample(lw, lm, prompt, 8, temperature=1.0, top_k=20, seed=3, num_samples=2),
                      beam_search(lw, lm, prompt, beam_size=3, max_new_tokens=6)))
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1] == outs[2] == outs[3]
     assert len(outs[0][0][0]) == 8 and len(outs[0][2]) == 6
 
     s = _args("sample", "--checkpoint-dir", str(tmp_path / "a"), "--max-new-tokens", "5", "--temperature", "0")
