@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import meshtorch as mtf
 from meshtorch.models.encdec import EncDecConfig, build_encdec, relative_position_buckets
+from meshtorch.testing import assert_training_agrees
 
 CFG = EncDecConfig(vocab_size=30, vocab_multiple=4, d_model=16, num_heads=4, d_kv=4, d_ff=16, num_encoder_layers=2,
                    num_decoder_layers=2, input_length=8, target_length=6, batch_size=4, num_buckets=8,
@@ -143,16 +144,5 @@ def test_loss_and_gradients_match_plain_pytorch_under_layouts(c):
 
 def test_training_losses_agree_across_layouts():
     c = EncDecConfig(**{**CFG.to_dict(), "dropout": 0.1})
-    losses = {}
-    for mesh_shape, layout in LAYOUTS:
-        m = build_encdec(c, seed=2, optimizer=mtf.optim.AdamWOptimizer(1e-2))
-        lw = m.lowering(mesh_shape, layout)
-        run = []
-        for step in range(8):
-            x, y = _data(c, seed=step % 2)
-            run.append(lw.run([m.loss] + m.updates, feeds={m.inputs: x, m.targets: y})[0].item())
-        losses[layout] = torch.tensor(run)
-    base = losses[""]
-    assert base[-2:].mean() < base[:2].mean()
-    for layout, ls in losses.items():
-        torch.testing.assert_close(ls, base, rtol=1e-4, atol=0, msg=layout)
+    assert_training_agrees(lambda: build_encdec(c, seed=2, optimizer=mtf.optim.AdamWOptimizer(1e-2)), LAYOUTS,
+                           lambda step: _data(c, seed=step % 2), steps=8, rtol=1e-4)

@@ -6,6 +6,7 @@ import torch
 import meshtorch as mtf
 from meshtorch.models.torch_lm import TorchLM
 from meshtorch.models.transformer import LMConfig, build_lm
+from meshtorch.testing import assert_training_agrees
 
 CFG = LMConfig(vocab_size=30, vocab_multiple=4, d_model=16, num_heads=4, d_kv=4, d_ff=32, num_layers=2,
                length=8, batch_size=4)
@@ -54,39 +55,17 @@ def test_loss_and_gradients_match_plain_pytorch_under_layouts(c):
 
 
 def test_training_losses_agree_across_layouts():
-    c = CFG
-    losses = {}
-    for mesh_shape, layout in LAYOUTS:
-        lm = build_lm(c, seed=2, optimizer=mtf.optim.SgdOptimizer(0.5))
-        lw = lm.lowering(mesh_shape, layout)
-        run = []
-        for step in range(6):
-            x, y = _data(c, seed=step % 2)  # two batches, alternating: the loss must fall
-            run.append(lw.run([lm.loss] + lm.updates, feeds={lm.inputs: x, lm.targets: y})[0].item())
-        losses[layout] = torch.tensor(run)
-    base = losses[""]
-    assert base[-1] < base[0]
-    for layout, ls in losses.items():
-        torch.testing.assert_close(ls, base, rtol=1e-5, atol=0, msg=layout)
+    # two batches, alternating: the loss must fall
+    assert_training_agrees(lambda: build_lm(CFG, seed=2, optimizer=mtf.optim.SgdOptimizer(0.5)), LAYOUTS,
+                           lambda step: _data(CFG, seed=step % 2), steps=6, rtol=1e-5, ends=1)
 
 
 def test_twenty_steps_with_dropout_and_adamw_agree_across_layouts():
     """Issue acceptance: first 20 step losses (dropout on) agree to 1e-4 relative across layouts."""
     c = LMConfig(**{**CFG.to_dict(), "dropout": 0.1})
-    losses = {}
-    for mesh_shape, layout in LAYOUTS:
-        lm = build_lm(c, seed=4, optimizer=mtf.optim.AdamWOptimizer(1e-2, weight_decay=0.01), clip_norm=1.0)
-        lw = lm.lowering(mesh_shape, layout)
-        run = []
-        for step in range(20):
-            x, y = _data(c, seed=step % 3)
-            run.append(lw.run([lm.loss] + lm.updates, feeds={lm.inputs: x, lm.targets: y})[0].item())
-        losses[layout] = torch.tensor(run, dtype=torch.float64)
-    base = losses[""]
-    assert base[-3:].mean() < base[:3].mean()
-    for layout, ls in losses.items():
-        rel = ((ls - base).abs() / base.abs()).max().item()
-        assert rel <= 1e-4, f"{layout}: max relative loss difference {rel:.2e}"
+    assert_training_agrees(
+        lambda: build_lm(c, seed=4, optimizer=mtf.optim.AdamWOptimizer(1e-2, weight_decay=0.01), clip_norm=1.0),
+        LAYOUTS, lambda step: _data(c, seed=step % 3), steps=20, rtol=1e-4, ends=3)
 
 
 def test_recompute_grad_with_dropout_matches_plain_gradient():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import meshtorch as mtf
 from meshtorch.models.torch_lm import TorchLM
 from meshtorch.models.transformer import LMConfig, build_lm
-from meshtorch.testing import OpCase, enumerate_layouts
+from meshtorch.testing import OpCase, assert_training_agrees, enumerate_layouts
 
 
 @pytest.fixture(autouse=True)
@@ -213,19 +213,8 @@ def test_lm_moe_matches_plain_pytorch_under_layouts():
 def test_lm_moe_training_losses_agree_across_layouts(opt):
     """20 training steps with dropout: the same losses under every layout (routing decisions included)."""
     c = LMConfig(**{**MOE_CFG.to_dict(), "dropout": 0.1})
-    losses = {}
-    for mesh_shape, layout in LM_LAYOUTS:
-        lm = build_lm(c, seed=2, optimizer=opt())
-        lw = lm.lowering(mesh_shape, layout)
-        run = []
-        for step in range(20):
-            x, y = _lm_data(c, seed=step % 2)
-            run.append(lw.run([lm.loss] + lm.updates, feeds={lm.inputs: x, lm.targets: y})[0].item())
-        losses[layout] = torch.tensor(run)
-    base = losses[""]
-    assert base[-2:].mean() < base[:2].mean()
-    for layout, ls in losses.items():
-        torch.testing.assert_close(ls, base, rtol=1e-4, atol=0, msg=layout)
+    assert_training_agrees(lambda: build_lm(c, seed=2, optimizer=opt()), LM_LAYOUTS,
+                           lambda step: _lm_data(c, seed=step % 2), steps=20, rtol=1e-4)
 
 
 def test_lm_moe_expert_parallel_counters():

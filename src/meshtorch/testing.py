@@ -203,3 +203,36 @@ def check_layouts(build: Callable, inputs: dict, reference: Callable, layouts=No
                 err = rel_error(gr, ref_grads[n])
                 assert err <= rtol, f"{where}: gradient of {n!r} relative error {err:.3g} > {rtol}"
     return layouts
+
+
+def assert_training_agrees(build: Callable, layouts, batches: Callable, steps: int, rtol: float,
+                           ends: int = 2) -> dict:
+    """Train one model per layout and assert that the step losses agree (and that training works).
+
+    Args:
+        build: ``build() -> model`` with ``.lowering(mesh_shape, layout)``, ``.loss``, ``.updates``,
+            ``.inputs``, ``.targets`` (e.g. :func:`meshtorch.models.transformer.build_lm`).
+        layouts: ``[(mesh_shape, layout)]``; the first is the reference.
+        batches: ``batches(step) -> (inputs, targets)`` full tensors.
+        steps: training steps per layout.
+        rtol: largest allowed relative difference of any step loss from the reference's.
+        ends: the mean of the last ``ends`` losses must be below the mean of the first ``ends``.
+
+    Returns:
+        ``{layout: float64 tensor of step losses}``.
+    """
+    losses = {}
+    for mesh_shape, layout in layouts:
+        m = build()
+        lw = m.lowering(mesh_shape, layout)
+        run = []
+        for step in range(steps):
+            x, y = batches(step)
+            run.append(lw.run([m.loss] + m.updates, feeds={m.inputs: x, m.targets: y})[0].item())
+        losses[(mesh_shape, layout)] = torch.tensor(run, dtype=torch.float64)
+    base = losses[tuple(layouts[0])]
+    assert base[-ends:].mean() < base[:ends].mean(), f"training did not reduce the loss: {base.tolist()}"
+    for key, ls in losses.items():
+        rel = ((ls - base).abs() / base.abs()).max().item()
+        assert rel <= rtol, f"mesh {key[0]!r} layout {key[1]!r}: max relative loss difference {rel:.2e} > {rtol}"
+    return losses
