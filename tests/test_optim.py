@@ -320,6 +320,40 @@ def test_sgd_momentum_vs_torch(momentum):
             assert err <= RTOL, f"{layout!r}: {n} vs torch.optim.SGD relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_schedule_on_float64_variables_vs_torch(momentum):
+    """A schedule (a float32 Tensor of the step) drives float64 variables: cast per dtype, not a dtype error."""
+    params = {n: (s, v.double()) for n, (s, v) in _params(shapes=ADAM_SHAPES).items()}
+    grads = [{n: g.double() for n, g in gs.items()} for gs in _grads(params, 3)]
+    leaves = {n: v.clone().requires_grad_(True) for n, (_, v) in params.items()}
+    topt = torch.optim.SGD(list(leaves.values()), lr=0.3, momentum=momentum)
+    sched = torch.optim.lr_scheduler.LambdaLR(topt, lambda t: min(1.0, (t + 1) / 4))
+    for gs in grads:
+        for n, p in leaves.items():
+            p.grad = gs[n].clone()
+        topt.step()
+        sched.step()
+
+    lr = lambda step: mtf.optim.linear_warmup(step + 1.0, 4, 0.3)
+    for mesh_shape, layout in LAYOUTS[:3]:
+        g = mtf.Graph(seed=0)
+        mesh = mtf.Mesh(g, "mesh")
+        vs = [mtf.get_variable(mesh, n, s, initializer=0.0, dtype=torch.float64) for n, (s, _) in params.items()]
+        phs = [mtf.placeholder(mesh, f"grad_{n}", s, dtype=torch.float64) for n, (s, _) in params.items()]
+        opt = mtf.optim.MomentumOptimizer(lr, momentum) if momentum else mtf.optim.SgdOptimizer(lr)
+        ops = opt.apply_grads(phs, vs)
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+        for n, (_, v) in params.items():
+            lw.set_variable_value(n, v)
+        for gs in grads:
+            lw.run(ops, feeds={ph: gs[n] for ph, n in zip(phs, params, strict=True)})
+        for n, p in leaves.items():
+            got = lw.variable_value(n)
+            assert got.dtype == torch.float64
+            # the schedule is float32 (as Mesh TF's step_num()): lr carries float32 rounding, ~1e-8
+            assert rel_error(got, p.detach()) <= 1e-7, f"{layout!r}: {n}"
+
+
 # ------------------------------------------------------------------ global step
 def test_global_step_incremented_once_per_apply_grads():
     g = mtf.Graph()

@@ -126,6 +126,20 @@ class Optimizer:
         """The learning rate for this update: a Python float or a float32 scalar Tensor."""
         return self.hyper(self.learning_rate, "learning_rate", mesh)
 
+    def lr_for(self, var) -> float | Tensor:
+        """:meth:`lr` for ``var``'s update: a scheduled (float32 Tensor) rate is cast to ``var``'s dtype.
+
+        So a float64 (or bfloat16) variable can use a schedule; the cast is cached per mesh and dtype.
+        """
+        lr = self.lr(var.mesh)
+        if not isinstance(lr, Tensor) or lr.dtype == var.dtype:
+            return lr
+        c = self._context(var.mesh)
+        key = ("lr_as", var.dtype)
+        if key not in c:
+            c[key] = ew.cast(lr, var.dtype)
+        return c[key]
+
     # ------------------------------------------------------------ public API
     def apply_grads(self, grads, variables) -> list[Assign]:
         """One update per (gradient, variable) pair, plus one increment of ``global_step``.

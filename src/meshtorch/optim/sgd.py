@@ -29,7 +29,7 @@ class SgdOptimizer(Optimizer):
         check_grad(grad, var, "SgdOptimizer")
         if self.weight_decay:
             grad = grad + var.value * self.weight_decay
-        return [Assign([var], [var.value - grad * self.lr(var.mesh)], name=f"{var.name}/sgd")]
+        return [Assign([var], [var.value - grad * self.lr_for(var)], name=f"{var.name}/sgd")]
 
 
 class MomentumOptimizer(Optimizer):
@@ -57,5 +57,5 @@ class MomentumOptimizer(Optimizer):
         v = get_variable(var.mesh, f"{var.name}/momentum", var.shape, initializer=zeros_initializer(),
                          dtype=var.dtype, trainable=False)
         new_v = v * self.momentum + grad
-        return [Assign([v.operation, var], [new_v, var.value - new_v * self.lr(var.mesh)],
+        return [Assign([v.operation, var], [new_v, var.value - new_v * self.lr_for(var)],
                        name=f"{var.name}/momentum_update")]
