@@ -263,3 +263,18 @@ def test_cli_conv_model_on_synthetic_data(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "epoch 1/1: train loss" in out
     assert "receive" in out  # the halo exchange between processors of the spatially partitioned layout
+    assert "meshtorch mnist (conv, relu)" in out
+
+
+def test_conv_activation_and_standardization(tmp_path):
+    """--activation gelu reaches the conv model; pixels are standardized by the training set's statistics."""
+    from meshtorch.models.mnist_conv import pixel_stats
+    images, labels = _synthetic(24, seed=5)
+    data = ((torch.from_numpy(images), torch.from_numpy(labels)),) * 2
+    run = train_mnist("", "", epochs=1, batch_size=8, hidden=16, data=data, model_kind="conv", activation="gelu",
+                      evaluate_each_epoch=False)
+    assert run.model.activation == "gelu" and run.config["activation"] == "gelu"
+    assert (run.model.input_mean, run.model.input_std) == pixel_stats(images)
+    assert any(op.name.startswith("gelu") for op in run.model.graph.operations)
+    with pytest.raises(ValueError, match="conv model only"):
+        train_mnist("", "", epochs=1, batch_size=8, hidden=16, data=data, activation="gelu")
