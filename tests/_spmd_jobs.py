@@ -29,6 +29,17 @@ def mnist_worker(mesh_shape: str, layout: str):
     return run.step_losses, run.epochs[0].test_accuracy, lines
 
 
+CONV_KW = dict(batch_size=8, hidden=16, lr=0.05, seed=0, epochs=1, steps_per_epoch=6, model_kind="conv")
+
+
+def mnist_conv_worker(mesh_shape: str, layout: str, activation: str):
+    """The conv model (halo exchange between ranks) for 6 steps on synthetic data: (losses, accuracy)."""
+    from meshtorch.mnist_job import train_mnist
+
+    run = train_mnist(mesh_shape, layout, data=synthetic_mnist(400, 40), activation=activation, **CONV_KW)
+    return run.step_losses, run.epochs[0].test_accuracy
+
+
 # ---------------------------------------------------------------------- checkpoints across process counts
 CKPT_SAVE = ("rows:2;cols:2", "batch:rows;hidden:cols")
 CKPT_RESTORE_2 = ("all:2", "hidden:all")

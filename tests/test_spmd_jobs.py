@@ -39,6 +39,23 @@ def test_mnist_spmd_losses_equal_placement():
     assert "processes 4" in run.results[0][2][0]
 
 
+def test_mnist_conv_spmd_equals_placement():
+    """Spatial partitioning as 4 gloo processes: the halo rows travel between ranks; same losses as placement."""
+    mesh, layout = "b1:2;b2:2", "row_blocks:b1;col_blocks:b2"
+    run = run_spmd("_spmd_jobs:mnist_conv_worker", args=(mesh, layout, "gelu"), nprocs=4, timeout_s=120,
+                   extra_path=[TESTS_DIR]).check()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_mnist("", "", data=J.synthetic_mnist(400, 40), activation="gelu", **J.CONV_KW)
+    finally:
+        torch.set_num_threads(n)
+    assert len(ref.step_losses) == 6
+    for rank, (losses, acc) in enumerate(run.results):
+        assert _rel(losses, ref.step_losses) <= 1e-5, (rank, losses, ref.step_losses)
+        assert acc == ref.epochs[0].test_accuracy, (rank, acc)
+
+
 def test_train_spmd_equals_placement(tmp_path, capsys):
     run = run_spmd("_spmd_jobs:train_worker", args=(str(tmp_path / "spmd"),), nprocs=4, timeout_s=150,
                    extra_path=[TESTS_DIR]).check()
