@@ -320,6 +320,39 @@ def test_nested_while_loop_and_num_loop_vars():
         torch.testing.assert_close(y, ref)
 
 
+def test_plan_counters_with_loop_iterations_equal_executed_counters():
+    """plan_counters(loop_iterations=...) counts nested loop bodies and conditions as run() executes them."""
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.get_variable(mesh, "x", "b:4,h:8", initializer=0.0)
+    w = mtf.get_variable(mesh, "w", "h:8,k:4", initializer=0.0)
+
+    def inner(s):  # the contraction over h is all-reduced every inner iteration (a loop value needs it)
+        _, s2 = mtf.while_loop(lambda j, t: mtf.less(j, _i64(mesh, 2)),
+                               lambda j, t: [j + _i64(mesh, 1), t + mtf.einsum([x, w], output_shape="k:4")],
+                               [_i64(mesh, 0), s], name="inner")
+        return s2
+
+    outs = mtf.while_loop(lambda i, s: mtf.less(i, _i64(mesh, 3)),
+                          lambda i, s: [i + _i64(mesh, 1), inner(s) + mtf.reduce_sum(x * 1.0)],
+                          [_i64(mesh, 0), mtf.zeros(mesh, "k:4")], name="outer")
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "h:all")})
+    _set_xwv(lw)
+    assert lw.plan_counters(outs).count("allreduce") == 0  # default: loop bodies count zero times
+    planned = lw.plan_counters(outs, loop_iterations={"outer": 3, "inner": 2})
+    got = lw.run(outs)
+    torch.testing.assert_close(got[1], 6 * (X[1] @ W[1]).sum(0) + 3 * X[1].sum(), rtol=1e-5, atol=1e-5)
+    assert lw.counters.count("allreduce") == 3 * 2 + 3, lw.counters.summary()
+    assert dict(planned.records) == dict(lw.counters.records)
+    assert planned.einsum_flops == lw.counters.einsum_flops > 0
+    # one int for every loop: 2 outer x 2 inner
+    assert lw.plan_counters(outs, loop_iterations=2).count("allreduce") == 2 * 2 + 2
+    with pytest.raises(ValueError, match=r"'decoder'.*'inner', 'outer'"):
+        lw.plan_counters(outs, loop_iterations={"decoder": 3})
+    with pytest.raises(ValueError, match="trip count"):
+        lw.plan_counters(outs, loop_iterations={"outer": -1})
+
+
 def test_while_loop_errors():
     g = mtf.Graph()
     mesh = mtf.Mesh(g)

@@ -374,6 +374,7 @@ class Lowering:
             assignments=assignments,
             fetch_slots=result_slots,
             counters=counters,
+            listing=chosen,
         )
 
     def _program(self, fetches):
@@ -384,11 +385,52 @@ class Lowering:
             self._programs[key] = prog
         return prog
 
-    def plan_counters(self, fetches) -> Counters:
-        """Communication and FLOPs that one ``run(fetches)`` will cost, computed without running."""
+    def plan_counters(self, fetches, loop_iterations: int | dict | None = None) -> Counters:
+        """Communication and FLOPs that one ``run(fetches)`` will cost, computed without running.
+
+        Args:
+            fetches: as for :meth:`run`.
+            loop_iterations: the trip counts of the ``while_loop`` s the fetches run, which cannot be
+                known before running: one int for every loop, or ``{loop op name: int}`` (loops not
+                named run 0 times). A loop of ``n`` iterations counts its body ``n`` times and its
+                condition ``n + 1`` times, as :meth:`run` does; a nested loop's count is per
+                iteration of the enclosing loop. Default None: loop bodies and conditions count
+                zero times.
+
+        Returns:
+            :class:`~meshtorch.counters.Counters` (``runs`` = 1).
+
+        Raises:
+            ValueError: a negative trip count, or a name in ``loop_iterations`` that is no while loop
+                of this program (the message lists the loops there are).
+        """
         fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
+        prog = self._program(fetches)
         c = Counters()
-        c.add(self._program(fetches).counters)
+        c.add(prog.counters)
+        if loop_iterations is None:
+            return c
+        seen = []
+
+        def walk(steps, times):
+            for st in steps:
+                if st.kind != "while_loop":
+                    continue
+                seen.append(st.op)
+                n = loop_iterations if isinstance(loop_iterations, int) else loop_iterations.get(st.op, 0)
+                if int(n) != n or n < 0:
+                    raise ValueError(f"plan_counters: while_loop {st.op!r} needs a trip count >= 0, got {n!r}.")
+                subs = dict(st.subprograms)
+                for label, k in (("cond", n + 1), ("body", n)):
+                    c.add(subs[label].counters, times * k)
+                    walk(subs[label].listing, times * k)
+
+        walk(prog.listing, 1)
+        if isinstance(loop_iterations, dict):
+            unknown = sorted(set(loop_iterations) - set(seen))
+            if unknown:
+                raise ValueError(f"plan_counters: loop_iterations names {unknown}, which are not while loops of "
+                                 f"this program; its while loops are {sorted(set(seen))}.")
         return c
 
     def run(self, fetches, feeds: dict | None = None, feed_slices: bool = False, return_slices: bool = False):

@@ -37,6 +37,7 @@ class _Program:
     assignments: list  # (variable op, slot)
     fetch_slots: list  # (slot or None, tensor or None)
     counters: Counters = field(default_factory=Counters)
+    listing: list = field(default_factory=list)  # the chosen Step records (loops' sub-programs for planning)
 
 
 def run_steps(steps, env) -> None:

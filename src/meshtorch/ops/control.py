@@ -189,8 +189,9 @@ def while_loop(cond_fn: Callable, body_fn: Callable, inputs, num_loop_vars: int 
 
     Variables and placeholders created inside the functions are hoisted out of the loop. Random
     ops inside the body are keyed by op name, so they draw the same values every iteration.
-    ``lowering.plan_counters`` cannot know the trip count and counts the loop body zero times;
-    ``lowering.counters`` counts every executed iteration.
+    ``lowering.plan_counters`` cannot know the trip count: it counts the loop body zero times
+    unless given ``loop_iterations`` (``{name: n}`` or one int); ``lowering.counters`` counts every
+    executed iteration.
     """
     outs = WhileLoopOperation(cond_fn, body_fn, inputs, has_accumulators, name).outputs
     n = len(_check_tensors(inputs, "while_loop"))
