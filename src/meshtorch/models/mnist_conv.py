@@ -64,9 +64,14 @@ def pixel_stats(images) -> tuple[float, float]:
     input_std=...)`` (torchvision ``Normalize`` semantics).
     """
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images
-    scale = 255.0 if x.dtype == torch.uint8 else 1.0
+    if x.dtype == torch.uint8:  # a histogram of the 256 values: exact, no float copy of the data set
+        counts = torch.bincount(x.reshape(-1), minlength=256).to(torch.float64)
+        values = torch.arange(256, dtype=torch.float64) / 255.0
+        n = counts.sum()
+        mean = (counts * values).sum() / n
+        return float(mean), float(((counts * (values - mean) ** 2).sum() / (n - 1)).sqrt())
     x = x.reshape(-1).to(torch.float64)
-    return float(x.mean()) / scale, float(x.std()) / scale
+    return float(x.mean()), float(x.std())
 
 
 def to_blocks(images, row_blocks: int = ROW_BLOCKS, col_blocks: int = COL_BLOCKS, mean: float = 0.0,
@@ -163,11 +168,12 @@ def build_conv_model(batch_size: int = 200, seed: int = 0, hidden_size: int = 51
         activation: ``"relu"`` (Mesh TF) or ``"gelu"`` (erf form) after both convolutions and both
             hidden layers. Float32 training with ReLU is chaotic: layouts sum partial results in
             different orders, so a pre-activation within rounding (~1e-7) of 0 can fall on different
-            sides of the kink, which switches that unit's gradient on or off; after ~50-150 steps the
-            runs are two different (equally good) trajectories whose step losses differ by ~2%
-            (as do two single-processor runs with different summation orders, e.g. meshtorch vs
-            :func:`torch_reference`). GELU's derivative is continuous: the float32 layouts then stay
-            within ~1e-6 for whole runs (``benchmarks/mnist_conv_results.md``).
+            sides of the kink, which switches that unit's gradient on or off; after some 40 steps
+            (default settings) the runs are two different, equally good trajectories whose step
+            losses differ by a few percent, as do two single-processor runs with different
+            summation orders (meshtorch vs :func:`torch_reference`). GELU's derivative is
+            continuous: the float32 layouts then stay within 1e-6 for whole runs. Measured in
+            ``benchmarks/mnist_conv_results.md``.
         input_mean, input_std: images are fed as ``(pixel / 255 - input_mean) / input_std``
             (``feeds`` / ``prepare_images``); :func:`pixel_stats` of the training set (Fashion-MNIST
             0.2860 / 0.3530) speeds training up markedly.
