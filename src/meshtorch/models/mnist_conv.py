@@ -61,9 +61,14 @@ def pixel_stats(images) -> tuple[float, float]:
 
     ``images``: uint8 ``[N, H, W]`` (scaled by 1/255) or float already in ``[0, 1]``. For the
     Fashion-MNIST training set: 0.2860, 0.3530. Pass them as ``build_conv_model(input_mean=...,
-    input_std=...)`` (torchvision ``Normalize`` semantics).
+    input_std=...)`` (torchvision ``Normalize`` semantics); the std is the sample std (``n - 1``).
+
+    Raises:
+        ValueError: fewer than two pixels (no standard deviation).
     """
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images
+    if x.numel() < 2:
+        raise ValueError(f"pixel_stats: need at least two pixels, got images of shape {tuple(x.shape)}.")
     if x.dtype == torch.uint8:  # a histogram of the 256 values: exact, no float copy of the data set
         counts = torch.bincount(x.reshape(-1), minlength=256).to(torch.float64)
         values = torch.arange(256, dtype=torch.float64) / 255.0
