@@ -14,6 +14,7 @@ the order the steps happen to execute in. Random ops draw fresh values on every 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -140,6 +141,15 @@ class Lowering:
     def laid_out_constant(self, t: Tensor | Mesh, fn: Callable[[int], object]) -> int:
         """A slot holding ``fn(pnum)`` on each processor (plan-time constant)."""
         return self.constant(self.mesh_impl(t).laid_out_constant(fn))
+
+    def pnum_constant(self, t: Tensor | Mesh, fn: Callable) -> int:
+        """A slot holding ``fn(mesh_impl, pnum)`` on each processor.
+
+        ``fn`` is a kernel: a module-level function or a ``functools.partial`` of one with
+        plain-data arguments (see :mod:`meshtorch.ops._kernels`), so that the program stays data.
+        """
+        impl = self.mesh_impl(t)
+        return self.constant(impl.laid_out_constant(functools.partial(fn, impl)))
 
     def run_counter_slot(self, mesh: Mesh) -> int:
         """A slot refilled at every ``run`` with the run counter, laid out on ``mesh``.
