@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import meshtorch as mtf
-from meshtorch.lowering import run_steps
+from meshtorch.lowering.executor import bind, run_steps
 from meshtorch.planning import (
     CostModel,
     candidate_layouts,
@@ -77,15 +77,18 @@ def test_split_weights_take_a_quarter_of_the_replicated_bytes():
 
 def _measured_peak(lw, fetches, feeds) -> int:
     """Run the planned steps one by one, tracking the bytes of live non-variable, non-constant slots."""
-    prog = lw._program(fetches)
-    skip = set(lw._constants) | {s for _, s in prog.var_reads} | set(lw._run_counter_slots.values())
-    env = dict(lw._constants)
-    for t, s in prog.placeholders:
+    prog = lw.plan(fetches)
+    skip = set(lw.program.constants) | {s for _, s in prog.var_reads}
+    env = dict(lw.session.constant_values)
+    by_name = {t.name: t for t in feeds}
+    for name, s in prog.placeholders:
+        t = by_name[name]
         env[s] = lw.mesh_impl(t).import_full(feeds[t], lw.tensor_layout(t))
-    for var, s in prog.var_reads:
-        env[s] = lw.variables[var]
-    for mesh, s in lw._run_counter_slots.items():
-        env[s] = lw.mesh_impl(mesh).laid_out_constant(lambda p: 0)
+    for name, s in prog.var_reads:
+        env[s] = lw.store.values[name]
+    for s, (kind, _mesh, _) in lw.program.constants.items():
+        if kind == "run_counter":
+            env[s] = lw.mesh_impl(lw.graph.operations[0].mesh).laid_out_constant(lambda p: 0)
 
     def live():
         total = 0.0
@@ -96,9 +99,9 @@ def _measured_peak(lw, fetches, feeds) -> int:
         return total
 
     peak = live()
-    for step in prog.steps:
-        fn, ins, outs, frees = step
-        run_steps([(fn, ins, outs, ())], env)
+    bound = bind(prog.steps, [() for _ in prog.steps], lw.session.impls, lw.counters)
+    for step, frees in zip(bound, prog.frees, strict=True):
+        run_steps([step], env)
         peak = max(peak, live())
         for f in frees:
             env[f] = None
@@ -112,8 +115,8 @@ def test_peak_activations_match_a_measured_run(mesh_shape, layout):
     rep = memory_report(lw, fetches)
     measured = _measured_peak(lw, fetches, _feeds(phs))
     assert rep.estimated_slots == 0 and rep.peak_activation_bytes == measured
-    prog = lw._program(fetches)
-    sizes = [lw.slot_bytes[o] for _, _, outs, _ in prog.steps for o in outs]
+    prog = lw.plan(fetches)
+    sizes = [lw.slot_bytes[o] for st in prog.steps for o in st.outputs]
     sizes += [lw.slot_bytes[s] for _, s in prog.placeholders]
     assert rep.largest_slot_bytes == max(sizes)
     assert rep.largest_slot_bytes <= rep.peak_activation_bytes <= sum(sizes)
@@ -203,10 +206,10 @@ def test_peak_includes_a_loop_body(mesh_shape, layout, split):
 
 
 def test_cost_model_formulas():
-    c = mtf.counters.Collective("allreduce", ("all",), "op", "t", 1000, 4, "SUM")
+    c = mtf.Collective("allreduce", ("all",), "op", "t", 1000, 4, "SUM")
     cm = CostModel(flop_rate=1e9, bandwidth=1e6, latency=1e-3)
     assert cm.collective_time(c, 4) == pytest.approx(1e-3 + 2 * 3 / 4 * 1000 / 1e6)
-    gather = mtf.counters.Collective("allgather", ("all",), "op", "t", 1000, 4)
+    gather = mtf.Collective("allgather", ("all",), "op", "t", 1000, 4)
     assert cm.collective_time(gather, 4) == pytest.approx(1e-3 + 3 * 1000 / 1e6)
     assert cm.collective_time(c, 1) == 0.0
     g, mesh, fetches, _ = _mlp(optimizer="sgd")

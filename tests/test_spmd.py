@@ -259,13 +259,13 @@ def test_gradient_allreduce_is_hoisted_before_earlier_layers_backward():
     loss = mtf.reduce_mean(mtf.square(y))
     update = mtf.optim.SgdOptimizer(0.1).apply_grads(mtf.gradients([loss], [w1, w2]), [w1, w2])
     lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "batch:all")})
-    steps = lw._program(update).steps
-    produced_by = {o: k for k, st in enumerate(steps) for o in st[2]}
-    kinds = [lw.steps[[id(s.fn) for s in lw.steps].index(id(st[0]))] for st in steps]
+    steps = lw.plan(update).steps
+    produced_by = {o: k for k, st in enumerate(steps) for o in st.outputs}
+    kinds = steps
     allreduces = [k for k, s in enumerate(kinds) if s.kind == "allreduce"]
     assert len(allreduces) == 2
     for k in allreduces:  # right after the step that makes its input
-        assert all(produced_by.get(s, -1) == k - 1 for s in steps[k][1] if s in produced_by), kinds[k].op
+        assert all(produced_by.get(s, -1) == k - 1 for s in steps[k].inputs if s in produced_by), kinds[k].op
     first_einsum_grad = min(k for k, s in enumerate(kinds) if s.op.startswith("einsum_grad"))
     assert allreduces[0] < first_einsum_grad, [s.op for s in kinds]
     ref = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")})

@@ -31,7 +31,7 @@ from meshtorch.core import (
     convert_to_dimension,
     convert_to_shape,
 )
-from meshtorch.counters import Collective, Counters
+from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering import Lowering
 from meshtorch.mesh import MeshImpl, PlacementMeshImpl
 from meshtorch.mesh.spmd import SpmdMeshImpl

@@ -30,8 +30,8 @@ import torch
 
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Mesh, Operation
-from meshtorch.counters import Collective, Counters, _human
 from meshtorch.lowering import Lowering
+from meshtorch.lowering.counters import Collective, Counters, _human
 
 __all__ = ["CostModel", "MemoryReport", "estimate_time", "memory_report", "search_layouts", "graph_dimensions"]
 
@@ -61,7 +61,7 @@ class MemoryReport:
             ``Lowering.plan_counters``.
         flops_per_processor: einsum FLOPs one processor executes: each einsum's FLOPs divided by
             the sizes of the mesh axes that split it (replicated work counts on every processor).
-        counters: the planned :class:`~meshtorch.counters.Counters` (every collective).
+        counters: the planned :class:`~meshtorch.lowering.counters.Counters` (every collective).
         mesh_axis_sizes: ``{mesh axis name: size}``, for the cost model.
         layout: the layout rules, as text (for reports).
         estimated_time: seconds under a :class:`CostModel`, filled in by :func:`search_layouts`.
@@ -166,8 +166,8 @@ class _Sizer:
     def __init__(self, lowering: Lowering):
         self.lw = lowering
         self.records = _step_records(lowering.steps, {})
-        self.free = set(lowering._var_reads.values()) | set(lowering._constants)  # counted elsewhere
-        self.free |= set(lowering._run_counter_slots.values())
+        prog = lowering.program
+        self.free = {v.slot for v in prog.variables.values()} | set(prog.constants)  # counted elsewhere
         self.axis_sizes = {d.name: d.size for impl in lowering.mesh_to_impl.values() for d in impl.shape}
         self.cache: dict[int, int] = {}
         self.estimated = 0
@@ -194,18 +194,18 @@ class _Sizer:
         return max((self(i) for i in st.inputs), default=0)
 
 
-def _walk(steps, size, records, live: int = 0) -> tuple[int, int, int]:
-    """(peak live bytes, index of the peak step, largest slot) of executing ``steps`` in order,
-    starting with ``live`` bytes (the feeds) live."""
+def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int]:
+    """(peak live bytes, index of the peak step, largest slot) of executing ``steps`` in order
+    (freeing ``all_frees[i]`` after step ``i``), starting with ``live`` bytes (the feeds) live."""
     peak = live
     peak_i, largest = -1, 0
-    for i, (_, _ins, outs, frees) in enumerate(steps):
+    for i, (st, frees) in enumerate(zip(steps, all_frees, strict=True)):
+        outs = st.outputs
         out_b = [size(o) for o in outs]
         largest = max([largest, *out_b])
-        st = records.get(outs[0])
         transient = 0
-        for _, sub in (st.subprograms if st is not None else ()):
-            sub_peak, _, sub_largest = _walk(sub.steps, size, records)
+        for _, sub in st.subprograms:
+            sub_peak, _, sub_largest = _walk(sub.steps, sub.frees, size, records)
             transient = max(transient, sub_peak)
             largest = max(largest, sub_largest)
         if live + sum(out_b) + transient > peak:
@@ -240,7 +240,7 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
         ValueError / TypeError: as ``Lowering.run`` for fetches that are not part of the lowering.
     """
     fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
-    prog = lowering._program(fetches)
+    prog = lowering.plan(fetches)
     size = _Sizer(lowering)
     variables, trainable, other = {}, 0, 0
     for var in lowering.variables:
@@ -250,19 +250,15 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
             trainable += b
         else:
             other += b
-    constants = int(sum(_value_bytes(v) for v in lowering._constants.values()))
+    constants = int(sum(_value_bytes(v) for v in lowering.session.constant_values.values()))
     inputs = sum(size(s) for _, s in prog.placeholders)
-    peak, peak_i, largest = _walk(prog.steps, size, size.records, live=inputs)
+    peak, peak_i, largest = _walk(prog.steps, prog.frees, size, size.records, live=inputs)
     largest = max([largest, *(size(s) for _, s in prog.placeholders)])
-    peak_op = "<feeds>"
-    if peak_i >= 0:
-        st = size.records.get(prog.steps[peak_i][2][0])
-        peak_op = st.op if st is not None else "?"
+    peak_op = "<feeds>" if peak_i < 0 else prog.steps[peak_i].op
     ops = {op.name: op for op in lowering.graph.operations}
     local_flops = 0
-    for _, _, outs, _ in prog.steps:
-        st = size.records.get(outs[0])
-        if st is not None and st.flops:
+    for st in prog.steps:
+        if st.flops:
             op = ops.get(st.op)
             local_flops += st.flops // (_split_factor(lowering, op) if op is not None else 1)
     impls = list(lowering.mesh_to_impl.values())

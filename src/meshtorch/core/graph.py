@@ -6,6 +6,8 @@ shapes. Mirrors Mesh TensorFlow's ``mtf.Graph``/``mtf.Mesh``/``mtf.Tensor``/``mt
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from meshtorch.core.dims import Shape, convert_to_shape
@@ -30,6 +32,20 @@ class Graph:
         self.all_variables: list = []
         self.trainable_variables: list = []
         self._names: dict[str, int] = {}
+        self._storage_depth = 0
+
+    @contextlib.contextmanager
+    def storage_scope(self):
+        """Operations built inside see their tensors in the *storage* layout (the mesh's storage
+        rules over its compute rules), as variables do: optimizer updates use it, so that with
+        storage rules (FSDP / ZeRO-3) the update math runs on shards and a gradient that is a
+        partial sum is reduce-scattered, never all-reduced. Without storage rules it changes nothing.
+        """
+        self._storage_depth += 1
+        try:
+            yield
+        finally:
+            self._storage_depth -= 1
 
     def unique_name(self, name: str) -> str:
         """``name`` if unused in this graph, else ``name_1``, ``name_2``, ..."""
@@ -110,6 +126,8 @@ class Operation:
     unsplittable_dims: tuple[str, ...] = ()
     #: False for ops no gradient flows through (sources, assignments, comparisons...)
     differentiable: bool = True
+    #: sees tensors in their storage layout (variables, assignments, ops built in Graph.storage_scope)
+    storage_side: bool = False
 
     def __init__(self, inputs, mesh: Mesh | None = None, name: str | None = None):
         self.inputs: list[Tensor] = list(inputs)
@@ -130,6 +148,8 @@ class Operation:
         self.graph = mesh.graph
         self.name = self.graph.unique_name(name or type(self).__name__.replace("Operation", "").lower() or "op")
         self.outputs: list[Tensor] = []
+        if self.graph._storage_depth:
+            self.storage_side = True
         self.graph.operations.append(self)
 
     @property

@@ -69,6 +69,12 @@ class LayoutRules:
     def __hash__(self):
         return hash(frozenset(self._pairs))
 
+    def overridden_by(self, other: LayoutRules) -> LayoutRules:
+        """These rules with every rule for a dimension ``other`` names replaced by ``other``'s
+        (storage rules over compute rules, see :class:`~meshtorch.mesh.base.MeshImpl`)."""
+        named = {d for d, _ in other.pairs}
+        return LayoutRules([p for p in self._pairs if p[0] not in named] + list(other.pairs))
+
     def tensor_dimension_to_mesh_axis(self, dim_name: str, mesh_shape: Shape) -> int | None:
         """Index of the mesh axis that splits ``dim_name``, or None if it is replicated.
 

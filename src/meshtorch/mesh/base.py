@@ -28,7 +28,10 @@ class MeshImpl:
     Args:
         shape: the mesh shape, e.g. ``"rows:2;cols:2"`` or ``[("all", 4)]``; ``""`` or ``[]`` is
             a single processor.
-        layout: layout rules, e.g. ``"batch:rows;hidden:cols"``.
+        layout: layout rules, e.g. ``"batch:rows;hidden:cols"`` (the compute layout).
+        storage: storage rules, e.g. ``"d_model:data"``: how variables, their optimizer slots and
+            the update math are laid out (ZeRO-3 / FSDP). A storage rule overrides the compute
+            rules for the dimension it names; default none (variables stored as computed).
 
     A rule naming a mesh axis the mesh lacks is ignored (as in Mesh TF), so one set of rules
     serves several meshes.
@@ -37,9 +40,11 @@ class MeshImpl:
         LayoutError: on a malformed rule.
     """
 
-    def __init__(self, shape, layout):
+    def __init__(self, shape, layout, storage=None):
         self.shape: Shape = convert_to_shape(shape)
         self.layout_rules: LayoutRules = convert_to_layout_rules(layout)
+        self.storage_rules: LayoutRules = convert_to_layout_rules(storage or "")
+        self._storage_layout_rules = self.layout_rules.overridden_by(self.storage_rules)
         self._strides = []
         s = 1
         for d in reversed(self.shape.dims):
@@ -93,8 +98,14 @@ class MeshImpl:
         return groups
 
     # ------------------------------------------------------------------ layouts and slices
-    def tensor_layout(self, shape, tensor_name: str = "tensor", unsplittable=()) -> TensorLayout:
-        return self.layout_rules.tensor_layout(shape, self.shape, tensor_name, unsplittable)
+    def tensor_layout(self, shape, tensor_name: str = "tensor", unsplittable=(), storage: bool = False) -> TensorLayout:
+        """Layout of a tensor of ``shape`` under the compute rules, or the storage rules if ``storage``.
+
+        Raises:
+            LayoutError: naming ``tensor_name`` and the dimension (see :meth:`LayoutRules.tensor_layout`).
+        """
+        rules = self._storage_layout_rules if storage else self.layout_rules
+        return rules.tensor_layout(shape, self.shape, tensor_name, unsplittable)
 
     def tensor_dimension_to_mesh_axis(self, dim_name: str) -> int | None:
         return self.layout_rules.tensor_dimension_to_mesh_axis(dim_name, self.shape)
@@ -149,6 +160,12 @@ class MeshImpl:
         """All-to-all along ``mesh_axis``: split on ``split_axis``, send piece j to member j, concat."""
         raise NotImplementedError
 
+    def reduce_scatter(self, x, mesh_axis: int, scatter_axis: int):
+        """Sum over the group along ``mesh_axis``; member ``c`` keeps piece ``c`` (of ``n`` equal pieces)
+        of tensor axis ``scatter_axis``: JAX's ``psum_scatter(..., tiled=True)``, the transpose of
+        :meth:`allconcat`."""
+        raise NotImplementedError
+
     def receive(self, x, mesh_axis: int, source_pcoord: Sequence[int | None]):
         """Processor at coordinate c on ``mesh_axis`` gets the slice of ``source_pcoord[c]`` (None: zeros)."""
         raise NotImplementedError
@@ -185,4 +202,5 @@ class MeshImpl:
         return list(slices)
 
     def __repr__(self):
-        return f"{type(self).__name__}({str(self.shape)!r}, {str(self.layout_rules)!r})"
+        storage = f", storage={str(self.storage_rules)!r}" if self.storage_rules.pairs else ""
+        return f"{type(self).__name__}({str(self.shape)!r}, {str(self.layout_rules)!r}{storage})"

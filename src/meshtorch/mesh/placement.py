@@ -22,13 +22,15 @@ class PlacementMeshImpl(MeshImpl):
         shape: mesh shape, e.g. ``"rows:2;cols:2"``.
         layout: layout rules, e.g. ``"batch:rows;hidden:cols"``.
         devices: one torch device per processor (may repeat); default ``"cpu"`` for all.
+        storage: storage rules for variables (FSDP / ZeRO-3), e.g. ``"d_model:data"``; see
+            :class:`~meshtorch.mesh.base.MeshImpl`.
 
     Raises:
         ValueError: if ``len(devices)`` differs from the number of processors.
     """
 
-    def __init__(self, shape, layout, devices: Sequence | None = None):
-        super().__init__(shape, layout)
+    def __init__(self, shape, layout, devices: Sequence | None = None, storage=None):
+        super().__init__(shape, layout, storage)
         if devices is None:
             devices = ["cpu"] * self.size
         if len(devices) != self.size:
@@ -90,6 +92,16 @@ class PlacementMeshImpl(MeshImpl):
             pieces = [torch.chunk(x[p], n, dim=split_axis) for p in group]
             for j, p in enumerate(group):
                 out[p] = torch.cat([self._to(pieces[i][j], p) for i in range(n)], dim=concat_axis)
+        return out
+
+    def reduce_scatter(self, x, mesh_axis, scatter_axis):
+        out = [None] * self.size
+        for group in self.processor_groups([mesh_axis]):
+            acc = self._to(x[group[0]], group[0])
+            for p in group[1:]:
+                acc = acc + self._to(x[p], group[0])
+            for c, piece in enumerate(torch.chunk(acc, len(group), dim=scatter_axis)):
+                out[group[c]] = self._to(piece, group[c])
         return out
 
     def receive(self, x, mesh_axis, source_pcoord):

@@ -60,6 +60,7 @@ class SpmdMeshImpl(MeshImpl):
             so that independent computation overlaps the communication. Default: on for CUDA
             devices; off on CPU, where gloo's reduction competes with the computation for the same
             cores (measured no faster on the 2-core test machine, see docs/distributed.md).
+        storage: storage rules for variables (FSDP / ZeRO-3); see :class:`~meshtorch.mesh.base.MeshImpl`.
 
     Raises:
         MeshtorchError: if the mesh has a different number of processors than the world size.
@@ -68,8 +69,9 @@ class SpmdMeshImpl(MeshImpl):
     same fetches in the same order. Source: Mesh TF ``SimdMeshImpl``; PyTorch ``torch.distributed``.
     """
 
-    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_allreduce: bool | None = None):
-        super().__init__(mesh_shape, layout_rules)
+    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_allreduce: bool | None = None,
+                 storage=None):
+        super().__init__(mesh_shape, layout_rules, storage)
         if dist.is_initialized():  # the existing group's backend decides where slices live
             backend = dist.get_backend()
             if device is None and backend != "nccl":
@@ -176,6 +178,17 @@ class SpmdMeshImpl(MeshImpl):
         dist.all_to_all_single(out, moved, group=group)
         pieces = out.view(n, moved.shape[0] // n, *moved.shape[1:]).unbind(0)
         return back(torch.cat([p.movedim(0, split_axis) for p in pieces], dim=concat_axis))
+
+    def reduce_scatter(self, x, mesh_axis, scatter_axis):
+        n = self.shape[mesh_axis].size
+        if n == 1:
+            return x
+        group, _ = self._group([mesh_axis])
+        buf, back = _wire(x)
+        moved = buf.movedim(scatter_axis, 0).contiguous()  # piece c = rows [c*s, (c+1)*s)
+        out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+        dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group)
+        return back(out.movedim(0, scatter_axis))
 
     def receive(self, x, mesh_axis, source_pcoord):
         _, ranks = self._group([mesh_axis])

@@ -12,10 +12,12 @@ ignored: splitting over them moves no data.
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+
 import torch
 
 from meshtorch.core.graph import Tensor
+from meshtorch.ops._kernels import processor_coordinate
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -24,79 +26,17 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def coordinate_constant(lw, t: Tensor, mesh_axis: int) -> int:
     """A slot holding each processor's coordinate (a Python int) on ``mesh_axis``."""
-    impl = lw.mesh_impl(t)
-    return lw.laid_out_constant(t, lambda p: impl.pnum_to_processor_coordinates(p)[mesh_axis])
-
-
-def local_narrow(lw, slot: int, t: Tensor, tensor_axis: int, mesh_axis: int, piece: int) -> int:
-    """Each processor keeps piece ``coordinate`` (of length ``piece``) of ``tensor_axis``: no communication."""
-    coords = coordinate_constant(lw, t, mesh_axis)
-
-    def f(x, c):
-        return x.narrow(tensor_axis, c * piece, piece)
-    return lw.slicewise(f, slot, coords, mesh=t)
+    return lw.pnum_constant(t, functools.partial(processor_coordinate, mesh_axis=mesh_axis))
 
 
 def relayout(lw, slot: int, t: Tensor, shape, src, dst) -> int:
-    """Move ``slot`` (a value of global ``shape`` laid out as ``src``) to layout ``dst``.
+    """Move ``slot`` (``t``'s value laid out as ``src``: mesh axis per dim) to layout ``dst``.
 
-    Per mesh axis ``a`` (size > 1):
-
-    * same tensor dim in both: nothing;
-    * split in ``src`` only: all-gather (``allconcat``) along its dim;
-    * split in ``dst`` only: local slice (each processor keeps its piece; no communication);
-    * split on dim i in ``src`` and dim j in ``dst``: all-to-all (split j, concatenate i), done
-      once dim j is whole locally; if the moves form a cycle (a: i->j and b: j->i) one of them is
-      all-gathered and sliced instead.
-
-    ``t`` names the tensor in the collective records; bytes are those of the current slices.
+    See :func:`meshtorch.lowering.layout.redistribute` (all-gather, all-to-all, local slice);
+    ``shape`` must be ``t``'s shape.
     """
-    impl = lw.mesh_impl(t)
-    sizes = [d.size for d in shape]
-    nax = {a: impl.shape[a].size for a in range(impl.ndims)}
-    src = [a if a is not None and nax[a] > 1 else None for a in src]
-    dst = [a if a is not None and nax[a] > 1 else None for a in dst]
-    cur = list(src)
-    local = [s // (nax[a] if a is not None else 1) for s, a in zip(sizes, cur, strict=True)]
-    isz = itemsize(t.dtype)
-
-    def nbytes():
-        return int(np.prod(local, dtype=np.int64)) * isz
-
-    src_dim = {a: i for i, a in enumerate(src) if a is not None}
-    dst_dim = {a: i for i, a in enumerate(dst) if a is not None}
-
-    def gather(a):
-        i = cur.index(a)
-        nonlocal slot
-        slot = lw.allconcat(slot, a, i, t, nbytes=nbytes())
-        cur[i] = None
-        local[i] = sizes[i]
-
-    for a in src_dim:
-        if a not in dst_dim:
-            gather(a)
-    moves = [a for a in src_dim if a in dst_dim and dst_dim[a] != src_dim[a]]
-    while moves:
-        ready = [a for a in moves if cur[dst_dim[a]] is None]
-        if ready:
-            a = ready[0]
-            i, j = src_dim[a], dst_dim[a]
-            slot = lw.alltoall(slot, a, j, i, t, nbytes=nbytes())
-            cur[i], cur[j] = None, a
-            local[i], local[j] = sizes[i], sizes[j] // nax[a]
-        else:
-            a = moves[0]
-            gather(a)
-        moves.remove(a)
-    for a, j in dst_dim.items():
-        if cur[j] == a:
-            continue
-        assert cur[j] is None, (cur, dst)
-        local[j] = sizes[j] // nax[a]
-        slot = local_narrow(lw, slot, t, j, a, local[j])
-        cur[j] = a
-    return slot
+    assert list(shape) == list(t.shape), (shape, t.shape)
+    return lw.redistribute(slot, t, tuple(src), tuple(dst))
 
 
 def gather_dim(lw, t: Tensor, slot: int, dim_name: str) -> int:

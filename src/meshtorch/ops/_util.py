@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from meshtorch.core.dims import Shape
 
 
@@ -21,11 +23,14 @@ def align_fn(src: Shape, dst: Shape):
     needs_index = any(i is None for i in index)
     if not needs_perm and not needs_index:
         return None
-    if needs_perm and needs_index:
-        return lambda t: t.permute(perm)[index]
-    if needs_perm:
-        return lambda t: t.permute(perm)
-    return lambda t: t[index]
+    return functools.partial(align, perm=tuple(perm) if needs_perm else None, index=index if needs_index else None)
+
+
+def align(t, *, perm, index):
+    """Kernel of :func:`align_fn`: permute ``t``'s dims by ``perm``, then insert size-1 dims (``index``)."""
+    if perm is not None:
+        t = t.permute(perm)
+    return t if index is None else t[index]
 
 
 def apply_align(fn, t):

@@ -10,6 +10,8 @@ tensor's dims) is honoured; Mesh TF ignores it there.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.dims import combine_shapes, convert_to_shape
@@ -58,11 +60,7 @@ class BinaryOperation(Operation):
                 lw.set(out, lw.slicewise(fn, sx, sy), px)
                 return
         sx, sy = lw.get(x), lw.get(y)
-        if ax is None and ay is None:
-            f = fn
-        else:
-            def f(a, b):
-                return fn(a if ax is None else ax(a), b if ay is None else ay(b))
+        f = fn if ax is None and ay is None else functools.partial(_k_aligned, fn=fn, ax=ax, ay=ay)
         lw.set(out, lw.slicewise(f, sx, sy))
 
     def gradient(self, grad_ys):
@@ -73,6 +71,10 @@ class BinaryOperation(Operation):
         gx, gy = _GRADS[self.kind](x, y, self.outputs[0], dy)
         return [None if gx is None else reduce_to_shape(gx, x.shape),
                 None if gy is None else reduce_to_shape(gy, y.shape)]
+
+
+def _k_aligned(a, b, *, fn, ax, ay):
+    return fn(a if ax is None else ax(a), b if ay is None else ay(b))
 
 
 def reduce_to_shape(g: Tensor, shape) -> Tensor:
@@ -88,21 +90,31 @@ def _mul_grads(x, y, out, dy):
     return multiply(dy, y), multiply(dy, x)
 
 
+def _k_divide_grad_y(d, o, b):
+    return -d * o / b
+
+
 def _div_grads(x, y, out, dy):
     gx = divide(dy, y)
-    gy = ew.slicewise(lambda d, o, b: -d * o / b, [dy, out, y], output_shape=out.shape, name="divide_grad_y")
+    gy = ew.slicewise(_k_divide_grad_y, [dy, out, y], output_shape=out.shape, name="divide_grad_y")
     return gx, gy
+
+
+def _k_minmax_weight(d, a, b, *, pick, to_x):
+    """``dy`` times the share of the gradient going to x (``to_x``) or y: all of it where that
+    operand was picked, half on ties (as torch.maximum / torch.minimum)."""
+    picked = pick(a, b)
+    w = torch.where(picked, 1.0, torch.where(a == b, 0.5, 0.0)) if to_x else \
+        torch.where(picked, 0.0, torch.where(a == b, 0.5, 1.0))
+    return d * w.to(d.dtype)
 
 
 def _minmax_grads(pick_x):
     def grads(x, y, out, dy):
-        def wx(d, a, b):
-            return d * torch.where(pick_x(a, b), 1.0, torch.where(a == b, 0.5, 0.0)).to(d.dtype)
-
-        def wy(d, a, b):
-            return d * torch.where(pick_x(a, b), 0.0, torch.where(a == b, 0.5, 1.0)).to(d.dtype)
-        gx = ew.slicewise(wx, [dy, x, y], output_shape=out.shape, name="minmax_grad_x")
-        gy = ew.slicewise(wy, [dy, x, y], output_shape=out.shape, name="minmax_grad_y")
+        gx = ew.slicewise(functools.partial(_k_minmax_weight, pick=pick_x, to_x=True), [dy, x, y],
+                          output_shape=out.shape, name="minmax_grad_x")
+        gy = ew.slicewise(functools.partial(_k_minmax_weight, pick=pick_x, to_x=False), [dy, x, y],
+                          output_shape=out.shape, name="minmax_grad_y")
         return gx, gy
     return grads
 
@@ -112,8 +124,8 @@ _GRADS = {
     "subtract": lambda x, y, out, dy: (dy, ew.negative(dy)),
     "multiply": _mul_grads,
     "divide": _div_grads,
-    "maximum": _minmax_grads(lambda a, b: a > b),
-    "minimum": _minmax_grads(lambda a, b: a < b),
+    "maximum": _minmax_grads(torch.gt),
+    "minimum": _minmax_grads(torch.lt),
 }
 
 

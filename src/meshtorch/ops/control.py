@@ -11,6 +11,7 @@ while the condition holds.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -18,6 +19,7 @@ import torch
 
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._kernels import filled
 
 __all__ = ["WhileLoopOperation", "while_loop", "CustomGradientOperation", "custom_gradient", "recompute_grad",
            "Depend", "depend", "PrintOperation", "Print"]
@@ -132,36 +134,37 @@ class WhileLoopOperation(Operation):
             "body (e.g. accumulate per-microbatch gradients as accumulators) or wrap the loop in stop_gradient.")
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
         n = self.num_loop_vars
         cond = lw.lower_subprogram(self.cond_ops, self.cond_inputs, [self.cond_output])
         lazy = [False] * n + [True] * (len(self.body_outputs) - n)
         body = lw.lower_subprogram(self.body_ops, self.body_inputs, self.body_outputs, lazy)
         init = [lw.get(t) for t in self.inputs[:n]]
-        nc, nb = len(cond.external_slots), len(body.external_slots)
-        zeros = [impl.laid_out_constant(lambda p, t=t: torch.zeros(lw.slice_shape(t), dtype=t.dtype,
-                                                                    device=impl.device(p)))
+        zeros = [lw.pnum_constant(t, functools.partial(filled, sizes=tuple(lw.slice_shape(t)), value=0, dtype=t.dtype))
                  for t in self.outputs[n:]]
-        def loop(*vals):
-            state, ext_c, ext_b = list(vals[:n]), vals[n:n + nc], vals[n + nc:n + nc + nb]
-            accs = list(zeros)
-            while True:
-                lw.counters.add(cond.counters)
-                flag = cond(state, ext_c)[0]
-                if not bool(impl.local_slices(flag)[0].item()):
-                    break
-                lw.counters.add(body.counters)
-                outs = body(state, ext_b)
-                state = outs[:n]
-                accs = [impl.slicewise(torch.add, a, o) for a, o in zip(accs, outs[n:], strict=True)]
-            return state + accs
-
-        slots = lw.emit(loop, init + list(cond.external_slots) + list(body.external_slots),
-                        num_outputs=len(self.outputs), kind="while_loop",
+        f = functools.partial(_k_while_loop, n=n, nc=len(cond.external_slots), nb=len(body.external_slots))
+        slots = lw.call(f, *init, *cond.external_slots, *body.external_slots, *zeros, num_outputs=len(self.outputs),
                         subprograms=[("cond", cond), ("body", body)])
         slots = [slots] if len(self.outputs) == 1 else list(slots)
         for i, (t, s) in enumerate(zip(self.outputs, slots, strict=True)):
             lw.set(t, s, body.pending[i] if i >= n else frozenset())
+
+
+def _k_while_loop(ctx, *vals, n, nc, nb):
+    """Run the loop: ``vals`` = initial loop values, cond externals, body externals, zero accumulators."""
+    impl, cond, body = ctx.impl, ctx.subprograms["cond"], ctx.subprograms["body"]
+    state, ext_c, ext_b = list(vals[:n]), vals[n:n + nc], vals[n + nc:n + nc + nb]
+    accs = list(vals[n + nc + nb:])
+    cond_counters, body_counters = ctx.records["cond"].counters, ctx.records["body"].counters
+    while True:
+        ctx.counters.add(cond_counters)
+        flag = cond(state, ext_c)[0]
+        if not bool(impl.local_slices(flag)[0].item()):
+            break
+        ctx.counters.add(body_counters)
+        outs = body(state, ext_b)
+        state = outs[:n]
+        accs = [impl.slicewise(torch.add, a, o) for a, o in zip(accs, outs[n:], strict=True)]
+    return state + accs if len(state) + len(accs) > 1 else (state + accs)[0]
 
 
 def while_loop(cond_fn: Callable, body_fn: Callable, inputs, num_loop_vars: int | None = None,
@@ -372,13 +375,13 @@ class Depend(Operation):
 
     def lower(self, lw):
         slots = [lw.get(t) for t in self.inputs]
-        lw.set(self.outputs[0], lw.emit(_first, slots))
+        lw.set(self.outputs[0], lw.call(_k_first, *slots))
 
     def gradient(self, grad_ys):
         return [grad_ys[0]] + [None] * (len(self.inputs) - 1)
 
 
-def _first(x, *rest):
+def _k_first(ctx, x, *rest):
     return x
 
 
@@ -410,23 +413,23 @@ class PrintOperation(Operation):
         self.outputs = [Tensor(self, x.shape, x.dtype)]
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
         slots = [lw.get(t) for t in self.inputs]
-        names = [t.name for t in self.inputs[1:]]
-        message, k = self.message, self.summarize
-
-        def show(x, *data):
-            parts = [[_summary(s, k) for s in impl.local_slices(d)] for d in data]
-            pnums = _local_pnums(impl, len(impl.local_slices(x)))
-            for i, p in enumerate(pnums):
-                text = " ".join(f"{n}={v[i]}" for n, v in zip(names, parts, strict=True))
-                print(f"{message} [processor {p}] {text}", flush=True)
-            return x
-
-        lw.set(self.outputs[0], lw.emit(show, slots))
+        f = functools.partial(_k_print, names=tuple(t.name for t in self.inputs[1:]), message=self.message,
+                              k=self.summarize)
+        lw.set(self.outputs[0], lw.call(f, *slots))
 
     def gradient(self, grad_ys):
         return [grad_ys[0]] + [None] * (len(self.inputs) - 1)
+
+
+def _k_print(ctx, x, *data, names, message, k):
+    impl = ctx.impl
+    parts = [[_summary(s, k) for s in impl.local_slices(d)] for d in data]
+    pnums = _local_pnums(impl, len(impl.local_slices(x)))
+    for i, p in enumerate(pnums):
+        text = " ".join(f"{n}={v[i]}" for n, v in zip(names, parts, strict=True))
+        print(f"{message} [processor {p}] {text}", flush=True)
+    return x
 
 
 def _summary(t: torch.Tensor, k: int) -> str:

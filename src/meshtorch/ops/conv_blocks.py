@@ -27,7 +27,7 @@ SAME; a strided block convolution needs the block size divisible by the stride.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 
@@ -49,25 +49,35 @@ def _dim_of(x: Tensor, d, what) -> Dimension | None:
     return x.shape.get_dim_by_name(name)
 
 
-class _Strip:
-    """Per-slice reshapes between ``[.., blocks, .., size, ..]`` and a strip ``[blocks*size, rest..]``."""
+def _strip_axes(x: Tensor, blocks: str | None, size: str) -> dict:
+    """Kernel parameters locating the blocks and size dims in ``x``'s slices (``ib`` None: no blocks dim)."""
+    names = x.shape.dimension_names
+    return {"ib": None if blocks is None else names.index(blocks), "is_": names.index(size)}
 
-    def __init__(self, x: Tensor, blocks: str | None, size: str):
-        names = x.shape.dimension_names
-        self.ib = None if blocks is None else names.index(blocks)
-        self.is_ = names.index(size)
 
-    def to_strip(self, t: torch.Tensor) -> torch.Tensor:
-        if self.ib is None:
-            return t.movedim(self.is_, 0)
-        t = t.movedim((self.ib, self.is_), (0, 1))
-        return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+def _to_strip(t: torch.Tensor, ib, is_) -> torch.Tensor:
+    """``[.., blocks, .., size, ..]`` -> strip ``[blocks*size, rest..]``."""
+    if ib is None:
+        return t.movedim(is_, 0)
+    t = t.movedim((ib, is_), (0, 1))
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
-    def from_blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """``[nb, size, rest..]`` -> the tensor's dim order."""
-        if self.ib is None:
-            return t[0].movedim(0, self.is_)
-        return t.movedim((0, 1), (self.ib, self.is_))
+
+def _from_blocks(t: torch.Tensor, ib, is_) -> torch.Tensor:
+    """``[nb, size, rest..]`` -> the tensor's dim order."""
+    if ib is None:
+        return t[0].movedim(0, is_)
+    return t.movedim((0, 1), (ib, is_))
+
+
+def _k_to_strip(t, *, ib, is_):
+    return _to_strip(t, ib, is_)
+
+
+def _k_rows(t, *, start, stop):
+    """Rows ``[start, stop)`` of a strip (negative bounds count from the end, as ``len - k``)."""
+    n = t.shape[0]
+    return t[start if start >= 0 else n + start:stop if stop > 0 else n + stop]
 
 
 def _hops(lw, x: Tensor, blocks: Dimension | None, size: Dimension, halo: int):
@@ -87,11 +97,55 @@ def _hops(lw, x: Tensor, blocks: Dimension | None, size: Dimension, halo: int):
     return axis, n, local, hops
 
 
-def _nbytes(lw, x: Tensor, blocks: Dimension, size: Dimension, rows: int) -> int:
-    """Bytes of ``rows`` strip rows of x's slice (a row spans every dim but the blocks and size dims)."""
+def _row_shape(lw, x: Tensor, blocks: Dimension, size: Dimension, rows: int) -> list[int]:
+    """Local shape of ``rows`` strip rows of x's slice (a row spans every dim but the blocks and size dims)."""
     sl = lw.slice_shape(x)
-    per_row = math.prod(sl) // sl[x.shape.get_dim_index(size.name)] // sl[x.shape.get_dim_index(blocks.name)]
-    return per_row * rows * torch.empty((), dtype=x.dtype).element_size()
+    skip = {x.shape.get_dim_index(size.name), x.shape.get_dim_index(blocks.name)}
+    return [rows] + [n for i, n in enumerate(sl) if i not in skip]
+
+
+def _k_assemble(s, *parts, nhops, zl, h, b, ib, is_):
+    """Strip plus received halos -> widened blocks ``[.., blocks, .., size + 2h, ..]``."""
+    ls, rs = parts[:nhops], parts[nhops:]
+    pieces = list(reversed(ls)) + [s] + list(rs)
+    if zl:
+        z = s.new_zeros((zl, *s.shape[1:]))
+        pieces = [z] + pieces + [z]
+    ext = torch.cat(pieces, 0) if len(pieces) > 1 else s
+    win = ext.unfold(0, b + 2 * h, b)  # [nb, rest.., b + 2h]
+    return _from_blocks(win.movedim(-1, 1), ib, is_)
+
+
+def _k_overlap_add(t, *, h, b, ib, is_):
+    """Widened blocks -> strip of ``nb * b + 2h`` rows: each block's rows added where they came from."""
+    w = b + 2 * h
+    if h <= b:  # fast path: a halo only reaches the adjacent block
+        blk = t.movedim((ib, is_), (0, 1)) if ib is not None else t.movedim(is_, 0)[None]
+        nb = blk.shape[0]
+        core = blk[:, h:h + b].clone()
+        if nb > 1:
+            core[:-1, b - h:] += blk[1:, :h]  # left halo of block j+1 = tail of block j
+            core[1:, :h] += blk[:-1, h + b:]  # right halo of block j-1 = head of block j
+        core = core.reshape(nb * b, *core.shape[2:])
+        return torch.cat([blk[0, :h], core, blk[nb - 1, h + b:]], 0)
+    s = _to_strip(t, ib, is_)  # [nb * w, rest..] (blocks of w rows)
+    nb = s.shape[0] // w
+    idx = (torch.arange(nb, device=s.device).unsqueeze(1) * b + torch.arange(w, device=s.device)).reshape(-1)
+    ext = s.new_zeros((nb * b + 2 * h, *s.shape[1:]))
+    return ext.index_add_(0, idx, s)
+
+
+def _k_finish(e, *parts, hops, h, b, ib, is_):
+    """Overlap-added strip plus halos sent back by neighbours -> blocks of the narrow size."""
+    core = e[h:e.shape[0] - h]
+    if parts:
+        core = core.clone()
+        for i, r in enumerate(hops):
+            from_right, from_left = parts[2 * i], parts[2 * i + 1]
+            core[core.shape[0] - r:] += from_right
+            core[:r] += from_left
+    blocks = core.reshape(core.shape[0] // b, b, *core.shape[1:])
+    return _from_blocks(blocks, ib, is_)
 
 
 class HaloExchangeOperation(Operation):
@@ -120,31 +174,20 @@ class HaloExchangeOperation(Operation):
 
     def lower(self, lw):
         x, out = self.inputs[0], self.outputs[0]
-        st = _Strip(x, None if self.blocks is None else self.blocks.name, self.size.name)
+        sa = _strip_axes(x, None if self.blocks is None else self.blocks.name, self.size.name)
         axis, n, local, hops = _hops(lw, x, self.blocks, self.size, self.halo)
-        h, b = self.halo, self.size.size
-        strip = lw.slicewise(st.to_strip, lw.get(x))
+        strip = lw.slicewise(functools.partial(_k_to_strip, **sa), lw.get(x))
         lefts, rights = [], []
         for i, r in enumerate(hops, start=1):
-            nbytes = _nbytes(lw, x, self.blocks, self.size, r)
-            tail = lw.slicewise(lambda t, r=r: t[t.shape[0] - r:], strip)
-            head = lw.slicewise(lambda t, r=r: t[:r], strip)
+            rows = _row_shape(lw, x, self.blocks, self.size, r)
+            tail = lw.slicewise(functools.partial(_k_rows, start=-r, stop=0), strip)
+            head = lw.slicewise(functools.partial(_k_rows, start=0, stop=r), strip)
             # left halo of coordinate c: the tail of c - i; right halo: the head of c + i (None: zeros)
-            lefts.append(lw.receive(tail, axis, [c - i if c - i >= 0 else None for c in range(n)], x, nbytes))
-            rights.append(lw.receive(head, axis, [c + i if c + i < n else None for c in range(n)], x, nbytes))
-        zl = h - sum(hops)  # rows beyond every processor: zero padding
-
-        def assemble(s, *parts):
-            ls, rs = parts[: len(hops)], parts[len(hops):]
-            pieces = list(reversed(ls)) + [s] + list(rs)
-            if zl:
-                z = s.new_zeros((zl, *s.shape[1:]))
-                pieces = [z] + pieces + [z]
-            ext = torch.cat(pieces, 0) if len(pieces) > 1 else s
-            win = ext.unfold(0, b + 2 * h, b)  # [nb, rest.., b + 2h]
-            return st.from_blocks(win.movedim(-1, 1))
-
-        lw.set(out, lw.slicewise(assemble, strip, *lefts, *rights))
+            lefts.append(lw.receive(tail, axis, [c - i if c - i >= 0 else None for c in range(n)], x, rows))
+            rights.append(lw.receive(head, axis, [c + i if c + i < n else None for c in range(n)], x, rows))
+        f = functools.partial(_k_assemble, nhops=len(hops), zl=self.halo - sum(hops), h=self.halo, b=self.size.size,
+                              **sa)
+        lw.set(out, lw.slicewise(f, strip, *lefts, *rights))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -176,55 +219,23 @@ class HaloReduceOperation(Operation):
 
     def lower(self, lw):
         g, out = self.inputs[0], self.outputs[0]
-        st = _Strip(g, None if self.blocks is None else self.blocks.name, self.size.name)
+        sa = _strip_axes(g, None if self.blocks is None else self.blocks.name, self.size.name)
         axis, n, local, hops = _hops(lw, g, self.blocks, self.size, self.halo)
         h, b = self.halo, self.size.size
-        w = b + 2 * h
-
-        def overlap_add(t):
-            """Widened blocks -> strip of ``nb * b + 2h`` rows: each block's rows added where they came from."""
-            if h <= b:  # fast path: a halo only reaches the adjacent block
-                blk = t.movedim((st.ib, st.is_), (0, 1)) if st.ib is not None else t.movedim(st.is_, 0)[None]
-                nb = blk.shape[0]
-                core = blk[:, h:h + b].clone()
-                if nb > 1:
-                    core[:-1, b - h:] += blk[1:, :h]  # left halo of block j+1 = tail of block j
-                    core[1:, :h] += blk[:-1, h + b:]  # right halo of block j-1 = head of block j
-                core = core.reshape(nb * b, *core.shape[2:])
-                return torch.cat([blk[0, :h], core, blk[nb - 1, h + b:]], 0)
-            s = st.to_strip(t)  # [nb * w, rest..] (blocks of w rows)
-            nb = s.shape[0] // w
-            idx = (torch.arange(nb, device=s.device).unsqueeze(1) * b + torch.arange(w, device=s.device)).reshape(-1)
-            ext = s.new_zeros((nb * b + 2 * h, *s.shape[1:]))
-            return ext.index_add_(0, idx, s)
-
-        ext = lw.slicewise(overlap_add, lw.get(g))
+        ext = lw.slicewise(functools.partial(_k_overlap_add, h=h, b=b, **sa), lw.get(g))
         incoming = []
         offs = [h - sum(hops[:i]) for i in range(len(hops) + 1)]  # left hop i occupies rows [offs[i], offs[i-1])
         for i, r in enumerate(hops, start=1):
-            nbytes = _nbytes(lw, out, self.blocks, self.size, r)
+            rows = _row_shape(lw, out, self.blocks, self.size, r)
             lo = offs[i]
-            left_part = lw.slicewise(lambda t, lo=lo, r=r: t[lo:lo + r], ext)
-            right_part = lw.slicewise(lambda t, lo=lo, r=r: t[t.shape[0] - lo - r:t.shape[0] - lo], ext)
+            left_part = lw.slicewise(functools.partial(_k_rows, start=lo, stop=lo + r), ext)
+            right_part = lw.slicewise(functools.partial(_k_rows, start=-lo - r, stop=-lo), ext)
             # my left part belongs to coordinate c - i (its last r rows): so c receives from c + i
-            incoming.append(lw.receive(left_part, axis, [c + i if c + i < n else None for c in range(n)], out, nbytes))
+            incoming.append(lw.receive(left_part, axis, [c + i if c + i < n else None for c in range(n)], out, rows))
             incoming.append(lw.receive(right_part, axis, [c - i if c - i >= 0 else None for c in range(n)], out,
-                                       nbytes))
-        nh = len(hops)
-
-        def finish(e, *parts):
-            core = e[h:e.shape[0] - h]
-            if parts:
-                core = core.clone()
-                for i in range(nh):
-                    r = hops[i]
-                    from_right, from_left = parts[2 * i], parts[2 * i + 1]
-                    core[core.shape[0] - r:] += from_right
-                    core[:r] += from_left
-            blocks = core.reshape(core.shape[0] // b, b, *core.shape[1:])
-            return st.from_blocks(blocks)
-
-        lw.set(out, lw.slicewise(finish, ext, *incoming))
+                                       rows))
+        f = functools.partial(_k_finish, hops=tuple(hops), h=h, b=b, **sa)
+        lw.set(out, lw.slicewise(f, ext, *incoming))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]

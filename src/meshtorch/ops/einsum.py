@@ -13,10 +13,10 @@ Lowering (Mesh TF section 5, extended):
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 
-import numpy as np
 import torch
 
 from meshtorch.core.dims import Shape, combine_shapes, convert_to_shape
@@ -47,7 +47,6 @@ class EinsumOperation(Operation):
         return 2 * max(len(self.inputs) - 1, 1) * self._all_dims.size
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
         out = self.outputs[0]
         axis_dims: dict[int, list[str]] = {}
         for t in [*self.inputs, out]:
@@ -61,26 +60,19 @@ class EinsumOperation(Operation):
         slots = []
         for x in self.inputs:
             s = lw.get(x)
-            local = lw.slice_shape(x)
-            itemsize = torch.empty((), dtype=x.dtype).element_size()
-            for i, (d, a) in enumerate(zip(x.shape, lw.tensor_layout(x), strict=True)):
-                if a is not None and kept[a] != d.name:
-                    nbytes = int(np.prod(local, dtype=np.int64)) * itemsize
-                    s = lw.allconcat(s, a, i, x, nbytes=nbytes)
-                    local[i] *= impl.shape[a].size
+            layout = tuple(lw.tensor_layout(x))
+            gathered = tuple(None if a is not None and kept[a] != d.name else a
+                             for d, a in zip(x.shape, layout, strict=True))
+            if gathered != layout:
+                s = lw.redistribute(s, x, layout, gathered)
             slots.append(s)
         reduced = frozenset(a for a, n in kept.items() if n not in out.shape)
-        eq = self.equation
-        flops = self.flops
+        f = None
         if len(slots) == 2:
             f = _matmul_fn(*(x.shape.dimension_names for x in self.inputs), out.shape.dimension_names)
-            if f is None:
-                def f(a, b):
-                    return torch.einsum(eq, a, b)
-        else:
-            def f(*xs):
-                return torch.einsum(eq, *xs)
-        lw.set(out, lw.slicewise(f, *slots, flops=flops), reduced)
+        if f is None:
+            f = functools.partial(_k_einsum, equation=self.equation)
+        lw.set(out, lw.slicewise(f, *slots, flops=self.flops), reduced)
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -124,22 +116,28 @@ def _matmul_fn(a_names, b_names, out_names):
     pb = [b_names.index(n) for n in batch + contract + right]
     mid = batch + left + right
     po = [mid.index(n) for n in out_names]
-    po = None if po == list(range(len(po))) else po
-    nb, nl, nk = len(batch), len(left), len(contract)
+    po = None if po == list(range(len(po))) else tuple(po)
+    return functools.partial(_k_matmul, swap=swap, pa=tuple(pa), pb=tuple(pb), po=po,
+                             nb=len(batch), nl=len(left), nk=len(contract))
 
-    def f(a, b):
-        if swap:
-            a, b = b, a
-        a, b = a.permute(pa), b.permute(pb)
-        bs, ls, ks, rs = a.shape[:nb], a.shape[nb:nb + nl], a.shape[nb + nl:], b.shape[nb + nk:]
-        n_b, n_l, n_k, n_r = math.prod(bs), math.prod(ls), math.prod(ks), math.prod(rs)
-        if nb:
-            y = torch.bmm(a.reshape(n_b, n_l, n_k), b.reshape(n_b, n_k, n_r))
-        else:
-            y = torch.mm(a.reshape(n_l, n_k), b.reshape(n_k, n_r))
-        y = y.reshape((*bs, *ls, *rs))
-        return y if po is None else y.permute(po)
-    return f
+
+def _k_einsum(*xs, equation):
+    return torch.einsum(equation, *xs)
+
+
+def _k_matmul(a, b, *, swap, pa, pb, po, nb, nl, nk):
+    """Kernel of :func:`_matmul_fn`: one ``torch.mm``/``torch.bmm`` on permuted, reshaped slices."""
+    if swap:
+        a, b = b, a
+    a, b = a.permute(pa), b.permute(pb)
+    bs, ls, ks, rs = a.shape[:nb], a.shape[nb:nb + nl], a.shape[nb + nl:], b.shape[nb + nk:]
+    n_b, n_l, n_k, n_r = math.prod(bs), math.prod(ls), math.prod(ks), math.prod(rs)
+    if nb:
+        y = torch.bmm(a.reshape(n_b, n_l, n_k), b.reshape(n_b, n_k, n_r))
+    else:
+        y = torch.mm(a.reshape(n_l, n_k), b.reshape(n_k, n_r))
+    y = y.reshape((*bs, *ls, *rs))
+    return y if po is None else y.permute(po)
 
 
 def einsum(xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:

@@ -21,6 +21,7 @@ Indices outside ``[0, dim.size)`` select zeros (Mesh TF's one_hot semantics), un
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from meshtorch.core.dims import Shape, combine_shapes, convert_to_dimension, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._kernels import slice_begin, value_of
 
 __all__ = ["one_hot", "OneHotOperation", "gather", "GatherOperation", "scatter_add", "ScatterAddOperation",
            "top_k", "top_1", "argmax", "nth_largest_element", "nth_largest", "sample_with_temperature",
@@ -53,20 +55,18 @@ class OneHotOperation(Operation):
 
     def lower(self, lw):
         out = self.outputs[0]
-        impl = lw.mesh_impl(self)
-        layout = lw.tensor_layout(out)
         n = lw.slice_shape(out)[-1]
-        begins = lw.laid_out_constant(
-            out, lambda p: torch.arange(impl.slice_begin(out.shape, p, layout)[-1],
-                                        impl.slice_begin(out.shape, p, layout)[-1] + n, device=impl.device(p)))
-        on, off, dt = self.on_value, self.off_value, out.dtype
-
-        def f(idx, positions):
-            hit = idx.unsqueeze(-1) == positions
-            if on == 1 and off == 0:
-                return hit.to(dt)
-            return torch.where(hit, torch.tensor(on, dtype=dt), torch.tensor(off, dtype=dt))
+        begins = _dim_begin_constant(lw, out, out.shape.ndims - 1)
+        f = functools.partial(_k_one_hot, n=n, on=self.on_value, off=self.off_value, dtype=out.dtype)
         lw.set(out, lw.slicewise(f, lw.get(self.inputs[0]), begins))
+
+
+def _k_one_hot(idx, begin, *, n, on, off, dtype):
+    positions = torch.arange(begin, begin + n, device=idx.device)
+    hit = idx.unsqueeze(-1) == positions
+    if on == 1 and off == 0:
+        return hit.to(dtype)
+    return torch.where(hit, torch.tensor(on, dtype=dtype), torch.tensor(off, dtype=dtype))
 
 
 def one_hot(indices: Tensor, output_dim, on_value=1.0, off_value=0.0, dtype=torch.float32, name=None) -> Tensor:
@@ -143,8 +143,9 @@ def _local_positions(idx: torch.Tensor, begin: int, n: int, nb: int):
 
 
 def _dim_begin_constant(lw, t: Tensor, pos: int) -> int:
-    impl, layout = lw.mesh_impl(t), lw.tensor_layout(t)
-    return lw.laid_out_constant(t, lambda p: impl.slice_begin(t.shape, p, layout)[pos])
+    """A slot holding the global index where each processor's slice of ``t`` starts along dim ``pos``."""
+    return lw.pnum_constant(t, functools.partial(slice_begin, sizes=tuple(t.shape.to_integer_list()),
+                                                 layout=tuple(lw.tensor_layout(t)), dim=pos))
 
 
 class GatherOperation(Operation):
@@ -190,25 +191,38 @@ class GatherOperation(Operation):
             wslot, pending = lw.get(w), frozenset()
         n = lw.slice_shape(w)[vpos]
         if v_axis is not None and v_axis in ind_axes:
-            nbytes = math.prod(lw.slice_shape(w)) * _itemsize(w.dtype)
-            wslot = lw.allconcat(wslot, v_axis, vpos, w, nbytes=nbytes)
+            wslot = lw.allconcat(wslot, v_axis, vpos, w)
             n *= impl.shape[v_axis].size
             v_axis = None
-        begins = _dim_begin_constant(lw, w, vpos) if v_axis is not None else lw.laid_out_constant(w, lambda p: 0)
+        begins = _dim_begin_constant(lw, w, vpos) if v_axis is not None else lw.pnum_constant(
+            w, functools.partial(value_of, values=(0,) * impl.size))
         plan = self.plan
-        nb = len(plan.shared)
-        out_perm = plan.perm_to(out.shape.dimension_names)
-
-        def f(weights, idx, begin):
-            weights, idx = weights.permute(plan.w_perm), idx.permute(plan.i_perm)
-            bshape, sshape, rshape = idx.shape[:nb], idx.shape[nb:], weights.shape[nb + 1:]
-            b, s, r = math.prod(bshape), math.prod(sshape), math.prod(rshape)
-            rows, valid = _local_positions(idx.reshape(b, s), begin, n, b)
-            g = weights.reshape(b * n, r).index_select(0, rows)
-            g = torch.where(valid.reshape(-1, 1), g, torch.zeros((), dtype=g.dtype, device=g.device))
-            return g.reshape(*bshape, *sshape, *rshape).permute(out_perm)
+        f = functools.partial(_k_gather, w_perm=tuple(plan.w_perm), i_perm=tuple(plan.i_perm), nb=len(plan.shared),
+                              n=n, out_perm=tuple(plan.perm_to(out.shape.dimension_names)))
         slot = lw.slicewise(f, wslot, lw.get(ind), begins)
         lw.set(out, slot, pending | ({v_axis} if v_axis is not None else set()))
+
+
+def _k_gather(weights, idx, begin, *, w_perm, i_perm, nb, n, out_perm):
+    weights, idx = weights.permute(w_perm), idx.permute(i_perm)
+    bshape, sshape, rshape = idx.shape[:nb], idx.shape[nb:], weights.shape[nb + 1:]
+    b, s, r = math.prod(bshape), math.prod(sshape), math.prod(rshape)
+    rows, valid = _local_positions(idx.reshape(b, s), begin, n, b)
+    g = weights.reshape(b * n, r).index_select(0, rows)
+    g = torch.where(valid.reshape(-1, 1), g, torch.zeros((), dtype=g.dtype, device=g.device))
+    return g.reshape(*bshape, *sshape, *rshape).permute(out_perm)
+
+
+def _k_scatter_add(u, idx, begin, *, u_perm, i_perm, nb, n, w_inv):
+    u, idx = u.permute(u_perm), idx.permute(i_perm)
+    bshape, sshape = idx.shape[:nb], idx.shape[nb:]
+    rshape = u.shape[len(bshape) + len(sshape):]
+    b, s, r = math.prod(bshape), math.prod(sshape), math.prod(rshape)
+    rows, valid = _local_positions(idx.reshape(b, s), begin, n, b)
+    u = u.reshape(b * s, r)
+    u = torch.where(valid.reshape(-1, 1), u, torch.zeros((), dtype=u.dtype, device=u.device))
+    z = torch.zeros(b * n, r, dtype=u.dtype, device=u.device).index_add_(0, rows, u)
+    return z.reshape(*bshape, n, *rshape).permute(w_inv)
 
 
 class ScatterAddOperation(Operation):
@@ -254,28 +268,13 @@ class ScatterAddOperation(Operation):
         if v_axis is not None and v_axis in split_idx:
             # the axis splitting dim also splits an indices dim: gather updates and indices along it
             name = split_idx.pop(v_axis)
-            for t, which in ((upd, "u"), (ind, "i")):
-                pos = t.shape.get_dim_index(name)
-                nbytes = math.prod(lw.slice_shape(t)) * _itemsize(t.dtype)
-                if which == "u":
-                    uslot = lw.allconcat(uslot, v_axis, pos, t, nbytes=nbytes)
-                else:
-                    islot = lw.allconcat(islot, v_axis, pos, t, nbytes=nbytes)
+            uslot = lw.allconcat(uslot, v_axis, upd.shape.get_dim_index(name), upd)
+            islot = lw.allconcat(islot, v_axis, ind.shape.get_dim_index(name), ind)
         n = lw.slice_shape(out)[vpos]
-        begins = _dim_begin_constant(lw, out, vpos) if v_axis is not None else lw.laid_out_constant(out, lambda p: 0)
-        nb = len(plan.shared)
-        u_perm = plan.perm_from(upd.shape.dimension_names)
-
-        def f(u, idx, begin):
-            u, idx = u.permute(u_perm), idx.permute(plan.i_perm)
-            bshape, sshape = idx.shape[:nb], idx.shape[nb:]
-            rshape = u.shape[len(bshape) + len(sshape):]
-            b, s, r = math.prod(bshape), math.prod(sshape), math.prod(rshape)
-            rows, valid = _local_positions(idx.reshape(b, s), begin, n, b)
-            u = u.reshape(b * s, r)
-            u = torch.where(valid.reshape(-1, 1), u, torch.zeros((), dtype=u.dtype, device=u.device))
-            z = torch.zeros(b * n, r, dtype=u.dtype, device=u.device).index_add_(0, rows, u)
-            return z.reshape(*bshape, n, *rshape).permute(plan.w_inv)
+        begins = _dim_begin_constant(lw, out, vpos) if v_axis is not None else lw.pnum_constant(
+            out, functools.partial(value_of, values=(0,) * lw.mesh_impl(out).size))
+        f = functools.partial(_k_scatter_add, u_perm=tuple(plan.perm_from(upd.shape.dimension_names)),
+                              i_perm=tuple(plan.i_perm), nb=len(plan.shared), n=n, w_inv=tuple(plan.w_inv))
         slot = lw.slicewise(f, uslot, islot, begins)
         lw.set(out, slot, pending | frozenset(split_idx))
 

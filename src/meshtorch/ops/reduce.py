@@ -7,6 +7,8 @@ followed by a scaling costs one all-reduce; max and min all-reduce at once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.dims import convert_to_shape
@@ -44,24 +46,11 @@ class ReduceOperation(Operation):
         perm = [kept.index(n) for n in out.shape.dimension_names]
         need_perm = perm != list(range(len(perm)))
         red_mesh_axes = lw.tensor_mesh_axes(x, [names[i] for i in red_axes])
-        tfn = _TORCH[self.reduction]
-        if self.reduction == "SUM" and x.dtype in (torch.bfloat16, torch.float16):
-            # mixed precision: accumulate the local sum in float32, round once (torch does so for
-            # bfloat16 on CPU but not for float16; here it is explicit for both, on every device)
-            low = x.dtype
-
-            def tfn(t, dim):
-                return torch.sum(t, dim=dim, dtype=torch.float32).to(low)
-
-        if not red_axes:
-            def f(t):
-                return t.permute(perm) if need_perm else t
-        elif need_perm:
-            def f(t):
-                return tfn(t, dim=red_axes).permute(perm)
-        else:
-            def f(t):
-                return tfn(t, dim=red_axes)
+        # mixed precision: accumulate a low-precision local sum in float32, round once (torch does so
+        # for bfloat16 on CPU but not for float16; here it is explicit for both, on every device)
+        low = self.reduction == "SUM" and x.dtype in (torch.bfloat16, torch.float16)
+        f = functools.partial(_k_reduce, reduction=self.reduction if red_axes else None, dims=red_axes,
+                              perm=tuple(perm) if need_perm else None, low=x.dtype if low else None)
         if self.reduction == "SUM":
             slot, pending = lw.get_lazy(x)
             lw.set(out, lw.slicewise(f, slot), pending | frozenset(red_mesh_axes))
@@ -79,10 +68,25 @@ class ReduceOperation(Operation):
             return [broadcast(dy, x.shape)]
         # max/min: the gradient goes to the elements equal to the result, split evenly among ties
         y = self.outputs[0]
-        mask = ew.slicewise(lambda a, b: (a == b).to(a.dtype), [x, y], output_shape=x.shape, name="reduce_argmask")
+        mask = ew.slicewise(_k_argmask, [x, y], output_shape=x.shape, name="reduce_argmask")
         count = reduce_sum(mask, output_shape=y.shape)
-        return [ew.slicewise(lambda m, d, c: m * (d / c), [mask, dy, count], output_shape=x.shape,
-                             name="reduce_extreme_grad")]
+        return [ew.slicewise(_k_share, [mask, dy, count], output_shape=x.shape, name="reduce_extreme_grad")]
+
+
+def _k_reduce(t, *, reduction, dims, perm, low):
+    """Local reduction of ``t`` over ``dims`` (``reduction`` None: none), then ``perm``; ``low``: the
+    low-precision dtype whose sum is accumulated in float32."""
+    if reduction is not None:
+        t = torch.sum(t, dim=dims, dtype=torch.float32).to(low) if low is not None else _TORCH[reduction](t, dim=dims)
+    return t if perm is None else t.permute(perm)
+
+
+def _k_argmask(a, b):
+    return (a == b).to(a.dtype)
+
+
+def _k_share(m, d, c):
+    return m * (d / c)
 
 
 def _output_shape(x: Tensor, reduced_dim, output_shape, what):

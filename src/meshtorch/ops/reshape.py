@@ -24,12 +24,22 @@ we lower it correctly instead: all-gather before the local reshape, then a local
 
 from __future__ import annotations
 
+import functools
+
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._relayout import relayout
 
 __all__ = ["reshape", "rename_dimension", "replace_dimensions", "transpose", "ReshapeOperation", "TransposeOperation"]
+
+
+def _k_reshape(t, *, shape):
+    return t.reshape(shape)
+
+
+def _k_permute(t, *, perm):
+    return t.permute(perm)
 
 
 def _cumprods(shape: Shape) -> list[int]:
@@ -95,7 +105,7 @@ class ReshapeOperation(Operation):
         before = impl.slice_shape(x.shape, mid_old)
         after = impl.slice_shape(out.shape, mid_new)
         if before != after:
-            slot = lw.slicewise(lambda t: t.reshape(after), slot)
+            slot = lw.slicewise(functools.partial(_k_reshape, shape=tuple(after)), slot)
         slot = relayout(lw, slot, out, out.shape, mid_new, ln)
         lw.set(out, slot, pending)
 
@@ -192,7 +202,7 @@ class TransposeOperation(Operation):
     def lower(self, lw):
         slot, pending = lw.get_lazy(self.inputs[0])  # a permutation: a partial sum stays lazy
         perm = self.perm
-        lw.set(self.outputs[0], lw.slicewise(lambda t: t.permute(perm), slot), pending)
+        lw.set(self.outputs[0], lw.slicewise(functools.partial(_k_permute, perm=tuple(perm)), slot), pending)
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]

@@ -18,14 +18,12 @@ result is identical under every layout. Indices are int64 (torch's index dtype; 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from meshtorch.core.dims import Dimension, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
-from meshtorch.ops.indexing import _itemsize, gather, one_hot, resolve_dim
+from meshtorch.ops.indexing import gather, one_hot, resolve_dim
 
 
 def _merge(vals: torch.Tensor, idx: torch.Tensor, k: int):
@@ -106,10 +104,10 @@ class TopKOperation(Operation):
                 v, i = torch.topk(t.movedim(r, -1), kk, dim=-1)
             return v, i + begin
         v, i = lw.slicewise(local_top, xslot, begins, num_outputs=2)
-        n_cand = math.prod(local[:r] + local[r + 1:]) * kk
+        cand = local[:r] + local[r + 1:] + [kk]  # each processor's candidates
         last = len(local) - 1
-        v = lw.allconcat(v, axis, last, values, nbytes=n_cand * _itemsize(x.dtype))
-        i = lw.allconcat(i, axis, last, indices, nbytes=n_cand * _itemsize(torch.int64))
+        v = lw.allconcat(v, axis, last, values, local_shape=cand)
+        i = lw.allconcat(i, axis, last, indices, local_shape=cand)
 
         def merge(vals, idx):
             vals, idx = _merge(vals, idx, k)

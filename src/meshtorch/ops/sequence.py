@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import builtins
 
-import numpy as np
 import torch
 
 from meshtorch.core.dims import convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Mesh, Operation, Tensor
-from meshtorch.ops._relayout import coordinate_constant, itemsize
+from meshtorch.ops._relayout import coordinate_constant
 
 __all__ = ["shift", "cumsum", "mtf_range", "range", "ShiftOperation", "CumsumOperation", "RangeOperation"]
 
@@ -84,10 +83,9 @@ class ShiftOperation(Operation):
         blk = size // n
         q, r = divmod(offset, blk)
         local = lw.slice_shape(x)
-        isz = itemsize(x.dtype)
 
         if r == 0:
-            lw.set(out, _move(lw, slot, a, n, q, wrap, x, int(np.prod(local, dtype=np.int64)) * isz), pending)
+            lw.set(out, _move(lw, slot, a, n, q, wrap, x, list(local)), pending)
             return
         head = lw.slicewise(lambda t: t.narrow(ax, 0, blk - r), slot)   # -> positions [r, blk) of block c + q
         tail = lw.slicewise(lambda t: t.narrow(ax, blk - r, r), slot)   # -> positions [0, r) of block c + q + 1
@@ -95,8 +93,8 @@ class ShiftOperation(Operation):
         local_head[ax] = blk - r
         local_tail = list(local)
         local_tail[ax] = r
-        head = _move(lw, head, a, n, q, wrap, x, int(np.prod(local_head, dtype=np.int64)) * isz)
-        tail = _move(lw, tail, a, n, q + 1, wrap, x, int(np.prod(local_tail, dtype=np.int64)) * isz)
+        head = _move(lw, head, a, n, q, wrap, x, list(local_head))
+        tail = _move(lw, tail, a, n, q + 1, wrap, x, list(local_tail))
         lw.set(out, lw.slicewise(lambda tl, hd: torch.cat([tl, hd], dim=ax), tail, head), pending)
 
     def gradient(self, grad_ys):
@@ -106,14 +104,14 @@ class ShiftOperation(Operation):
         return [shift(dy, -self.offset, self.dim_name, self.wrap, name=f"{self.name}_grad")]
 
 
-def _move(lw, part: int, a: int, n: int, procs: int, wrap: bool, t: Tensor, nbytes: int) -> int:
+def _move(lw, part: int, a: int, n: int, procs: int, wrap: bool, t: Tensor, local_shape) -> int:
     """Processor c on mesh axis ``a`` gets ``part`` of processor c - procs (wrapped, or zeros off the end)."""
     src = [((c - procs) % n) if wrap else (c - procs if 0 <= c - procs < n else None) for c in builtins.range(n)]
     if src == list(builtins.range(n)):
         return part
     if all(s is None for s in src):
         return lw.slicewise(torch.zeros_like, part)
-    return lw.receive(part, a, src, t, nbytes=nbytes)
+    return lw.receive(part, a, src, t, local_shape=local_shape)
 
 
 def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
@@ -167,8 +165,7 @@ class CumsumOperation(Operation):
         totals = lw.slicewise(lambda t: t.sum(ax, keepdim=True), slot)
         tshape = list(lw.slice_shape(x))
         tshape[ax] = 1
-        nbytes = int(np.prod(tshape, dtype=np.int64)) * itemsize(x.dtype)
-        gathered = lw.allconcat(totals, a, ax, x, nbytes=nbytes)  # n totals per row: small
+        gathered = lw.allconcat(totals, a, ax, x, local_shape=tshape)  # n totals per row: small
 
         def add_prefix(c_local, g, coord):
             before = g.narrow(ax, coord + 1, n - coord - 1) if rev else g.narrow(ax, 0, coord)

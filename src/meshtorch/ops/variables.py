@@ -7,12 +7,15 @@ at the end (see :mod:`meshtorch.lowering`).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from meshtorch.core.dims import combine_shapes, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Mesh, Operation, Tensor
+from meshtorch.ops._kernels import filled
 from meshtorch.ops._util import align_fn
 from meshtorch.ops.initializers import convert_initializer
 from meshtorch.ops.precision import VariableDType
@@ -65,19 +68,20 @@ class Variable(Operation):
         return self.variable_dtype.activation_dtype
 
     differentiable = False
+    storage_side = True  # stored (and updated) in the storage layout
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
+        lw.set(self.outputs[0], lw.register_variable(self))
+
+    def initial_value(self, impl, layout):
+        """The laid-out initial value on ``impl`` in ``layout``: each processor draws only its slice
+        (counter-based, so the values are the same under every layout)."""
         out = self.outputs[0]
-        layout = lw.tensor_layout(out)
         sizes = impl.slice_shape(out.shape, layout)
         master = self.variable_dtype.master_dtype
         make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name)
-        value = None  # a dry-run lowering (materialize=False) allocates no storage
-        if getattr(lw, "materialize", True):
-            value = impl.laid_out_constant(
-                lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
-        lw.set(out, lw.register_variable(self, value))
+        return impl.laid_out_constant(
+            lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
 
 
 def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.float32, trainable=True) -> Tensor:
@@ -136,6 +140,7 @@ class Assign(Operation):
                                  f"{val.name!r} has shape {val.shape}; the dims must match.")
 
     differentiable = False
+    storage_side = True  # the new value is laid out as the variable is stored
 
     def lower(self, lw):
         for var, val in zip(self.variables, self.inputs, strict=True):
@@ -143,8 +148,12 @@ class Assign(Operation):
             dtype = var.dtype
             slot = lw.get(val)
             if a is not None or val.dtype != dtype:
-                slot = lw.slicewise(lambda t, a=a: (t if a is None else a(t)).to(dtype).contiguous(), slot)
+                slot = lw.slicewise(functools.partial(_k_assign_value, align=a, dtype=dtype), slot)
             lw.register_assignment(self, var, slot)
+
+
+def _k_assign_value(t, *, align, dtype):
+    return (t if align is None else align(t)).to(dtype).contiguous()
 
 
 def assign(var, new_val: Tensor, name=None) -> Assign:
@@ -207,7 +216,7 @@ class ImportOperation(Operation):
 
     def lower(self, lw):
         out = self.outputs[0]
-        lw.set(out, lw.constant(lw.mesh_impl(self).import_full(self.value, lw.tensor_layout(out))))
+        lw.set(out, lw.import_constant(out, self.value))
 
 
 def _to_torch(value, dtype=None) -> torch.Tensor:
@@ -250,11 +259,9 @@ class ConstantOperation(Operation):
     differentiable = False
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
         out = self.outputs[0]
-        sizes = lw.slice_shape(out)
-        v, dt = self.value, out.dtype
-        lw.set(out, lw.laid_out_constant(out, lambda p: torch.full(sizes, v, dtype=dt, device=impl.device(p))))
+        lw.set(out, lw.pnum_constant(out, functools.partial(filled, sizes=tuple(lw.slice_shape(out)), value=self.value,
+                                                            dtype=out.dtype)))
 
 
 def constant(mesh: Mesh, value, shape=None, dtype=torch.float32, name=None) -> Tensor:

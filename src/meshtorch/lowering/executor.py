@@ -1,0 +1,103 @@
+"""Executing a program on a mesh implementation.
+
+The executor is the only place where a program's steps meet a :class:`~meshtorch.mesh.base.MeshImpl`:
+:func:`bind` turns each typed :class:`~meshtorch.lowering.program.Step` into a Python callable
+over laid-out values (``impl.slicewise(kernel, ...)``, ``impl.allreduce(...)``, ...), once per
+program and fetch set, and :func:`run_steps` runs the bound list. Constants are evaluated per
+implementation by :func:`evaluate_constants`. The same program therefore runs on a
+:class:`~meshtorch.mesh.placement.PlacementMeshImpl` (every processor's slice in one process) and
+on :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` ranks (one slice per process).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from meshtorch.core.layout import TensorLayout
+from meshtorch.lowering.counters import Counters
+from meshtorch.lowering.program import SubProgram
+
+_METHODS = {
+    "allreduce": "allreduce",
+    "allgather": "allconcat",
+    "alltoall": "alltoall",
+    "reduce_scatter": "reduce_scatter",
+    "receive": "receive",
+}
+
+
+@dataclass
+class CallContext:
+    """What a ``call`` step's kernel receives first: the mesh implementation, its bound
+    sub-programs (``{label: fn(input values, external values) -> output values}``) with their
+    records, and the session's counters (loops add each executed iteration's collectives)."""
+
+    impl: object
+    subprograms: dict
+    records: dict
+    counters: Counters
+
+
+def bind_step(st, impls: dict, counters: Counters):
+    """A callable ``f(*input values) -> output value (or tuple)`` executing step ``st``."""
+    impl = impls[st.mesh]
+    kind = st.kind
+    if kind == "slicewise":
+        n = len(st.outputs)
+        return functools.partial(impl.slicewise, st.fn) if n == 1 else functools.partial(
+            impl.slicewise, st.fn, num_outputs=n)
+    if kind == "call":
+        subs = {label: bind_subprogram(sub, impls, counters) for label, sub in st.subprograms}
+        return functools.partial(st.fn, CallContext(impl, subs, dict(st.subprograms), counters))
+    method = _METHODS.get(kind)
+    if method is None:
+        raise ValueError(f"executor: unknown step kind {kind!r} (op {st.op!r}).")
+    return functools.partial(getattr(impl, method), **st.params)
+
+
+def bind(steps, frees, impls: dict, counters: Counters) -> list:
+    """``[(callable, inputs, outputs, frees)]`` for :func:`run_steps`."""
+    return [(bind_step(st, impls, counters), st.inputs, st.outputs, tuple(f))
+            for st, f in zip(steps, frees, strict=True)]
+
+
+def bind_subprogram(sub: SubProgram, impls: dict, counters: Counters):
+    """``fn(input values, external values) -> output values`` running ``sub``'s steps."""
+    bound = bind(sub.steps, sub.frees, impls, counters)
+    ins, ext, outs = sub.input_slots, sub.external_slots, sub.output_slots
+
+    def run(inputs, externals):
+        env = dict(zip(ext, externals, strict=True))
+        env.update(zip(ins, inputs, strict=True))
+        run_steps(bound, env)
+        return [env[s] for s in outs]
+    return run
+
+
+def run_steps(steps, env) -> None:
+    """Execute bound ``(fn, inputs, outputs, frees)`` steps on ``env`` (a list or dict: slot -> value)."""
+    for fn, ins, outs, frees in steps:
+        if len(outs) == 1:
+            env[outs[0]] = fn(*[env[i] for i in ins])
+        else:
+            for o, v in zip(outs, fn(*[env[i] for i in ins]), strict=True):
+                env[o] = v
+        for f in frees:
+            env[f] = None
+
+
+def evaluate_constant(kind: str, data, impl):
+    """The laid-out value of one program constant on ``impl`` (see ``Program.constants``)."""
+    if kind == "pnum":
+        return impl.laid_out_constant(functools.partial(data, impl))
+    if kind == "import":
+        full, layout = data
+        return impl.import_full(full, TensorLayout(layout))
+    raise ValueError(f"executor: unknown constant kind {kind!r}.")
+
+
+def evaluate_constants(program, impls: dict) -> dict:
+    """``{slot: laid-out value}`` of every constant except run counters (filled per run)."""
+    return {s: evaluate_constant(kind, data, impls[mesh]) for s, (kind, mesh, data) in program.constants.items()
+            if kind != "run_counter"}

@@ -1,0 +1,181 @@
+"""A session: a program bound to mesh implementations and a variable store, run many times.
+
+Run semantics (stricter than Mesh TF): within one run every read of a variable sees its value from
+before the run, and assignments take effect together at the end, so results never depend on the
+order the steps happen to execute in. Random ops draw fresh values on every run: the number of
+completed runs (:attr:`Session.run_count`) is part of their key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from meshtorch.core.errors import FeedError
+from meshtorch.core.layout import TensorLayout
+from meshtorch.lowering import executor
+from meshtorch.lowering.counters import Counters
+from meshtorch.lowering.program import Program, count
+from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
+
+
+@dataclass
+class Plan:
+    """What one fetch set runs: the selected steps (run order) and their bound callables.
+
+    Attributes:
+        steps: the chosen :class:`~meshtorch.lowering.program.Step` records; ``frees[i]``: slots
+            freed after step ``i``.
+        placeholders / var_reads: ``[(name, slot)]`` the steps read.
+        assignments: ``[(variable name, slot)]`` committed at the end of the run.
+        fetch_slots: per fetch, ``(slot, tensor name)`` or ``(None, None)`` (assign ops).
+        counters: collectives and FLOPs of one run (loop bodies not counted).
+    """
+
+    steps: list
+    frees: list
+    placeholders: list
+    var_reads: list
+    assignments: list
+    fetch_slots: list
+    counters: Counters
+    bound: list = field(default_factory=list)
+
+
+class Session:
+    """Runs ``program`` on ``{mesh name: MeshImpl}`` with the variables in ``store``.
+
+    Raises (at construction):
+        ValueError: if an implementation's mesh shape or layout rules differ from the program's.
+    """
+
+    def __init__(self, program: Program, impls: dict, store: VariableStore):
+        for name, m in program.meshes.items():
+            impl = impls.get(name)
+            if impl is None:
+                raise ValueError(f"Session: no MeshImpl given for mesh {name!r} of the program.")
+            mine = {"shape": str(impl.shape), "layout": str(impl.layout_rules), "storage": str(impl.storage_rules)}
+            if mine != m:
+                raise ValueError(f"Session: mesh {name!r} was planned as {m}, but the implementation has {mine}; "
+                                 "plan again for this mesh, or build the implementation with the planned shape "
+                                 "and rules.")
+        self.program = program
+        self.impls = impls
+        self.store = store
+        self.counters = Counters()
+        #: number of completed runs; random ops mix it into their keys (fresh draws each run)
+        self.run_count = 0
+        self._constants: dict | None = None
+        self._plans: dict = {}
+
+    @property
+    def constant_values(self) -> dict:
+        """``{slot: laid-out value}`` of the program's constants on these implementations (run
+        counters excluded), evaluated on first use."""
+        if self._constants is None:
+            self._constants = executor.evaluate_constants(self.program, self.impls)
+        return self._constants
+
+    def plan(self, fetches: tuple) -> Plan:
+        """The :class:`Plan` of ``fetches``: ``("tensor", name)``, ``("assign", op name)`` or ``None``."""
+        plan = self._plans.get(fetches)
+        if plan is None:
+            plan = self._plans[fetches] = self._make_plan(fetches)
+        return plan
+
+    def _make_plan(self, fetches) -> Plan:
+        p = self.program
+        fetch_slots, assignments = [], []
+        for f in fetches:
+            if f is None:
+                fetch_slots.append((None, None))
+            elif f[0] == "assign":
+                assignments.extend(p.assignments[f[1]])
+                fetch_slots.append((None, None))
+            else:
+                fetch_slots.append((p.tensors[f[1]].slot, f[1]))
+        needed = {s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments}
+        steps, frees = p.select(needed)
+        needed |= {s for st in steps for s in st.inputs}
+        c = count(steps)
+        c.runs = 1
+        return Plan(steps, frees,
+                    [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
+                    [(n, t.slot) for n, t in p.variables.items() if t.slot in needed],
+                    assignments, fetch_slots, c)
+
+    def run(self, fetches: tuple, feeds: dict, feed_slices: bool = False, return_slices: bool = False) -> list:
+        """Execute ``fetches`` (see :meth:`plan`) with ``feeds`` = ``{placeholder name: value}``.
+
+        Returns the full tensors (or this process's slices with ``return_slices``), None for
+        assign fetches; commits the assignments.
+
+        Raises:
+            FeedError: naming the placeholder, if one the fetches need is missing or misshapen.
+        """
+        plan = self.plan(fetches)
+        if not plan.bound and plan.steps:
+            plan.bound = executor.bind(plan.steps, plan.frees, self.impls, self.counters)
+        env = [None] * self.program.n_slots
+        for s, v in self.constant_values.items():
+            env[s] = v
+        p = self.program
+        for name, s in plan.placeholders:
+            spec = p.placeholders[name]
+            if name not in feeds:
+                raise FeedError(f"Placeholder {name!r} {spec_shape(spec)} is needed by the fetches but was not fed; "
+                                f"pass feeds={{{name}: tensor}}.")
+            env[s] = self.import_slices(name, feeds[name]) if feed_slices else self.impls[spec.mesh].import_full(
+                check_full(name, spec, _as_torch(feeds[name])), TensorLayout(spec.layout))
+        for name, s in plan.var_reads:
+            env[s] = self.store.values[name]
+        count_now = self.run_count
+        for s, (kind, mesh, _) in p.constants.items():
+            if kind == "run_counter":
+                env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)
+        executor.run_steps(plan.bound, env)
+        results = []
+        for s, name in plan.fetch_slots:
+            if s is None:
+                results.append(None)
+                continue
+            spec = p.tensors[name]
+            impl = self.impls[spec.mesh]
+            if return_slices:
+                local = impl.local_slices(env[s])
+                results.append(local[0] if len(local) == 1 else local)
+            else:
+                results.append(impl.export_full(env[s], TensorLayout(spec.layout)))
+        for name, s in plan.assignments:
+            self.store.values[name] = self.store.impl(name).materialize(env[s])
+        self.counters.add(plan.counters)
+        self.run_count += 1
+        return results
+
+    def import_slices(self, name: str, value):
+        """A placeholder's laid-out value from this process's slices (one per local processor)."""
+        spec = self.program.placeholders[name]
+        impl = self.impls[spec.mesh]
+        n = len(impl.local_pnums())
+        values = list(value) if isinstance(value, list | tuple) else [value]
+        if len(values) != n:
+            raise FeedError(f"Placeholder {name!r}: feed_slices=True needs {n} local slice(s) (one per "
+                            f"processor this process holds), got {len(values)}.")
+        layout = TensorLayout(spec.layout)
+        want = tuple(impl.slice_shape(spec_shape(spec), layout))
+        out = []
+        for p, v in zip(impl.local_pnums(), values, strict=True):
+            v = _as_torch(v)
+            if tuple(v.shape) != want:
+                raise FeedError(f"Placeholder {name!r} {spec_shape(spec)} has slice shape {list(want)} on processor "
+                                f"{p} (layout {layout}), but was fed a slice of shape {list(v.shape)}.")
+            out.append(v.to(device=impl.device(p), dtype=spec.dtype))
+        return impl.from_local_slices(out)
+
+
+def _as_torch(value) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))

@@ -1,0 +1,111 @@
+"""The variable store: each variable's laid-out value between runs.
+
+A program names its variables and the layout each is stored in (its storage layout); the store
+holds their values for one set of mesh implementations. Checkpoints, interchange with PyTorch
+state dicts and planning talk to the store (by variable name), never to the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from meshtorch.core.dims import Dimension, Shape
+from meshtorch.core.errors import FeedError
+from meshtorch.core.layout import TensorLayout
+from meshtorch.lowering.program import TensorSlot
+
+
+def spec_shape(spec: TensorSlot) -> Shape:
+    """The named :class:`~meshtorch.core.dims.Shape` of a program slot's tensor."""
+    return Shape([Dimension(n, s) for n, s in spec.shape])
+
+
+def check_full(name: str, spec: TensorSlot, value, what: str = "Placeholder") -> torch.Tensor:
+    """``value`` as a torch tensor of ``spec``'s dtype, checked against its full shape.
+
+    Raises:
+        FeedError: naming ``name`` and both shapes, if the sizes differ.
+    """
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    want = tuple(s for _, s in spec.shape)
+    if tuple(value.shape) != want:
+        raise FeedError(f"{what} {name!r} expects shape {spec_shape(spec)} (sizes {list(want)}), "
+                        f"but was fed a tensor of shape {list(value.shape)}.")
+    return value.to(spec.dtype)
+
+
+class VariableStore:
+    """Laid-out values of a program's variables on ``{mesh name: MeshImpl}``.
+
+    Attributes:
+        values: ``{variable name: laid-out value}`` (None in a dry run).
+        specs: ``{variable name: TensorSlot}``: shape, dtype, mesh and storage layout.
+    """
+
+    def __init__(self, program, impls: dict):
+        self.specs: dict[str, TensorSlot] = dict(program.variables)
+        self.impls = impls
+        self.trainable = set(program.trainable)
+        self.values: dict[str, object] = {name: None for name in self.specs}
+
+    def _spec(self, name: str) -> TensorSlot:
+        try:
+            return self.specs[name]
+        except KeyError:
+            raise KeyError(f"No variable named {name!r}; known: {sorted(self.specs)}") from None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    def impl(self, name: str):
+        return self.impls[self._spec(name).mesh]
+
+    def layout(self, name: str) -> TensorLayout:
+        """The storage layout of variable ``name``."""
+        return TensorLayout(self._spec(name).layout)
+
+    def shape(self, name: str) -> Shape:
+        return spec_shape(self._spec(name))
+
+    def initialize(self, variable_ops: dict):
+        """Draw initial values: ``variable_ops[name].initial_value(impl, layout)`` for every variable."""
+        for name in self.specs:
+            self.values[name] = variable_ops[name].initial_value(self.impl(name), self.layout(name))
+
+    def value(self, name: str) -> torch.Tensor:
+        """The full value of variable ``name`` (gathered from its slices)."""
+        return self.impl(name).export_full(self.values[name], self.layout(name))
+
+    def set_value(self, name: str, value):
+        """Overwrite variable ``name`` with a full tensor of its shape (cast to its dtype).
+
+        Raises:
+            FeedError: naming the variable, if the shape differs.
+        """
+        value = check_full(name, self._spec(name), value, "Variable").clone()
+        self.values[name] = self.impl(name).import_full(value, self.layout(name))
+
+    def set_slices(self, name: str, fn: Callable[[int], torch.Tensor]):
+        """Overwrite variable ``name`` slice by slice: processor ``pnum`` gets ``fn(pnum)`` (see
+        :meth:`meshtorch.Lowering.set_variable_slices`).
+
+        Raises:
+            FeedError: naming the variable and processor, if a slice has the wrong shape.
+        """
+        spec = self._spec(name)
+        impl = self.impl(name)
+        layout = self.layout(name)
+        want = impl.slice_shape(spec_shape(spec), layout)
+
+        def make(p):
+            t = fn(p)
+            if list(t.shape) != want:
+                raise FeedError(f"set_variable_slices: variable {name!r} {spec_shape(spec)} needs slices of sizes "
+                                f"{want} on processor {p}, got {list(t.shape)}.")
+            return t.to(device=impl.device(p), dtype=spec.dtype)
+
+        self.values[name] = impl.laid_out_constant(make)
