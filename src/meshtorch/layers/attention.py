@@ -10,6 +10,7 @@ deferred all-reduce. Follows Mesh TF ``layers.multihead_attention`` / ``dot_prod
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from meshtorch.core.dims import Shape, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
-from meshtorch.ops._util import align_fn
+from meshtorch.ops._kernels import align_spec, aligned
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.initializers import VarianceScalingInitializer
 from meshtorch.ops.variables import get_variable
@@ -54,11 +55,11 @@ class _AttentionSpec:
         v_order = Shape(self.batch + [v.shape.get_dim_by_name(memory), v.shape.get_dim_by_name(value)])
         self.out_shape = Shape([v.shape.get_dim_by_name(value) if d.name == key else d for d in q.shape]) \
             if key != value else q.shape
-        self.align = [align_fn(q.shape, q_order), align_fn(k.shape, k_order), align_fn(v.shape, v_order)]
+        self.align = [align_spec(q.shape, q_order), align_spec(k.shape, k_order), align_spec(v.shape, v_order)]
         sdpa_out = Shape(self.batch + [q.shape.get_dim_by_name(length), v.shape.get_dim_by_name(value)])
-        self.out_align = align_fn(sdpa_out, self.out_shape)
-        self.dy_align = align_fn(self.out_shape, sdpa_out)
-        self.back = [align_fn(q_order, q.shape), align_fn(k_order, k.shape), align_fn(v_order, v.shape)]
+        self.out_align = align_spec(sdpa_out, self.out_shape)
+        self.dy_align = align_spec(self.out_shape, sdpa_out)
+        self.back = [align_spec(q_order, q.shape), align_spec(k_order, k.shape), align_spec(v_order, v.shape)]
         self.bias_align = None
         if bias is not None:
             full = Shape(self.batch + [q.shape.get_dim_by_name(length), (self.bias_mem, lk)])
@@ -66,25 +67,33 @@ class _AttentionSpec:
                 if d not in full.dims:
                     raise ShapeError(f"attention: bias {bias.name!r} {bias.shape} has dimension {d} that is not one "
                                      f"of {full} (name the memory dim {self.bias_mem!r}).")
-            self.bias_align = align_fn(bias.shape, full)
+            self.bias_align = align_spec(bias.shape, full)
 
-    def _prep(self, q, k, v, b):
-        a = self.align
-        q, k, v = (t if f is None else f(t) for f, t in zip(a, (q, k, v), strict=True))
-        mask = None
-        if b is not None:
-            mask = b if self.bias_align is None else self.bias_align(b)
-        if self.causal and mask is not None:
-            lq, lk = q.shape[-2], k.shape[-2]
-            causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-            mask = mask.masked_fill(~causal, float("-inf"))
-        return q, k, v, mask
+    def params(self) -> dict:
+        """Plain-data keywords of :func:`_k_attention`."""
+        return {"align": tuple(self.align), "bias_align": self.bias_align, "out_align": self.out_align,
+                "causal": bool(self.causal), "scale": self.scale}
 
-    def forward(self, q, k, v, b=None):
-        q, k, v, mask = self._prep(q, k, v, b)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             is_causal=self.causal and mask is None, scale=self.scale)
-        return out if self.out_align is None else self.out_align(out)
+
+def _k_attention(q, k, v, b=None, *, align, bias_align, out_align, causal: bool, scale):
+    """Attention on slices: q, k, v (and bias b) aligned to ``[batch..., seq, feature]`` by ``align``."""
+    q, k, v = (aligned(t, a) for a, t in zip(align, (q, k, v), strict=True))
+    mask = None if b is None else aligned(b, bias_align)
+    if causal and mask is not None:
+        lq, lk = q.shape[-2], k.shape[-2]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        mask = mask.masked_fill(~keep, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale)
+    return aligned(out, out_align)
+
+
+def _k_attention_grad(*xs, n: int, **params):
+    """Gradients w.r.t. the ``n`` inputs ``xs[:n]`` given ``dy = xs[n]``: the slice forward under autograd."""
+    ins, dy = xs[:n], xs[n]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in ins]
+        out = _k_attention(*leaves, **params)
+        return torch.autograd.grad(out, leaves, dy)
 
 
 class AttentionOperation(Operation):
@@ -97,7 +106,7 @@ class AttentionOperation(Operation):
         self.outputs = [Tensor(self, spec.out_shape, q.dtype)]
 
     def lower(self, lw):
-        fwd = self.spec.forward
+        fwd = functools.partial(_k_attention, **self.spec.params())
         lw.set(self.outputs[0], lw.slicewise(fwd, *[lw.get(t) for t in self.inputs]))
 
     def gradient(self, grad_ys):
@@ -125,15 +134,8 @@ class AttentionGradOperation(Operation):
         raise NotImplementedError("attention: second derivatives are not implemented.")
 
     def lower(self, lw):
-        spec = self.fwd.spec
         n = len(self.fwd.inputs)
-
-        def back(*xs):
-            ins, dy = xs[:n], xs[n]
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_(True) for t in ins]
-                out = spec.forward(*leaves)
-                return torch.autograd.grad(out, leaves, dy)
+        back = functools.partial(_k_attention_grad, n=n, **self.fwd.spec.params())
         slots = lw.slicewise(back, *[lw.get(t) for t in self.inputs], num_outputs=n)
         slots = slots if n > 1 else (slots,)
         # a bias lacking some batch-like dims is summed over them locally: partial over their mesh axes

@@ -40,3 +40,33 @@ def value_of(impl, pnum: int, values):
 def tensor_of(impl, pnum: int, values, dtype: torch.dtype) -> torch.Tensor:
     """``torch.tensor(values[pnum])`` on ``pnum``'s device."""
     return torch.tensor(values[pnum], dtype=dtype, device=impl.device(pnum))
+
+
+def align_spec(src, dst):
+    """Plan-time, plain-data form of :func:`meshtorch.ops._util.align_fn` (``src``, ``dst``: Shapes).
+
+    ``None`` when a slice laid out as ``src`` already broadcasts against ``dst``; otherwise
+    ``(perm, keep)``: the permutation into ``dst``'s dim order (None if none is needed) and, per dim
+    of ``dst``, whether ``src`` has it (None if it has them all). Apply it with :func:`aligned`.
+    """
+    names = src.dimension_names
+    missing = [d.name for d in src if d.name not in dst]
+    if missing:
+        raise ValueError(f"align: dims {missing} of {src} are not in {dst}")
+    perm = tuple(names.index(d.name) for d in dst if d.name in names)
+    keep = tuple(d.name in names for d in dst)
+    perm = None if perm == tuple(range(len(perm))) else perm
+    keep = None if all(keep) else keep
+    return None if perm is None and keep is None else (perm, keep)
+
+
+def aligned(t: torch.Tensor, spec) -> torch.Tensor:
+    """``t`` moved to the dim order of an :func:`align_spec` (size-1 dims for those it lacks)."""
+    if spec is None:
+        return t
+    perm, keep = spec
+    if perm is not None:
+        t = t.permute(perm)
+    if keep is not None:
+        t = t[tuple(slice(None) if k else None for k in keep)]
+    return t

@@ -29,6 +29,7 @@ convolution matches ``tf.nn.conv2d`` (PyTorch's ``padding="same"`` rejects strid
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -131,14 +132,62 @@ class _ConvGeometry:
         self.batch_names = [names[i] for i in self.batch_idx]
         self.nb = len(self.batch_idx)
 
-    def to_ncs(self, t: torch.Tensor):
-        """Slice -> ``(N, C, *S)`` and the local batch sizes."""
-        t = t.permute(self.perm)
-        bshape = t.shape[: self.nb]
-        return t.reshape(-1, *t.shape[self.nb:]), bshape
+    def params(self) -> dict:
+        """Plain-data keywords of the kernels: ``perm`` to ``(batch..., C, S...)``, its inverse, ``nb``."""
+        return {"perm": tuple(self.perm), "inv": tuple(self.inv), "nb": self.nb}
 
-    def from_ncs(self, t: torch.Tensor, bshape) -> torch.Tensor:
-        return t.reshape(*bshape, *t.shape[1:]).permute(self.inv)
+
+def _to_ncs(t: torch.Tensor, perm, nb: int):
+    """Slice -> ``(N, C, *S)`` (dims permuted by ``perm``, the first ``nb`` flattened) and the batch sizes."""
+    t = t.permute(perm)
+    bshape = t.shape[:nb]
+    return t.reshape(-1, *t.shape[nb:]), bshape
+
+
+def _from_ncs(t: torch.Tensor, bshape, inv) -> torch.Tensor:
+    return t.reshape(*bshape, *t.shape[1:]).permute(inv)
+
+
+def _filter_perm(n: int) -> list[int]:
+    """``[k..., in, out]`` -> torch's ``(out, in, k...)`` (the transposed convolution reads it as (in, out, k...))."""
+    return [n + 1, n] + list(range(n))
+
+
+def _k_conv(xs, ws, *, n: int, perm, inv, nb: int, strides, pads):
+    """Forward convolution of slice ``xs`` with filter slice ``ws`` (see :class:`ConvOperation`)."""
+    t, bshape = _to_ncs(xs, perm, nb)
+    if all(b == a for b, a in pads):
+        y = _CONV[n](t, ws.permute(_filter_perm(n)), stride=strides, padding=tuple(b for b, _ in pads))
+    else:
+        y = _CONV[n](F.pad(t, _torch_pad(pads)), ws.permute(_filter_perm(n)), stride=strides)
+    return _from_ncs(y, bshape, inv)
+
+
+def _k_conv_transpose(xs, ws, *, n: int, perm, inv, nb: int, strides, pads, ksizes, sizes):
+    """Transposed convolution of slice ``xs`` to spatial ``sizes`` (see :class:`ConvTransposeOperation`)."""
+    t, bshape = _to_ncs(xs, perm, nb)
+    padded = [sz + b + a for sz, (b, a) in zip(sizes, pads, strict=True)]
+    base = [(t.shape[2 + i] - 1) * strides[i] + ksizes[i] for i in range(n)]
+    extra = tuple(p - b for p, b in zip(padded, base, strict=True))
+    if all(b == a for b, a in pads):
+        y = _CONV_T[n](t, ws.permute(_filter_perm(n)), stride=strides, padding=tuple(b for b, _ in pads),
+                       output_padding=extra)
+    else:
+        y = _CONV_T[n](t, ws.permute(_filter_perm(n)), stride=strides, output_padding=extra)
+        for i, (b, _) in enumerate(pads):
+            y = y.narrow(2 + i, b, sizes[i])
+    return _from_ncs(y, bshape, inv)
+
+
+def _k_conv_filter_grad(xs, ds, *, n: int, perm, nb: int, dperm, strides, tpad, ksizes):
+    """Filter gradient ``[k..., in, out]`` from slices of x and dy (see :class:`ConvFilterGradOperation`)."""
+    t, _ = _to_ncs(xs, perm, nb)
+    d = ds.permute(dperm)
+    d = d.reshape(-1, *d.shape[nb:])
+    if any(tpad):
+        t = F.pad(t, list(tpad))
+    g = _CONV_W[n](t, [d.shape[1], t.shape[1], *ksizes], d, stride=strides)
+    return g.permute(list(range(2, n + 2)) + [1, 0])  # (out, in, *k) -> (*k, in, out)
 
 
 def _filter_parts(conv_filter: Tensor, what: str):
@@ -204,21 +253,8 @@ class ConvOperation(Operation):
         x, w = self.inputs
         out = self.outputs[0]
         geo = _ConvGeometry(x.shape, self.in_dim.name, self.spatial)
-        n, strides = self.n, self.strides
-        wperm = [n + 1, n] + list(range(n))
-        conv = _CONV[n]
-        symmetric = all(b == a for b, a in self.pads)
-        pad_arg = tuple(b for b, _ in self.pads)
-        tpad = _torch_pad(self.pads)
-
-        def f(xs, ws):
-            t, bshape = geo.to_ncs(xs)
-            if symmetric:
-                y = conv(t, ws.permute(wperm), stride=strides, padding=pad_arg)
-            else:
-                y = conv(F.pad(t, tpad), ws.permute(wperm), stride=strides)
-            return geo.from_ncs(y, bshape)
-
+        f = functools.partial(_k_conv, n=self.n, strides=tuple(self.strides),
+                              pads=tuple(tuple(p) for p in self.pads), **geo.params())
         pending = frozenset(lw.tensor_mesh_axes(x, [self.in_dim.name]))
         lw.set(out, lw.slicewise(f, lw.get(x), lw.get(w), flops=self.flops), pending)
 
@@ -295,26 +331,10 @@ class ConvTransposeOperation(Operation):
         x, w = self.inputs
         out = self.outputs[0]
         geo = _ConvGeometry(x.shape, self.out_dim.name, self.spatial)
-        n, strides, pads = self.n, self.strides, self.pads
-        wperm = [n + 1, n] + list(range(n))
-        convt = _CONV_T[n]
-        sizes = [out.shape.get_dim_by_name(s).size for s in self.spatial]
-        padded = [sz + b + a for sz, (b, a) in zip(sizes, pads, strict=True)]
-        symmetric = all(b == a for b, a in pads)
-        pad_arg = tuple(b for b, _ in pads)
-
-        def f(xs, ws):
-            t, bshape = geo.to_ncs(xs)
-            base = [(t.shape[2 + i] - 1) * strides[i] + self.kdims[i].size for i in range(n)]
-            extra = tuple(p - b for p, b in zip(padded, base, strict=True))
-            if symmetric:
-                y = convt(t, ws.permute(wperm), stride=strides, padding=pad_arg, output_padding=extra)
-            else:
-                y = convt(t, ws.permute(wperm), stride=strides, output_padding=extra)
-                for i, (b, _) in enumerate(pads):
-                    y = y.narrow(2 + i, b, sizes[i])
-            return geo.from_ncs(y, bshape)
-
+        f = functools.partial(_k_conv_transpose, n=self.n, strides=tuple(self.strides),
+                              pads=tuple(tuple(p) for p in self.pads), ksizes=tuple(d.size for d in self.kdims),
+                              sizes=tuple(out.shape.get_dim_by_name(s).size for s in self.spatial),
+                              **geo.params())
         pending = frozenset(lw.tensor_mesh_axes(x, [self.out_dim.name]))
         lw.set(out, lw.slicewise(f, lw.get(x), lw.get(w), flops=self.flops), pending)
 
@@ -377,22 +397,9 @@ class ConvFilterGradOperation(Operation):
         gd = _ConvGeometry(dy.shape, self.out_dim.name, self.spatial)
         # dy's batch-like dims in x's batch order
         dperm = [dy.shape.get_dim_index(nm) for nm in gx.batch_names] + [gd.channel_idx] + gd.spatial_idx
-        n, strides = self.n, self.strides
-        tpad = _torch_pad(self.pads)
-        any_pad = any(tpad)
-        wgrad = _CONV_W[n]
-        ksizes = [d.size for d in self.kdims]
-        operm = list(range(2, n + 2)) + [1, 0]  # (out, in, *k) -> (*k, in, out)
-
-        def f(xs, ds):
-            t, _ = gx.to_ncs(xs)
-            d = ds.permute(dperm)
-            d = d.reshape(-1, *d.shape[gx.nb:])
-            if any_pad:
-                t = F.pad(t, tpad)
-            g = wgrad(t, [d.shape[1], t.shape[1], *ksizes], d, stride=strides)
-            return g.permute(operm)
-
+        f = functools.partial(_k_conv_filter_grad, n=self.n, perm=tuple(gx.perm), nb=gx.nb, dperm=tuple(dperm),
+                              strides=tuple(self.strides), tpad=tuple(_torch_pad(self.pads)),
+                              ksizes=tuple(d.size for d in self.kdims))
         pending = frozenset(lw.tensor_mesh_axes(x, gx.batch_names))
         lw.set(out, lw.slicewise(f, lw.get(x), lw.get(dy), flops=self.flops), pending)
 

@@ -15,6 +15,8 @@ Gradient: :class:`PoolGradOperation`, lowered per slice by PyTorch's own pooling
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -31,32 +33,37 @@ _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
-def _pool_fn(kind: str, n: int, ksize, strides, pads):
-    """Per-slice pooling on ``(N, *S)`` tensors (the channel-free layout used here)."""
-    tpad = _torch_pad(pads)
+def _pool_ncs(t, *, kind: str, n: int, ksize, strides, tpad):
+    """Pooling of an ``(N, *S)`` tensor (the channel-free layout used here); ``tpad``: F.pad's argument."""
+    t = t.unsqueeze(1)
     any_pad = any(tpad)
-    k = tuple(ksize)
-    s = tuple(strides)
     if kind == "MAX":
-        mp = _MAX[n]
-
-        def f(t):
-            t = t.unsqueeze(1)
-            if any_pad:
-                t = F.pad(t, tpad, value=float("-inf"))
-            return mp(t, k, s).squeeze(1)
-        return f
+        if any_pad:
+            t = F.pad(t, list(tpad), value=float("-inf"))
+        return _MAX[n](t, ksize, strides).squeeze(1)
     ap = _AVG[n]
+    if not any_pad:
+        return ap(t, ksize, strides).squeeze(1)
+    y = ap(F.pad(t, list(tpad)), ksize, strides)
+    ones = F.pad(torch.ones((1, 1, *t.shape[2:]), dtype=t.dtype, device=t.device), list(tpad))
+    frac = ap(ones, ksize, strides)  # fraction of each window that lies inside the input
+    return (y / frac).squeeze(1)
 
-    def g(t):
-        t = t.unsqueeze(1)
-        if not any_pad:
-            return ap(t, k, s).squeeze(1)
-        y = ap(F.pad(t, tpad), k, s)
-        ones = F.pad(torch.ones((1, 1, *t.shape[2:]), dtype=t.dtype, device=t.device), tpad)
-        frac = ap(ones, k, s)  # fraction of each window that lies inside the input
-        return (y / frac).squeeze(1)
-    return g
+
+def _k_pool(t, *, perm, inv, kind: str, n: int, ksize, strides, tpad):
+    """Pooled slice ``t`` in its own dim order: spatial dims moved last by ``perm``, back by ``inv``."""
+    t = t.permute(perm)
+    bshape = t.shape[: t.ndim - n]
+    y = _pool_ncs(t.reshape(-1, *t.shape[t.ndim - n:]), kind=kind, n=n, ksize=ksize, strides=strides, tpad=tpad)
+    return y.reshape(*bshape, *y.shape[1:]).permute(inv)
+
+
+def _k_pool_grad(xs, ds, **pool):
+    """d(pool)/dx for slice ``xs`` and output gradient ``ds``, by PyTorch's pooling backward."""
+    with torch.enable_grad():
+        t = xs.detach().requires_grad_(True)
+        (gx,) = torch.autograd.grad(_k_pool(t, **pool), t, ds)
+    return gx
 
 
 class PoolOperation(Operation):
@@ -108,20 +115,14 @@ class PoolOperation(Operation):
         self._perm = [i for i in range(len(names)) if i not in sidx] + sidx
         self._inv = [self._perm.index(i) for i in range(len(names))]
 
-    def slice_fn(self):
-        """``f(slice) -> pooled slice`` in the input's dim order (also used by the gradient)."""
-        pool = _pool_fn(self.kind, self.n, self.ksize, self.strides, self.pads)
-        perm, inv, n = self._perm, self._inv, self.n
-
-        def f(t):
-            t = t.permute(perm)
-            bshape = t.shape[: t.ndim - n]
-            y = pool(t.reshape(-1, *t.shape[t.ndim - n:]))
-            return y.reshape(*bshape, *y.shape[1:]).permute(inv)
-        return f
+    def kernel_params(self) -> dict:
+        """Plain-data parameters of :func:`_k_pool` (also used by the gradient's kernel)."""
+        return {"perm": tuple(self._perm), "inv": tuple(self._inv), "kind": self.kind, "n": self.n,
+                "ksize": self.ksize, "strides": tuple(self.strides), "tpad": tuple(_torch_pad(self.pads))}
 
     def lower(self, lw):
-        lw.set(self.outputs[0], lw.slicewise(self.slice_fn(), lw.get(self.inputs[0])))
+        f = functools.partial(_k_pool, **self.kernel_params())
+        lw.set(self.outputs[0], lw.slicewise(f, lw.get(self.inputs[0])))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -148,15 +149,8 @@ class PoolGradOperation(Operation):
         self.outputs = [Tensor(self, x.shape, x.dtype)]
 
     def lower(self, lw):
-        f = self.forward.slice_fn()
-
-        def g(xs, ds):
-            with torch.enable_grad():
-                t = xs.detach().requires_grad_(True)
-                (gx,) = torch.autograd.grad(f(t), t, ds)
-            return gx
-
         x, dy = self.inputs
+        g = functools.partial(_k_pool_grad, **self.forward.kernel_params())
         lw.set(self.outputs[0], lw.slicewise(g, lw.get(x), lw.get(dy)))
 
 

@@ -23,13 +23,15 @@ which recomputes the mask from the generator.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.dims import convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Mesh, Operation, Tensor
 from meshtorch.ops import rng
-from meshtorch.ops._util import align_fn
+from meshtorch.ops._kernels import align_spec, aligned, slice_begin
 
 __all__ = ["random_uniform", "random_normal", "truncated_normal", "dropout", "RandomOperation",
            "DropoutOperation", "random_reference"]
@@ -70,6 +72,26 @@ def random_reference(kind: str, shape, dtype=torch.float32, seed: int = 0, key: 
     return _draw(kind, {**defaults, **params}, dtype, seed, run_key(key, run), idx)
 
 
+def _k_where(impl, pnum: int, *, sizes, layout, dims):
+    """``(begin, device)``: the global offsets of ``pnum``'s slice along tensor dims ``dims`` and its device."""
+    begin = slice_begin(impl, pnum, sizes, layout)
+    return [begin[i] for i in dims], impl.device(pnum)
+
+
+def _k_random(begin_device, run, *, kind, params, dtype, seed, key, full, sizes):
+    """A slice of ``sizes`` (at ``begin``) of the tensor of ``full`` sizes drawn from ``kind``."""
+    begin, device = begin_device
+    return _draw(kind, params, dtype, seed, run_key(key, run), rng.global_index(full, begin, sizes, device))
+
+
+def _k_dropout(t, begin_device, run, *, keep, seed, key, full, sizes, align):
+    """Dropout of slice ``t``: the noise slice of ``sizes`` (at ``begin``) aligned onto ``t`` by ``align``."""
+    begin, device = begin_device
+    u = rng.uniform(seed, run_key(key, run), rng.global_index(full, begin, sizes, device))
+    mask = aligned(u < keep, align)
+    return torch.where(mask, t * (1.0 / keep), torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 class RandomOperation(Operation):
     """A tensor of ``shape`` drawn from distribution ``kind`` (see the module docstring).
 
@@ -87,16 +109,13 @@ class RandomOperation(Operation):
     differentiable = False
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
         out = self.outputs[0]
-        layout = lw.tensor_layout(out)
-        full, sizes = out.shape.to_integer_list(), lw.slice_shape(out)
-        where = lw.laid_out_constant(out, lambda p: (impl.slice_begin(out.shape, p, layout), impl.device(p)))
-        kind, params, dtype, seed, key = self.kind, self.params, out.dtype, self.graph.seed, self.key
-
-        def f(begin_device, run):
-            begin, device = begin_device
-            return _draw(kind, params, dtype, seed, run_key(key, run), rng.global_index(full, begin, sizes, device))
+        layout = tuple(lw.tensor_layout(out))
+        full, sizes = tuple(out.shape.to_integer_list()), tuple(lw.slice_shape(out))
+        where = lw.pnum_constant(out, functools.partial(_k_where, sizes=full, layout=layout,
+                                                        dims=tuple(range(len(full)))))
+        f = functools.partial(_k_random, kind=self.kind, params=dict(self.params), dtype=out.dtype,
+                              seed=self.graph.seed, key=self.key, full=full, sizes=sizes)
         lw.set(out, lw.slicewise(f, where, lw.run_counter_slot(self.mesh)))
 
 
@@ -181,30 +200,15 @@ class DropoutOperation(Operation):
         return [DropoutOperation(dy, self.keep_prob, self.noise_shape, self.key, f"{self.name}_grad").outputs[0]]
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
         x, out = self.inputs[0], self.outputs[0]
-        layout = lw.tensor_layout(x)
         noise = self.noise_shape
-        pos = [x.shape.get_dim_index(d.name) for d in noise]
+        pos = tuple(x.shape.get_dim_index(d.name) for d in noise)
         xsizes = lw.slice_shape(x)
-        sizes = [xsizes[i] for i in pos]
-        full = noise.to_integer_list()
-
-        def where_fn(p):
-            b = impl.slice_begin(x.shape, p, layout)
-            return [b[i] for i in pos], impl.device(p)
-        where = lw.laid_out_constant(x, where_fn)
-        align = align_fn(noise, x.shape)
-        keep, seed, key = self.keep_prob, self.graph.seed, self.key
-        scale = 1.0 / keep
-
-        def f(t, begin_device, run):
-            begin, device = begin_device
-            u = rng.uniform(seed, run_key(key, run), rng.global_index(full, begin, sizes, device))
-            mask = u < keep
-            if align is not None:
-                mask = align(mask)
-            return torch.where(mask, t * scale, torch.zeros((), dtype=t.dtype, device=t.device))
+        where = lw.pnum_constant(x, functools.partial(_k_where, sizes=tuple(x.shape.to_integer_list()),
+                                                      layout=tuple(lw.tensor_layout(x)), dims=pos))
+        f = functools.partial(_k_dropout, keep=self.keep_prob, seed=self.graph.seed, key=self.key,
+                              full=tuple(noise.to_integer_list()), sizes=tuple(xsizes[i] for i in pos),
+                              align=align_spec(noise, x.shape))
         lw.set(out, lw.slicewise(f, lw.get(x), where, lw.run_counter_slot(self.mesh)))
 
 

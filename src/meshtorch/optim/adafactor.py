@@ -30,6 +30,8 @@ graphs), we return the increment from ``apply_grads`` and every read in the run 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.ops import elementwise as ew
@@ -54,6 +56,12 @@ def adafactor_decay_rate_pow(exponent: float):
     return decay
 
 
+def _k_decay_rate_adam(s, *, beta2: float):
+    """``beta2 (1 - beta2^(t-1)) / (1 - beta2^t)``, ``t = s + 1``, in float64 from the int step, as float32."""
+    t = s.to(torch.float64) + 1.0
+    return (beta2 * (1.0 - beta2 ** (t - 1.0)) / (1.0 - beta2 ** t)).to(torch.float32)
+
+
 def adafactor_decay_rate_adam(beta2: float):
     """Schedule ``step -> beta2 (1 - beta2^(t-1)) / (1 - beta2^t)``, ``t = step + 1``.
 
@@ -62,10 +70,8 @@ def adafactor_decay_rate_adam(beta2: float):
     b2 = float(beta2)
 
     def decay(step):
-        def f(s):
-            t = s.to(torch.float64) + 1.0
-            return (b2 * (1.0 - b2 ** (t - 1.0)) / (1.0 - b2 ** t)).to(torch.float32)
-        return ew.slicewise(f, [step], output_dtype=torch.float32, name="adafactor_decay_rate_adam")
+        return ew.slicewise(functools.partial(_k_decay_rate_adam, beta2=b2), [step], output_dtype=torch.float32,
+                            name="adafactor_decay_rate_adam")
     return decay
 
 

@@ -17,6 +17,8 @@ same place; we follow torch (bias-corrected), so torch recipes port unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.ops import elementwise as ew
@@ -25,6 +27,16 @@ from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.base import Optimizer, check_grad
 
 __all__ = ["AdamOptimizer", "AdamWOptimizer"]
+
+
+def _k_bias_correction(s, *, beta: float):
+    """``1 - beta^(s + 1)`` in float64 from the int step ``s``, as float32."""
+    return (1.0 - beta ** (s.to(torch.float64) + 1)).to(torch.float32)
+
+
+def _k_bias_correction_sqrt(s, *, beta: float):
+    """``sqrt(1 - beta^(s + 1))`` in float64 from the int step ``s``, as float32."""
+    return torch.sqrt(1.0 - beta ** (s.to(torch.float64) + 1)).to(torch.float32)
 
 
 class AdamOptimizer(Optimizer):
@@ -63,9 +75,9 @@ class AdamOptimizer(Optimizer):
         if "adam_bc" not in c:
             b1, b2 = self.beta1, self.beta2
             step = c["step"]
-            bc1 = ew.slicewise(lambda s: (1.0 - b1 ** (s.to(torch.float64) + 1)).to(torch.float32), [step],
+            bc1 = ew.slicewise(functools.partial(_k_bias_correction, beta=b1), [step],
                                output_dtype=torch.float32, name="adam_bias_correction1")
-            bc2 = ew.slicewise(lambda s: torch.sqrt(1.0 - b2 ** (s.to(torch.float64) + 1)).to(torch.float32),
+            bc2 = ew.slicewise(functools.partial(_k_bias_correction_sqrt, beta=b2),
                                [step], output_dtype=torch.float32, name="adam_bias_correction2_sqrt")
             c["adam_bc"] = (bc1, bc2)
         return c["adam_bc"]

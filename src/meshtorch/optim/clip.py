@@ -13,13 +13,27 @@ row (our lazy add only merges partial sums over identical mesh axes).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops import elementwise as ew
+from meshtorch.ops._kernels import tensor_of
 from meshtorch.ops.binary import minimum
 
 __all__ = ["GlobalSumOfSquares", "global_norm", "clip_by_global_norm"]
+
+
+def _k_sum_squares(*ts):
+    """``sum_i sum(t_i^2)`` of local slices, in float32."""
+    return sum(t.to(torch.float32).square().sum() for t in ts)
+
+
+def _k_sum_squares_masked(m, *ts):
+    """``sum_i m_i sum(t_i^2)``: only the slices this processor contributes (bool mask ``m``)."""
+    terms = torch.stack([t.to(torch.float32).square().sum() for t in ts])
+    return torch.where(m, terms, torch.zeros_like(terms)).sum()
 
 
 class GlobalSumOfSquares(Operation):
@@ -55,19 +69,11 @@ class GlobalSumOfSquares(Operation):
             contribute.append([all(coords[a] == 0 for a in union - ax) for ax in axes])
         need_mask = not all(all(row) for row in contribute)
         slots = [lw.get(x) for x in self.inputs]
-
-        def local(*ts):
-            return sum(t.to(torch.float32).square().sum() for t in ts)
-
         if need_mask:
-            mask = lw.laid_out_constant(self, lambda p: torch.tensor(contribute[p], device=impl.device(p)))
-
-            def local_masked(m, *ts):
-                terms = torch.stack([t.to(torch.float32).square().sum() for t in ts])
-                return torch.where(m, terms, torch.zeros_like(terms)).sum()
-            slot = lw.slicewise(local_masked, mask, *slots)
+            mask = lw.pnum_constant(self, functools.partial(tensor_of, values=contribute, dtype=torch.bool))
+            slot = lw.slicewise(_k_sum_squares_masked, mask, *slots)
         else:
-            slot = lw.slicewise(local, *slots)
+            slot = lw.slicewise(_k_sum_squares, *slots)
         lw.set(self.outputs[0], slot, union)
 
 

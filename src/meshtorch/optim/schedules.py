@@ -13,6 +13,7 @@ The formulas are computed in float64 from the step and rounded once to float32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,16 +30,39 @@ def _check_step(step, who):
         raise ValueError(f"{who}: step must be a scalar mtf Tensor (shape []), got {step!r}.")
 
 
-def _scalar_fn(step: Tensor, fn, name: str) -> Tensor:
-    return ew.slicewise(lambda s: fn(s.to(torch.float64)).to(torch.float32), [step], output_dtype=torch.float32,
+def _k_schedule(s, *, fn, **params):
+    """Kernel: ``fn(step, **params)`` computed in float64 from the int step ``s``, as float32."""
+    return fn(s.to(torch.float64), **params).to(torch.float32)
+
+
+def _constant(s, *, value):
+    return torch.full_like(s, value)
+
+
+def _linear_warmup(s, *, warmup, peak):
+    return peak * torch.clamp(s / warmup, max=1.0)
+
+
+def _rsqrt_decay(s, *, warmup, multiplier):
+    return multiplier * torch.rsqrt(torch.clamp(s, min=warmup))
+
+
+def _cosine_decay_with_warmup(s, *, warmup, total, peak, min_value):
+    prog = torch.clamp((s - warmup) / (total - warmup), 0.0, 1.0)
+    cos = min_value + (peak - min_value) * 0.5 * (1.0 + torch.cos(math.pi * prog))
+    return torch.where(s < warmup, peak * s / max(warmup, 1.0), cos)
+
+
+def _scalar_fn(step: Tensor, name: str, fn, **params) -> Tensor:
+    """The scalar schedule ``fn(step, **params)``: one slicewise op (``fn`` module-level, params plain data)."""
+    return ew.slicewise(functools.partial(_k_schedule, fn=fn, **params), [step], output_dtype=torch.float32,
                         name=name)
 
 
 def constant_schedule(step: Tensor, value: float) -> Tensor:
     """``value`` at every step (Mesh TF ``learning_rate_schedules.constant``)."""
     _check_step(step, "constant_schedule")
-    v = float(value)
-    return _scalar_fn(step, lambda s: torch.full_like(s, v), "constant_schedule")
+    return _scalar_fn(step, "constant_schedule", _constant, value=float(value))
 
 
 def linear_warmup(step: Tensor, warmup_steps: float, peak: float = 1.0) -> Tensor:
@@ -50,8 +74,7 @@ def linear_warmup(step: Tensor, warmup_steps: float, peak: float = 1.0) -> Tenso
     _check_step(step, "linear_warmup")
     if warmup_steps <= 0:
         raise ValueError(f"linear_warmup: warmup_steps must be > 0, got {warmup_steps}.")
-    w, p = float(warmup_steps), float(peak)
-    return _scalar_fn(step, lambda s: p * torch.clamp(s / w, max=1.0), "linear_warmup")
+    return _scalar_fn(step, "linear_warmup", _linear_warmup, warmup=float(warmup_steps), peak=float(peak))
 
 
 def rsqrt_decay(step: Tensor, warmup_steps: float = 10000, multiplier: float = 1.0) -> Tensor:
@@ -66,8 +89,7 @@ def rsqrt_decay(step: Tensor, warmup_steps: float = 10000, multiplier: float = 1
     _check_step(step, "rsqrt_decay")
     if warmup_steps <= 0:
         raise ValueError(f"rsqrt_decay: warmup_steps must be > 0, got {warmup_steps}.")
-    w, k = float(warmup_steps), float(multiplier)
-    return _scalar_fn(step, lambda s: k * torch.rsqrt(torch.clamp(s, min=w)), "rsqrt_decay")
+    return _scalar_fn(step, "rsqrt_decay", _rsqrt_decay, warmup=float(warmup_steps), multiplier=float(multiplier))
 
 
 truncated_rsqrt = rsqrt_decay  # Mesh TF's name
@@ -89,13 +111,8 @@ def cosine_decay_with_warmup(step: Tensor, peak: float, warmup_steps: float, tot
     if warmup_steps < 0 or total_steps <= warmup_steps:
         raise ValueError(f"cosine_decay_with_warmup: need 0 <= warmup_steps < total_steps, got warmup_steps="
                          f"{warmup_steps}, total_steps={total_steps}.")
-    w, t, p, lo = float(warmup_steps), float(total_steps), float(peak), float(min_value)
-
-    def f(s):
-        prog = torch.clamp((s - w) / (t - w), 0.0, 1.0)
-        cos = lo + (p - lo) * 0.5 * (1.0 + torch.cos(math.pi * prog))
-        return torch.where(s < w, p * s / max(w, 1.0), cos)
-    return _scalar_fn(step, f, "cosine_decay_with_warmup")
+    return _scalar_fn(step, "cosine_decay_with_warmup", _cosine_decay_with_warmup, warmup=float(warmup_steps),
+                      total=float(total_steps), peak=float(peak), min_value=float(min_value))
 
 
 def product_schedule(step: Tensor, *factors) -> Tensor:
