@@ -42,31 +42,54 @@ def tensor_of(impl, pnum: int, values, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values[pnum], dtype=dtype, device=impl.device(pnum))
 
 
-def align_spec(src, dst):
-    """Plan-time, plain-data form of :func:`meshtorch.ops._util.align_fn` (``src``, ``dst``: Shapes).
+# ----- slicewise kernels shared by the op families: fn(*slices, **params) -----
 
-    ``None`` when a slice laid out as ``src`` already broadcasts against ``dst``; otherwise
-    ``(perm, keep)``: the permutation into ``dst``'s dim order (None if none is needed) and, per dim
-    of ``dst``, whether ``src`` has it (None if it has them all). Apply it with :func:`aligned`.
+def align_spec(src, dst):
+    """Plan time: how a slice laid out as Shape ``src`` maps onto Shape ``dst``'s dim order.
+
+    Plain data for :func:`aligned`: ``(perm, new_axes)`` (``perm``: tuple of source dims in ``dst``
+    order, or None; ``new_axes``: tuple of bools, True where ``dst`` has a dim ``src`` lacks,
+    inserted with size 1, or None), or None when no change is needed. The same transformation as
+    :func:`meshtorch.ops._util.align_fn`; sizes are not needed, so it serves slices of any layout.
+
+    Raises:
+        ValueError: if ``src`` has a dim that ``dst`` lacks.
     """
     names = src.dimension_names
     missing = [d.name for d in src if d.name not in dst]
     if missing:
         raise ValueError(f"align: dims {missing} of {src} are not in {dst}")
     perm = tuple(names.index(d.name) for d in dst if d.name in names)
-    keep = tuple(d.name in names for d in dst)
-    perm = None if perm == tuple(range(len(perm))) else perm
-    keep = None if all(keep) else keep
-    return None if perm is None and keep is None else (perm, keep)
+    new_axes = tuple(d.name not in names for d in dst)
+    needs_perm = perm != tuple(range(len(perm)))
+    needs_index = any(new_axes)
+    if not needs_perm and not needs_index:
+        return None
+    return (perm if needs_perm else None, new_axes if needs_index else None)
 
 
 def aligned(t: torch.Tensor, spec) -> torch.Tensor:
-    """``t`` moved to the dim order of an :func:`align_spec` (size-1 dims for those it lacks)."""
+    """``t`` permuted and given size-1 axes as ``spec`` (from :func:`align_spec`) says."""
     if spec is None:
         return t
-    perm, keep = spec
+    perm, new_axes = spec
     if perm is not None:
-        t = t.permute(perm)
-    if keep is not None:
-        t = t[tuple(slice(None) if k else None for k in keep)]
+        t = t.permute(list(perm))
+    if new_axes is not None:
+        t = t[tuple(None if n else slice(None) for n in new_axes)]
     return t
+
+
+def apply_aligned(*xs: torch.Tensor, fn, aligns):
+    """``fn(*xs)`` after aligning each ``xs[i]`` by ``aligns[i]`` (an :func:`align_spec` or None)."""
+    return fn(*[aligned(x, a) for a, x in zip(aligns, xs, strict=True)])
+
+
+def narrow(t: torch.Tensor, *, dim: int, start: int, length: int) -> torch.Tensor:
+    """``t.narrow(dim, start, length)``."""
+    return t.narrow(dim, start, length)
+
+
+def cat(*ts: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.cat(ts, dim=dim)``."""
+    return torch.cat(ts, dim=dim)

@@ -8,6 +8,7 @@ processors under any layout.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -15,7 +16,7 @@ import torch
 
 from meshtorch.core.dims import combine_shapes, convert_to_shape
 from meshtorch.core.graph import Operation, Tensor
-from meshtorch.ops._util import align_fn
+from meshtorch.ops._kernels import align_spec, apply_aligned
 
 
 class SlicewiseOperation(Operation):
@@ -56,23 +57,14 @@ class SlicewiseOperation(Operation):
 
     def lower(self, lw):
         out = self.outputs[0]
-        aligns = [align_fn(x.shape, out.shape) for x in self.inputs]
+        aligns = tuple(align_spec(x.shape, out.shape) for x in self.inputs)
         fn = self.fn
         if self.linear:
             slot, pending = lw.get_lazy(self.inputs[0])
             lw.set(out, lw.slicewise(fn, slot), pending, source=(self.inputs[0], fn))
             return
         slots = [lw.get(x) for x in self.inputs]
-        if all(a is None for a in aligns):
-            f = fn
-        elif len(aligns) == 1:
-            a0 = aligns[0]
-
-            def f(x):
-                return fn(a0(x))
-        else:
-            def f(*xs):
-                return fn(*[x if a is None else a(x) for a, x in zip(aligns, xs, strict=True)])
+        f = fn if all(a is None for a in aligns) else functools.partial(apply_aligned, fn=fn, aligns=aligns)
         lw.set(out, lw.slicewise(f, *slots))
 
 
@@ -104,6 +96,88 @@ def _g2(fn, name):
     return lambda a, dy: slicewise(fn, [a, dy], output_shape=dy.shape, output_dtype=dy.dtype, name=name)
 
 
+# ----- kernels: the local computations these ops emit (module-level, so the program is data) -----
+
+def _k_log_grad(a, d):
+    return d / a
+
+
+def _k_sqrt_grad(y, d):
+    return d * 0.5 / y
+
+
+def _k_rsqrt_grad(y, d):
+    return d * (-0.5) * y * y * y
+
+
+def _k_tanh_grad(y, d):
+    return d * (1 - y * y)
+
+
+def _k_sigmoid_grad(y, d):
+    return d * y * (1 - y)
+
+
+def _k_gelu(t, *, approximate: str):
+    return torch.nn.functional.gelu(t, approximate=approximate)
+
+
+def _k_square_grad(a, d):
+    return 2 * a * d
+
+
+def _k_reciprocal_grad(y, d):
+    return -d * y * y
+
+
+def _k_abs_grad(a, d):
+    return d * torch.sign(a)
+
+
+def _k_cast(t, *, dtype: torch.dtype):
+    return t.to(dtype)
+
+
+def _k_identity(t):
+    return t
+
+
+def _k_add_scalar(t, *, c):
+    return t + c
+
+
+def _k_sub_scalar(t, *, c):
+    return t - c
+
+
+def _k_rsub_scalar(t, *, c):
+    return c - t
+
+
+def _k_mul_scalar(t, *, c):
+    return t * c
+
+
+def _k_div_scalar(t, *, c):
+    return t / c
+
+
+def _k_rdiv_scalar(t, *, c):
+    return c / t
+
+
+def _k_rdiv_grad(a, d, *, c):
+    return -d * c / (a * a)
+
+
+def _k_pow_scalar(t, *, c):
+    return t ** c
+
+
+def _k_pow_grad(a, d, *, c):
+    return d * c * a ** (c - 1)
+
+
 def _relu_grad(x, dy):
     return torch.where(x > 0, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
 
@@ -120,33 +194,33 @@ def exp(x: Tensor, name: str | None = None) -> Tensor:
 
 def log(x: Tensor, name: str | None = None) -> Tensor:
     """Natural log elementwise; gradient dy / x."""
-    return _unary(torch.log, x, lambda op, dy: [_g2(lambda a, d: d / a, "log_grad")(op.inputs[0], dy)],
+    return _unary(torch.log, x, lambda op, dy: [_g2(_k_log_grad, "log_grad")(op.inputs[0], dy)],
                   name or "log")
 
 
 def sqrt(x: Tensor, name: str | None = None) -> Tensor:
     """sqrt(x) elementwise; gradient dy * 0.5 / sqrt(x)."""
-    return _unary(torch.sqrt, x, lambda op, dy: [_g2(lambda y, d: d * 0.5 / y, "sqrt_grad")(op.outputs[0], dy)],
+    return _unary(torch.sqrt, x, lambda op, dy: [_g2(_k_sqrt_grad, "sqrt_grad")(op.outputs[0], dy)],
                   name or "sqrt")
 
 
 def rsqrt(x: Tensor, name: str | None = None) -> Tensor:
     """1/sqrt(x) elementwise; gradient -0.5 * dy * rsqrt(x)**3."""
     return _unary(torch.rsqrt, x,
-                  lambda op, dy: [_g2(lambda y, d: d * (-0.5) * y * y * y, "rsqrt_grad")(op.outputs[0], dy)],
+                  lambda op, dy: [_g2(_k_rsqrt_grad, "rsqrt_grad")(op.outputs[0], dy)],
                   name or "rsqrt")
 
 
 def tanh(x: Tensor, name: str | None = None) -> Tensor:
     """tanh elementwise; gradient dy * (1 - tanh(x)**2)."""
-    return _unary(torch.tanh, x, lambda op, dy: [_g2(lambda y, d: d * (1 - y * y), "tanh_grad")(op.outputs[0], dy)],
+    return _unary(torch.tanh, x, lambda op, dy: [_g2(_k_tanh_grad, "tanh_grad")(op.outputs[0], dy)],
                   name or "tanh")
 
 
 def sigmoid(x: Tensor, name: str | None = None) -> Tensor:
     """Logistic sigmoid elementwise; gradient dy * s * (1 - s)."""
     return _unary(torch.sigmoid, x,
-                  lambda op, dy: [_g2(lambda y, d: d * y * (1 - y), "sigmoid_grad")(op.outputs[0], dy)],
+                  lambda op, dy: [_g2(_k_sigmoid_grad, "sigmoid_grad")(op.outputs[0], dy)],
                   name or "sigmoid")
 
 
@@ -171,13 +245,13 @@ def gelu(x: Tensor, approximate: str = "none", name: str | None = None) -> Tenso
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
     g = _gelu_grad_exact if approximate == "none" else _gelu_grad_tanh
-    return _unary(lambda t: torch.nn.functional.gelu(t, approximate=approximate), x,
+    return _unary(functools.partial(_k_gelu, approximate=approximate), x,
                   lambda op, dy: [_g2(g, "gelu_grad")(op.inputs[0], dy)], name or "gelu")
 
 
 def square(x: Tensor, name: str | None = None) -> Tensor:
     """x*x elementwise; gradient 2 x dy."""
-    return _unary(torch.square, x, lambda op, dy: [_g2(lambda a, d: 2 * a * d, "square_grad")(op.inputs[0], dy)],
+    return _unary(torch.square, x, lambda op, dy: [_g2(_k_square_grad, "square_grad")(op.inputs[0], dy)],
                   name or "square")
 
 
@@ -189,13 +263,13 @@ def negative(x: Tensor, name: str | None = None) -> Tensor:
 def reciprocal(x: Tensor, name: str | None = None) -> Tensor:
     """1/x elementwise; gradient -dy / x**2."""
     return _unary(torch.reciprocal, x,
-                  lambda op, dy: [_g2(lambda y, d: -d * y * y, "reciprocal_grad")(op.outputs[0], dy)],
+                  lambda op, dy: [_g2(_k_reciprocal_grad, "reciprocal_grad")(op.outputs[0], dy)],
                   name or "reciprocal")
 
 
 def abs(x: Tensor, name: str | None = None) -> Tensor:  # noqa: A001 - Mesh TF's name
     """|x| elementwise; gradient dy * sign(x) (0 at 0, as torch)."""
-    return _unary(torch.abs, x, lambda op, dy: [_g2(lambda a, d: d * torch.sign(a), "abs_grad")(op.inputs[0], dy)],
+    return _unary(torch.abs, x, lambda op, dy: [_g2(_k_abs_grad, "abs_grad")(op.inputs[0], dy)],
                   name or "abs")
 
 
@@ -212,40 +286,43 @@ def cast(x: Tensor, dtype: torch.dtype, name: str | None = None) -> Tensor:
     def grad(op, dy):
         return [cast(dy, op.inputs[0].dtype)] if op.inputs[0].dtype.is_floating_point else [None]
 
-    return _unary(lambda t: t.to(dtype), x, grad if dtype.is_floating_point else None, name or "cast", dtype=dtype)
+    return _unary(functools.partial(_k_cast, dtype=dtype), x, grad if dtype.is_floating_point else None,
+                  name or "cast", dtype=dtype)
 
 
 def identity(x: Tensor, name: str | None = None) -> Tensor:
     """A copy of ``x`` (a new tensor name); gradient passes through."""
-    return _unary(lambda t: t, x, lambda op, dy: [dy], name or "identity", linear=True)
+    return _unary(_k_identity, x, lambda op, dy: [dy], name or "identity", linear=True)
 
 
 def stop_gradient(x: Tensor, name: str | None = None) -> Tensor:
     """``x`` in the forward pass; no gradient flows back through it (``torch.Tensor.detach``)."""
-    return _unary(lambda t: t, x, None, name or "stop_gradient", linear=True)
+    return _unary(_k_identity, x, None, name or "stop_gradient", linear=True)
 
 
 def scalar_op(x: Tensor, c: float, kind: str) -> Tensor:
     """``x <kind> c`` for a Python scalar ``c``: kinds add, sub, rsub, mul, div, rdiv, pow."""
     c = float(c) if not isinstance(c, bool | int) or kind in ("div", "rdiv", "pow") else c
     if kind == "add":
-        return _unary(lambda t: t + c, x, lambda op, dy: [dy], "add_scalar")
+        return _unary(functools.partial(_k_add_scalar, c=c), x, lambda op, dy: [dy], "add_scalar")
     if kind == "sub":
-        return _unary(lambda t: t - c, x, lambda op, dy: [dy], "sub_scalar")
+        return _unary(functools.partial(_k_sub_scalar, c=c), x, lambda op, dy: [dy], "sub_scalar")
     if kind == "rsub":
-        return _unary(lambda t: c - t, x, lambda op, dy: [negative(dy)], "rsub_scalar")
+        return _unary(functools.partial(_k_rsub_scalar, c=c), x, lambda op, dy: [negative(dy)], "rsub_scalar")
     if kind == "mul":
-        return _unary(lambda t: t * c, x, lambda op, dy: [scalar_op(dy, c, "mul")], "mul_scalar", linear=True)
+        return _unary(functools.partial(_k_mul_scalar, c=c), x, lambda op, dy: [scalar_op(dy, c, "mul")],
+                      "mul_scalar", linear=True)
     if kind == "div":
-        return _unary(lambda t: t / c, x, lambda op, dy: [scalar_op(dy, c, "div")], "div_scalar", linear=True)
+        return _unary(functools.partial(_k_div_scalar, c=c), x, lambda op, dy: [scalar_op(dy, c, "div")],
+                      "div_scalar", linear=True)
     if kind == "rdiv":
         # d(c/x)/dx = -c / x**2 from the input: the output form -y**2 / c is 0/0 = NaN for c == 0
-        return _unary(lambda t: c / t, x,
-                      lambda op, dy: [_g2(lambda a, d: -d * c / (a * a), "rdiv_grad")(op.inputs[0], dy)],
+        return _unary(functools.partial(_k_rdiv_scalar, c=c), x,
+                      lambda op, dy: [_g2(functools.partial(_k_rdiv_grad, c=c), "rdiv_grad")(op.inputs[0], dy)],
                       "rdiv_scalar")
     if kind == "pow":
-        return _unary(lambda t: t ** c, x,
-                      lambda op, dy: [_g2(lambda a, d: d * c * a ** (c - 1), "pow_grad")(op.inputs[0], dy)],
+        return _unary(functools.partial(_k_pow_scalar, c=c), x,
+                      lambda op, dy: [_g2(functools.partial(_k_pow_grad, c=c), "pow_grad")(op.inputs[0], dy)],
                       "pow_scalar")
     raise ValueError(f"scalar_op: unknown kind {kind!r}")
 

@@ -98,10 +98,6 @@ def resolve_dim(x: Tensor, dim, what: str):
     return dim
 
 
-def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class _LookupPlan:
     """Dim bookkeeping shared by gather and scatter-add.
 

@@ -3,11 +3,14 @@
 Each processor computes its own slice from the global element indices, keyed by
 ``(graph seed, variable name)``: initial weights are identical under every mesh and layout and
 need no communication. An initializer's ``slice_fn(shape, dtype, seed, key)`` returns
-``fn(begin, slice_sizes, device) -> torch.Tensor``.
+``fn(begin, slice_sizes, device) -> torch.Tensor``: a kernel (``functools.partial`` of a
+module-level function with plain-data arguments, see :mod:`meshtorch.ops._kernels`), so that the
+lowered program stays data.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,19 +20,52 @@ from meshtorch.ops import rng
 from meshtorch.ops._util import dim_names
 
 
+def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: int, key: str, draw, mul: float,
+                  add: float | None) -> torch.Tensor:
+    """A slice (first element ``begin``, ``sizes``) of ``draw(seed, key, index) * mul (+ add)`` over the
+    global indices of a tensor of ``full`` sizes, in ``dtype``; ``draw`` is an :mod:`rng` function."""
+    v = draw(seed, key, rng.global_index(full, begin, sizes, device)) * mul
+    if add is not None:
+        v = v + add
+    return v.to(dtype)
+
+
+def _k_values_slice(begin, sizes, device=None, *, initializer, shape, dtype, seed, key) -> torch.Tensor:
+    """Fallback for a subclass that only implements ``values`` (its parameters are not plain data)."""
+    idx = rng.global_index(shape.to_integer_list(), begin, sizes, device)
+    return initializer.values(shape, dtype, seed, key, idx).to(dtype)
+
+
+def _k_fill_slice(begin, sizes, device=None, *, value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(sizes, value, dtype=dtype, device=device)
+
+
 class Initializer:
-    """Base class. Subclasses implement ``values(shape, dtype, seed, key, index)`` on global indices."""
+    """Base class. Subclasses implement ``draw_params(shape)`` (plain data for a kernel) or
+    ``values(shape, dtype, seed, key, index)`` on global indices."""
+
+    def draw_params(self, shape: Shape):
+        """``(draw, mul, add)``: values are ``draw(seed, key, index) * mul (+ add unless None)`` with
+        ``draw`` one of :func:`rng.uniform`, :func:`rng.normal`, :func:`rng.truncated_normal`; None if
+        the subclass implements only ``values``."""
+        return None
 
     def slice_fn(self, shape: Shape, dtype: torch.dtype, seed: int, key: str):
-        full = shape.to_integer_list()
-
-        def fn(begin, sizes, device=None):
-            idx = rng.global_index(full, begin, sizes, device)
-            return self.values(shape, dtype, seed, key, idx).to(dtype)
-        return fn
+        """Kernel ``fn(begin, sizes, device=None) -> torch.Tensor`` computing one slice of the values."""
+        params = self.draw_params(shape)
+        if params is None:
+            return functools.partial(_k_values_slice, initializer=self, shape=shape, dtype=dtype, seed=seed, key=key)
+        draw, mul, add = params
+        return functools.partial(_k_draw_slice, full=tuple(shape.to_integer_list()), dtype=dtype, seed=seed,
+                                 key=key, draw=draw, mul=mul, add=add)
 
     def values(self, shape, dtype, seed, key, index):
-        raise NotImplementedError
+        params = self.draw_params(shape)
+        if params is None:
+            raise NotImplementedError
+        draw, mul, add = params
+        v = draw(seed, key, index) * mul
+        return v if add is None else v + add
 
 
 class _Fill(Initializer):
@@ -37,7 +73,7 @@ class _Fill(Initializer):
         self.value = value
 
     def slice_fn(self, shape, dtype, seed, key):
-        return lambda begin, sizes, device=None: torch.full(sizes, self.value, dtype=dtype, device=device)
+        return functools.partial(_k_fill_slice, value=self.value, dtype=dtype)
 
     def __repr__(self):
         return f"constant_initializer({self.value})"
@@ -64,8 +100,8 @@ class RandomNormal(Initializer):
     def __init__(self, mean=0.0, stddev=1.0):
         self.mean, self.stddev = mean, stddev
 
-    def values(self, shape, dtype, seed, key, index):
-        return rng.normal(seed, key, index) * self.stddev + self.mean
+    def draw_params(self, shape):
+        return rng.normal, self.stddev, self.mean
 
 
 class TruncatedNormal(Initializer):
@@ -74,8 +110,8 @@ class TruncatedNormal(Initializer):
     def __init__(self, mean=0.0, stddev=1.0):
         self.mean, self.stddev = mean, stddev
 
-    def values(self, shape, dtype, seed, key, index):
-        return rng.truncated_normal(seed, key, index) * self.stddev + self.mean
+    def draw_params(self, shape):
+        return rng.truncated_normal, self.stddev, self.mean
 
 
 class RandomUniform(Initializer):
@@ -84,8 +120,8 @@ class RandomUniform(Initializer):
     def __init__(self, minval=0.0, maxval=1.0):
         self.minval, self.maxval = minval, maxval
 
-    def values(self, shape, dtype, seed, key, index):
-        return rng.uniform(seed, key, index) * (self.maxval - self.minval) + self.minval
+    def draw_params(self, shape):
+        return rng.uniform, self.maxval - self.minval, self.minval
 
 
 def random_normal_initializer(mean=0.0, stddev=1.0) -> Initializer:
@@ -128,15 +164,15 @@ class VarianceScalingInitializer(Initializer):
         fan_out = max(1, math.prod(shape.get_dim_by_name(n).size for n in new))
         return {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2}[self.mode]
 
-    def values(self, shape, dtype, seed, key, index):
+    def draw_params(self, shape):
         n = self._n(shape)
         if self.distribution == "uniform":
             limit = math.sqrt(3.0 * self.scale / n)
-            return rng.uniform(seed, key, index) * (2 * limit) - limit
+            return rng.uniform, 2 * limit, -limit  # x + (-limit) is exactly x - limit in IEEE arithmetic
         std = math.sqrt(self.scale / n)
         if self.distribution == "normal":
-            return rng.normal(seed, key, index) * std
-        return rng.truncated_normal(seed, key, index) * (std / 0.87962566103423978)
+            return rng.normal, std, None
+        return rng.truncated_normal, std / 0.87962566103423978, None
 
 
 def glorot_uniform_initializer(reduced_dims=None, new_dims=None) -> Initializer:

@@ -18,11 +18,14 @@ result is identical under every layout. Indices are int64 (torch's index dtype; 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.dims import Dimension, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._kernels import slice_begin
 from meshtorch.ops.indexing import gather, one_hot, resolve_dim
 
 
@@ -32,6 +35,36 @@ def _merge(vals: torch.Tensor, idx: torch.Tensor, k: int):
     vals = vals.gather(-1, perm)
     vals, order = torch.sort(vals, dim=-1, descending=True, stable=True)
     return vals[..., :k], idx.gather(-1, order[..., :k])
+
+
+# ----- kernels: the local computations top-k emits (module-level, so the program is data) -----
+
+def _k_max(t: torch.Tensor, *, dim: int):
+    """Values and (first) indices of the maximum along ``dim`` (``torch.max``)."""
+    v, i = torch.max(t, dim=dim)
+    return v, i
+
+
+def _k_topk_last(t: torch.Tensor, *, dim: int, k: int):
+    """``torch.topk`` of ``k`` along ``dim``, moved to the last axis."""
+    v, i = torch.topk(t.movedim(dim, -1), k, dim=-1)
+    return v, i
+
+
+def _k_local_top(t: torch.Tensor, begin: int, *, dim: int, kk: int):
+    """A slice's top ``kk`` along ``dim`` (moved last) with global indices (local index + ``begin``)."""
+    if kk == 1:
+        v, i = torch.max(t, dim=dim, keepdim=True)
+        v, i = v.movedim(dim, -1), i.movedim(dim, -1)
+    else:
+        v, i = torch.topk(t.movedim(dim, -1), kk, dim=-1)
+    return v, i + begin
+
+
+def _k_merge(vals: torch.Tensor, idx: torch.Tensor, *, k: int, squeeze: bool):
+    """Top ``k`` of the gathered candidates; ``squeeze`` drops the size-1 k axis (top_1)."""
+    vals, idx = _merge(vals, idx, k)
+    return (vals.squeeze(-1), idx.squeeze(-1)) if squeeze else (vals, idx)
 
 
 class TopKOperation(Operation):
@@ -71,7 +104,6 @@ class TopKOperation(Operation):
         return [einsum([dv, mapping], output_shape=x.shape, name=f"{self.name}_grad")]
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
         x = self.inputs[0]
         values, indices = self.outputs
         r = x.shape.get_dim_index(self.reduced_dim.name)
@@ -80,39 +112,21 @@ class TopKOperation(Operation):
         k, squeeze = self.k, self.k_dim is None
         xslot = lw.get(x)
         if axis is None:
-            if squeeze:
-                def f(t):
-                    v, i = torch.max(t, dim=r)
-                    return v, i
-            else:
-                def f(t):
-                    v, i = torch.topk(t.movedim(r, -1), k, dim=-1)
-                    return v, i
+            f = functools.partial(_k_max, dim=r) if squeeze else functools.partial(_k_topk_last, dim=r, k=k)
             v, i = lw.slicewise(f, xslot, num_outputs=2)
             lw.set(values, v)
             lw.set(indices, i)
             return
         kk = min(k, local[r])
         layout = lw.tensor_layout(x)
-        begins = lw.laid_out_constant(x, lambda p: impl.slice_begin(x.shape, p, layout)[r])
-
-        def local_top(t, begin):
-            if kk == 1:
-                v, i = torch.max(t, dim=r, keepdim=True)
-                v, i = v.movedim(r, -1), i.movedim(r, -1)
-            else:
-                v, i = torch.topk(t.movedim(r, -1), kk, dim=-1)
-            return v, i + begin
-        v, i = lw.slicewise(local_top, xslot, begins, num_outputs=2)
+        begins = lw.pnum_constant(x, functools.partial(slice_begin, sizes=tuple(x.shape.to_integer_list()),
+                                                       layout=tuple(layout), dim=r))
+        v, i = lw.slicewise(functools.partial(_k_local_top, dim=r, kk=kk), xslot, begins, num_outputs=2)
         cand = local[:r] + local[r + 1:] + [kk]  # each processor's candidates
         last = len(local) - 1
         v = lw.allconcat(v, axis, last, values, local_shape=cand)
         i = lw.allconcat(i, axis, last, indices, local_shape=cand)
-
-        def merge(vals, idx):
-            vals, idx = _merge(vals, idx, k)
-            return (vals.squeeze(-1), idx.squeeze(-1)) if squeeze else (vals, idx)
-        v, i = lw.slicewise(merge, v, i, num_outputs=2)
+        v, i = lw.slicewise(functools.partial(_k_merge, k=k, squeeze=squeeze), v, i, num_outputs=2)
         lw.set(values, v)
         lw.set(indices, i)
 

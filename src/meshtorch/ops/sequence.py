@@ -12,18 +12,20 @@ Lowering when the dimension is split over mesh axis ``a`` (n processors, blocks 
 * cumsum: a local ``torch.cumsum`` (linear work), an all-gather of each slice's total (n numbers
   per row), and the sum of the totals of the preceding blocks added locally. Mesh TF builds an
   n x n mask and an einsum (quadratic work).
-* range: each processor creates its block from its offset (``lw.laid_out_constant``).
+* range: each processor creates its block from its offset (``lw.pnum_constant``).
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
 
 import torch
 
 from meshtorch.core.dims import convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Mesh, Operation, Tensor
+from meshtorch.ops._kernels import cat, narrow, slice_begin
 from meshtorch.ops._relayout import coordinate_constant
 
 __all__ = ["shift", "cumsum", "mtf_range", "range", "ShiftOperation", "CumsumOperation", "RangeOperation"]
@@ -54,6 +56,36 @@ def _shift_local(t: torch.Tensor, offset: int, axis: int, wrap: bool) -> torch.T
     return torch.cat([t.narrow(axis, -offset, n + offset), z], dim=axis)
 
 
+def _k_cumsum_local(t: torch.Tensor, *, axis: int, exclusive: bool, reverse: bool) -> torch.Tensor:
+    """Running sum of a slice along ``axis`` (inclusive or exclusive, from the start or the end)."""
+    ax = axis
+    c = t.flip(ax).cumsum(ax).flip(ax) if reverse else t.cumsum(ax)
+    if exclusive:
+        n = t.shape[ax]
+        shape = list(t.shape)
+        shape[ax] = 1
+        z = t.new_zeros(shape)
+        c = torch.cat([c.narrow(ax, 1, n - 1), z], ax) if reverse else torch.cat([z, c.narrow(ax, 0, n - 1)], ax)
+    return c
+
+
+def _k_sum_keepdim(t: torch.Tensor, *, axis: int) -> torch.Tensor:
+    return t.sum(axis, keepdim=True)
+
+
+def _k_add_prefix(c_local: torch.Tensor, g: torch.Tensor, coord: int, *, axis: int, n: int,
+                  reverse: bool) -> torch.Tensor:
+    """Add to a local cumsum the totals ``g`` (all ``n`` blocks') of the blocks before ``coord``."""
+    before = g.narrow(axis, coord + 1, n - coord - 1) if reverse else g.narrow(axis, 0, coord)
+    return c_local + before.sum(axis, keepdim=True)
+
+
+def _k_range_block(impl, pnum: int, *, sizes, layout, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Processor ``pnum``'s block ``[b, b + n)`` of a range laid out as ``layout``."""
+    b = slice_begin(impl, pnum, sizes, layout, 0)
+    return torch.arange(b, b + n, device=impl.device(pnum)).to(dtype)
+
+
 class ShiftOperation(Operation):
     """``out[i] = x[i - offset]`` along ``dim``; wrapped around or zero-filled."""
 
@@ -75,7 +107,7 @@ class ShiftOperation(Operation):
         size = x.shape[ax].size
         offset = self.offset % size if wrap else self.offset
         if n == 1:
-            lw.set(out, lw.slicewise(lambda t: _shift_local(t, offset, ax, wrap), slot), pending)
+            lw.set(out, lw.slicewise(functools.partial(_shift_local, offset=offset, axis=ax, wrap=wrap), slot), pending)
             return
         if not wrap and abs(offset) >= size:
             lw.set(out, lw.slicewise(torch.zeros_like, slot), pending)
@@ -87,15 +119,16 @@ class ShiftOperation(Operation):
         if r == 0:
             lw.set(out, _move(lw, slot, a, n, q, wrap, x, list(local)), pending)
             return
-        head = lw.slicewise(lambda t: t.narrow(ax, 0, blk - r), slot)   # -> positions [r, blk) of block c + q
-        tail = lw.slicewise(lambda t: t.narrow(ax, blk - r, r), slot)   # -> positions [0, r) of block c + q + 1
+        # head -> positions [r, blk) of block c + q; tail -> positions [0, r) of block c + q + 1
+        head = lw.slicewise(functools.partial(narrow, dim=ax, start=0, length=blk - r), slot)
+        tail = lw.slicewise(functools.partial(narrow, dim=ax, start=blk - r, length=r), slot)
         local_head = list(local)
         local_head[ax] = blk - r
         local_tail = list(local)
         local_tail[ax] = r
         head = _move(lw, head, a, n, q, wrap, x, list(local_head))
         tail = _move(lw, tail, a, n, q + 1, wrap, x, list(local_tail))
-        lw.set(out, lw.slicewise(lambda tl, hd: torch.cat([tl, hd], dim=ax), tail, head), pending)
+        lw.set(out, lw.slicewise(functools.partial(cat, dim=ax), tail, head), pending)
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -145,31 +178,18 @@ class CumsumOperation(Operation):
         x, out = self.inputs[0], self.outputs[0]
         ax, excl, rev = self.axis, self.exclusive, self.reverse
         slot, pending = lw.get_lazy(x)  # linear: a pending partial sum stays lazy
-
-        def local(t):
-            c = t.flip(ax).cumsum(ax).flip(ax) if rev else t.cumsum(ax)
-            if excl:
-                n = t.shape[ax]
-                shape = list(t.shape)
-                shape[ax] = 1
-                z = t.new_zeros(shape)
-                c = torch.cat([c.narrow(ax, 1, n - 1), z], ax) if rev else torch.cat([z, c.narrow(ax, 0, n - 1)], ax)
-            return c
-        res = lw.slicewise(local, slot)
+        res = lw.slicewise(functools.partial(_k_cumsum_local, axis=ax, exclusive=excl, reverse=rev), slot)
         a = lw.tensor_layout(x)[ax]
         impl = lw.mesh_impl(self)
         if a is None or impl.shape[a].size == 1:
             lw.set(out, res, pending)
             return
         n = impl.shape[a].size
-        totals = lw.slicewise(lambda t: t.sum(ax, keepdim=True), slot)
+        totals = lw.slicewise(functools.partial(_k_sum_keepdim, axis=ax), slot)
         tshape = list(lw.slice_shape(x))
         tshape[ax] = 1
         gathered = lw.allconcat(totals, a, ax, x, local_shape=tshape)  # n totals per row: small
-
-        def add_prefix(c_local, g, coord):
-            before = g.narrow(ax, coord + 1, n - coord - 1) if rev else g.narrow(ax, 0, coord)
-            return c_local + before.sum(ax, keepdim=True)
+        add_prefix = functools.partial(_k_add_prefix, axis=ax, n=n, reverse=rev)
         lw.set(out, lw.slicewise(add_prefix, res, gathered, coordinate_constant(lw, x, a)), pending)
 
     def gradient(self, grad_ys):
@@ -212,15 +232,9 @@ class RangeOperation(Operation):
 
     def lower(self, lw):
         out = self.outputs[0]
-        impl = lw.mesh_impl(self)
-        layout = lw.tensor_layout(out)
-        n = lw.slice_shape(out)[0]
-        dt = out.dtype
-
-        def block(p):
-            b = impl.slice_begin(out.shape, p, layout)[0]
-            return torch.arange(b, b + n, device=impl.device(p)).to(dt)
-        lw.set(out, lw.laid_out_constant(out, block))
+        block = functools.partial(_k_range_block, sizes=tuple(out.shape.to_integer_list()),
+                                  layout=tuple(lw.tensor_layout(out)), n=lw.slice_shape(out)[0], dtype=out.dtype)
+        lw.set(out, lw.pnum_constant(out, block))
 
 
 def mtf_range(mesh: Mesh, dim, dtype=torch.int64, name=None) -> Tensor:

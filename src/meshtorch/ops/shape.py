@@ -13,6 +13,7 @@ the dim is not split there is no communication. stack onto a split new dim needs
 from __future__ import annotations
 
 import builtins
+import functools
 import numbers
 
 import torch
@@ -21,8 +22,8 @@ from meshtorch.core.dims import Dimension, combine_shapes, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops import sequence as _sequence
+from meshtorch.ops._kernels import align_spec, aligned, cat, narrow
 from meshtorch.ops._relayout import coordinate_constant, gather_dim, scatter_dim
-from meshtorch.ops._util import align_fn
 from meshtorch.ops.sequence import CumsumOperation, RangeOperation, ShiftOperation, cumsum, mtf_range, shift
 
 range = _sequence.range  # noqa: A001 - Mesh TF's name (mtf.range)
@@ -44,6 +45,57 @@ def _check_int(v, what: str, op: str) -> int:
     return int(v)
 
 
+# ----- kernels: the local computations these ops emit (module-level, so the program is data) -----
+
+def _k_broadcast(t: torch.Tensor, *, align, sizes) -> torch.Tensor:
+    return aligned(t, align).expand(list(sizes))
+
+
+def _k_pad(t: torch.Tensor, *, dim: int, before: int, after: int) -> torch.Tensor:
+    parts = []
+    for k in (before, after):
+        shape = list(t.shape)
+        shape[dim] = k
+        parts.append(t.new_zeros(shape))
+    return torch.cat([parts[0], t, parts[1]], dim=dim)
+
+
+def _k_split(t: torch.Tensor, *, sizes, dim: int):
+    return tuple(torch.split(t, list(sizes), dim=dim))
+
+
+def _k_stack(*ts: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.stack(ts, dim=dim)
+
+
+def _k_stack_own(c: int, *ts: torch.Tensor, dim: int, m: int) -> torch.Tensor:
+    """Stack the ``m`` inputs of block ``c`` (this processor's coordinate on the new dim's axis)."""
+    return torch.stack(ts[c * m:(c + 1) * m], dim=dim)
+
+
+def _k_unbind(t: torch.Tensor, *, dim: int):
+    return tuple(t.unbind(dim))
+
+
+def _k_add_n(*ts: torch.Tensor, aligns, sizes) -> torch.Tensor:
+    acc = None
+    for a, t in zip(aligns, ts, strict=True):
+        t = aligned(t, a)
+        acc = t if acc is None else acc + t
+    return acc.expand(list(sizes)) if list(acc.shape) != list(sizes) else acc
+
+
+def _k_where(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, aligns, sizes) -> torch.Tensor:
+    c, a, b = (aligned(t, al) for al, t in zip(aligns, (c, a, b), strict=True))
+    r = torch.where(c, a, b)
+    return r.expand(list(sizes)) if list(r.shape) != list(sizes) else r
+
+
+def _k_where_grad(cond: torch.Tensor, d: torch.Tensor, *, keep_true: bool) -> torch.Tensor:
+    zero = torch.zeros((), dtype=d.dtype, device=d.device)
+    return torch.where(cond, d, zero) if keep_true else torch.where(cond, zero, d)
+
+
 class BroadcastOperation(Operation):
     """Broadcast ``x`` to ``new_shape`` (must contain all of x's dims, same sizes)."""
 
@@ -59,12 +111,12 @@ class BroadcastOperation(Operation):
 
     def lower(self, lw):
         x, out = self.inputs[0], self.outputs[0]
-        a = align_fn(x.shape, out.shape)
+        a = align_spec(x.shape, out.shape)
         sizes = lw.slice_shape(out)
         if a is None:
             lw.set(out, lw.get(x))
             return
-        lw.set(out, lw.slicewise(lambda t: a(t).expand(sizes), lw.get(x)))
+        lw.set(out, lw.slicewise(functools.partial(_k_broadcast, align=a, sizes=tuple(sizes)), lw.get(x)))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -126,7 +178,7 @@ class SliceOperation(_WholeDimOperation):
 
     def lower(self, lw):
         i, b, s = self.inputs[0].shape.get_dim_index(self.dim_name), self.begin, self.size
-        self._lower_whole(lw, lambda t: t.narrow(i, b, s))
+        self._lower_whole(lw, functools.partial(narrow, dim=i, start=b, length=s))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -169,16 +221,8 @@ class PadOperation(_WholeDimOperation):
         self.outputs = [Tensor(self, x.shape.resize_dimension(dim_name, n + before + after), x.dtype)]
 
     def lower(self, lw):
-        i, b, a = self.inputs[0].shape.get_dim_index(self.dim_name), self.before, self.after
-
-        def f(t):
-            parts = []
-            for k in (b, a):
-                shape = list(t.shape)
-                shape[i] = k
-                parts.append(t.new_zeros(shape))
-            return torch.cat([parts[0], t, parts[1]], dim=i)
-        self._lower_whole(lw, f)
+        i = self.inputs[0].shape.get_dim_index(self.dim_name)
+        self._lower_whole(lw, functools.partial(_k_pad, dim=i, before=self.before, after=self.after))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -226,7 +270,7 @@ class ConcatOperation(_WholeDimOperation):
 
     def lower(self, lw):
         i = self.inputs[0].shape.get_dim_index(self.dim_name)
-        self._lower_whole(lw, lambda *ts: torch.cat(ts, dim=i))
+        self._lower_whole(lw, functools.partial(cat, dim=i))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -270,7 +314,7 @@ class SplitOperation(_WholeDimOperation):
 
     def lower(self, lw):
         i, sizes = self.inputs[0].shape.get_dim_index(self.dim_name), self.sizes
-        self._lower_whole(lw, lambda t: tuple(torch.split(t, sizes, dim=i)))
+        self._lower_whole(lw, functools.partial(_k_split, sizes=tuple(sizes), dim=i))
 
     def gradient(self, grad_ys):
         from meshtorch.ops.variables import zeros
@@ -341,12 +385,10 @@ class StackOperation(Operation):
         a = lw.tensor_layout(out)[ax]
         slots = [lw.get(x) for x in self.inputs]
         if a is None:
-            lw.set(out, lw.slicewise(lambda *ts: torch.stack(ts, dim=ax), *slots))
+            lw.set(out, lw.slicewise(functools.partial(_k_stack, dim=ax), *slots))
             return
         m = lw.slice_shape(out)[ax]  # each processor stacks only its own m inputs: no communication
-
-        def f(c, *ts):
-            return torch.stack(ts[c * m:(c + 1) * m], dim=ax)
+        f = functools.partial(_k_stack_own, dim=ax, m=m)
         lw.set(out, lw.slicewise(f, coordinate_constant(lw, out, a), *slots))
 
     def gradient(self, grad_ys):
@@ -395,7 +437,7 @@ class UnstackOperation(_WholeDimOperation):
 
     def lower(self, lw):
         ax = self.axis
-        self._lower_whole(lw, lambda t: tuple(t.unbind(ax)))
+        self._lower_whole(lw, functools.partial(_k_unbind, dim=ax))
 
     def gradient(self, grad_ys):
         from meshtorch.ops.variables import zeros
@@ -428,21 +470,14 @@ class AddNOperation(Operation):
 
     def lower(self, lw):
         out = self.outputs[0]
-        aligns = [align_fn(x.shape, out.shape) for x in self.inputs]
+        aligns = tuple(align_spec(x.shape, out.shape) for x in self.inputs)
         lazy = [lw.get_lazy(x) for x in self.inputs]
         pend = {p for _, p in lazy}
         if len(pend) == 1 and all(a is None for a in aligns):  # sums of partial sums stay one lazy all-reduce
             slots, pending = [s for s, _ in lazy], pend.pop()
         else:
             slots, pending = [lw.get(x) for x in self.inputs], frozenset()
-        sizes = lw.slice_shape(out)
-
-        def f(*ts):
-            acc = None
-            for a, t in zip(aligns, ts, strict=True):
-                t = t if a is None else a(t)
-                acc = t if acc is None else acc + t
-            return acc.expand(sizes) if list(acc.shape) != sizes else acc
+        f = functools.partial(_k_add_n, aligns=aligns, sizes=tuple(lw.slice_shape(out)))
         lw.set(out, lw.slicewise(f, *slots), pending)
 
     def gradient(self, grad_ys):
@@ -492,13 +527,8 @@ class WhereOperation(Operation):
 
     def lower(self, lw):
         out = self.outputs[0]
-        aligns = [align_fn(t.shape, out.shape) for t in self.inputs]
-        sizes = lw.slice_shape(out)
-
-        def f(c, a, b):
-            c, a, b = (t if al is None else al(t) for al, t in zip(aligns, (c, a, b), strict=True))
-            r = torch.where(c, a, b)
-            return r.expand(sizes) if list(r.shape) != sizes else r
+        aligns = tuple(align_spec(t.shape, out.shape) for t in self.inputs)
+        f = functools.partial(_k_where, aligns=aligns, sizes=tuple(lw.slice_shape(out)))
         lw.set(out, lw.slicewise(f, *[lw.get(t) for t in self.inputs]))
 
     def gradient(self, grad_ys):
@@ -508,14 +538,10 @@ class WhereOperation(Operation):
         from meshtorch.ops.binary import reduce_to_shape
         from meshtorch.ops.elementwise import slicewise
         c, x, y = self.inputs
-
-        def pick(keep_true):
-            def f(cond, d):
-                zero = torch.zeros((), dtype=d.dtype, device=d.device)
-                return torch.where(cond, d, zero) if keep_true else torch.where(cond, zero, d)
-            return f
-        gx = slicewise(pick(True), [c, dy], output_shape=dy.shape, name=f"{self.name}_grad_x")
-        gy = slicewise(pick(False), [c, dy], output_shape=dy.shape, name=f"{self.name}_grad_y")
+        gx = slicewise(functools.partial(_k_where_grad, keep_true=True), [c, dy], output_shape=dy.shape,
+                       name=f"{self.name}_grad_x")
+        gy = slicewise(functools.partial(_k_where_grad, keep_true=False), [c, dy], output_shape=dy.shape,
+                       name=f"{self.name}_grad_y")
         return [None, reduce_to_shape(gx, x.shape), reduce_to_shape(gy, y.shape)]
 
 
