@@ -1,4 +1,4 @@
-"""Functions run inside the 4 gloo processes of tests/test_spmd.py (via meshtorch.testing_spmd.run_spmd).
+"""Functions run inside the 4 gloo processes of tests/test_spmd.py (via meshtorch.testing.spmd.run_spmd).
 
 Each builds a small graph, runs it on SpmdMeshImpl and returns what the parent process compares with
 a PlacementMeshImpl run of the same graph (the parent never trusts the workers' own comparisons).

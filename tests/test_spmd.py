@@ -24,7 +24,7 @@ import meshtorch as mtf
 import spmd_helper as H
 from meshtorch.data.sharding import batch_slice, local_batch_indices, local_feed
 from meshtorch.testing import rel_error
-from meshtorch.testing_spmd import SRC_DIR, run_spmd, spmd_layouts
+from meshtorch.testing.spmd import SRC_DIR, run_spmd, spmd_layouts
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 OP_MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(TESTS_DIR, "test_ops_*.py")))
@@ -35,13 +35,13 @@ JOB_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def job():
     """The one 4-process job: (op suite report, initial values, feed results, wall seconds)."""
-    tasks = [("meshtorch.testing_spmd:op_suite_worker", (OP_MODULES,)),
+    tasks = [("meshtorch.testing.spmd:op_suite_worker", (OP_MODULES,)),
              ("spmd_helper:init_values_worker", ()),
              ("spmd_helper:feeds_worker", ()),
              ("spmd_helper:async_worker", ()),
              ("spmd_helper:primitives_worker", ())]
     t0 = time.monotonic()
-    run = run_spmd("meshtorch.testing_spmd:run_tasks", args=(tasks,), nprocs=4, timeout_s=JOB_TIMEOUT_S,
+    run = run_spmd("meshtorch.testing.spmd:run_tasks", args=(tasks,), nprocs=4, timeout_s=JOB_TIMEOUT_S,
                    extra_path=[TESTS_DIR]).check()
     print(f"\nSPMD job: 4 processes, {len(ALL_CASES)} op cases, {time.monotonic() - t0:.1f} s wall")
     return run.results
@@ -212,7 +212,7 @@ SCRIPT = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, {src!r}); sys.path.insert(0, {tests!r})
 import meshtorch as mtf, spmd_helper as H
-from meshtorch.launch import make_mesh_impl
+from meshtorch.mesh import make_mesh_impl
 impl = make_mesh_impl("all:2", "batch:all")
 assert isinstance(impl, mtf.SpmdMeshImpl), impl
 g, mesh, x, w, y, loss, update = H.feed_graph()
