@@ -26,6 +26,7 @@ from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.models.mnist import MnistModel, build_mnist_model
 from meshtorch.models.mnist_conv import build_conv_model, pixel_stats
+from meshtorch.runtime.optional import optional_module
 
 
 @dataclass
@@ -181,7 +182,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
         perm = torch.randperm(n, generator=gen)
         bar = None
         if progress:
-            from tqdm import tqdm
+            tqdm = optional_module("tqdm", "meshtorch mnist's progress bar (--no-progress: none)").tqdm
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step", leave=False)
         t0 = time.perf_counter()
         epoch_losses = []

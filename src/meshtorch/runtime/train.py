@@ -40,6 +40,7 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.runtime.generate import sample
+from meshtorch.runtime.optional import optional_module
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
@@ -110,9 +111,12 @@ def evaluate(lowering, lm, dataset, batches: int) -> float:
 
 def main_train(args) -> dict:
     """Run ``meshtorch train`` from its parsed arguments (:mod:`meshtorch.cli.train`); returns the history,
-    bits per byte, tokens/s, the lowering, the LM and the sample ids."""
-    from tqdm import tqdm
+    bits per byte, tokens/s, the lowering, the LM and the sample ids.
 
+    Raises:
+        MeshtorchError: if tqdm (the ``meshtorch[cli]`` extra) is not installed.
+    """
+    tqdm = optional_module("tqdm", "meshtorch train's progress bar").tqdm
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -224,10 +228,9 @@ def main_train(args) -> dict:
 
 
 def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:
-    import matplotlib
-
+    matplotlib = optional_module("matplotlib", "meshtorch train --plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional_module("matplotlib.pyplot", "meshtorch train --plot")
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
