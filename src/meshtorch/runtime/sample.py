@@ -12,6 +12,7 @@ import os
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore
 from meshtorch.core.errors import CheckpointError
 from meshtorch.data.text import ByteTokenizer, SentencePieceTokenizer
+from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import LMConfig, build_lm
 from meshtorch.runtime.generate import beam_search, sample
 
@@ -25,7 +26,7 @@ def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
                                   "'meshtorch train'?")
     cfg = LMConfig(**extra["config"])
     lm = build_lm(cfg, seed=(manifest.get("rng") or {}).get("graph_seed", 0), train=False)
-    lowering = lm.lowering(mesh_shape, layout)
+    lowering = lm.lowering(mesh_impl=PlacementMeshImpl(mesh_shape, layout))
     restore(lowering, checkpoint_dir)
     return lm, lowering
 
