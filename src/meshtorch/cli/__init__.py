@@ -36,7 +36,3 @@ def main(argv=None) -> int:
     except (MeshtorchError, ValueError) as e:
         print(f"meshtorch {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
