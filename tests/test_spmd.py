@@ -39,7 +39,8 @@ def job():
              ("spmd_helper:init_values_worker", ()),
              ("spmd_helper:feeds_worker", ()),
              ("spmd_helper:async_worker", ()),
-             ("spmd_helper:primitives_worker", ())]
+             ("spmd_helper:primitives_worker", ()),
+             ("spmd_helper:leader_barrier_worker", ())]
     t0 = time.monotonic()
     run = run_spmd("meshtorch.testing.spmd:run_tasks", args=(tasks,), nprocs=4, timeout_s=JOB_TIMEOUT_S,
                    extra_path=[TESTS_DIR]).check()
@@ -146,6 +147,17 @@ def test_primitives_equal_placement(job):
                             assert torch.equal(got, exp), where
                         n_checked += 1
     assert n_checked > 1000
+
+
+def test_leader_and_barrier(job):
+    """SpmdMeshImpl.is_leader is rank 0 only; barrier() releases no rank before the last one arrives
+    (rank r arrives r x 0.3 s late). The single-process PlacementMeshImpl leads and never waits."""
+    recs = [r[5] for r in job]
+    assert [(rank, leader) for rank, leader, _, _ in recs] == [(0, True), (1, False), (2, False), (3, False)]
+    last_arrival = max(entered for _, _, entered, _ in recs)
+    assert all(left >= last_arrival for _, _, _, left in recs), recs
+    impl = mtf.PlacementMeshImpl("all:4", "")
+    assert impl.is_leader() is True and impl.barrier() is None
 
 
 def test_feed_slices_on_placement():
