@@ -90,12 +90,8 @@ class EncDecGraph:
     updates: list
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
-        """Lower the graph on ``mesh_impl`` (any ``MeshImpl``, e.g. from :func:`meshtorch.mesh.make_mesh_impl`)
-        or, for convenience, on a ``PlacementMeshImpl(mesh_shape, layout)``.
-
-        Raises:
-            LayoutError: naming the tensor and dimension if the layout is illegal for this model.
-        """
+        """As :meth:`meshtorch.models.transformer.LMGraph.lowering`: on ``mesh_impl``, else on a
+        ``PlacementMeshImpl(mesh_shape, layout)``; LayoutError if the layout is illegal for this model."""
         impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
         return Lowering(self.graph, {self.mesh: impl})
 
