@@ -7,8 +7,8 @@ import math
 import torch
 
 import meshtorch as mtf
-from meshtorch.models.torch_lm import TorchLM
 from meshtorch.models.transformer import build_lm
+from meshtorch.testing.torch_lm import TorchLM
 
 
 def cosine_lr(step: int, peak: float, warmup: int, total: int) -> float:

@@ -18,7 +18,7 @@ import torch
 from lm_common import meshtorch_lm, torch_twin
 
 from meshtorch.models.transformer import LMConfig, flops_per_token
-from meshtorch.train import measure_peak_flops
+from meshtorch.runtime.train import measure_peak_flops
 
 LAYOUTS = [("all:4", "batch:all"), ("all:4", "heads:all;d_ff:all;vocab:all"),
            ("data:2,model:2", "batch:data;heads:model;d_ff:model;vocab:model")]

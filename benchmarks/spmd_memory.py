@@ -61,7 +61,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
-    from meshtorch.testing_spmd import run_spmd
+    from meshtorch.testing.spmd import run_spmd
 
     a = (args.hidden, args.batch, args.steps)
     # glibc's dynamic mmap threshold keeps freed 1-32 MB blocks in the heap (RSS never shrinks); a fixed

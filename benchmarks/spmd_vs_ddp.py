@@ -106,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--async-allreduce", action="store_true", help="asynchronous all-reduces (CPU default: blocking)")
     args = ap.parse_args(argv)
-    from meshtorch.testing_spmd import run_spmd
+    from meshtorch.testing.spmd import run_spmd
 
     res = run_spmd("spmd_vs_ddp:worker", args=(args.hidden, args.batch, args.steps, args.blocks, args.threads,
                                                  args.async_allreduce),

@@ -17,7 +17,7 @@ def build(mesh_shape, layout, hidden=8, seed=0, extra_var=False, step_dtype=torc
     """Returns ``(lowering, x, y, loss, updates)``; variables: mlp/w1 [io, hidden], mlp/b1 [hidden],
     mlp/w2 [hidden, out], their momentum slots, and a global_step counter. ``make_impl(mesh_shape,
     layout)`` makes the mesh implementation (default ``PlacementMeshImpl``; e.g.
-    ``meshtorch.launch.make_mesh_impl`` for SPMD)."""
+    ``meshtorch.mesh.make_mesh_impl`` for SPMD)."""
     g = mtf.Graph(seed=seed)
     mesh = mtf.Mesh(g, "mesh")
     batch, io = mtf.Dimension("batch", BATCH), mtf.Dimension("io", IO)

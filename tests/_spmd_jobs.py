@@ -1,5 +1,5 @@
 """Functions run inside the gloo processes of tests/test_spmd_jobs.py and tests/test_checkpoint_spmd.py
-(via meshtorch.testing_spmd.run_spmd). Each returns plain values that the parent process compares with
+(via meshtorch.testing.spmd.run_spmd). Each returns plain values that the parent process compares with
 a PlacementMeshImpl run of the same job (the parent never trusts the workers' own comparisons)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def synthetic_mnist(n_train: int = 2000, n_test: int = 200):
 
 def mnist_worker(mesh_shape: str, layout: str):
     """train_mnist for 20 steps on synthetic data: (step losses, test accuracy, lines logged here)."""
-    from meshtorch.mnist_job import train_mnist
+    from meshtorch.runtime.mnist import train_mnist
 
     lines = []
     run = train_mnist(mesh_shape, layout, data=synthetic_mnist(), log=lines.append, start_log=lines.append,
@@ -34,7 +34,7 @@ CONV_KW = dict(batch_size=8, hidden=16, lr=0.05, seed=0, epochs=1, steps_per_epo
 
 def mnist_conv_worker(mesh_shape: str, layout: str, activation: str):
     """The conv model (halo exchange between ranks) for 6 steps on synthetic data: (losses, accuracy)."""
-    from meshtorch.mnist_job import train_mnist
+    from meshtorch.runtime.mnist import train_mnist
 
     run = train_mnist(mesh_shape, layout, data=synthetic_mnist(400, 40), activation=activation, **CONV_KW)
     return run.step_losses, run.epochs[0].test_accuracy
@@ -50,7 +50,7 @@ def ckpt_save_worker(path: str):
     return (losses, full variable values gathered with ``variable_value``, checkpoint directory)."""
     import _checkpoint_mlp as M
     import meshtorch as mtf
-    from meshtorch.launch import make_mesh_impl
+    from meshtorch.mesh import make_mesh_impl
 
     model = M.build(*CKPT_SAVE, make_impl=make_mesh_impl)
     losses = [float(v) for v in M.train(model, 0, 2)]
@@ -62,7 +62,7 @@ def ckpt_restore_worker(path: str):
     """2 ranks: restore onto CKPT_RESTORE_2; return (full values, the loss of the next training step)."""
     import _checkpoint_mlp as M
     import meshtorch as mtf
-    from meshtorch.launch import make_mesh_impl
+    from meshtorch.mesh import make_mesh_impl
 
     model = M.build(*CKPT_RESTORE_2, make_impl=make_mesh_impl)
     meta = mtf.restore(model[0], path)
@@ -81,7 +81,7 @@ TRAIN_ARGV = ["train", "--preset", "tiny", "--layers", "1", "--d-model", "32", "
 def train_args(extra=()):
     import argparse
 
-    from meshtorch.train import add_train_subcommand
+    from meshtorch.cli.train import add_train_subcommand
 
     p = argparse.ArgumentParser()
     add_train_subcommand(p.add_subparsers(dest="cmd"))

@@ -1,4 +1,4 @@
-"""Functions run inside the 4 gloo processes of tests/test_spmd.py (via meshtorch.testing_spmd.run_spmd).
+"""Functions run inside the 4 gloo processes of tests/test_spmd.py (via meshtorch.testing.spmd.run_spmd).
 
 Each builds a small graph, runs it on SpmdMeshImpl and returns what the parent process compares with
 a PlacementMeshImpl run of the same graph (the parent never trusts the workers' own comparisons).
@@ -203,3 +203,14 @@ def primitives_worker():
                 for name, value in primitive_calls(impl, x, lay):
                     out[(mesh_shape, dtype, lay, name)] = impl.local_slices(value)[0] if name != "export" else value
     return out
+
+
+def leader_barrier_worker(wait_s: float = 0.3):
+    """``MeshImpl.is_leader`` and ``barrier`` on SpmdMeshImpl: rank r sleeps ``r * wait_s`` before the
+    barrier; returns ``(rank, is_leader, time entering the barrier, time leaving it)``."""
+    impl = mtf.SpmdMeshImpl("all:4", "")
+    time.sleep(impl.rank * wait_s)
+    entered = time.time()
+    impl.barrier()
+    return impl.rank, impl.is_leader(), entered, time.time()
+

@@ -174,7 +174,8 @@ def test_manifest_describes_variables_and_rng(tmp_path):
 # ------------------------------------------------------------------ simulated SPMD: one process per pnum
 class _RankView(mtf.PlacementMeshImpl):
     """A placement mesh that pretends to be rank ``rank`` of an SPMD run: it reports (and, when
-    ``only_local``, fills) only its own processor's slice, and synchronises through ``barrier``."""
+    ``only_local``, fills) only its own processor's slice, synchronises through ``barrier`` and leads
+    on rank 0 (the ``MeshImpl`` interface checkpoints use)."""
 
     def __init__(self, shape, layout, rank, barrier):
         super().__init__(shape, layout)
@@ -184,6 +185,9 @@ class _RankView(mtf.PlacementMeshImpl):
 
     def barrier(self):
         self._bar.wait(timeout=60)
+
+    def is_leader(self):
+        return self.local_pnums[0] == 0
 
     def local_slices(self, x):
         return [x[self.local_pnums[0]]]
@@ -484,11 +488,17 @@ class RankView(mtf.PlacementMeshImpl):  # holds (reports) only this rank's slice
     def local_slices(self, x):
         return [x[rank]]
 
+    def barrier(self):  # the MeshImpl interface, as SpmdMeshImpl implements it
+        dist.barrier()
+
+    def is_leader(self):
+        return rank == 0
+
 
 m = build({mesh!r}, {layout!r})
 train(m, 0, 2)
 m[0].mesh_to_impl = {{k: RankView({mesh!r}, {layout!r}) for k in m[0].mesh_to_impl}}
-mtf.save(m[0], {root!r}, step=2)   # no barrier() on the mesh: torch.distributed's is used
+mtf.save(m[0], {root!r}, step=2)
 dist.destroy_process_group()
 """
 

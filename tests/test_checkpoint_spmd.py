@@ -12,7 +12,7 @@ import torch
 import _checkpoint_mlp as M
 import meshtorch as mtf
 from meshtorch.testing import rel_error
-from meshtorch.testing_spmd import run_spmd
+from meshtorch.testing.spmd import run_spmd
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 

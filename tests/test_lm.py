@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import meshtorch as mtf
-from meshtorch.models.torch_lm import TorchLM
 from meshtorch.models.transformer import LMConfig, build_lm
 from meshtorch.testing import assert_training_agrees
+from meshtorch.testing.torch_lm import TorchLM
 
 CFG = LMConfig(vocab_size=30, vocab_multiple=4, d_model=16, num_heads=4, d_kv=4, d_ff=32, num_layers=2,
                length=8, batch_size=4)

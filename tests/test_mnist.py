@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import meshtorch as mtf
 from meshtorch.cli import main as cli_main
 from meshtorch.data.mnist import DEFAULT_DATA_DIR, load_idx, load_mnist
-from meshtorch.mnist_job import evaluate, train_mnist
 from meshtorch.models.mnist import build_mnist_model
+from meshtorch.runtime.mnist import evaluate, train_mnist
 
 LAYOUTS = [("", ""), ("all:4", "batch:all"), ("all:4", "hidden:all"), ("rows:2;cols:2", "batch:rows;hidden:cols")]
 

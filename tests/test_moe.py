@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import meshtorch as mtf
-from meshtorch.models.torch_lm import TorchLM
 from meshtorch.models.transformer import LMConfig, build_lm
 from meshtorch.testing import OpCase, assert_training_agrees, enumerate_layouts
+from meshtorch.testing.torch_lm import TorchLM
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ import meshtorch as mtf
 import spmd_helper as H
 from meshtorch.data.sharding import batch_slice, local_batch_indices, local_feed
 from meshtorch.testing import rel_error
-from meshtorch.testing_spmd import SRC_DIR, run_spmd, spmd_layouts
+from meshtorch.testing.spmd import SRC_DIR, run_spmd, spmd_layouts
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 OP_MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(TESTS_DIR, "test_ops_*.py")))
@@ -35,13 +35,14 @@ JOB_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def job():
     """The one 4-process job: (op suite report, initial values, feed results, wall seconds)."""
-    tasks = [("meshtorch.testing_spmd:op_suite_worker", (OP_MODULES,)),
+    tasks = [("meshtorch.testing.spmd:op_suite_worker", (OP_MODULES,)),
              ("spmd_helper:init_values_worker", ()),
              ("spmd_helper:feeds_worker", ()),
              ("spmd_helper:async_worker", ()),
-             ("spmd_helper:primitives_worker", ())]
+             ("spmd_helper:primitives_worker", ()),
+             ("spmd_helper:leader_barrier_worker", ())]
     t0 = time.monotonic()
-    run = run_spmd("meshtorch.testing_spmd:run_tasks", args=(tasks,), nprocs=4, timeout_s=JOB_TIMEOUT_S,
+    run = run_spmd("meshtorch.testing.spmd:run_tasks", args=(tasks,), nprocs=4, timeout_s=JOB_TIMEOUT_S,
                    extra_path=[TESTS_DIR]).check()
     print(f"\nSPMD job: 4 processes, {len(ALL_CASES)} op cases, {time.monotonic() - t0:.1f} s wall")
     return run.results
@@ -148,6 +149,17 @@ def test_primitives_equal_placement(job):
     assert n_checked > 1000
 
 
+def test_leader_and_barrier(job):
+    """SpmdMeshImpl.is_leader is rank 0 only; barrier() releases no rank before the last one arrives
+    (rank r arrives r x 0.3 s late). The single-process PlacementMeshImpl leads and never waits."""
+    recs = [r[5] for r in job]
+    assert [(rank, leader) for rank, leader, _, _ in recs] == [(0, True), (1, False), (2, False), (3, False)]
+    last_arrival = max(entered for _, _, entered, _ in recs)
+    assert all(left >= last_arrival for _, _, _, left in recs), recs
+    impl = mtf.PlacementMeshImpl("all:4", "")
+    assert impl.is_leader() is True and impl.barrier() is None
+
+
 def test_feed_slices_on_placement():
     """The same local-feed code runs on a PlacementMeshImpl (the process holds every processor)."""
     g, mesh, x, w, y, loss, update = H.feed_graph()
@@ -212,7 +224,7 @@ SCRIPT = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, {src!r}); sys.path.insert(0, {tests!r})
 import meshtorch as mtf, spmd_helper as H
-from meshtorch.launch import make_mesh_impl
+from meshtorch.mesh import make_mesh_impl
 impl = make_mesh_impl("all:2", "batch:all")
 assert isinstance(impl, mtf.SpmdMeshImpl), impl
 g, mesh, x, w, y, loss, update = H.feed_graph()

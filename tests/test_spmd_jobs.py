@@ -8,8 +8,8 @@ import os
 import torch
 
 import _spmd_jobs as J
-from meshtorch.mnist_job import train_mnist
-from meshtorch.testing_spmd import run_spmd
+from meshtorch.runtime.mnist import train_mnist
+from meshtorch.testing.spmd import run_spmd
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MESH, LAYOUT = "rows:2;cols:2", "batch:rows;hidden:cols"

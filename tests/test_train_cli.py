@@ -4,9 +4,10 @@ import argparse
 
 import torch
 
-from meshtorch.generate import beam_search, sample
-from meshtorch.sample_cmd import add_sample_subcommand, load_lm
-from meshtorch.train import add_train_subcommand
+from meshtorch.cli.sample import add_sample_subcommand
+from meshtorch.cli.train import add_train_subcommand
+from meshtorch.runtime.generate import beam_search, sample
+from meshtorch.runtime.sample import load_lm
 
 SMALL = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
          "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "",

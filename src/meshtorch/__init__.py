@@ -5,6 +5,7 @@
 
 from meshtorch import layers, optim
 from meshtorch.autodiff import gradients
+from meshtorch._version import __version__
 from meshtorch.checkpoint import (
     CheckpointError,
     from_torch_state_dict,
@@ -120,4 +121,3 @@ from meshtorch.ops.variables import (
 
 import_tf_tensor = import_tensor  # Mesh TF's name
 
-__version__ = "0.1.0"

@@ -7,6 +7,7 @@ instead; empty or undecodable input raises :class:`~meshtorch.core.errors.DataEr
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,6 @@ class SentencePieceTokenizer:
         except ImportError:
             raise DataError("the SentencePiece tokenizer needs the 'sentencepiece' package: "
                             "pip install sentencepiece (or meshtorch[spm]).") from None
-        import io
         model = io.BytesIO()
         lines = [line for t in texts for line in t.splitlines() if line.strip()]
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,

@@ -7,6 +7,7 @@ from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
 from meshtorch.ops import binary, reduce
 from meshtorch.ops.einsum import einsum
+from meshtorch.ops.elementwise import cast, square
 from meshtorch.ops.initializers import VarianceScalingInitializer, zeros_initializer
 from meshtorch.ops.variables import get_variable
 
@@ -86,12 +87,10 @@ def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim
         raise ShapeError(f"softmax_cross_entropy_with_logits: logits {logits.shape} and targets {targets.shape} "
                          "must have the same dims.")
     if targets.dtype != logits.dtype:
-        from meshtorch.ops.elementwise import cast
         targets = cast(targets, logits.dtype)
     lse = reduce.reduce_logsumexp(logits, vocab_dim)
     loss = binary.subtract(lse, reduce.reduce_sum(binary.multiply(logits, targets), vocab_dim), name=name)
     if z_loss:
-        from meshtorch.ops.elementwise import square
         loss = loss + square(lse) * z_loss
     return loss
 

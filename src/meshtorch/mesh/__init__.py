@@ -1,8 +1,12 @@
 """Mesh implementations: the MeshImpl interface, the single-process PlacementMeshImpl and the
-one-process-per-processor SpmdMeshImpl (torch.distributed)."""
+one-process-per-processor SpmdMeshImpl (torch.distributed); process groups (``process``), the
+failure watchdog (``watchdog``) and :func:`make_mesh_impl` (SPMD under torchrun, else placement)."""
 
 from meshtorch.mesh.base import MeshImpl
+from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.mesh.process import init_distributed, is_main_process, shutdown_distributed
 from meshtorch.mesh.spmd import SpmdMeshImpl
 
-__all__ = ["MeshImpl", "PlacementMeshImpl", "SpmdMeshImpl"]
+__all__ = ["MeshImpl", "PlacementMeshImpl", "SpmdMeshImpl", "init_distributed", "is_main_process", "make_mesh_impl",
+           "shutdown_distributed"]

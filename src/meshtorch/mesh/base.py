@@ -201,6 +201,13 @@ class MeshImpl:
         """Laid-out value from this process's slices, one per :meth:`local_pnums` entry, in that order."""
         return list(slices)
 
+    def barrier(self) -> None:
+        """Wait for every process of the mesh (default: none to wait for, one process holds all)."""
+
+    def is_leader(self) -> bool:
+        """True in the one process that prints and writes shared files (default: this one, it holds all)."""
+        return True
+
     def __repr__(self):
         storage = f", storage={str(self.storage_rules)!r}" if self.storage_rules.pairs else ""
         return f"{type(self).__name__}({str(self.shape)!r}, {str(self.layout_rules)!r}{storage})"

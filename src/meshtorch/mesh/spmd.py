@@ -26,10 +26,12 @@ from meshtorch.core.errors import MeshtorchError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.mesh.base import REDUCTIONS, MeshImpl
 from meshtorch.mesh.placement import _assemble
+from meshtorch.mesh.process import init_distributed, on_shutdown
 
 _GROUPS: dict[tuple[int, ...], object] = {}  # rank tuple -> ProcessGroup (per process, shared by impls)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}
+on_shutdown(_GROUPS.clear)  # destroyed with the default group at shutdown
 
 
 def default_device_and_backend(device=None, backend=None) -> tuple[torch.device, str]:
@@ -54,7 +56,7 @@ class SpmdMeshImpl(MeshImpl):
         device: torch device of this rank's slices; default ``cuda:LOCAL_RANK`` if CUDA is
             available, else ``cpu``.
         backend: used only if the default process group is not initialized yet (it is then
-            initialized from torchrun's environment, see :func:`meshtorch.launch.init_distributed`);
+            initialized from torchrun's environment, see :func:`meshtorch.mesh.process.init_distributed`);
             default ``nccl`` for CUDA devices, ``gloo`` otherwise.
         async_allreduce: start all-reduces asynchronously and wait at the first use of the result,
             so that independent computation overlaps the communication. Default: on for CUDA
@@ -79,7 +81,6 @@ class SpmdMeshImpl(MeshImpl):
         self._device, backend = default_device_and_backend(device, backend)
         self.async_allreduce = self._device.type == "cuda" if async_allreduce is None else bool(async_allreduce)
         if not dist.is_initialized():
-            from meshtorch.launch import init_distributed
             init_distributed(backend=backend)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -130,6 +131,12 @@ class SpmdMeshImpl(MeshImpl):
 
     def from_local_slices(self, slices):
         return slices[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def is_leader(self) -> bool:
+        return self.rank == 0
 
     # ------------------------------------------------------------------ primitives
     def laid_out_constant(self, fn):

@@ -26,8 +26,21 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import meshtorch as mtf
+from meshtorch import layers
+from meshtorch.autodiff import gradients
 from meshtorch.core.dims import Dimension
+from meshtorch.core.graph import Graph, Mesh, Tensor
+from meshtorch.lowering import Lowering
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.ops.binary import divide, equal, not_equal
+from meshtorch.ops.elementwise import cast
+from meshtorch.ops.indexing import gather, one_hot
+from meshtorch.ops.initializers import random_normal_initializer
+from meshtorch.ops.random import dropout
+from meshtorch.ops.reduce import reduce_sum
+from meshtorch.ops.reshape import rename_dimension
+from meshtorch.ops.sequence import shift
+from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
 __all__ = ["EncDecConfig", "EncDecGraph", "build_encdec", "relative_position_buckets"]
 
@@ -68,17 +81,19 @@ class EncDecGraph:
     """The built graph and its handles."""
 
     config: EncDecConfig
-    graph: mtf.Graph
-    mesh: mtf.Mesh
-    inputs: mtf.Tensor  # int64 [batch, length(input_length)]
-    targets: mtf.Tensor  # int64 [batch, length(target_length)]
-    logits: mtf.Tensor  # [batch, length, vocab]
-    loss: mtf.Tensor  # scalar: mean cross-entropy over the non-padding targets
+    graph: Graph
+    mesh: Mesh
+    inputs: Tensor  # int64 [batch, length(input_length)]
+    targets: Tensor  # int64 [batch, length(target_length)]
+    logits: Tensor  # [batch, length, vocab]
+    loss: Tensor  # scalar: mean cross-entropy over the non-padding targets
     updates: list
 
-    def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> mtf.Lowering:
-        impl = mesh_impl if mesh_impl is not None else mtf.PlacementMeshImpl(mesh_shape, layout)
-        return mtf.Lowering(self.graph, {self.mesh: impl})
+    def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
+        """As :meth:`meshtorch.models.transformer.LMGraph.lowering`: on ``mesh_impl``, else on a
+        ``PlacementMeshImpl(mesh_shape, layout)``; LayoutError if the layout is illegal for this model."""
+        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
+        return Lowering(self.graph, {self.mesh: impl})
 
 
 def relative_position_buckets(query_length: int, memory_length: int, bidirectional: bool, num_buckets: int = 32,
@@ -123,12 +138,12 @@ def _dims(c: EncDecConfig):
 
 def _relative_bias(c, mesh, d, qlen: int, mlen: int, bidirectional: bool, name: str):
     """``[length, memory_length, heads]``: the stack's bias table gathered at the pairs' buckets."""
-    table = mtf.get_variable(mesh, f"{name}/relative_attention_bias", [d["buckets"], d["heads"]],
-                             initializer=mtf.random_normal_initializer(0.0, 1.0))
+    table = get_variable(mesh, f"{name}/relative_attention_bias", [d["buckets"], d["heads"]],
+                             initializer=random_normal_initializer(0.0, 1.0))
     ids = relative_position_buckets(qlen, mlen, bidirectional, c.num_buckets, c.max_distance)
-    ids = mtf.import_tensor(mesh, ids, [Dimension("length", qlen), Dimension("memory_length", mlen)],
+    ids = import_tensor(mesh, ids, [Dimension("length", qlen), Dimension("memory_length", mlen)],
                             name=f"{name}/relative_buckets")
-    return mtf.gather(table, ids, d["buckets"], name=f"{name}/relative_bias")
+    return gather(table, ids, d["buckets"], name=f"{name}/relative_bias")
 
 
 def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: bool = True) -> EncDecGraph:
@@ -145,42 +160,42 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
     Args:
         config: the EncDecConfig.
         seed: graph seed (initial values and dropout).
-        optimizer: an ``mtf.optim`` optimizer; its update ops go to ``EncDecGraph.updates``.
+        optimizer: an ``meshtorch.optim`` optimizer; its update ops go to ``EncDecGraph.updates``.
         train: build dropout (when ``config.dropout > 0``).
     """
     c = config
     d = _dims(c)
-    graph = mtf.Graph(seed=seed)
-    mesh = mtf.Mesh(graph, "mesh")
+    graph = Graph(seed=seed)
+    mesh = Mesh(graph, "mesh")
     in_len, tgt_len = Dimension("length", c.input_length), Dimension("length", c.target_length)
-    inputs = mtf.placeholder(mesh, "inputs", [d["batch"], in_len], dtype=torch.int64)
-    targets = mtf.placeholder(mesh, "targets", [d["batch"], tgt_len], dtype=torch.int64)
-    emb = mtf.get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
-                           initializer=mtf.random_normal_initializer(0.0, 1.0))
+    inputs = placeholder(mesh, "inputs", [d["batch"], in_len], dtype=torch.int64)
+    targets = placeholder(mesh, "targets", [d["batch"], tgt_len], dtype=torch.int64)
+    emb = get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
+                           initializer=random_normal_initializer(0.0, 1.0))
     scale = 1.0 / math.sqrt(c.d_kv)
 
     def drop(x):
-        return mtf.dropout(x, rate=c.dropout) if train and c.dropout > 0 else x
+        return dropout(x, rate=c.dropout) if train and c.dropout > 0 else x
 
     def embed(ids, length, name):
-        x = mtf.gather(emb, ids, d["vocab"], name=f"{name}/embed")
+        x = gather(emb, ids, d["vocab"], name=f"{name}/embed")
         if not c.relative_attention:
-            x = x + mtf.get_variable(mesh, f"{name}/pos_embedding", [length, d["d_model"]],
-                                     initializer=mtf.random_normal_initializer(0.0, 0.02))
+            x = x + get_variable(mesh, f"{name}/pos_embedding", [length, d["d_model"]],
+                                     initializer=random_normal_initializer(0.0, 0.02))
         return drop(x)
 
     def attend(x, name, **kw):
-        return mtf.layers.multihead_attention(x, d["heads"], d["d_kv"], "length", scale=scale, name=name, **kw)
+        return layers.multihead_attention(x, d["heads"], d["d_kv"], "length", scale=scale, name=name, **kw)
 
     def ffn(x, name):
-        return mtf.layers.dense_relu_dense(x, d["d_ff"], activation=c.activation, name=name)
+        return layers.dense_relu_dense(x, d["d_ff"], activation=c.activation, name=name)
 
     def norm(x, name):
-        return mtf.layers.rms_norm(x, d["d_model"], name=name)
+        return layers.rms_norm(x, d["d_model"], name=name)
 
     # padding mask on the memory positions: -1e9 where the input is padding
-    mem_ids = mtf.rename_dimension(inputs, "length", "memory_length")
-    pad_bias = mtf.cast(mtf.equal(mem_ids, c.pad_id), torch.float32) * -1e9
+    mem_ids = rename_dimension(inputs, "length", "memory_length")
+    pad_bias = cast(equal(mem_ids, c.pad_id), torch.float32) * -1e9
     # ---- encoder
     x = embed(inputs, in_len, "encoder")
     enc_bias = pad_bias
@@ -190,9 +205,9 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
         p = f"encoder/layer_{i}"
         x = x + drop(attend(norm(x, f"{p}/attention_norm"), f"{p}/attention", bias=enc_bias))
         x = x + drop(ffn(norm(x, f"{p}/ffn_norm"), f"{p}/ffn"))
-    memory = mtf.rename_dimension(drop(norm(x, "encoder/final_norm")), "length", "memory_length")
+    memory = rename_dimension(drop(norm(x, "encoder/final_norm")), "length", "memory_length")
     # ---- decoder
-    dec_ids = mtf.shift(targets, 1, "length", wrap=False)  # start token = 0 (= pad_id in T5)
+    dec_ids = shift(targets, 1, "length", wrap=False)  # start token = 0 (= pad_id in T5)
     x = embed(dec_ids, tgt_len, "decoder")
     dec_bias = None
     if c.relative_attention:
@@ -204,16 +219,16 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
                             memory_length_dim="memory_length", bias=pad_bias))
         x = x + drop(ffn(norm(x, f"{p}/ffn_norm"), f"{p}/ffn"))
     x = drop(norm(x, "decoder/final_norm"))
-    logits = mtf.layers.dense(x, d["vocab"], use_bias=False, name="logits")
+    logits = layers.dense(x, d["vocab"], use_bias=False, name="logits")
     if c.padded_vocab != c.vocab_size:
         mask = torch.zeros(c.padded_vocab)
         mask[c.vocab_size:] = -1e9
-        logits = logits + mtf.import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
-    xent = mtf.layers.softmax_cross_entropy_with_logits(logits, mtf.one_hot(targets, d["vocab"]), d["vocab"])
-    weights = mtf.cast(mtf.not_equal(targets, c.pad_id), torch.float32)
-    loss = mtf.divide(mtf.reduce_sum(xent * weights), mtf.reduce_sum(weights), name="loss")
+        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+    xent = layers.softmax_cross_entropy_with_logits(logits, one_hot(targets, d["vocab"]), d["vocab"])
+    weights = cast(not_equal(targets, c.pad_id), torch.float32)
+    loss = divide(reduce_sum(xent * weights), reduce_sum(weights), name="loss")
     updates = []
     if optimizer is not None:
         variables = graph.trainable_variables
-        updates = optimizer.apply_grads(mtf.gradients([loss], variables), variables)
+        updates = optimizer.apply_grads(gradients([loss], variables), variables)
     return EncDecGraph(c, graph, mesh, inputs, targets, logits, loss, updates)

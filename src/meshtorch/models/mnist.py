@@ -77,19 +77,22 @@ class MnistModel:
     w2_grad: Tensor
     update_ops: list[Operation] = field(default_factory=list)
 
-    def make_lowering(self, mesh_shape="", layout="", devices=None) -> Lowering:
-        """Lower the graph on a :class:`PlacementMeshImpl` of ``mesh_shape`` with ``layout`` rules.
+    def make_lowering(self, mesh_shape="", layout="", devices=None, mesh_impl=None) -> Lowering:
+        """Lower the graph on ``mesh_impl`` (any :class:`~meshtorch.mesh.base.MeshImpl`, e.g. from
+        :func:`meshtorch.mesh.make_mesh_impl`), or, for convenience, on a :class:`PlacementMeshImpl`
+        of ``mesh_shape`` with ``layout`` rules.
 
         Args:
             mesh_shape: e.g. ``"rows:2;cols:2"``; ``""`` is one processor.
             layout: e.g. ``"batch:rows;hidden:cols"``.
             devices: optional torch devices, one per processor (default all ``"cpu"``).
+            mesh_impl: the mesh implementation to use instead of the three arguments above.
 
         Raises:
             LayoutError: naming the tensor and dimension if the layout is illegal for this model
                 (e.g. ``batch`` size not divisible by the mesh axis).
         """
-        impl = PlacementMeshImpl(mesh_shape, layout, devices)
+        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout, devices)
         return Lowering(self.graph, {self.mesh: impl})
 
     def train_fetches(self) -> list:

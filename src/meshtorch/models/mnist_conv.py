@@ -129,13 +129,16 @@ class ConvMnistModel:
     input_std: float = 1.0
     activation: str = "relu"
 
-    def make_lowering(self, mesh_shape=DEFAULT_MESH, layout=DEFAULT_LAYOUT, devices=None) -> Lowering:
-        """Lower on a :class:`PlacementMeshImpl` (default Mesh TF's ``b1:2;b2:2`` spatial partitioning).
+    def make_lowering(self, mesh_shape=DEFAULT_MESH, layout=DEFAULT_LAYOUT, devices=None, mesh_impl=None) -> Lowering:
+        """Lower on ``mesh_impl`` (any :class:`~meshtorch.mesh.base.MeshImpl`) or, for convenience, on a
+        :class:`PlacementMeshImpl` of ``mesh_shape`` / ``layout`` (default Mesh TF's ``b1:2;b2:2``
+        spatial partitioning).
 
         Raises:
             LayoutError: naming the tensor and dimension if the layout is illegal for this model.
         """
-        return Lowering(self.graph, {self.mesh: PlacementMeshImpl(mesh_shape, layout, devices)})
+        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout, devices)
+        return Lowering(self.graph, {self.mesh: impl})
 
     def train_fetches(self) -> list:
         """``[loss] + update_ops``: what one training step fetches."""

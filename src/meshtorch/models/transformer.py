@@ -17,8 +17,18 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-import meshtorch as mtf
+from meshtorch import layers, optim
+from meshtorch.autodiff import gradients
 from meshtorch.core.dims import Dimension
+from meshtorch.core.graph import Graph, Mesh, Tensor
+from meshtorch.lowering import Lowering
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.ops.indexing import gather, one_hot
+from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal_initializer
+from meshtorch.ops.random import dropout
+from meshtorch.ops.reduce import reduce_mean
+from meshtorch.ops.shape import add_n
+from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
 
 @dataclass(frozen=True)
@@ -79,20 +89,26 @@ class LMGraph:
     """The built graph and its handles."""
 
     config: LMConfig
-    graph: mtf.Graph
-    mesh: mtf.Mesh
-    inputs: mtf.Tensor  # int64 [batch, length]
-    targets: mtf.Tensor  # int64 [batch, length]
-    logits: mtf.Tensor  # [batch, length, vocab]
-    loss: mtf.Tensor  # scalar, mean cross-entropy in nats (plus z-loss, plus coef x MoE aux losses)
+    graph: Graph
+    mesh: Mesh
+    inputs: Tensor  # int64 [batch, length]
+    targets: Tensor  # int64 [batch, length]
+    logits: Tensor  # [batch, length, vocab]
+    loss: Tensor  # scalar, mean cross-entropy in nats (plus z-loss, plus coef x MoE aux losses)
     updates: list
     step: object | None = None
-    aux_loss: mtf.Tensor | None = None  # sum of the MoE layers' load-balancing losses (before the coef)
-    task_loss: mtf.Tensor | None = None  # ``loss`` without the MoE auxiliary term (what evaluation reports)
+    aux_loss: Tensor | None = None  # sum of the MoE layers' load-balancing losses (before the coef)
+    task_loss: Tensor | None = None  # ``loss`` without the MoE auxiliary term (what evaluation reports)
 
-    def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> mtf.Lowering:
-        impl = mesh_impl if mesh_impl is not None else mtf.PlacementMeshImpl(mesh_shape, layout)
-        return mtf.Lowering(self.graph, {self.mesh: impl})
+    def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
+        """Lower the graph on ``mesh_impl`` (any ``MeshImpl``, e.g. from :func:`meshtorch.mesh.make_mesh_impl`)
+        or, for convenience, on a ``PlacementMeshImpl(mesh_shape, layout)``.
+
+        Raises:
+            LayoutError: naming the tensor and dimension if the layout is illegal for this model.
+        """
+        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
+        return Lowering(self.graph, {self.mesh: impl})
 
 
 def dims(c: LMConfig) -> dict[str, Dimension]:
@@ -104,14 +120,14 @@ def dims(c: LMConfig) -> dict[str, Dimension]:
 
 def _norm(c, x, d, name):
     if c.norm == "rms":
-        return mtf.layers.rms_norm(x, d, name=name)
-    return mtf.layers.layer_norm(x, d, name=name)
+        return layers.rms_norm(x, d, name=name)
+    return layers.layer_norm(x, d, name=name)
 
 
 def _dropout(c, x, train):
     if not train or c.dropout <= 0:
         return x
-    return mtf.dropout(x, rate=c.dropout)
+    return dropout(x, rate=c.dropout)
 
 
 def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True,
@@ -129,9 +145,9 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     Args:
         config: the LMConfig.
         seed: graph seed (initial values and dropout).
-        optimizer: an ``mtf.optim`` optimizer; its update ops go to ``LMGraph.updates``.
+        optimizer: an ``meshtorch.optim`` optimizer; its update ops go to ``LMGraph.updates``.
         train: build dropout (only when ``config.dropout > 0``).
-        clip_norm: clip gradients to this global norm before the optimizer (``mtf.optim.clip_by_global_norm``).
+        clip_norm: clip gradients to this global norm before the optimizer (``meshtorch.optim.clip_by_global_norm``).
 
     Raises:
         ValueError: MoE layers with ``gated=True`` (not implemented).
@@ -141,66 +157,63 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         raise ValueError("build_lm: gated feed-forward is not implemented for MoE layers (num_experts > 0).")
     aux_losses = []
     d = dims(c)
-    graph = mtf.Graph(seed=seed)
-    mesh = mtf.Mesh(graph, "mesh")
-    inputs = mtf.placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
-    targets = mtf.placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
-    emb = mtf.get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
-                           initializer=mtf.random_normal_initializer(0.0, 1.0))
-    pos = mtf.get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
-                           initializer=mtf.random_normal_initializer(0.0, 0.02))
+    graph = Graph(seed=seed)
+    mesh = Mesh(graph, "mesh")
+    inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
+    targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
+    emb = get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
+                           initializer=random_normal_initializer(0.0, 1.0))
+    pos = get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
+                           initializer=random_normal_initializer(0.0, 0.02))
     x = _embed(inputs, emb, d) + pos
     x = _dropout(c, x, train)
     for i in range(c.num_layers):
         h = _norm(c, x, d["d_model"], f"layer_{i}/attention_norm")
-        h = mtf.layers.multihead_attention(h, d["heads"], d["d_kv"], "length", causal=True,
+        h = layers.multihead_attention(h, d["heads"], d["d_kv"], "length", causal=True,
                                            scale=1.0 / math.sqrt(c.d_kv), name=f"layer_{i}/attention")
         x = x + _dropout(c, h, train)
         h = _norm(c, x, d["d_model"], f"layer_{i}/ffn_norm")
         if c.is_moe_layer(i):
-            h, aux = mtf.layers.moe_ffn(h, d["experts"], d["d_ff"], capacity_factor=c.expert_capacity_factor,
+            h, aux = layers.moe_ffn(h, d["experts"], d["d_ff"], capacity_factor=c.expert_capacity_factor,
                                         top_k=c.moe_top_k, min_expert_capacity=c.moe_min_capacity,
                                         activation=c.activation, name=f"layer_{i}/moe")
             aux_losses.append(aux)
         else:
-            h = mtf.layers.dense_relu_dense(h, d["d_ff"], activation=c.activation, gated=c.gated,
+            h = layers.dense_relu_dense(h, d["d_ff"], activation=c.activation, gated=c.gated,
                                             name=f"layer_{i}/ffn")
         x = x + _dropout(c, h, train)
     x = _norm(c, x, d["d_model"], "final_norm")
-    logits = mtf.layers.dense(x, d["vocab"], use_bias=False, name="logits",
-                              kernel_initializer=mtf.VarianceScalingInitializer(1.0, "fan_in", "normal",
+    logits = layers.dense(x, d["vocab"], use_bias=False, name="logits",
+                              kernel_initializer=VarianceScalingInitializer(1.0, "fan_in", "normal",
                                                                                 [d["d_model"]], [d["vocab"]]))
     if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient)
         mask = torch.zeros(c.padded_vocab)
         mask[c.vocab_size:] = -1e9
-        logits = logits + mtf.import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
-    soft = mtf.one_hot(targets, d["vocab"], dtype=logits.dtype)
+        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+    soft = one_hot(targets, d["vocab"], dtype=logits.dtype)
     if c.label_smoothing:  # spread over the real (unpadded) classes only
         spread = torch.zeros(c.padded_vocab)
         spread[: c.vocab_size] = c.label_smoothing / c.vocab_size
-        soft = soft * (1.0 - c.label_smoothing) + mtf.import_tensor(mesh, spread, [d["vocab"]], name="smoothing")
-    xent = mtf.layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"], z_loss=c.z_loss)
-    loss = task_loss = mtf.reduce_mean(xent, name="loss")
+        soft = soft * (1.0 - c.label_smoothing) + import_tensor(mesh, spread, [d["vocab"]], name="smoothing")
+    xent = layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"], z_loss=c.z_loss)
+    loss = task_loss = reduce_mean(xent, name="loss")
     aux_loss = None
     if aux_losses:
-        aux_loss = mtf.add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
+        aux_loss = add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
         loss = loss + aux_loss * c.moe_aux_loss_coef
     updates, step = [], None
     if optimizer is not None:
         variables = graph.trainable_variables
-        grads = mtf.gradients([loss], variables)
+        grads = gradients([loss], variables)
         if clip_norm:
-            grads, _ = mtf.optim.clip_by_global_norm(grads, clip_norm)
+            grads, _ = optim.clip_by_global_norm(grads, clip_norm)
         updates = optimizer.apply_grads(grads, variables)
     return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
 
 
 def _embed(ids, table, d):
-    """Embedding lookup: ``gather`` when available, else one_hot x einsum (Mesh TF's way)."""
-    gather = getattr(mtf, "gather", None)
-    if gather is not None:
-        return gather(table, ids, d["vocab"])
-    return mtf.einsum([mtf.one_hot(ids, d["vocab"]), table], reduced_dims=[d["vocab"]], name="embedding_lookup")
+    """Embedding lookup: ``gather`` of the ``ids`` rows of ``table`` (Mesh TF: one_hot x einsum, same values)."""
+    return gather(table, ids, d["vocab"])
 
 
 def flops_per_token(c: LMConfig) -> float:

@@ -1,4 +1,5 @@
-"""``meshtorch plan``: memory, FLOPs and communication of one LM training step, before running it.
+"""What ``meshtorch plan`` does (its parser: :mod:`meshtorch.cli.plan`): memory, FLOPs and communication
+of one LM training step, before running it.
 
 ``meshtorch plan --mesh "data:2,model:2" --layout "batch:data;heads:model"`` builds the LM training
 graph (AdamW), lowers it as a dry run (no variable storage is allocated, nothing runs) and prints
@@ -8,14 +9,17 @@ the :func:`meshtorch.planning.memory_report`; ``--search`` ranks every layout of
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 
-import meshtorch as mtf
 from meshtorch.core.errors import LayoutError
-from meshtorch.models.transformer import PRESETS, build_lm, preset
-from meshtorch.planning import CostModel, estimate_time, memory_report, search_layouts
+from meshtorch.lowering import Lowering
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.models.transformer import build_lm, preset
+from meshtorch.optim.adam import AdamWOptimizer
+from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.planning.memory import memory_report
+from meshtorch.planning.search import search_layouts
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
@@ -35,29 +39,6 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def add_plan_subcommand(subparsers) -> None:
-    """Register ``meshtorch plan`` on an argparse sub-parsers object."""
-    p = subparsers.add_parser("plan", help="memory, FLOPs and communication of an LM step, before running; "
-                                           "--search ranks layouts",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    for flag in ("layers", "d-model", "heads", "d-kv", "d-ff", "length", "batch-size", "vocab", "experts"):
-        p.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
-    p.add_argument("--mesh", default=DEFAULT_MESH, help='mesh shape, e.g. "data:2,model:2"; "" = 1 processor')
-    p.add_argument("--layout", default=DEFAULT_LAYOUT, help="layout rules tensor_dim:mesh_axis;...")
-    p.add_argument("--search", action="store_true", help="rank all layouts of --mesh instead of reporting --layout")
-    p.add_argument("--top", type=int, default=10, help="layouts to print with --search")
-    p.add_argument("--memory-limit", default=None, help="with --search: drop layouts needing more per processor "
-                                                        "(e.g. 16GiB)")
-    p.add_argument("--hardware", default="gpu", choices=["gpu", "cpu"],
-                   help="cost-model defaults: gpu = CostModel() (1e14 FLOP/s, 1e11 B/s, 1e-5 s), "
-                        "cpu = CostModel.cpu() (1e11, 1e10, 5e-5)")
-    p.add_argument("--flop-rate", type=float, default=None, help="cost model: FLOP/s per processor")
-    p.add_argument("--bandwidth", type=float, default=None, help="cost model: link bytes/s")
-    p.add_argument("--latency", type=float, default=None, help="cost model: seconds per collective")
-    p.set_defaults(func=main_plan)
-
-
 def _config(args, vocab_multiple: int):
     return preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
                   d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
@@ -69,14 +50,14 @@ def main_plan(args) -> list:
     base = CostModel.cpu() if args.hardware == "cpu" else CostModel()
     cost = CostModel(args.flop_rate or base.flop_rate, args.bandwidth or base.bandwidth,
                      args.latency if args.latency is not None else base.latency)
-    impl = mtf.PlacementMeshImpl(args.mesh, "" if args.search else args.layout)
+    impl = PlacementMeshImpl(args.mesh, "" if args.search else args.layout)
     if args.search:  # the vocab must be divisible by whichever axis the search puts it on
         multiple = math.lcm(*[d.size for d in impl.shape]) if impl.shape.ndims else 1
     else:
         a = impl.tensor_dimension_to_mesh_axis("vocab")
         multiple = 1 if a is None else impl.shape[a].size
     cfg = _config(args, multiple)
-    lm = build_lm(cfg, optimizer=mtf.optim.AdamWOptimizer(1e-3))
+    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     print(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size} "
@@ -86,7 +67,7 @@ def main_plan(args) -> list:
     fetches = [lm.loss] + lm.updates
     if not args.search:
         try:
-            lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+            lw = Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
         except LayoutError as e:
             raise SystemExit(f"meshtorch plan: illegal layout {args.layout!r}: {e}") from None
         rep = memory_report(lw, fetches)
@@ -110,5 +91,3 @@ def main_plan(args) -> list:
               f"{t['comm_s'] * 1e3:>10.3f}{r.total_bytes / 2 ** 20:>10.1f} MiB{comm / 2 ** 20:>8.2f} MiB")
     return ranked
 
-
-add_parser = add_plan_subcommand  # the cli's module protocol

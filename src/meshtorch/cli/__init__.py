@@ -1,19 +1,19 @@
-"""Command line: ``meshtorch <command> ...`` (also ``python -m meshtorch``).
+"""Command line: ``meshtorch <command> ...`` (also ``python -m meshtorch``): argument parsing only.
 
-Each command lives in its own module exposing ``add_parser(subparsers)`` (which sets
-``func``); add a new command by appending its module to ``_COMMANDS``.
+Each command lives in its own module of this package exposing ``add_parser(subparsers)`` (which
+sets ``func``, a function of :mod:`meshtorch.runtime`, :mod:`meshtorch.planning` or
+:mod:`meshtorch.mesh`); add a new command by appending its module to ``_COMMANDS``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from meshtorch.cli import launch, mnist, plan, sample, train
 from meshtorch.core.errors import MeshtorchError
 
-_COMMANDS = ["meshtorch.train", "meshtorch.sample_cmd", "meshtorch.mnist_job", "meshtorch.planning_cli",
-             "meshtorch.launch"]
+_COMMANDS = [train, sample, mnist, plan, launch]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
     for mod in _COMMANDS:
-        importlib.import_module(mod).add_parser(sub)
+        mod.add_parser(sub)
     return parser
 
 
@@ -36,7 +36,3 @@ def main(argv=None) -> int:
     except (MeshtorchError, ValueError) as e:
         print(f"meshtorch {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,9 @@
 """Layout-invariance checking: run one graph under many meshes and layouts, compare to PyTorch.
 
-``check_layouts`` is the project's shared test helper (and usable by anyone writing an op):
-it builds the graph once per layout, runs it on a PlacementMeshImpl, and compares values *and*
-gradients with the same computation done by plain PyTorch autograd on full tensors.
+``check_layouts`` (re-exported by :mod:`meshtorch.testing`) is the project's shared test helper
+(and usable by anyone writing an op): it builds the graph once per layout, runs it on a
+PlacementMeshImpl, and compares values *and* gradients with the same computation done by plain
+PyTorch autograd on full tensors.
 """
 
 from __future__ import annotations

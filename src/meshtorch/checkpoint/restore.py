@@ -9,7 +9,7 @@ import warnings
 import safetensors
 import torch
 
-from meshtorch.checkpoint_format import (
+from meshtorch.checkpoint.format import (
     _CKPT_RE,
     MANIFEST,
     _dtype_name,

@@ -1,12 +1,12 @@
 """The ``meshtorch mnist`` job: train the Mesh TF README model on (Fashion-)MNIST.
 
-The training loop is shared by the command line (:mod:`meshtorch.cli`) and the tests. Batches
+The training loop is shared by the command line (:mod:`meshtorch.cli.mnist`) and the tests. Batches
 are drawn from a permutation made by a ``torch.Generator`` seeded with ``seed`` alone, so runs
 under different meshes and layouts see exactly the same batches in the same order.
 
 The same code runs as one process (a simulated mesh, :class:`~meshtorch.mesh.placement.PlacementMeshImpl`)
 or as one process per processor under ``torchrun`` / ``meshtorch launch``
-(:class:`~meshtorch.mesh.spmd.SpmdMeshImpl`, chosen by :func:`meshtorch.launch.make_mesh_impl`). Every
+(:class:`~meshtorch.mesh.spmd.SpmdMeshImpl`, chosen by :func:`meshtorch.mesh.make_mesh_impl`). Every
 process draws the same permutation but reads only the examples of its own batch slice
 (:func:`~meshtorch.data.sharding.local_batch_indices`) and feeds them with ``feed_slices=True``;
 evaluation feeds slices the same way and gathers the logits. Only the main process prints.
@@ -22,9 +22,11 @@ import torch
 
 from meshtorch.data.mnist import load_mnist
 from meshtorch.data.sharding import local_batch_indices, local_feed
-from meshtorch.launch import is_main_process, make_mesh_impl
 from meshtorch.lowering import Lowering
+from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.models.mnist import MnistModel, build_mnist_model
+from meshtorch.models.mnist_conv import build_conv_model, pixel_stats
+from meshtorch.runtime.optional import optional_module
 
 
 @dataclass
@@ -112,7 +114,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
                 activation: str = "relu") -> MnistRun:
     """Train the README MNIST model with SGD; evaluate after each epoch.
 
-    The mesh is :func:`meshtorch.launch.make_mesh_impl`'s: SPMD (one processor per process) under
+    The mesh is :func:`meshtorch.mesh.make_mesh_impl`'s: SPMD (one processor per process) under
     torchrun / ``meshtorch launch``, else a simulated placement mesh. Each process reads only its
     batch slices. ``progress`` and ``log`` act on the main process only.
 
@@ -153,7 +155,6 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
     if model_kind == "conv":
         if activation_dtype != torch.float32:
             raise ValueError("mnist: --activation-dtype applies to the mlp model only.")
-        from meshtorch.models.mnist_conv import build_conv_model, pixel_stats
         mean, std = pixel_stats(train_x)
         model = build_conv_model(batch_size=batch_size, seed=seed, hidden_size=hidden, learning_rate=lr,
                                  rows=train_x.shape[1], cols=train_x.shape[2], activation=activation,
@@ -163,13 +164,13 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
                                   rows=train_x.shape[1], cols=train_x.shape[2], activation_dtype=activation_dtype)
     else:
         raise ValueError(f"mnist: unknown model {model_kind!r}; choose mlp or conv.")
-    lowering = Lowering(model.graph, {model.mesh: make_mesh_impl(mesh_shape, layout)})
-    main_process = is_main_process()
+    impl = make_mesh_impl(mesh_shape, layout)
+    lowering = Lowering(model.graph, {model.mesh: impl})
+    main_process = impl.is_leader()
     progress = progress and main_process
     log = log if main_process else None
     if start_log is not None and main_process:
-        import torch.distributed as dist
-        procs = dist.get_world_size() if dist.is_initialized() else 1
+        procs = impl.size // len(impl.local_pnums())
         what = f"{model_kind}, {activation}" if model_kind == "conv" else model_kind
         start_log(f"meshtorch mnist ({what}): mesh {mesh_shape!r} layout {layout!r} epochs {epochs} batch {batch_size} "
                   f"hidden {hidden} lr {lr} seed {seed} processes {procs} threads {torch.get_num_threads()}")
@@ -181,7 +182,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
         perm = torch.randperm(n, generator=gen)
         bar = None
         if progress:
-            from tqdm import tqdm
+            tqdm = optional_module("tqdm", "meshtorch mnist's progress bar (--no-progress: none)").tqdm
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step", leave=False)
         t0 = time.perf_counter()
         epoch_losses = []
@@ -214,46 +215,7 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
     return MnistRun(stats, step_losses, model, lowering, time.perf_counter() - t_start, config)
 
 
-def add_parser(subparsers):
-    """Register ``meshtorch mnist`` on an argparse subparsers object."""
-    from meshtorch.data.mnist import DEFAULT_DATA_DIR
-    p = subparsers.add_parser(
-        "mnist", help="train Mesh TF's README MNIST model on (Fashion-)MNIST",
-        description="Train Mesh TensorFlow's README MNIST model (one hidden ReLU layer, SGD) on a simulated "
-                    "processor mesh, or as one process per processor under "
-                    "`torchrun --nproc-per-node N -m meshtorch mnist` or `meshtorch launch -n N -- mnist` "
-                    "(each process feeds only its batch slice; rank 0 prints). "
-                    "The layout changes where computation and communication happen, never the numbers.")
-    p.add_argument("--model", default="mlp", choices=sorted(MODEL_DEFAULTS),
-                   help="mlp: Mesh TF's README model; conv: Mesh TF's examples/mnist.py (spatially partitioned "
-                        "convolutions) (default: %(default)s)")
-    p.add_argument("--mesh", default=None, help='mesh shape, e.g. "rows:2;cols:2", "all:4", or "" for one processor '
-                   "(default: mlp rows:2;cols:2, conv b1:2;b2:2)")
-    p.add_argument("--layout", default=None, help="layout rules tensor_dim:mesh_axis (default: mlp "
-                   "batch:rows;hidden:cols, conv row_blocks:b1;col_blocks:b2)")
-    p.add_argument("--epochs", type=int, default=None, help="passes over the training set (default: mlp 3, conv 2)")
-    p.add_argument("--batch-size", type=int, default=None, help="examples per step (default: mlp 100, conv 200)")
-    p.add_argument("--hidden", type=int, default=None, help="size of the hidden dims (default: mlp 1024, conv 512)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: mlp 0.1 SGD, conv 0.01 momentum "
-                   "after a 100-step warmup)")
-    p.add_argument("--activation", default="relu", choices=["relu", "gelu"],
-                   help="conv model: activation after the convolutions and hidden layers (default: %(default)s, as "
-                        "Mesh TF; with gelu, float32 runs under different layouts stay equal to ~1e-6)")
-    p.add_argument("--seed", type=int, default=0, help="seed of initial weights and shuffling (default: %(default)s)")
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="directory of the IDX files (default: %(default)s)")
-    p.add_argument("--steps-per-epoch", type=int, default=None, help="cap on steps per epoch (default: all)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (default 0: torch's default, one per core); 1 is much faster on "
-                        "a CPU shared with other busy processes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
-    p.add_argument("--activation-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype; weights stay float32 (mtf.VariableDType) (default: %(default)s)")
-    p.set_defaults(func=main)
-    return p
-
-
-def main(args) -> int:
+def main_mnist(args) -> int:
     """Run the job from parsed arguments; print per-epoch results and the communication summary."""
     for k, v in MODEL_DEFAULTS[args.model].items():
         if getattr(args, k) is None:
@@ -271,7 +233,7 @@ def main(args) -> int:
                       activation=args.activation,
                       progress=not args.no_progress, log=lambda s: print(s, flush=True),
                       start_log=lambda s: print(s, flush=True))
-    if is_main_process():  # after train_mnist: under torchrun it initialized torch.distributed
+    if next(iter(run.lowering.mesh_to_impl.values())).is_leader():  # rank 0 only, under torchrun
         print(run.lowering.counters.summary())
         print(f"wall time {run.wall_seconds:.1f}s")
     return 0

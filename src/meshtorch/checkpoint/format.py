@@ -1,6 +1,6 @@
 """Checkpoint format: constants, manifest reading, the process topology of a mesh, and finding
-complete checkpoints. Shared by :mod:`meshtorch.checkpoint` (save) and
-:mod:`meshtorch.checkpoint_restore` (restore); the format is described in ``docs/checkpoints.md``.
+complete checkpoints. Shared by :mod:`meshtorch.checkpoint.save` and
+:mod:`meshtorch.checkpoint.restore`; the format is described in ``docs/checkpoints.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import re
 import torch
 
 from meshtorch.core.errors import CheckpointError
-from meshtorch.mesh.placement import PlacementMeshImpl
 
 FORMAT = "meshtorch-checkpoint"
 FORMAT_VERSION = 1
@@ -24,22 +23,10 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 # ===================================================================== process topology
 def _local_pnums(impl) -> list[int]:
-    """Processors whose slices this process holds, in the order ``impl.local_slices`` returns them.
-
-    A mesh implementation may say so itself (``impl.local_pnums``, a list or a method); the placement
-    mesh holds all; otherwise one process per processor is assumed (rank = pnum, as torchrun).
-    """
-    lp = getattr(impl, "local_pnums", None)
-    if lp is not None:
-        return list(lp() if callable(lp) else lp)
-    if isinstance(impl, PlacementMeshImpl):
-        return list(range(impl.size))
-    for attr in ("pnum", "rank"):
-        if isinstance(getattr(impl, attr, None), int):
-            return [getattr(impl, attr)]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return [torch.distributed.get_rank()]
-    return list(range(impl.size))
+    """Processors whose slices this process holds, in the order ``impl.local_slices`` returns them
+    (``MeshImpl.local_pnums``; a list attribute of that name is accepted too)."""
+    lp = impl.local_pnums
+    return list(lp() if callable(lp) else lp)
 
 
 def _impls(lowering) -> list:
@@ -51,18 +38,15 @@ def _multi_process(lowering) -> bool:
 
 
 def _is_leader(lowering) -> bool:
+    """True in the process that writes the manifest (``MeshImpl.is_leader`` of the first mesh)."""
     impls = _impls(lowering)
-    return not impls or 0 in _local_pnums(impls[0])
+    return not impls or impls[0].is_leader()
 
 
 def _barrier(lowering):
-    if not _multi_process(lowering):
-        return
-    impl = _impls(lowering)[0]
-    if callable(getattr(impl, "barrier", None)):
-        impl.barrier()
-    elif torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    """``MeshImpl.barrier`` of the first mesh, when its processors live in several processes."""
+    if _multi_process(lowering):
+        _impls(lowering)[0].barrier()
 
 
 # ===================================================================== small helpers

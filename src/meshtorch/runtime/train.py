@@ -8,99 +8,72 @@ byte, writes a loss-curve PNG and prints a sample.
 
 Under ``torchrun --nproc-per-node N`` / ``meshtorch launch -n N`` (N = mesh size) every process
 holds one processor (:class:`~meshtorch.mesh.spmd.SpmdMeshImpl`): all draw the same batches, each
-feeds only its rows of the batch (``feed_slices=True``), every process calls ``mtf.save`` (each
-writes the slices it owns) and ``mtf.restore``; only the main process prints, shows the progress
+feeds only its rows of the batch (``feed_slices=True``), every process calls ``save`` (each
+writes the slices it owns) and ``restore``; only the main process prints, shows the progress
 bar and writes the plot and the tokenizer.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
 
 import torch
 
-import meshtorch as mtf
+from meshtorch.checkpoint import latest_checkpoint, restore, save
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
-from meshtorch.models.transformer import PRESETS, build_lm, flops_per_token, preset
+from meshtorch.lowering import Lowering
+from meshtorch.mesh.factory import make_mesh_impl
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.mesh.process import init_distributed
+from meshtorch.models.transformer import build_lm, flops_per_token, preset
+from meshtorch.optim import (
+    AdafactorOptimizer,
+    AdamOptimizer,
+    AdamWOptimizer,
+    MomentumOptimizer,
+    SgdOptimizer,
+    cosine_decay_with_warmup,
+    linear_warmup,
+    rsqrt_decay,
+)
+from meshtorch.runtime.generate import sample
+from meshtorch.runtime.optional import optional_module
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
 
 
-def add_train_subcommand(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a Transformer LM (the main job)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    for flag, typ in (("layers", int), ("d-model", int), ("heads", int), ("d-kv", int), ("d-ff", int),
-                      ("length", int), ("batch-size", int), ("dropout", float), ("experts", int)):
-        p.add_argument(f"--{flag}", type=typ, default=None, help="override the preset")
-    p.add_argument("--activation", default=None, choices=["relu", "gelu", "gelu_tanh", "silu"])
-    p.add_argument("--gated", action="store_true", help="gated feed-forward (GEGLU/SwiGLU)")
-    p.add_argument("--norm", default=None, choices=["rms", "layer"])
-    p.add_argument("--mesh", default=DEFAULT_MESH, help='mesh shape, e.g. "data:2,model:2"; "" = 1 processor')
-    p.add_argument("--layout", default=DEFAULT_LAYOUT, help="layout rules tensor_dim:mesh_axis;...")
-    p.add_argument("--data", nargs="*", default=None, help="UTF-8 text files (default: built-in corpus)")
-    p.add_argument("--tokenizer", default="byte", choices=["byte", "sentencepiece"],
-                   help="UTF-8 bytes, or a SentencePiece model trained on the training documents")
-    p.add_argument("--vocab-size", type=int, default=1024, help="SentencePiece vocabulary size")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"])
-    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (adafactor: <= 0 = its own schedule)")
-    p.add_argument("--schedule", default="cosine", choices=["constant", "linear-warmup", "rsqrt", "cosine"])
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clipping (0: off)")
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0: torch's default). One is fastest for the small per-processor "
-                        "slices of a simulated mesh on a few cores; raise it for large models")
-    p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
-    p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (atomic, restorable on any layout)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--sample", type=int, default=200, help="bytes to sample after training (0: none)")
-    p.add_argument("--prompt", default="The ")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.set_defaults(func=main_train)
-
-
 def vocab_multiple(mesh_shape: str, layout: str) -> int:
     """The mesh-axis size that splits ``vocab`` under ``layout`` (1 if none)."""
-    impl = mtf.PlacementMeshImpl(mesh_shape, layout)
+    impl = PlacementMeshImpl(mesh_shape, layout)
     a = impl.tensor_dimension_to_mesh_axis("vocab")
     return 1 if a is None else impl.shape[a].size
 
 
 def make_optimizer(args):
     """The optimizer named by ``--optimizer`` with the ``--schedule`` learning rate."""
-    o = mtf.optim
     total = max(args.steps, 2)
     peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
     if args.schedule == "constant":
         lr = peak
     elif args.schedule == "linear-warmup":
-        lr = lambda step: o.linear_warmup(step, warm, peak)  # noqa: E731
+        lr = lambda step: linear_warmup(step, warm, peak)  # noqa: E731
     elif args.schedule == "rsqrt":
-        lr = lambda step: o.rsqrt_decay(step, warm, peak * math.sqrt(warm))  # noqa: E731
+        lr = lambda step: rsqrt_decay(step, warm, peak * math.sqrt(warm))  # noqa: E731
     else:
-        lr = lambda step: o.cosine_decay_with_warmup(step, peak, warm, total)  # noqa: E731
+        lr = lambda step: cosine_decay_with_warmup(step, peak, warm, total)  # noqa: E731
     if args.optimizer == "adamw":
-        return o.AdamWOptimizer(lr, weight_decay=args.weight_decay)
+        return AdamWOptimizer(lr, weight_decay=args.weight_decay)
     if args.optimizer == "adam":
-        return o.AdamOptimizer(lr, weight_decay=args.weight_decay)
+        return AdamOptimizer(lr, weight_decay=args.weight_decay)
     if args.optimizer == "adafactor":
-        return o.AdafactorOptimizer(learning_rate=None if args.lr <= 0 else lr)
+        return AdafactorOptimizer(learning_rate=None if args.lr <= 0 else lr)
     if args.optimizer == "momentum":
-        return o.MomentumOptimizer(lr, 0.9)
-    return o.SgdOptimizer(lr)
+        return MomentumOptimizer(lr, 0.9)
+    return SgdOptimizer(lr)
 
 
 def measure_peak_flops(seconds: float = 0.5, n: int = 512) -> float:
@@ -112,21 +85,6 @@ def measure_peak_flops(seconds: float = 0.5, n: int = 512) -> float:
         a @ b
         count += 1
     return 2 * n ** 3 * count / (time.perf_counter() - t0)
-
-
-def make_mesh_impl(mesh_shape: str, layout: str):
-    """SPMD under torchrun (when available and WORLD_SIZE > 1), else the simulated placement mesh."""
-    try:
-        from meshtorch.launch import make_mesh_impl as spmd_or_placement
-    except ImportError:
-        return mtf.PlacementMeshImpl(mesh_shape, layout)
-    return spmd_or_placement(mesh_shape, layout)
-
-
-def is_main_process() -> bool:
-    """True on rank 0 under torchrun, and in a single process."""
-    from meshtorch.launch import is_main_process as main
-    return main()
 
 
 def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
@@ -152,15 +110,20 @@ def evaluate(lowering, lm, dataset, batches: int) -> float:
 
 
 def main_train(args) -> dict:
-    from tqdm import tqdm
+    """Run ``meshtorch train`` from its parsed arguments (:mod:`meshtorch.cli.train`); returns the history,
+    bits per byte, tokens/s, the lowering, the LM and the sample ids.
 
+    Raises:
+        MeshtorchError: if tqdm (the ``meshtorch[cli]`` extra) is not installed.
+    """
+    tqdm = optional_module("tqdm", "meshtorch train's progress bar").tqdm
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
-        from meshtorch.launch import init_distributed
         init_distributed()
-    main_process = is_main_process()
+    impl = make_mesh_impl(args.mesh, args.layout)
+    main_process = impl.is_leader()
 
     def say(*a):
         if main_process:
@@ -180,11 +143,11 @@ def main_train(args) -> dict:
     dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
     bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
-    lowering = mtf.Lowering(lm.graph, {lm.mesh: make_mesh_impl(args.mesh, args.layout)})
+    lowering = Lowering(lm.graph, {lm.mesh: impl})
     eval_lm, eval_lowering = lm, lowering
     if cfg.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
         eval_lm = build_lm(cfg, seed=args.seed, train=False)
-        eval_lowering = mtf.Lowering(eval_lm.graph, {eval_lm.mesh: make_mesh_impl(args.mesh, args.layout)})
+        eval_lowering = Lowering(eval_lm.graph, {eval_lm.mesh: make_mesh_impl(args.mesh, args.layout)})
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     say(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
@@ -200,10 +163,10 @@ def main_train(args) -> dict:
     if args.resume:
         if not args.checkpoint_dir:
             raise SystemExit("--resume needs --checkpoint-dir")
-        if mtf.latest_checkpoint(args.checkpoint_dir) is None:
+        if latest_checkpoint(args.checkpoint_dir) is None:
             say(f"no checkpoint in {args.checkpoint_dir!r} yet: starting from scratch")
         else:
-            meta = mtf.restore(lowering, args.checkpoint_dir)
+            meta = restore(lowering, args.checkpoint_dir)
             pos = (meta.get("extra") or {}).get("data", {})
             start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
             say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})")
@@ -240,7 +203,7 @@ def main_train(args) -> dict:
                            f"{val / math.log(2) / bpt:.4f} bits per byte")
         if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
                                     or step + 1 == args.steps):
-            mtf.save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
+            save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
                      extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
                             "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
     if not history["val_loss"]:
@@ -257,7 +220,6 @@ def main_train(args) -> dict:
         say(f"loss curve: {args.plot}")
     ids = None
     if args.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
-        from meshtorch.generate import sample
         ids = sample(eval_lowering, eval_lm, tok.encode(args.prompt), max_new_tokens=args.sample,
                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)[0]
         say("sample:\n" + args.prompt + tok.decode(ids))
@@ -266,10 +228,9 @@ def main_train(args) -> dict:
 
 
 def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:
-    import matplotlib
-
+    matplotlib = optional_module("matplotlib", "meshtorch train --plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional_module("matplotlib.pyplot", "meshtorch train --plot")
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -284,5 +245,3 @@ def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-
-add_parser = add_train_subcommand  # the cli's module protocol

@@ -1,6 +1,6 @@
 """Running functions in N gloo processes on loopback, and the SPMD op-suite check.
 
-:func:`run_spmd` starts ``nprocs`` Python processes (``python -m meshtorch.testing_spmd``) with
+:func:`run_spmd` starts ``nprocs`` Python processes (``python -m meshtorch.testing.spmd``) with
 torchrun's environment, each calls ``init_distributed`` and then ``target(*args)``; return values
 come back pickled, per rank. The whole job is bounded by ``timeout_s`` (stragglers are killed), so
 a test never hangs. :func:`op_suite_worker` runs every ``OP_CASES`` entry of the given modules on
@@ -21,11 +21,14 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-import meshtorch
-from meshtorch.launch import free_port, init_distributed, launch_env
+from meshtorch.mesh.process import init_distributed
+from meshtorch.mesh.spmd import SpmdMeshImpl
+from meshtorch.runtime.launcher import free_port, launch_env
+from meshtorch.testing.layouts import enumerate_layouts, reference_run, rel_error, run_layout
 
-SRC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(meshtorch.__file__)))
+SRC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the directory of meshtorch/
 
 
 @dataclass
@@ -69,7 +72,7 @@ def run_spmd(target: str, args=(), nprocs: int = 4, timeout_s: float = 120.0, di
         base["OMP_NUM_THREADS"] = "1"
         errs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(nprocs)]  # noqa: SIM115
         start, start_wall = time.monotonic(), time.time()
-        procs = [subprocess.Popen([sys.executable, "-m", "meshtorch.testing_spmd", tmp],
+        procs = [subprocess.Popen([sys.executable, "-m", "meshtorch.testing.spmd", tmp],
                                   env=launch_env(r, nprocs, port, base, dist_timeout_s),
                                   stdout=subprocess.DEVNULL, stderr=errs[r]) for r in range(nprocs)]
         exit_times = [None] * nprocs
@@ -117,8 +120,6 @@ def _child_main(tmp: str):
 # ====================================================================== the op suite on SPMD
 def spmd_layouts(case, per_mesh: int = 2) -> list:
     """Up to ``per_mesh`` legal layouts on ``all:4`` and on ``rows:2;cols:2`` (replicated if none is legal)."""
-    from meshtorch.testing import enumerate_layouts
-
     out = []
     for m in ("all:4", "rows:2;cols:2"):
         lays = enumerate_layouts(case.build, case.inputs, meshes=(m,), exclude=case.exclude)[:per_mesh]
@@ -134,10 +135,6 @@ def op_suite_worker(module_names, per_mesh: int = 2, rtol_vs_placement: float = 
 
     Returns (rank 0) ``{case name: [(mesh, layout, error message or None)]}``; other ranks ``{}``.
     """
-    import torch.distributed as dist
-
-    from meshtorch.testing import reference_run, rel_error, run_layout
-
     rank = dist.get_rank()
     report: dict = {}
     for name in module_names:
@@ -163,14 +160,10 @@ def op_suite_worker(module_names, per_mesh: int = 2, rtol_vs_placement: float = 
 
 
 def _make_spmd(mesh_shape, layout):
-    from meshtorch.mesh.spmd import SpmdMeshImpl
-
     return SpmdMeshImpl(mesh_shape, layout, async_allreduce=(mesh_shape == "rows:2;cols:2"))
 
 
 def _same_on_all_ranks(inputs) -> bool:
-    import torch.distributed as dist
-
     sums = []
     for _, (_, v) in sorted(inputs.items()):
         v = torch.nan_to_num(v.detach().to(torch.float64).reshape(-1), nan=12345.0, posinf=1e300, neginf=-1e300)

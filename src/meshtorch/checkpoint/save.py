@@ -22,7 +22,7 @@ materialises a full tensor it does not hold. Format and guarantees: ``docs/check
 Mesh TF saved full variables through ``tf.train.Saver`` (one host gathers); we follow the sharded
 approach of PyTorch Distributed Checkpoint (DCP), with safetensors files.
 
-This module writes; :mod:`meshtorch.checkpoint_restore` reads; :mod:`meshtorch.checkpoint_format`
+This module writes; :mod:`meshtorch.checkpoint.restore` reads; :mod:`meshtorch.checkpoint.format`
 holds what both share (constants, manifest loading, process topology, :func:`latest_checkpoint`).
 """
 
@@ -36,7 +36,8 @@ import time
 
 import safetensors.torch
 
-from meshtorch.checkpoint_format import (
+from meshtorch._version import __version__
+from meshtorch.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -54,15 +55,10 @@ from meshtorch.checkpoint_format import (
     _var_table,
     _volume,
     _write_json,
-    latest_checkpoint,
-    load_manifest,
 )
-from meshtorch.checkpoint_restore import restore
 from meshtorch.core.errors import CheckpointError
-from meshtorch.interchange import from_torch_state_dict, to_torch_state_dict
 
-__all__ = ["CheckpointError", "save", "restore", "latest_checkpoint", "to_torch_state_dict",
-           "from_torch_state_dict", "load_manifest"]
+__all__ = ["save"]
 
 
 # ===================================================================== save
@@ -204,8 +200,6 @@ def _write_full(lowering, tmp: str) -> dict:
 
 def _manifest(lowering, tmp: str, step: int, extra) -> dict:
     """Merge the per-process index files into the manifest; check every variable is fully covered."""
-    from meshtorch import __version__
-
     files = {}
     for fn in sorted(os.listdir(tmp)):
         if fn.startswith("index-") and fn.endswith(".json"):

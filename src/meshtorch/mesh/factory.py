@@ -1,0 +1,29 @@
+"""The mesh implementation for how this process was started (one program, either way)."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from meshtorch.mesh.base import MeshImpl
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.mesh.process import init_distributed
+from meshtorch.mesh.spmd import SpmdMeshImpl
+
+
+def make_mesh_impl(mesh_shape, layout, device=None) -> MeshImpl:
+    """The mesh implementation for how this process was started.
+
+    Under torchrun / ``meshtorch launch`` (``WORLD_SIZE`` > 1): initializes ``torch.distributed`` if
+    needed and returns ``SpmdMeshImpl(mesh_shape, layout, device)`` (the mesh size must equal the
+    world size). Otherwise a ``PlacementMeshImpl(mesh_shape, layout)`` simulating the mesh in this
+    one process (``device``, if given, holds every processor's slices).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
+        init_distributed()
+        return SpmdMeshImpl(mesh_shape, layout, device=device)
+    impl = PlacementMeshImpl(mesh_shape, layout)
+    if device is not None:
+        impl = PlacementMeshImpl(mesh_shape, layout, devices=[device] * impl.size)
+    return impl

@@ -1,0 +1,19 @@
+"""Planning before running: memory, FLOPs and communication of one run, and a layout search.
+
+Everything here reads the lowered program, never runs it, so it works on a dry-run lowering
+(``Lowering(graph, impls, materialize=False)``) that allocates no variable storage: a model too
+big for this machine can still be planned.
+
+* :mod:`~meshtorch.planning.memory`: :func:`memory_report` -> :class:`MemoryReport`.
+* :mod:`~meshtorch.planning.cost`: :class:`CostModel` and :func:`estimate_time`, a simple
+  alpha-beta model of one step's time.
+* :mod:`~meshtorch.planning.search`: :func:`search_layouts` ranks the legal layouts of a mesh.
+* :mod:`~meshtorch.planning.command`: what ``meshtorch plan`` prints for the LM.
+"""
+
+from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.planning.memory import MemoryReport, memory_report
+from meshtorch.planning.search import candidate_layouts, graph_dimensions, search_layouts
+
+__all__ = ["CostModel", "MemoryReport", "candidate_layouts", "estimate_time", "graph_dimensions", "memory_report",
+           "search_layouts"]

@@ -1,0 +1,259 @@
+"""Memory, FLOPs and communication of one run of a lowered program, before running it.
+
+:func:`memory_report` -> :class:`MemoryReport`: per processor, the bytes of every variable slice
+(parameters and optimizer slots), plan-time constants, an estimate of the peak bytes of live
+intermediate values while the planned steps of ``fetches`` execute in order, the FLOPs (einsum
+multiply-adds, global and per processor) and every collective with its bytes. It reads the lowered
+program (:class:`~meshtorch.lowering.Lowering`), never runs it, so it works on a dry-run lowering
+(``Lowering(graph, impls, materialize=False)``) that allocates no variable storage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from meshtorch.core.graph import Operation
+from meshtorch.lowering import Lowering
+from meshtorch.lowering.counters import Collective, Counters, _human
+
+__all__ = ["MemoryReport", "memory_report"]
+
+
+@dataclass
+class MemoryReport:
+    """What one run of the fetches costs each processor, known before running.
+
+    Byte figures are per processor (every processor holds equal slices by construction).
+
+    Attributes:
+        num_processors: processors of the mesh (the largest mesh if several).
+        variables: ``{variable name: bytes of its slice}``.
+        trainable_bytes: slices of trainable variables (the parameters).
+        non_trainable_bytes: slices of the other variables (optimizer slots, step counter).
+        constant_bytes: plan-time constants kept by the lowering (masks, offsets, imported tensors).
+        peak_activation_bytes: estimated peak of live intermediate values (placeholder feeds,
+            step outputs, collective buffers) while the planned steps run in order, each freed
+            after its last use as ``Lowering.run`` does; views are counted as copies, so this
+            errs high.
+        peak_step: ``(index, op name)`` of the step at which the peak is reached.
+        largest_slot_bytes: the largest single intermediate value.
+        estimated_slots: intermediate slots whose size the lowering did not record and that
+            were estimated (collective outputs from the collective's bytes; other outputs as
+            their largest input).
+        einsum_flops: global multiply-add FLOPs of the einsums (2 per multiply-add), as
+            ``Lowering.plan_counters``.
+        flops_per_processor: einsum FLOPs one processor executes: each einsum's FLOPs divided by
+            the sizes of the mesh axes that split it (replicated work counts on every processor).
+        counters: the planned :class:`~meshtorch.lowering.counters.Counters` (every collective).
+        mesh_axis_sizes: ``{mesh axis name: size}``, for the cost model.
+        layout: the layout rules, as text (for reports).
+        estimated_time: seconds under a :class:`CostModel`, filled in by :func:`search_layouts`.
+    """
+
+    num_processors: int
+    variables: dict[str, int]
+    trainable_bytes: int
+    non_trainable_bytes: int
+    constant_bytes: int
+    peak_activation_bytes: int
+    peak_step: tuple[int, str]
+    largest_slot_bytes: int
+    estimated_slots: int
+    einsum_flops: int
+    flops_per_processor: int
+    counters: Counters
+    mesh_axis_sizes: dict[str, int] = field(default_factory=dict)
+    layout: str = ""
+    estimated_time: dict | None = None
+
+    @property
+    def variable_bytes(self) -> int:
+        """All variable slices held by one processor."""
+        return self.trainable_bytes + self.non_trainable_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Variables + constants + peak activations: the per-processor memory estimate."""
+        return self.variable_bytes + self.constant_bytes + self.peak_activation_bytes
+
+    def communication(self) -> dict[tuple[str, tuple[str, ...]], tuple[int, int]]:
+        """``{(kind, mesh axes): (count, bytes per processor)}`` for one run."""
+        out: dict = defaultdict(lambda: [0, 0])
+        for c, n in self.counters.records.items():
+            out[(c.kind, tuple(c.mesh_axes))][0] += n
+            out[(c.kind, tuple(c.mesh_axes))][1] += c.bytes_per_processor * n
+        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
+    def summary(self) -> str:
+        """A readable table of the report."""
+        n = self.num_processors
+        lines = [f"plan for {n} processor(s){' layout ' + repr(self.layout) if self.layout else ''} "
+                 "(bytes per processor):",
+                 f"  parameters (trainable variables)   {_human(self.trainable_bytes):>12}",
+                 f"  other variables (optimizer state)  {_human(self.non_trainable_bytes):>12}",
+                 f"  constants                          {_human(self.constant_bytes):>12}",
+                 f"  peak activations (estimate)        {_human(self.peak_activation_bytes):>12}"
+                 f"   at step {self.peak_step[0]} ({self.peak_step[1]})",
+                 f"  total                              {_human(self.total_bytes):>12}",
+                 f"  largest single activation          {_human(self.largest_slot_bytes):>12}"
+                 + (f"   ({self.estimated_slots} slot size(s) estimated)" if self.estimated_slots else ""),
+                 f"einsum FLOPs per step: {self.einsum_flops:.3e} global, {self.flops_per_processor:.3e} "
+                 "per processor"]
+        comm = self.communication()
+        if not comm:
+            lines.append("communication per step: none (everything local)")
+        else:
+            total = sum(b for _, b in comm.values())
+            lines.append(f"communication per step: {sum(c for c, _ in comm.values())} collectives, "
+                         f"{_human(total)} per processor")
+            lines.append(f"  {'collective':<12}{'mesh axes':<16}{'count':>7}{'bytes/processor':>18}")
+            for (kind, axes), (count, b) in comm.items():
+                lines.append(f"  {kind:<12}{','.join(axes):<16}{count:>7}{_human(b):>18}")
+        if self.estimated_time:
+            t = self.estimated_time
+            lines.append(f"estimated step time: {t['total_s'] * 1e3:.3f} ms (compute {t['compute_s'] * 1e3:.3f} ms, "
+                         f"communication {t['comm_s'] * 1e3:.3f} ms)")
+        return "\n".join(lines)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _tensor_slice_bytes(lowering: Lowering, t) -> int:
+    return int(np.prod(lowering.slice_shape(t), dtype=np.int64)) * _itemsize(t.dtype)
+
+
+def _value_bytes(v) -> float:
+    """Per-processor bytes of a laid-out value (a list of per-processor slices, or one slice)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, list | tuple) and v:
+        return sum(_value_bytes(x) for x in v) / len(v)
+    return 0
+
+
+def _step_records(steps, out: dict):
+    """``{output slot: Step}`` over a step list and its sub-programs."""
+    for st in steps:
+        for o in st.outputs:
+            out[o] = st
+        for _, sub in st.subprograms:
+            _step_records(sub.listing, out)
+    return out
+
+
+class _Sizer:
+    """Per-processor byte size of every slot of a lowering (recorded, or estimated)."""
+
+    def __init__(self, lowering: Lowering):
+        self.lw = lowering
+        self.records = _step_records(lowering.steps, {})
+        prog = lowering.program
+        self.free = {v.slot for v in prog.variables.values()} | set(prog.constants)  # counted elsewhere
+        self.axis_sizes = {d.name: d.size for impl in lowering.mesh_to_impl.values() for d in impl.shape}
+        self.cache: dict[int, int] = {}
+        self.estimated = 0
+
+    def __call__(self, slot: int) -> int:
+        if slot in self.free:
+            return 0
+        b = self.lw.slot_bytes.get(slot)
+        if b is not None:
+            return b
+        if slot not in self.cache:
+            self.cache[slot] = self._estimate(slot)
+            self.estimated += 1
+        return self.cache[slot]
+
+    def _estimate(self, slot: int) -> int:
+        st = self.records.get(slot)
+        if st is None:
+            return 0
+        c: Collective | None = st.collective
+        if c is not None:
+            group = math.prod(self.axis_sizes.get(a, 1) for a in c.mesh_axes)
+            return c.bytes_per_processor * (group if c.kind == "allgather" else 1)
+        return max((self(i) for i in st.inputs), default=0)
+
+
+def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int]:
+    """(peak live bytes, index of the peak step, largest slot) of executing ``steps`` in order
+    (freeing ``all_frees[i]`` after step ``i``), starting with ``live`` bytes (the feeds) live."""
+    peak = live
+    peak_i, largest = -1, 0
+    for i, (st, frees) in enumerate(zip(steps, all_frees, strict=True)):
+        outs = st.outputs
+        out_b = [size(o) for o in outs]
+        largest = max([largest, *out_b])
+        transient = 0
+        for _, sub in st.subprograms:
+            sub_peak, _, sub_largest = _walk(sub.steps, sub.frees, size, records)
+            transient = max(transient, sub_peak)
+            largest = max(largest, sub_largest)
+        if live + sum(out_b) + transient > peak:
+            peak, peak_i = live + sum(out_b) + transient, i
+        live += sum(out_b)
+        for f in frees:
+            live -= size(f)
+    return peak, peak_i, largest
+
+
+def _split_factor(lowering: Lowering, op: Operation) -> int:
+    """Product of the mesh-axis sizes splitting any input or output of ``op`` (an einsum splits
+    its computation over each of them; operands split differently are all-gathered first)."""
+    impl = lowering.mesh_impl(op)
+    axes = {a for t in [*op.inputs, *op.outputs] for a in lowering.tensor_layout(t) if a is not None}
+    return math.prod(impl.shape[a].size for a in axes)
+
+
+def memory_report(lowering: Lowering, fetches) -> MemoryReport:
+    """Memory, FLOPs and communication of one ``lowering.run(fetches)``, without running it.
+
+    Args:
+        lowering: a Lowering (``materialize=False`` is enough).
+        fetches: what ``run`` would fetch (a Tensor/Operation or a list, e.g. ``[loss] + updates``).
+
+    Returns:
+        A :class:`MemoryReport` (bytes per processor; see its attributes for what is estimated).
+        While-loop bodies count once for memory and zero times for FLOPs and communication, as in
+        ``Lowering.plan_counters`` (the trip count is unknown before running).
+
+    Raises:
+        ValueError / TypeError: as ``Lowering.run`` for fetches that are not part of the lowering.
+    """
+    fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
+    prog = lowering.plan(fetches)
+    size = _Sizer(lowering)
+    variables, trainable, other = {}, 0, 0
+    for var in lowering.variables:
+        b = _tensor_slice_bytes(lowering, var.outputs[0])
+        variables[var.name] = b
+        if var.trainable:
+            trainable += b
+        else:
+            other += b
+    constants = int(sum(_value_bytes(v) for v in lowering.session.constant_values.values()))
+    inputs = sum(size(s) for _, s in prog.placeholders)
+    peak, peak_i, largest = _walk(prog.steps, prog.frees, size, size.records, live=inputs)
+    largest = max([largest, *(size(s) for _, s in prog.placeholders)])
+    peak_op = "<feeds>" if peak_i < 0 else prog.steps[peak_i].op
+    ops = {op.name: op for op in lowering.graph.operations}
+    local_flops = 0
+    for st in prog.steps:
+        if st.flops:
+            op = ops.get(st.op)
+            local_flops += st.flops // (_split_factor(lowering, op) if op is not None else 1)
+    impls = list(lowering.mesh_to_impl.values())
+    return MemoryReport(
+        num_processors=max((i.size for i in impls), default=1), variables=variables, trainable_bytes=trainable,
+        non_trainable_bytes=other, constant_bytes=constants, peak_activation_bytes=peak,
+        peak_step=(peak_i, peak_op), largest_slot_bytes=largest, estimated_slots=size.estimated,
+        einsum_flops=prog.counters.einsum_flops, flops_per_processor=local_flops,
+        counters=lowering.plan_counters(fetches), mesh_axis_sizes=dict(size.axis_sizes),
+        layout="; ".join(str(i.layout_rules) for i in impls if str(i.layout_rules)))

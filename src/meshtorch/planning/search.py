@@ -1,0 +1,186 @@
+"""Layout search: enumerate layout rules for a mesh, drop the illegal ones and those over a memory
+limit, rank the rest by estimated time (:func:`search_layouts`).
+
+Mesh TensorFlow's ``auto_mtf`` chooses layouts with an integer linear program over a memory
+estimate; we do an exhaustive search over one-dimension-per-mesh-axis assignments with an
+explicit time model instead (simple, and exact for the small meshes it allows).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from meshtorch.core.errors import LayoutError
+from meshtorch.core.graph import Mesh
+from meshtorch.lowering import Lowering
+from meshtorch.lowering.counters import _human
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.planning.memory import MemoryReport, memory_report
+
+
+def graph_dimensions(graph) -> list[str]:
+    """Names of every dimension of every tensor of ``graph``, in order of first appearance."""
+    names: dict[str, None] = {}
+    for op in graph.operations:
+        for t in op.outputs:
+            for d in t.shape:
+                names.setdefault(d.name, None)
+    return list(names)
+
+
+def candidate_layouts(dim_names: Sequence[str], mesh_axes: Sequence[str], dim_sizes: dict | None = None,
+                      axis_sizes: dict | None = None) -> list[str]:
+    """All layout rules giving each mesh axis at most one dimension (each dimension at most one
+    axis), in order of ``dim_names`` per axis (the all-replicated ``""`` last).
+
+    With sizes (``dim_sizes``: name -> set of sizes; ``axis_sizes``: axis -> size), dims not
+    divisible by an axis are skipped, and of the rules that differ only by swapping mesh axes of
+    equal size (``batch:data;heads:model`` vs ``heads:data;batch:model`` on a 2x2 mesh) only the
+    first is kept: the cost model cannot tell them apart.
+    """
+    out, seen = [], set()
+    options = [[*dim_names, None] for _ in mesh_axes]
+    for combo in itertools.product(*options):
+        used = [d for d in combo if d is not None]
+        if len(used) != len(set(used)):
+            continue
+        if axis_sizes:
+            key = frozenset((d, axis_sizes[a]) for d, a in zip(combo, mesh_axes, strict=True) if d is not None)
+            if key in seen:
+                continue
+            seen.add(key)
+        if dim_sizes and axis_sizes and any(
+                d is not None and any(s % axis_sizes[a] for s in dim_sizes.get(d, ()))
+                for d, a in zip(combo, mesh_axes, strict=True)):
+            continue
+        out.append(";".join(f"{d}:{a}" for d, a in zip(combo, mesh_axes, strict=True) if d is not None))
+    return out
+
+
+def _rule_pairs(rules: str) -> list[tuple[str, str]]:
+    return [tuple(p.split(":")) for p in rules.replace(",", ";").split(";") if p.strip()]
+
+
+def _rules_str(pairs, dim_names: Sequence[str], axes: Sequence[str]) -> str:
+    """Canonical rule text: by mesh axis, then by the dims' order in the graph."""
+    def pos(seq, x):
+        return list(seq).index(x) if x in seq else len(seq)
+
+    pairs = sorted(pairs, key=lambda p: (pos(axes, p[1]), pos(dim_names, p[0]), p))
+    return ";".join(f"{d}:{a}" for d, a in pairs)
+
+
+def _default_fetches(built):
+    if isinstance(built, tuple):
+        return built[2]
+    fetches = [built.loss]
+    fetches += list(getattr(built, "updates", []) or [])
+    return fetches
+
+
+def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str] | None = None,
+                   memory_limit_bytes: int | None = None, fetches_fn: Callable | None = None,
+                   cost: CostModel | None = None, max_candidates: int = 256,
+                   refine: int | None = None) -> list[tuple[str, MemoryReport]]:
+    """Rank layout rules for a model on a mesh by estimated step time (best first).
+
+    Args:
+        build_fn: ``build_fn()`` returns the model: a tuple ``(graph, mesh, fetches)``, or an
+            object with ``.graph``, ``.mesh`` and ``.loss`` (and optionally ``.updates``), such as
+            :class:`~meshtorch.models.transformer.LMGraph`. Called once; every candidate lowers
+            the same graph (dry run, no variable storage).
+        mesh_shape: e.g. ``"data:2,model:2"`` (at most 3 axes for the default candidates).
+        candidate_rules: layout-rule strings to try; default :func:`candidate_layouts` of the
+            graph's dimension names over the mesh axes (the replicated layout included).
+        memory_limit_bytes: drop layouts whose per-processor ``MemoryReport.total_bytes`` exceeds it.
+        fetches_fn: ``fetches_fn(model) -> fetches`` (default: the tuple's third item, or
+            ``[model.loss] + model.updates``).
+        cost: the :class:`CostModel` (default ``CostModel()``).
+        max_candidates: try at most this many candidates (in enumeration order).
+        refine: then improve the best ``refine`` layouts greedily: add the one ``dim:axis`` rule
+            (several dims may share an axis, e.g. ``heads:model;d_ff:model``) that lowers the
+            estimated time most (or, over the memory limit, the memory), until none does. 0: off;
+            default 3, or 0 when ``candidate_rules`` are given (only those are tried).
+
+    Returns:
+        ``[(layout rules, MemoryReport)]`` of every legal layout tried that fits the limit (one
+        of each set equal up to swapping mesh axes of one size), sorted by
+        ``report.estimated_time["total_s"]`` (ties:
+        smaller ``total_bytes``). Illegal layouts (``LayoutError`` from the lowering: size not
+        divisible, a dimension an op needs whole split, two dims of one tensor on one axis) are left out.
+
+    Raises:
+        ValueError: a default search on a mesh of more than 3 axes, or no legal candidate fits.
+    """
+    built = build_fn()
+    graph, mesh = (built[0], built[1]) if isinstance(built, tuple) else (built.graph, built.mesh)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"search_layouts: build_fn must give a Mesh, got {mesh!r}.")
+    fetches = fetches_fn(built) if fetches_fn is not None else _default_fetches(built)
+    cost = cost or CostModel()
+    probe = PlacementMeshImpl(mesh_shape, "")
+    axis_sizes = {d.name: d.size for d in probe.shape}
+    default_candidates = candidate_rules is None
+    if default_candidates:
+        if len(axis_sizes) > 3:
+            raise ValueError(f"search_layouts: the default exhaustive search allows at most 3 mesh axes, "
+                             f"got {list(axis_sizes)}; pass candidate_rules.")
+        sizes: dict[str, set] = defaultdict(set)
+        for op in graph.operations:
+            for t in op.outputs:
+                for d in t.shape:
+                    sizes[d.name].add(d.size)
+        candidate_rules = candidate_layouts(graph_dimensions(graph), list(axis_sizes), sizes, axis_sizes)
+    limit = memory_limit_bytes
+    if refine is None:
+        refine = 3 if default_candidates else 0
+    scored: dict[str, MemoryReport | None] = {}
+
+    def score(rules: str) -> MemoryReport | None:
+        if rules not in scored:
+            try:
+                lw = Lowering(graph, {mesh: PlacementMeshImpl(mesh_shape, rules)}, materialize=False)
+            except LayoutError:
+                scored[rules] = None
+                return None
+            rep = memory_report(lw, fetches)
+            rep.layout = rules
+            rep.estimated_time = estimate_time(rep, cost)
+            scored[rules] = rep
+        return scored[rules]
+
+    def rank(rep: MemoryReport):  # layouts over the limit rank after every layout within it
+        over = limit is not None and rep.total_bytes > limit
+        return (over, rep.total_bytes if over else 0, rep.estimated_time["total_s"], rep.total_bytes)
+
+    for rules in list(candidate_rules)[:max_candidates]:
+        score(rules)
+    dim_names = graph_dimensions(graph)
+    seeds = sorted((r for r in scored.values() if r is not None), key=rank)[:refine]
+    for rep in seeds:  # greedy: add one more dim:axis rule while that lowers the rank
+        while True:
+            pairs = _rule_pairs(rep.layout)
+            used = {d for d, _ in pairs}
+            nbrs = [score(_rules_str(pairs + [(d, a)], dim_names, list(axis_sizes)))
+                    for d in dim_names if d not in used for a in axis_sizes]
+            nbrs = [r for r in nbrs if r is not None and rank(r) < rank(rep)]
+            if not nbrs:
+                break
+            rep = min(nbrs, key=rank)
+    results, seen = [], set()
+    for rules, r in sorted(((k, r) for k, r in scored.items() if r is not None), key=lambda kr: rank(kr[1])):
+        groups = defaultdict(set)
+        for d, a in _rule_pairs(rules):
+            groups[a].add(d)
+        key = frozenset((axis_sizes.get(a, a), frozenset(ds)) for a, ds in groups.items())
+        if key not in seen and (limit is None or r.total_bytes <= limit):
+            seen.add(key)
+            results.append((rules, r))
+    if not results:
+        raise ValueError(f"search_layouts: no legal layout on mesh {mesh_shape!r} fits "
+                         f"{'the memory limit ' + _human(limit) if limit else 'the graph'}.")
+    results.sort(key=lambda r: (r[1].estimated_time["total_s"], r[1].total_bytes))
+    return results
