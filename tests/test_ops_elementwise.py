@@ -19,6 +19,10 @@ def _unary(name, op, ref, positive=False, grad=True):
     return OpCase(name, lambda mesh, x: op(x), {"x": (SHAPE, _x(positive))}, lambda x: ref(x), grad=grad)
 
 
+def _sin_product(a, b):  # a module-level function: a kernel the program can serialise
+    return a * torch.sin(b)
+
+
 OP_CASES = [
     _unary("relu", mtf.relu, torch.relu),
     _unary("exp", mtf.exp, torch.exp),
@@ -45,7 +49,7 @@ OP_CASES = [
     _unary("pow", lambda x: x ** 3, lambda x: x ** 3),
     _unary("stop_gradient", lambda x: mtf.stop_gradient(x) * x, lambda x: x.detach() * x),
     OpCase("slicewise_broadcast",
-           lambda mesh, x, y: mtf.slicewise(lambda a, b: a * torch.sin(b), [x, y], output_shape="b:4,h:8"),
+           lambda mesh, x, y: mtf.slicewise(_sin_product, [x, y], output_shape="b:4,h:8"),
            {"x": ("b:4,h:8", _x()), "y": ("h:8", torch.randn(8))}, lambda x, y: x * torch.sin(y), grad=False),
 ]
 
@@ -54,3 +58,16 @@ OP_CASES = [
 def test_layout_invariance(case):
     layouts = case.check()
     assert ("rows:2;cols:2", "b:rows;h:cols") in layouts
+
+
+def test_slicewise_with_a_lambda_runs_but_is_not_data():
+    """A user's lambda in mtf.slicewise runs like any kernel, but the program cannot be written down:
+    to_json names the op instead of writing something another process could not run."""
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g)
+    x = mtf.import_tensor(mesh, torch.arange(4.0), "b:4")
+    y = mtf.slicewise(lambda a: a * 2, [x], name="doubler")
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:2", "b:all")})
+    assert torch.equal(lw.run(y), torch.arange(4.0) * 2)
+    with pytest.raises(mtf.NotDataError, match="doubler"):
+        lw.to_json([y])

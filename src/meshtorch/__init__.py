@@ -33,7 +33,8 @@ from meshtorch.core import (
     convert_to_shape,
 )
 from meshtorch.lowering.counters import Collective, Counters
-from meshtorch.lowering import Lowering
+from meshtorch.lowering import Lowering, Program, Session, VariableStore
+from meshtorch.lowering.kernels import NotDataError
 from meshtorch.mesh import MeshImpl, PlacementMeshImpl
 from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.planning import CostModel, MemoryReport, memory_report, search_layouts

@@ -18,7 +18,6 @@ gradient read by the update is reduce-scattered.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,10 +36,6 @@ class _Lowered:
     layout: Layout
     source: tuple | None = None  # (tensor, kernel): this value is kernel(source) with the kernel linear
     home: list | None = None  # the step list (main program or a sub-program) that computes it
-
-
-def _legacy_pnum(fn, impl, pnum):
-    return fn(pnum)
 
 
 def storage_side(op: Operation | None) -> bool:
@@ -184,11 +179,6 @@ class Planner:
         mesh = t if isinstance(t, Mesh) else t.mesh
         self.mesh_impl(mesh)
         return self._constant("pnum", mesh, fn)
-
-    def laid_out_constant(self, t, fn: Callable[[int], object]) -> int:
-        """A slot holding ``fn(pnum)`` on each processor. Deprecated: ``fn`` is a closure, which keeps the
-        program from being serialised; use :meth:`pnum_constant` with a kernel."""
-        return self.pnum_constant(t, functools.partial(_legacy_pnum, fn))
 
     def import_constant(self, t: Tensor, full) -> int:
         """A slot holding ``t``'s value sliced from the full torch tensor ``full`` (cut when bound)."""

@@ -95,10 +95,14 @@ def enumerate_layouts(build, inputs, meshes=DEFAULT_MESHES, seed=0, max_pairs=12
     return out
 
 
-def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_seed=1234, make_impl=None):
+def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_seed=1234, make_impl=None,
+               roundtrip=None):
     """Build and run once; returns (outputs, {input name: gradient or None}, lowering).
 
     ``make_impl(mesh_shape, layout) -> MeshImpl`` (default ``PlacementMeshImpl``) picks the implementation.
+    ``roundtrip``: ``"serialize"`` also writes the program as JSON (every step must be data);
+    ``"run"`` also reads that JSON back, runs it in a fresh session on a fresh implementation
+    with the same variable values, and asserts bitwise-equal results.
     """
     g = mtf.Graph(seed=seed)
     mesh = mtf.Mesh(g, "mesh")
@@ -128,7 +132,30 @@ def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_s
             lw.set_variable_value(n, v)
     feeds = {tensors[n]: v for n, (_, v) in inputs.items() if not v.dtype.is_floating_point}
     res = lw.run(fetches, feeds=feeds)
+    if roundtrip:
+        text = lw.to_json(fetches)
+        if roundtrip == "run":
+            again = run_program_json(text, {mesh.name: (make_impl or mtf.PlacementMeshImpl)(mesh_shape, layout)},
+                                     {n: lw.variable_value(n) for n in lw.variable_names},
+                                     {t.name: v for t, v in feeds.items()}, [t.name for t in fetches])
+            for i, (a, b) in enumerate(zip(res, again, strict=True)):
+                assert torch.equal(a, b), f"mesh {mesh_shape!r} layout {layout!r}: fetch {i} differs after JSON round trip"
     return res[: len(outs)], dict(zip(grad_names, res[len(outs):], strict=True)), lw
+
+
+def run_program_json(text: str, impls: dict, variables: dict, feeds: dict, fetches: list) -> list:
+    """Run a serialised program (``Lowering.to_json``) once on ``{mesh name: MeshImpl}``.
+
+    ``variables``: ``{name: full tensor}``; ``feeds``: ``{placeholder name: full tensor}``;
+    ``fetches``: tensor names. Returns the fetched full tensors. No graph is needed: only the
+    program's JSON text, as another process would receive it.
+    """
+    program = mtf.Program.from_json(text)
+    store = mtf.VariableStore(program, impls)
+    for n, v in variables.items():
+        store.set_value(n, v)
+    session = mtf.Session(program, impls, store)
+    return session.run(tuple(("tensor", n) for n in fetches), feeds)
 
 
 def reference_run(reference, inputs, out_dtypes, grad=True, cotangent_seed=1234):
@@ -185,8 +212,10 @@ def check_layouts(build: Callable, inputs: dict, reference: Callable, layouts=No
     layouts = list(layouts) if layouts is not None else enumerate_layouts(build, inputs, seed=seed, exclude=exclude)
     assert len(layouts) >= min_layouts, f"only {len(layouts)} layouts to check: {layouts}"
     ref_outs = ref_grads = None
-    for mesh_shape, layout in layouts:
-        outs, grads, _ = run_layout(build, inputs, mesh_shape, layout, grad=grad, seed=seed)
+    for k, (mesh_shape, layout) in enumerate(layouts):
+        # every program must be data; the last one is also re-run from its JSON
+        roundtrip = "run" if k == len(layouts) - 1 else "serialize"
+        outs, grads, _ = run_layout(build, inputs, mesh_shape, layout, grad=grad, seed=seed, roundtrip=roundtrip)
         if ref_outs is None:
             ref_outs, ref_grads = reference_run(reference, inputs, [o.dtype for o in outs], grad=grad)
             assert len(ref_outs) == len(outs), "reference and graph give different numbers of outputs"
