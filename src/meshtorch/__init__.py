@@ -31,6 +31,7 @@ from meshtorch.core import (
     convert_to_dimension,
     convert_to_shape,
 )
+from meshtorch.core.scopes import AUTO_REUSE, VariableScope, get_variable_scope, name_scope, variable_scope
 from meshtorch.counters import Collective, Counters
 from meshtorch.lowering import Lowering
 from meshtorch.mesh import MeshImpl, PlacementMeshImpl
@@ -119,5 +120,7 @@ from meshtorch.ops.variables import (
 )
 
 import_tf_tensor = import_tensor  # Mesh TF's name
+
+from meshtorch import transformer  # noqa: E402  (mtf.transformer; built on the names above)
 
 __version__ = "0.1.0"
