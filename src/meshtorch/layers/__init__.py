@@ -12,6 +12,7 @@ from meshtorch.layers.conv import (
 )
 from meshtorch.layers.core import dense, softmax_cross_entropy_with_logits
 from meshtorch.layers.embedding import embedding, embedding_weights
+from meshtorch.layers.feedforward import dense_relu_dense
 from meshtorch.layers.masks import (
     attention_mask_autoregressive,
     attention_mask_ignore_padding,
@@ -19,7 +20,6 @@ from meshtorch.layers.masks import (
     rename_length_to_memory_length,
     weights_nonzero,
 )
-from meshtorch.layers.feedforward import dense_relu_dense
 from meshtorch.layers.moe import expert_capacity, moe_apply, moe_ffn, top_k_gating
 from meshtorch.layers.norms import layer_norm, rms_norm
 

@@ -21,7 +21,7 @@ __all__ = ["rename_length_to_memory_length", "attention_mask_ignore_padding", "a
 
 def rename_length_to_memory_length(x: Tensor, length_name: str = "length",
                                    memory_length_name: str = "memory_length") -> Tensor:
-    """``x`` with its ``length_name`` dim renamed ``memory_length_name`` (Mesh TF ``layers.rename_length_to_memory_length``)."""
+    """``x`` with ``length_name`` renamed ``memory_length_name`` (Mesh TF ``layers.rename_length_to_memory_length``)."""
     return rename_dimension(x, length_name, memory_length_name)
 
 
@@ -71,5 +71,5 @@ def attention_mask_same_segment(query_segment: Tensor, memory_segment: Tensor | 
 
 
 def weights_nonzero(targets: Tensor, dtype=torch.float32) -> Tensor:
-    """``1`` where ``targets != 0``, else ``0``, in ``dtype`` (Mesh TF ``layers.weights_nonzero``): loss weights hiding padding."""
+    """Loss weights: 1 where ``targets != 0``, else 0, in ``dtype`` (Mesh TF ``layers.weights_nonzero``)."""
     return cast(not_equal(targets, 0), dtype)

@@ -12,8 +12,8 @@ import torch
 
 from meshtorch.core.dims import combine_shapes, convert_to_shape
 from meshtorch.core.errors import ShapeError
-from meshtorch.core.scopes import scoped_variable_name
 from meshtorch.core.graph import Mesh, Operation, Tensor
+from meshtorch.core.scopes import scoped_variable_name
 from meshtorch.ops._util import align_fn
 from meshtorch.ops.initializers import convert_initializer
 from meshtorch.ops.precision import VariableDType

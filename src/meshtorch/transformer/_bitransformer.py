@@ -111,7 +111,7 @@ class Bitransformer:
             encoder_inputs=mtf.layers.rename_length_to_memory_length(inputs), position=decoder_position,
             shared_params=shared_params, encoder_layer_outputs=encoder_layer_outputs,
             num_microbatches=num_microbatches)
-        if loss is not None and encoder_loss is not None:
+        if loss is not None and isinstance(encoder_loss, mtf.Tensor):
             loss += encoder_loss
         return logits, loss
 

@@ -80,5 +80,5 @@ def dense_product(x, reduced_dims, new_dims, activation_functions=None, name="de
                                  "(or pass a function).")
             activation = _ACTIVATIONS[activation]
         factors.append(dense(x, reduced_dims=reduced_dims, new_dims=new_dims, activation=activation,
-                             name="%s_%d" % (name, i) if num_factors > 1 else name, **kwargs))
+                             name=f"{name}_{i}" if num_factors > 1 else name, **kwargs))
     return functools.reduce(mtf.multiply, factors)

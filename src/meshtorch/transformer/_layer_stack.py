@@ -221,9 +221,9 @@ def make_layer_stack(layers, layer_stack_cls=LayerStack, num_layers=6, block_sco
                     else:
                         cls = x
             if block_scope:
-                name = "block_{:03d}/{}".format(block, name or "layer_{:03d}".format(n))
+                name = "block_{:03d}/{}".format(block, name or f"layer_{n:03d}")
             else:
-                name = name or "layer_{:03d}".format(len(stack))
+                name = name or f"layer_{len(stack):03d}"
             layer = cls(**kwargs)
             layer.set_name(name)
             stack.append(layer)

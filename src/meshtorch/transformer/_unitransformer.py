@@ -245,5 +245,7 @@ class Unitransformer:
                           encoder_inputs=encoder_inputs, num_microbatches=num_microbatches)
         with mtf.variable_scope(self.name):
             logits = self._call_internal(context, inputs, targets)
-        loss = mtf.add_n(context.losses) if compute_loss else None
+        loss = None
+        if compute_loss:  # Mesh TF's add_n of no losses is 0 (e.g. an encoder without targets)
+            loss = mtf.add_n(context.losses) if context.losses else 0
         return logits, loss
