@@ -143,7 +143,7 @@ class Bitransformer:
             sequence_id=encoder_sequence_id, shared_params=shared_params, layer_outputs=encoder_layer_outputs)
         encoder_output = mtf.layers.rename_length_to_memory_length(encoder_output)
         encoder_sequence_id = mtf.layers.rename_length_to_memory_length(encoder_sequence_id)
-        batch_dims = inputs.shape.dims[:-1]
+        batch_dims = list(inputs.shape.dims[:-1])
         length_dim = inputs.shape.dims[-1]
         decode_length_dim = length_dim if max_decode_length is None else mtf.Dimension("length", max_decode_length)
         partial_sequences = mtf.zeros(inputs.mesh, mtf.Shape(batch_dims + [decode_length_dim]), dtype=inputs.dtype)

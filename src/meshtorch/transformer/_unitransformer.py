@@ -14,6 +14,7 @@ import torch
 
 from meshtorch.transformer import _mtf as mtf
 from meshtorch.transformer._context import TRAIN, Context, check_mode
+from meshtorch.transformer._decoding import sample_autoregressive as _sample_autoregressive
 from meshtorch.transformer._dense import dense
 from meshtorch.transformer._sequences import _round_up_to_multiple, delimited_lm_inputs_mask
 from meshtorch.transformer.vocab_embeddings import get_vocab_embedding_cls
@@ -138,9 +139,9 @@ class Unitransformer:
         """Logits ``[batch..., length, vocab]`` (or the stack's output without an output vocab)."""
         mesh = inputs.mesh
         if self.ensemble_dim and self.ensemble_dim not in inputs.shape.dims:
-            inputs = mtf.broadcast(inputs, [self.ensemble_dim] + inputs.shape.dims)
+            inputs = mtf.broadcast(inputs, [self.ensemble_dim] + list(inputs.shape.dims))
             if targets is not None:
-                targets = mtf.broadcast(targets, [self.ensemble_dim] + targets.shape.dims)
+                targets = mtf.broadcast(targets, [self.ensemble_dim] + list(targets.shape.dims))
         if "embedding" in context.shared_params:
             vocab_embedding = context.shared_params["embedding"]
         else:
@@ -217,7 +218,7 @@ class Unitransformer:
         """
         check_mode(mode)
         variable_dtype = variable_dtype or mtf.VariableDType(torch.float32)
-        batch_dims = inputs.shape.dims[:-1]
+        batch_dims = list(inputs.shape.dims[:-1])
         length_dim = inputs.shape.dims[-1]
         length_range = mtf.range(inputs.mesh, length_dim, dtype=torch.int32)
         if not self.positional_embedding:
@@ -249,3 +250,37 @@ class Unitransformer:
         if compute_loss:  # Mesh TF's add_n of no losses is 0 (e.g. an encoder without targets)
             loss = mtf.add_n(context.losses) if context.losses else 0
         return logits, loss
+
+    def sample_autoregressive(self, partial_sequences, stop_at_token=1, max_steps=None, temperature=0.0,
+                              variable_dtype=None, encoder_output=None, encoder_sequence_id=None, encoder_inputs=None,
+                              shared_params=None, has_partial_sequences=True, encoder_layer_outputs=None,
+                              never_end=False, remove_partial_sequences=False, sampling_keep_top_k=-1, bos_id=0):
+        """Continue the partial sequences one token at a time (Mesh TF ``Unitransformer.sample_autoregressive``).
+
+        An ``mtf.while_loop`` over positions with the attention keys and values as loop states
+        (``"first_part"`` then ``"incremental"`` mode; :mod:`meshtorch.transformer._decoding`).
+
+        Args:
+            partial_sequences: integer ``[batch..., length]``: the given tokens first, zeros after
+                (``has_partial_sequences=False`` with all zeros to sample from scratch).
+            stop_at_token: end a sequence when it produces this id (None: never).
+            max_steps: optional limit of new tokens.
+            temperature: 0 = argmax; 1 = sample the model's distribution.
+            sampling_keep_top_k: -1, or sample among the k largest logits.
+            never_end: forbid ``stop_at_token``.
+            bos_id: input id at position 0.
+            encoder_*: the encoder output etc. when decoding a Bitransformer.
+
+        Returns:
+            integer ``[batch..., length]``: the partial sequences with the sampled tokens written after them.
+
+        Raises:
+            ValueError: not autoregressive; ``sampling_keep_top_k`` 0 or below -1.
+            NotImplementedError: ``remove_partial_sequences`` with partial sequences (needs ``dynamic_shift``).
+        """
+        return _sample_autoregressive(
+            self, partial_sequences, stop_at_token=stop_at_token, max_steps=max_steps, temperature=temperature,
+            variable_dtype=variable_dtype, encoder_output=encoder_output, encoder_sequence_id=encoder_sequence_id,
+            encoder_inputs=encoder_inputs, shared_params=shared_params, has_partial_sequences=has_partial_sequences,
+            encoder_layer_outputs=encoder_layer_outputs, never_end=never_end,
+            remove_partial_sequences=remove_partial_sequences, sampling_keep_top_k=sampling_keep_top_k, bos_id=bos_id)

@@ -133,7 +133,7 @@ class SelfAttention(TransformerLayer):
 
     def expected_attention_output_shape(self, x, params):
         if self.keep_query_heads_dims:
-            return mtf.Shape(x.shape[:-1] + params.query_heads_dims + x.shape[-1:])
+            return mtf.Shape(list(x.shape.dims[:-1]) + params.query_heads_dims + list(x.shape.dims[-1:]))
         return x.shape
 
     def attention_kwargs_from_context(self, context):
