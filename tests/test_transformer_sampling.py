@@ -10,7 +10,7 @@ import torch
 
 import meshtorch as mtf
 from meshtorch.transformer import transformer, transformer_layers
-from test_transformer_port import B, D, DFF, DKV, H, L, MAXLEN, V, reference
+from test_transformer_port import DFF, DKV, MAXLEN, B, D, H, L, V, reference
 
 LAYOUTS = [("", ""), ("rows:2;cols:2", "batch:rows;heads:cols;d_ff:cols;vocab:cols")]
 
