@@ -30,7 +30,7 @@ def _attention_layer(name):
     return [name, {"num_heads": H, "key_value_size": DKV}]
 
 
-def build():
+def build(decode=False):
     graph = mtf.Graph(seed=5)
     mesh = mtf.Mesh(graph, "my_mesh")
     batch = mtf.Dimension("batch", B)
@@ -46,6 +46,8 @@ def build():
         layer_stack=transformer.make_layer_stack([sa, ed, ff], num_layers=2), d_model=D, input_vocab_size=V,
         output_vocab_size=V, autoregressive=True, max_length=MAXLEN, name="decoder", z_loss=1e-4)
     model = transformer.Bitransformer(encoder, decoder)
+    if decode:
+        return graph, mesh, inputs, model.decode(inputs)
     logits, loss = model.call_simple(inputs, targets, compute_loss=True, mode="train")
     variables = graph.trainable_variables
     grads = mtf.gradients([loss], [v.outputs[0] for v in variables])
@@ -101,8 +103,10 @@ def _attend(p, pre, x, mem, visible):
     return o @ p[f"{pre}/o"]
 
 
-def reference(p, x_ids, y_ids):
-    enc_seq, dec_seq = x_ids.clamp(max=1), y_ids.clamp(max=1)  # minimum(ids, 1)
+def reference(p, x_ids, y_ids, dec_seq=None):
+    """Logits and loss; ``dec_seq`` overrides the decoder's sequence ids (decoding passes sequence_id=1)."""
+    enc_seq = x_ids.clamp(max=1)  # minimum(ids, 1)
+    dec_seq = y_ids.clamp(max=1) if dec_seq is None else dec_seq
     enc_np, dec_np = (enc_seq != 0).to(torch.float64)[..., None], (dec_seq != 0).to(torch.float64)[..., None]
     # encoder: not autoregressive; same-sequence visibility; sublayer_mask_padding before each layer and at the end
     x = p["shared/embedding"][x_ids.long()] + p["shared/positional_embedding"][:LIN]
@@ -119,8 +123,8 @@ def reference(p, x_ids, y_ids):
     prev_seq = torch.cat([torch.zeros_like(dec_seq[:, :1]), dec_seq[:, :-1]], 1)
     shifted = torch.cat([torch.zeros_like(y_ids[:, :1]), y_ids[:, :-1]], 1).abs()
     dec_in = shifted * (dec_seq == prev_seq).to(shifted.dtype)
-    y = p["shared/embedding"][dec_in.long()] + p["shared/positional_embedding"][:LOUT]
-    pos = torch.arange(LOUT)
+    y = p["shared/embedding"][dec_in.long()] + p["shared/positional_embedding"][:y_ids.shape[1]]
+    pos = torch.arange(y_ids.shape[1])
     self_vis = (pos[:, None] >= pos[None, :])[None] & (dec_seq[:, :, None] == dec_seq[:, None, :])
     cross_vis = dec_seq[:, :, None] == enc_seq[:, None, :]
     for b in range(2):
@@ -159,3 +163,21 @@ def test_forward_loss_and_gradients_match_the_mesh_tf_transcription(mesh_shape, 
     for v, g, r in zip(variables, out[2:], ref_grads, strict=True):
         assert r.abs().max() > 0, f"{v.name}: no gradient in the reference"
         assert rel_error(g, r) <= 1e-5, f"{mesh_shape} {layout}: gradient of {v.name}"
+
+
+@pytest.mark.parametrize("mesh_shape,layout", [LAYOUTS[0], LAYOUTS[3]])
+def test_greedy_decode_matches_mesh_tf_s_loop(mesh_shape, layout):
+    """Bitransformer.decode: encoder once, then the decoder's while loop (stop_at_token=1, sequence_id=1)."""
+    graph, mesh, inputs, decoded = build(decode=True)
+    lw = mtf.Lowering(graph, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+    x, _ = data()
+    got = lw.run([decoded], feeds={inputs: x})[0]
+    params = {n: lw.variable_value(n).to(torch.float64) for n in lw.variable_names}
+    ids = torch.zeros(B, LIN, dtype=torch.int32)  # the decoded length is the input length (max_decode_length=None)
+    for pos in range(LIN):
+        if bool(((ids == 1).sum(1) > 0).all()):
+            break
+        logits = reference(params, x, ids, dec_seq=torch.ones(B, LIN, dtype=torch.int32))[0]
+        ids[:, pos] = logits[:, pos].argmax(-1)
+    assert torch.equal(got, ids)
+    assert len(set(ids.flatten().tolist())) >= 4
