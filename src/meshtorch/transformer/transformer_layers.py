@@ -6,7 +6,7 @@ SelfAttention / EncDecAttention: ``q``, ``k``, ``v`` ``[d_model, heads(h*d_kv)]`
 ``[heads(h*d_kv), d_model]`` (see :mod:`meshtorch.transformer.attention`); DenseReluDense:
 ``wi/kernel`` ``[d_model, d_ff]`` and ``wo/kernel`` ``[d_ff, d_model]``.
 
-Not ported: relative attention biases (``relative_attention_type``), hyper-prompts, the
+Not ported: the ``"contextual"`` relative attention and relative encoder-decoder biases, hyper-prompts, the
 ``"hybrid"`` attention function, and Mesh TF's other layer classes (local / talking-heads /
 synthesizer / convolutional attention): their arguments raise NotImplementedError when set.
 """
@@ -14,6 +14,7 @@ synthesizer / convolutional attention): their arguments raise NotImplementedErro
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -88,6 +89,32 @@ def attention_params(context, kv_dim, num_heads, num_memory_heads=0, shared_kv=F
         keep_query_heads_dims=keep_query_heads_dims, fold_scaling_into_initializer=fold_scaling_into_initializer)
 
 
+def _relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    """Bucket of ``memory_position - query_position`` for relative attention (Mesh TF / T5).
+
+    Exact buckets for small distances, logarithmic ones up to ``max_distance``; with
+    ``bidirectional`` half the buckets are for memory positions after the query.
+
+    Returns:
+        int32 Tensor of ``relative_position``'s shape, values in ``[0, num_buckets)``.
+    """
+    ret = 0
+    n = mtf.negative(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        ret += mtf.to_int32(mtf.less(n, 0)) * num_buckets
+        n = mtf.abs(n)
+    else:
+        n = mtf.maximum(n, 0)
+    max_exact = num_buckets // 2
+    is_small = mtf.less(n, max_exact)
+    safe_n = mtf.maximum(mtf.cast(n, torch.float32), 1.0)  # log(0) is never selected; keep the cast finite
+    val_if_large = max_exact + mtf.to_int32(mtf.log(safe_n / max_exact) / math.log(max_distance / max_exact)
+                                            * (num_buckets - max_exact))
+    val_if_large = mtf.minimum(val_if_large, num_buckets - 1)
+    return mtf.where(is_small, mtf.to_int32(n), val_if_large) + ret
+
+
 class SelfAttention(TransformerLayer):
     """Multi-head self-attention (Mesh TF ``transformer_layers.SelfAttention``; same arguments).
 
@@ -96,10 +123,16 @@ class SelfAttention(TransformerLayer):
     (folded into ``q``'s initialiser). In ``"first_part"`` / ``"incremental"`` modes the keys and
     values are the decoding states (one-hot written at ``context.position``).
 
+    ``relative_attention_type`` ``"bias"`` adds a learned ``relative_attention_bias`` ``[heads,
+    buckets]`` per layer, gathered at the T5 bucket of ``memory_position - position``;
+    ``"bias_shared"`` creates it once (in the first layer's scope) and shares it across the layers.
+
     Raises:
-        NotImplementedError: for ``relative_attention_type``, ``attention_func="hybrid"`` or
+        NotImplementedError: for ``relative_attention_type="contextual"``, ``attention_func="hybrid"`` or
             hyper-prompt arguments (not ported).
     """
+
+    _RELATIVE_TYPES = (None, "bias", "bias_shared")
 
     def __init__(self, num_heads=8, num_memory_heads=0, key_value_size=128, shared_kv=False, dropout_rate=0.0,
                  attention_kwargs=None, relative_attention_type=None, relative_attention_num_buckets=32,
@@ -107,9 +140,9 @@ class SelfAttention(TransformerLayer):
                  fold_scaling_into_initializer=True, z_loss_coeff=None, use_hyperprompt=False,
                  hyperprompt_mtlshare=False, hyperprompt_length_encoder=None, hyperprompt_length_decoder=None,
                  hyperprompt_hidden_dim=None, hyperprompt_task_num=8):
-        if relative_attention_type is not None:
+        if relative_attention_type not in self._RELATIVE_TYPES:
             raise NotImplementedError(f"{type(self).__name__}: relative_attention_type={relative_attention_type!r} "
-                                      "is not ported to meshtorch yet; use None (absolute positional embeddings).")
+                                      f"is not ported to meshtorch; use one of {self._RELATIVE_TYPES}.")
         if attention_func is not None:
             raise NotImplementedError(f"{type(self).__name__}: attention_func={attention_func!r} is not ported.")
         if use_hyperprompt or hyperprompt_length_encoder or hyperprompt_length_decoder:
@@ -203,6 +236,22 @@ class SelfAttention(TransformerLayer):
         if sequence_id is not None and context.length_dim in sequence_id.shape.dims:
             visible = mtf.equal(sequence_id, self.rename_length_to_memory_length(sequence_id, context))
             biases.append(attention.visibility_mask_to_attention_bias(visible, context.activation_dtype))
+        if self.relative_attention_type is not None:
+            buckets_dim = mtf.Dimension("buckets", self.relative_attention_num_buckets)
+            relative_position = memory_position - context.position
+            bidirectional = not context.model.fully_autoregressive
+            rp_bucket = _relative_position_bucket(relative_position, bidirectional=bidirectional,
+                                                  num_buckets=buckets_dim.size)
+            cache = self.relative_attention_type == "bias_shared"
+            cache_key = ("self_attention_bias", None, None, tuple(heads_dims))
+            values = context.cache.get(cache_key) if cache else None
+            if values is None:
+                values = mtf.get_variable(context.mesh, "relative_attention_bias",
+                                          context.model.ensemble_dims + heads_dims + [buckets_dim],
+                                          dtype=context.variable_dtype)
+            if cache:
+                context.cache[cache_key] = values
+            biases.append(mtf.gather(values, rp_bucket, buckets_dim))
         return mtf.add_n(biases) if biases else None
 
     @property
