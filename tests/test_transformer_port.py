@@ -50,7 +50,7 @@ def expected_variables():
     return out
 
 
-def build(optimizer=None):
+def build(optimizer=None, **unitransformer_kwargs):
     """The LM exactly as a mesh_tensorflow.transformer user builds it (gin bindings as arguments)."""
     graph = mtf.Graph(seed=3)
     mesh = mtf.Mesh(graph, "my_mesh")
@@ -62,7 +62,7 @@ def build(optimizer=None):
         num_layers=2)
     model = transformer.Unitransformer(
         layer_stack=layer_stack, d_model=D, input_vocab_size=V, output_vocab_size=V, autoregressive=True,
-        max_length=MAXLEN, shared_embedding_and_softmax_weights=True, z_loss=Z_LOSS)
+        max_length=MAXLEN, shared_embedding_and_softmax_weights=True, z_loss=Z_LOSS, **unitransformer_kwargs)
     inputs = transformer.autoregressive_inputs(targets)
     logits, loss = model.call_simple(inputs=inputs, targets=targets, compute_loss=True, mode="train",
                                      variable_dtype=mtf.VariableDType(torch.float32))
@@ -85,28 +85,31 @@ def _rms_norm(x, scale):  # sublayer_rms_norm: x * rsqrt(mean(x^2) + 1e-6) * sca
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
 
 
-def _self_attention(p, pre, x):
+def _self_attention(p, pre, x, visible=None):
     """SelfAttention with combined heads, no logit scale, read_priority >= write_priority visibility (-1e9 bias)."""
     b, n, _ = x.shape
     q = (x @ p[f"{pre}/q"]).view(b, n, H, DKV)
     k = (x @ p[f"{pre}/k"]).view(b, n, H, DKV)
     v = (x @ p[f"{pre}/v"]).view(b, n, H, DKV)
     logits = torch.einsum("blhk,bmhk->blhm", q, k)
-    pos = torch.arange(n)
-    visible = pos[:, None] >= pos[None, :]  # [length, memory_length]
-    logits = logits + (~visible).to(logits.dtype)[:, None, :] * -1e9
+    if visible is None:
+        pos = torch.arange(n)
+        visible = (pos[:, None] >= pos[None, :])[None].expand(b, n, n)  # [batch, length, memory_length]
+    logits = logits + (~visible).to(logits.dtype)[:, :, None, :] * -1e9
     w = torch.softmax(logits, -1)
     o = torch.einsum("blhm,bmhk->blhk", w, v).reshape(b, n, H * DKV)
     return o @ p[f"{pre}/o"]
 
 
-def reference(p, targets, train=True):
-    """Unitransformer._call_internal + _compute_loss for this LM; returns (logits, loss)."""
+def reference(p, targets, train=True, visible=None, weights=None):
+    """Unitransformer._call_internal + _compute_loss for this LM; returns (logits, loss).
+
+    ``visible`` [batch, length, memory_length] overrides the causal visibility, ``weights`` the loss weights."""
     inputs = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], 1).abs().long()  # autoregressive_inputs
     x = p["transformer/embedding"][inputs] + p["transformer/positional_embedding"][:L]
     for b in range(2):
         att, ffn = f"transformer/block_{b:03d}/layer_000", f"transformer/block_{b:03d}/layer_001"
-        x = x + _self_attention(p, f"{att}/SelfAttention", _rms_norm(x, p[f"{att}/rms_norm/scale"]))
+        x = x + _self_attention(p, f"{att}/SelfAttention", _rms_norm(x, p[f"{att}/rms_norm/scale"]), visible)
         h = _rms_norm(x, p[f"{ffn}/rms_norm/scale"])
         x = x + torch.relu(h @ p[f"{ffn}/DenseReluDense/wi/kernel"]) @ p[f"{ffn}/DenseReluDense/wo/kernel"]
     x = _rms_norm(x, p["transformer/rms_norm/scale"])
@@ -116,7 +119,7 @@ def reference(p, targets, train=True):
     xent = -((logits - log_z[..., None]) * soft).sum(-1)
     if train:
         xent = xent + Z_LOSS * log_z.pow(2)
-    weights = (targets > 0).to(logits.dtype)
+    weights = (targets > 0).to(logits.dtype) if weights is None else weights.to(logits.dtype)
     return logits, (xent * weights).sum() / float(B * L)
 
 
@@ -219,3 +222,25 @@ def test_the_lm_trains_with_adafactor_and_layouts_agree():
     base = losses[""]
     assert base[-2:].mean() < 0.7 * base[:2].mean(), base.tolist()
     assert ((losses[LAYOUTS[4][1]] - base).abs() / base).max() <= 1e-4
+
+
+def test_input_full_attention_and_loss_on_targets_only():
+    """Seq2seq as an LM: ``[inputs, EOS=1, targets, EOS=1]``; the inputs part (and the position reading its EOS)
+    attends fully within itself, the loss counts the targets part only (Mesh TF's delimited_lm_inputs_mask)."""
+    graph, mesh, targets, logits, loss, variables, grads, _ = build(input_full_attention=True,
+                                                                    loss_on_targets_only=True)
+    t = torch.tensor([[5, 6, 1, 7, 8, 9, 1, 0], [5, 1, 7, 1, 4, 4, 1, 3], [9, 9, 9, 1, 2, 1, 0, 0],
+                      [3, 4, 5, 6, 7, 1, 8, 1]], dtype=torch.int32)
+    eos_before = torch.cumsum((t == 1).int(), 1) - (t == 1).int()
+    inputs_part = eos_before % 2 == 0
+    region = inputs_part | torch.cat([torch.zeros_like(inputs_part[:, :1]), inputs_part[:, :-1]], 1)
+    priority = torch.arange(L)[None] * (~region).int()
+    visible = priority[:, :, None] >= priority[:, None, :]
+    lw = mtf.Lowering(graph, {mesh: mtf.PlacementMeshImpl(*LAYOUTS[3])})
+    out = lw.run([logits, loss] + grads, feeds={targets: t})
+    params = {v.name: lw.variable_value(v.name).to(torch.float64).requires_grad_(True) for v in variables}
+    ref_logits, ref_loss = reference(params, t, visible=visible, weights=(t > 0) & ~inputs_part)
+    assert not torch.equal(visible[0], visible[0].tril())  # some positions see ahead: the check has power
+    assert rel_error(out[0], ref_logits) <= 1e-5 and rel_error(out[1], ref_loss) <= 1e-5
+    for v, g, r in zip(variables, out[2:], torch.autograd.grad(ref_loss, list(params.values())), strict=True):
+        assert rel_error(g, r) <= 1e-5, v.name
