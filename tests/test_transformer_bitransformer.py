@@ -12,6 +12,7 @@ import torch
 import meshtorch as mtf
 from meshtorch.testing import rel_error
 from meshtorch.transformer import transformer, transformer_layers
+from test_transformer_beam import BEAM, mesh_tf_beam_search
 
 B, LIN, LOUT, D, H, DKV, DFF, V, MAXLEN = 4, 8, 6, 32, 4, 8, 64, 128, 16
 LAYOUTS = [("", ""), ("all:4", "batch:all"), ("all:4", "heads:all;d_ff:all"),
@@ -30,7 +31,7 @@ def _attention_layer(name):
     return [name, {"num_heads": H, "key_value_size": DKV}]
 
 
-def build(decode=False):
+def build(decode=False, beam_size=1):
     graph = mtf.Graph(seed=5)
     mesh = mtf.Mesh(graph, "my_mesh")
     batch = mtf.Dimension("batch", B)
@@ -47,7 +48,7 @@ def build(decode=False):
         output_vocab_size=V, autoregressive=True, max_length=MAXLEN, name="decoder", z_loss=1e-4)
     model = transformer.Bitransformer(encoder, decoder)
     if decode:
-        return graph, mesh, inputs, model.decode(inputs)
+        return graph, mesh, inputs, model.decode(inputs, beam_size=beam_size)
     logits, loss = model.call_simple(inputs, targets, compute_loss=True, mode="train")
     variables = graph.trainable_variables
     grads = mtf.gradients([loss], [v.outputs[0] for v in variables])
@@ -181,3 +182,19 @@ def test_greedy_decode_matches_mesh_tf_s_loop(mesh_shape, layout):
         ids[:, pos] = logits[:, pos].argmax(-1)
     assert torch.equal(got, ids)
     assert len(set(ids.flatten().tolist())) >= 4
+
+
+def test_beam_search_decode_matches_mesh_tf_s_algorithm():
+    """decode(beam_size=3): Mesh TF's beam search (test_transformer_beam's transcription) over the twin decoder."""
+    graph, mesh, inputs, decoded = build(decode=True, beam_size=BEAM)
+    lw = mtf.Lowering(graph, {mesh: mtf.PlacementMeshImpl(*LAYOUTS[3])})
+    x, _ = data()
+    got = lw.run([decoded], feeds={inputs: x})[0]
+    params = {n: lw.variable_value(n).to(torch.float64) for n in lw.variable_names}
+    xb = x.repeat_interleave(BEAM, 0)
+
+    def logits_at(ids, i):
+        return reference(params, xb, ids, dec_seq=torch.ones_like(ids))[0][:, i]
+    want = mesh_tf_beam_search(logits_at, B)
+    assert torch.equal(got, want.to(got.dtype))
+    assert len({tuple(r) for r in want.tolist()}) >= 3  # the sequences differ with their inputs

@@ -117,23 +117,22 @@ class Bitransformer:
 
     def decode(self, inputs, variable_dtype=None, beam_size=1, alpha=0.6, temperature=0.0, sampling_keep_top_k=-1,
                decode_length_multiplier=1.5, decode_length_constant=10, max_decode_length=None):
-        """Greedy / temperature sampling of the decoder given encoder ids (Mesh TF ``Bitransformer.decode``).
+        """Sampling or beam search of the decoder given encoder ids (Mesh TF ``Bitransformer.decode``).
 
         Args:
-            inputs: integer ``[batch..., length]`` encoder ids.
-            beam_size: must be 1 (beam search is not ported).
-            temperature / sampling_keep_top_k: as :meth:`Unitransformer.sample_autoregressive`.
+            inputs: integer ``[batch..., length]`` encoder ids (0 = padding).
+            beam_size: 1 = :meth:`Unitransformer.sample_autoregressive` (greedy at temperature 0);
+                more = :meth:`Unitransformer.beam_search` with length penalty ``alpha`` and a decode
+                length of ``max_input_length * decode_length_multiplier + decode_length_constant``.
+            temperature / sampling_keep_top_k: sampling options (beam_size 1 only).
             max_decode_length: decoded length (default the input length).
 
         Returns:
             integer ``[batch..., length]`` decoded ids.
 
         Raises:
-            NotImplementedError: ``beam_size > 1``.
+            ValueError: beam search with a nonzero temperature or a top-k.
         """
-        if beam_size != 1:
-            raise NotImplementedError("Bitransformer.decode: beam search (beam_size > 1) is not ported; use "
-                                      "meshtorch.generate.beam_search on a fixed-shape graph, or beam_size=1.")
         variable_dtype = variable_dtype or mtf.VariableDType(torch.float32)
         encoder_layer_outputs = []
         shared_params = self._shared_params(inputs.mesh, variable_dtype)
@@ -146,12 +145,28 @@ class Bitransformer:
         batch_dims = list(inputs.shape.dims[:-1])
         length_dim = inputs.shape.dims[-1]
         decode_length_dim = length_dim if max_decode_length is None else mtf.Dimension("length", max_decode_length)
-        partial_sequences = mtf.zeros(inputs.mesh, mtf.Shape(batch_dims + [decode_length_dim]), dtype=inputs.dtype)
-        return self.decoder.sample_autoregressive(
-            partial_sequences, temperature=temperature, sampling_keep_top_k=sampling_keep_top_k,
-            variable_dtype=variable_dtype, encoder_output=encoder_output, encoder_sequence_id=encoder_sequence_id,
-            encoder_inputs=mtf.layers.rename_length_to_memory_length(inputs), shared_params=shared_params,
-            has_partial_sequences=False, encoder_layer_outputs=encoder_layer_outputs)
+        if beam_size == 1:
+            partial_sequences = mtf.zeros(inputs.mesh, mtf.Shape(batch_dims + [decode_length_dim]), dtype=inputs.dtype)
+            return self.decoder.sample_autoregressive(
+                partial_sequences, temperature=temperature, sampling_keep_top_k=sampling_keep_top_k,
+                variable_dtype=variable_dtype, encoder_output=encoder_output,
+                encoder_sequence_id=encoder_sequence_id,
+                encoder_inputs=mtf.layers.rename_length_to_memory_length(inputs), shared_params=shared_params,
+                has_partial_sequences=False, encoder_layer_outputs=encoder_layer_outputs)
+        if temperature != 0:
+            raise ValueError("don't know how to beam search with nonzero temperature")
+        if sampling_keep_top_k != -1:
+            raise ValueError("don't know how to beam search with top-k value other than -1.")
+        beam_dim = mtf.Dimension("beam", beam_size)
+        partial_sequences = mtf.zeros(inputs.mesh, mtf.Shape(batch_dims + [beam_dim, decode_length_dim]),
+                                      dtype=inputs.dtype)
+        input_length = mtf.reduce_sum(mtf.cast(mtf.not_equal(inputs, 0), torch.float32), reduced_dim=length_dim)
+        max_input_length = mtf.reduce_max(input_length)
+        decode_length = mtf.cast(max_input_length * decode_length_multiplier + decode_length_constant, torch.int32)
+        return self.decoder.beam_search(
+            partial_sequences, decode_length, variable_dtype=variable_dtype, encoder_output=encoder_output,
+            encoder_sequence_id=encoder_sequence_id, encoder_inputs=inputs, alpha=alpha,
+            shared_params=shared_params, encoder_layer_outputs=encoder_layer_outputs)
 
 
 def make_bitransformer(input_vocab_size, output_vocab_size, layout=None, mesh_shape=None, encoder_name="encoder",

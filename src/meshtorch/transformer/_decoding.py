@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from meshtorch.transformer import _beam_search as beam_search_lib
 from meshtorch.transformer import _mtf as mtf
 from meshtorch.transformer._context import Context
 from meshtorch.transformer._sequences import autoregressive_inputs
@@ -108,3 +109,50 @@ def sample_autoregressive(model, partial_sequences, stop_at_token=1, max_steps=N
 
     outputs = mtf.while_loop(cond_fn, body_fn, [initial_position, inputs] + initial_states)
     return outputs[1]
+
+
+def beam_search(model, inputs, decode_length, variable_dtype=None, encoder_output=None, encoder_sequence_id=None,
+                encoder_inputs=None, alpha=0.6, shared_params=None, encoder_layer_outputs=None, bos_id=0):
+    """See :meth:`meshtorch.transformer.transformer.Unitransformer.beam_search`."""
+    if not model.autoregressive:
+        raise ValueError("must be autoregressive")
+    batch_dims = list(inputs.shape.dims[:-2])
+    if len(batch_dims) != 1:
+        raise NotImplementedError("beam search supports exactly one batch dimension.")
+    if model.input_full_attention:
+        raise NotImplementedError("Beam search for language models not yet implemented")
+    variable_dtype = variable_dtype or mtf.VariableDType(torch.float32)
+    mesh = inputs.mesh
+    beam_dim, length_dim = inputs.shape.dims[-2], inputs.shape.dims[-1]
+    length_range = mtf.range(mesh, length_dim, torch.int32)
+    sequence_id = 1 if encoder_sequence_id is not None else None
+
+    def context(mode, **kw):
+        return Context(model=model, mesh=mesh, batch_dims=batch_dims + [beam_dim], length_dim=length_dim,
+                       variable_dtype=variable_dtype, mode=mode, new_states=[], sequence_id=sequence_id,
+                       encoder_output=encoder_output, encoder_sequence_id=encoder_sequence_id,
+                       shared_params=shared_params, encoder_layer_outputs=encoder_layer_outputs,
+                       write_priority=length_range, encoder_inputs=encoder_inputs, **kw)
+
+    initial_position = mtf.reduce_sum(mtf.to_int32(mtf.not_equal(inputs, 0)), reduced_dim=length_dim)
+    first = context("first_part", position=length_range, position_is_default=True, initial_position=initial_position,
+                    constant_states=[], read_priority=length_range, inputs=inputs)
+    with mtf.variable_scope(model.name):
+        model._call_internal(first, autoregressive_inputs(inputs))
+    initial_states = [mtf.zeros_like(t) for t in first.new_states]  # no partial targets
+    constant_states = first.constant_states
+
+    def logits_fn(step_num, ids, states):
+        inputs_this_step = mtf.gather(ids, step_num - 1, length_dim)
+        if bos_id:
+            inputs_this_step += mtf.cast(mtf.equal(step_num, 0), ids.dtype) * bos_id
+        inc = context("incremental", position=step_num, states=states, constant_states=constant_states,
+                      read_priority=step_num, inputs=inputs_this_step)
+        with mtf.variable_scope(model.name, reuse=True):
+            logits = model._call_internal(inc, inputs_this_step)
+        return mtf.cast(logits, torch.float32), inc.new_states
+
+    beams, _ = beam_search_lib.beam_search(logits_fn, inputs, alpha, states=initial_states,
+                                           decode_length=decode_length, dtype=torch.float32,
+                                           mesh_shape=model.mesh_shape, layout=model.layout)
+    return mtf.gather(beams, mtf.constant(mesh, 0, [], torch.int32), beam_dim)

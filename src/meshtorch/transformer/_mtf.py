@@ -39,9 +39,9 @@ from meshtorch.ops.initializers import (  # noqa: F401
 )
 from meshtorch.ops.precision import VariableDType  # noqa: F401
 from meshtorch.ops.random import dropout, random_uniform  # noqa: F401
-from meshtorch.ops.reduce import reduce_logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax  # noqa: F401
+from meshtorch.ops.reduce import log_softmax, reduce_logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax  # noqa: F401
 from meshtorch.ops.reshape import rename_dimension, replace_dimensions, reshape, transpose  # noqa: F401
-from meshtorch.ops.selection import argmax, nth_largest_element  # noqa: F401
+from meshtorch.ops.selection import argmax, nth_largest_element, top_k  # noqa: F401
 from meshtorch.ops.sequence import cumsum, range, shift  # noqa: F401,A004
 from meshtorch.ops.shape import add_n, broadcast, concat, slice, where  # noqa: F401,A004
 from meshtorch.ops.variables import constant, get_variable, import_tensor, ones_like, zeros, zeros_like  # noqa: F401

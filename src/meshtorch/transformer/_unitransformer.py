@@ -14,6 +14,7 @@ import torch
 
 from meshtorch.transformer import _mtf as mtf
 from meshtorch.transformer._context import TRAIN, Context, check_mode
+from meshtorch.transformer._decoding import beam_search as _beam_search
 from meshtorch.transformer._decoding import sample_autoregressive as _sample_autoregressive
 from meshtorch.transformer._dense import dense
 from meshtorch.transformer._sequences import _round_up_to_multiple, delimited_lm_inputs_mask
@@ -170,7 +171,8 @@ class Unitransformer:
                     mtf.slice(pos_emb_var, 0, context.length_dim.size, self.max_length_dim.name),
                     self.max_length_dim.name, context.length_dim.name)
             else:
-                pos_emb = mtf.gather(pos_emb_var, context.position, self.max_length_dim, output_shape=x.shape)
+                # Mesh TF passes output_shape=x.shape; the sum below broadcasts (a scalar position when beam searching)
+                pos_emb = mtf.gather(pos_emb_var, context.position, self.max_length_dim)
             x += pos_emb
         x = self.layer_stack.call(context, x)
         if self.output_vocab_dim is None:
@@ -284,3 +286,24 @@ class Unitransformer:
             encoder_inputs=encoder_inputs, shared_params=shared_params, has_partial_sequences=has_partial_sequences,
             encoder_layer_outputs=encoder_layer_outputs, never_end=never_end,
             remove_partial_sequences=remove_partial_sequences, sampling_keep_top_k=sampling_keep_top_k, bos_id=bos_id)
+
+    def beam_search(self, inputs, decode_length, variable_dtype=None, encoder_output=None, encoder_sequence_id=None,
+                    encoder_inputs=None, alpha=0.6, shared_params=None, encoder_layer_outputs=None, bos_id=0):
+        """Beam search (Mesh TF ``Unitransformer.beam_search``): the best beam of each sequence.
+
+        Args:
+            inputs: integer zeros ``[batch, beam, length]`` (one batch dim).
+            decode_length: integer scalar Tensor, the maximum decode length.
+            alpha: length-penalty exponent (``((5 + len) / 6)^alpha``).
+            encoder_*: the encoder output etc. when decoding a Bitransformer.
+
+        Returns:
+            integer ``[batch, length]``.
+
+        Raises:
+            ValueError: not autoregressive. NotImplementedError: more than one batch dim, or
+            ``input_full_attention``.
+        """
+        return _beam_search(self, inputs, decode_length, variable_dtype=variable_dtype, encoder_output=encoder_output,
+                            encoder_sequence_id=encoder_sequence_id, encoder_inputs=encoder_inputs, alpha=alpha,
+                            shared_params=shared_params, encoder_layer_outputs=encoder_layer_outputs, bos_id=bos_id)
