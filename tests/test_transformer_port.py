@@ -50,7 +50,7 @@ def expected_variables():
     return out
 
 
-def build(optimizer=None, **unitransformer_kwargs):
+def build(optimizer=None, variable_dtype=None, **unitransformer_kwargs):
     """The LM exactly as a mesh_tensorflow.transformer user builds it (gin bindings as arguments)."""
     graph = mtf.Graph(seed=3)
     mesh = mtf.Mesh(graph, "my_mesh")
@@ -65,7 +65,7 @@ def build(optimizer=None, **unitransformer_kwargs):
         max_length=MAXLEN, shared_embedding_and_softmax_weights=True, z_loss=Z_LOSS, **unitransformer_kwargs)
     inputs = transformer.autoregressive_inputs(targets)
     logits, loss = model.call_simple(inputs=inputs, targets=targets, compute_loss=True, mode="train",
-                                     variable_dtype=mtf.VariableDType(torch.float32))
+                                     variable_dtype=variable_dtype or mtf.VariableDType(torch.float32))
     variables = graph.trainable_variables
     grads = mtf.gradients([loss], [v.outputs[0] for v in variables])
     updates = optimizer.apply_grads(grads, [v.outputs[0] for v in variables]) if optimizer else []
@@ -244,3 +244,17 @@ def test_input_full_attention_and_loss_on_targets_only():
     assert rel_error(out[0], ref_logits) <= 1e-5 and rel_error(out[1], ref_loss) <= 1e-5
     for v, g, r in zip(variables, out[2:], torch.autograd.grad(ref_loss, list(params.values())), strict=True):
         assert rel_error(g, r) <= 1e-5, v.name
+
+
+def test_bfloat16_activations_with_float32_variables():
+    """variable_dtype=mtf.VariableDType(float32, float32, bfloat16): float32 variables, bfloat16 logits and loss close
+    to the float64 transcription (bfloat16 has 8 bits of mantissa)."""
+    graph, mesh, targets, logits, loss, variables, grads, _ = build(
+        variable_dtype=mtf.VariableDType(torch.float32, torch.float32, torch.bfloat16))
+    assert all(v.dtype == torch.float32 for v in variables) and logits.dtype == torch.bfloat16
+    lw = mtf.Lowering(graph, {mesh: mtf.PlacementMeshImpl(*LAYOUTS[3])})
+    t = data()
+    out = lw.run([logits, loss], feeds={targets: t})
+    params = {v.name: lw.variable_value(v.name).to(torch.float64) for v in variables}
+    ref_logits, ref_loss = reference(params, t)
+    assert rel_error(out[1], ref_loss) <= 2e-2 and rel_error(out[0], ref_logits) <= 5e-2
