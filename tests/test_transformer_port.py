@@ -50,7 +50,7 @@ def expected_variables():
     return out
 
 
-def build(optimizer=None, variable_dtype=None, **unitransformer_kwargs):
+def build(optimizer=None, variable_dtype=None, layer_stack_kwargs=None, mode="train", **unitransformer_kwargs):
     """The LM exactly as a mesh_tensorflow.transformer user builds it (gin bindings as arguments)."""
     graph = mtf.Graph(seed=3)
     mesh = mtf.Mesh(graph, "my_mesh")
@@ -60,11 +60,13 @@ def build(optimizer=None, variable_dtype=None, **unitransformer_kwargs):
         layers=[[transformer_layers.SelfAttention, {"num_heads": H, "key_value_size": DKV}],
                 [transformer_layers.DenseReluDense, {"hidden_size": DFF}]],
         num_layers=2)
+    if layer_stack_kwargs:  # other sublayers: a LayerStack over the same layers
+        layer_stack = transformer.LayerStack(layer_stack.layers, **layer_stack_kwargs)
     model = transformer.Unitransformer(
         layer_stack=layer_stack, d_model=D, input_vocab_size=V, output_vocab_size=V, autoregressive=True,
         max_length=MAXLEN, shared_embedding_and_softmax_weights=True, z_loss=Z_LOSS, **unitransformer_kwargs)
     inputs = transformer.autoregressive_inputs(targets)
-    logits, loss = model.call_simple(inputs=inputs, targets=targets, compute_loss=True, mode="train",
+    logits, loss = model.call_simple(inputs=inputs, targets=targets, compute_loss=True, mode=mode,
                                      variable_dtype=variable_dtype or mtf.VariableDType(torch.float32))
     variables = graph.trainable_variables
     grads = mtf.gradients([loss], [v.outputs[0] for v in variables])
@@ -101,18 +103,20 @@ def _self_attention(p, pre, x, visible=None):
     return o @ p[f"{pre}/o"]
 
 
-def reference(p, targets, train=True, visible=None, weights=None):
+def reference(p, targets, train=True, visible=None, weights=None, norm=None):
     """Unitransformer._call_internal + _compute_loss for this LM; returns (logits, loss).
 
-    ``visible`` [batch, length, memory_length] overrides the causal visibility, ``weights`` the loss weights."""
+    ``visible`` [batch, length, memory_length] overrides the causal visibility, ``weights`` the loss weights,
+    ``norm(p, scope, x)`` the sublayer norm (default rms_norm with ``{scope}/rms_norm/scale``)."""
+    norm = norm or (lambda p, scope, x: _rms_norm(x, p[f"{scope}/rms_norm/scale"]))
     inputs = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], 1).abs().long()  # autoregressive_inputs
     x = p["transformer/embedding"][inputs] + p["transformer/positional_embedding"][:L]
     for b in range(2):
         att, ffn = f"transformer/block_{b:03d}/layer_000", f"transformer/block_{b:03d}/layer_001"
-        x = x + _self_attention(p, f"{att}/SelfAttention", _rms_norm(x, p[f"{att}/rms_norm/scale"]), visible)
-        h = _rms_norm(x, p[f"{ffn}/rms_norm/scale"])
+        x = x + _self_attention(p, f"{att}/SelfAttention", norm(p, att, x), visible)
+        h = norm(p, ffn, x)
         x = x + torch.relu(h @ p[f"{ffn}/DenseReluDense/wi/kernel"]) @ p[f"{ffn}/DenseReluDense/wo/kernel"]
-    x = _rms_norm(x, p["transformer/rms_norm/scale"])
+    x = norm(p, "transformer", x)
     logits = (x * D ** -0.5) @ p["transformer/embedding"].T  # VocabEmbedding.hidden_to_logits
     log_z = torch.logsumexp(logits, -1)
     soft = torch.nn.functional.one_hot(targets.clamp_min(0).long(), V).to(logits.dtype)
