@@ -99,11 +99,17 @@ def test_assign_shape_mismatch_names_variable():
 
 
 def test_duplicate_variable_name():
+    """Mesh TF's get_variable returns the existing variable of that (scoped) name; another shape is an error,
+    and so is a name an operation already took."""
     g = mtf.Graph()
     mesh = mtf.Mesh(g, "m")
-    mtf.get_variable(mesh, "w", "a:4")
-    with pytest.raises(ValueError, match="'w'"):
-        mtf.get_variable(mesh, "w", "a:4")
+    w = mtf.get_variable(mesh, "w", "a:4")
+    assert mtf.get_variable(mesh, "w", "a:4") is w and len(g.all_variables) == 1
+    with pytest.raises(mtf.ShapeError, match="'w'"):
+        mtf.get_variable(mesh, "w", "a:5")
+    mtf.placeholder(mesh, "x", "a:4")
+    with pytest.raises(ValueError, match="'x'"):
+        mtf.get_variable(mesh, "x", "a:4")
 
 
 _IDX = torch.tensor([[0, 5, 11, 3], [7, 7, 2, 9]])

@@ -32,6 +32,7 @@ from meshtorch.core import (
     convert_to_dimension,
     convert_to_shape,
 )
+from meshtorch.core.scopes import AUTO_REUSE, VariableScope, get_variable_scope, name_scope, variable_scope
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering import Lowering, Program, Session, VariableStore
 from meshtorch.lowering.kernels import NotDataError
@@ -122,3 +123,4 @@ from meshtorch.ops.variables import (
 
 import_tf_tensor = import_tensor  # Mesh TF's name
 
+from meshtorch import transformer  # noqa: E402  (mtf.transformer; built on the names above)

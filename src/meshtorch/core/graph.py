@@ -31,6 +31,8 @@ class Graph:
         self.operations: list[Operation] = []
         self.all_variables: list = []
         self.trainable_variables: list = []
+        #: full variable name -> Variable operation (Mesh TF ``graph.name_to_variable``)
+        self.name_to_variable: dict = {}
         self._names: dict[str, int] = {}
         self._storage_depth = 0
 

@@ -7,7 +7,8 @@ from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
 from meshtorch.ops import binary, reduce
 from meshtorch.ops.einsum import einsum
-from meshtorch.ops.elementwise import cast, square
+from meshtorch.ops.elementwise import cast, negative, square
+from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer, zeros_initializer
 from meshtorch.ops.variables import get_variable
 
@@ -65,32 +66,49 @@ def dense(x: Tensor, new_dims, reduced_dims=None, use_bias=True, activation=None
 
 def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim, z_loss: float = 0.0,
                                       name=None) -> Tensor:
-    """Per-example cross entropy ``logsumexp(logits) - sum(targets * logits)`` over ``vocab_dim``.
+    """Per-example softmax cross entropy over ``vocab_dim`` (Mesh TF ``mtf.layers.softmax_cross_entropy_with_logits``).
+
+    ``loss = -sum_vocab(targets * (logits - logsumexp(logits)))`` plus, if ``z_loss`` is nonzero,
+    ``z_loss * logsumexp(logits)**2`` (Mesh TF's formula literally, so soft targets that do not sum
+    to one give Mesh TF's numbers too).
 
     Args:
         logits: ``[..., vocab_dim]`` float.
-        targets: same shape: a probability distribution per example (e.g. ``mtf.one_hot``).
-        vocab_dim: the class dimension (may be split: one lazy all-reduce per sum).
-        z_loss: coefficient of the auxiliary loss ``z_loss * logsumexp(logits)**2`` (Mesh TF).
+        targets: hard targets: an integer Tensor with the dims of ``logits`` other than
+            ``vocab_dim`` (class ids in ``[0, vocab_dim.size)``; one-hot encoded here, in the logits'
+            dtype), or soft targets: a float Tensor with exactly the dims of ``logits``.
+        vocab_dim: the class Dimension (or its name); may be split over a mesh axis (each sum is
+            then one lazy all-reduce).
+        z_loss: coefficient of the auxiliary loss on ``logsumexp(logits)**2`` (e.g. 1e-4).
+        name: optional name of the result op.
 
     Returns:
-        Tensor ``logits.shape - vocab_dim``.
+        Tensor ``logits.shape - vocab_dim``, the logits' dtype.
 
     Raises:
-        ShapeError: if the shapes differ or lack ``vocab_dim``.
+        ShapeError: if ``vocab_dim`` is not a dim of ``logits``; if hard targets' dims are not the
+            logits' dims minus ``vocab_dim``; if soft targets' dims differ from the logits'.
     """
-    vocab_dim = vocab_dim if isinstance(vocab_dim, str) else convert_to_dimension(vocab_dim).name
-    if vocab_dim not in logits.shape:
+    vname = vocab_dim if isinstance(vocab_dim, str) else convert_to_dimension(vocab_dim).name
+    if vname not in logits.shape:
         raise ShapeError(f"softmax_cross_entropy_with_logits: logits {logits.name!r} {logits.shape} have no "
-                         f"dimension {vocab_dim!r}.")
-    if set(logits.shape.dimension_names) != set(targets.shape.dimension_names):
-        raise ShapeError(f"softmax_cross_entropy_with_logits: logits {logits.shape} and targets {targets.shape} "
-                         "must have the same dims.")
-    if targets.dtype != logits.dtype:
+                         f"dimension {vname!r} (vocab_dim).")
+    vdim = logits.shape.get_dim_by_name(vname)
+    if not targets.dtype.is_floating_point:
+        want = set(logits.shape.dimension_names) - {vname}
+        if set(targets.shape.dimension_names) != want:
+            raise ShapeError(f"softmax_cross_entropy_with_logits: hard (integer) targets {targets.name!r} "
+                             f"{targets.shape} must have the logits' dims other than {vname!r}: {sorted(want)} "
+                             f"(logits {logits.shape}).")
+        targets = one_hot(targets, vdim, dtype=logits.dtype)
+    elif set(logits.shape.dimension_names) != set(targets.shape.dimension_names):
+        raise ShapeError(f"softmax_cross_entropy_with_logits: soft targets {targets.name!r} {targets.shape} must "
+                         f"have the same dims as the logits {logits.shape} (or pass integer class ids).")
+    elif targets.dtype != logits.dtype:
         targets = cast(targets, logits.dtype)
-    lse = reduce.reduce_logsumexp(logits, vocab_dim)
-    loss = binary.subtract(lse, reduce.reduce_sum(binary.multiply(logits, targets), vocab_dim), name=name)
+    log_z = reduce.reduce_logsumexp(logits, vname)
+    log_softmax = binary.subtract(logits, log_z)
+    loss = negative(reduce.reduce_sum(binary.multiply(log_softmax, targets), vname), name=None if z_loss else name)
     if z_loss:
-        loss = loss + square(lse) * z_loss
+        loss = binary.add(loss, square(log_z) * z_loss, name=name)
     return loss
-

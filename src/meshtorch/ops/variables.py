@@ -15,6 +15,7 @@ import torch
 from meshtorch.core.dims import combine_shapes, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Mesh, Operation, Tensor
+from meshtorch.core.scopes import scoped_variable_name
 from meshtorch.ops._kernels import filled
 from meshtorch.ops._util import align_fn
 from meshtorch.ops.initializers import convert_initializer
@@ -39,6 +40,7 @@ class Variable(Operation):
         self.variable_dtype = vdtype
         self.outputs = [Tensor(self, convert_to_shape(shape), vdtype.slice_dtype, name=name)]
         self.graph.all_variables.append(self)
+        self.graph.name_to_variable[self.name] = self
         if trainable:
             self.graph.trainable_variables.append(self)
 
@@ -84,18 +86,27 @@ class Variable(Operation):
             lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
 
 
-def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.float32, trainable=True) -> Tensor:
-    """A new variable (Mesh TF ``mtf.get_variable``); returns its value Tensor.
+def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.float32, trainable=True,
+                 master_dtype=None, slice_dtype=None, activation_dtype=None) -> Tensor:
+    """Create a variable, or return the existing one of the same scoped name (Mesh TF ``mtf.get_variable``).
+
+    The variable's full name is ``name`` prefixed by the enclosing :func:`mtf.variable_scope`
+    names (``transformer/block_000/layer_000/SelfAttention/q``). If the graph already has a
+    variable of that full name, it is returned (Mesh TF looks up ``graph.name_to_variable`` first,
+    whatever the scope's ``reuse`` flag): this is how decoding loops and shared layers reuse weights.
 
     Args:
         mesh: the Mesh.
-        name: unique name; it keys the variable's random initial values and checkpoints.
+        name: name within the current variable scope; the full name keys the variable's random
+            initial values and checkpoints.
         shape: named shape.
         initializer: an Initializer (default Glorot uniform, fans from the last dim vs the rest),
             or a number for a constant.
         dtype: torch dtype of the variable, or a :class:`~meshtorch.ops.precision.VariableDType`
             (mixed precision: slices stored in ``slice_dtype``, value returned in ``activation_dtype``).
         trainable: listed in ``graph.trainable_variables``.
+        master_dtype / slice_dtype / activation_dtype: Mesh TF's deprecated per-dtype arguments;
+            each overrides the matching part of ``dtype`` when given.
 
     Returns:
         Tensor of ``shape`` in the activation dtype: the variable's value, or a cast of it when the
@@ -103,15 +114,26 @@ def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.flo
         either and update the variable itself, in its slice dtype).
 
     Raises:
-        ValueError: if ``name`` is already used in the graph.
+        ValueError: if the full name is already used by an operation that is not a variable.
+        ShapeError: if an existing variable of that name has another shape.
         TypeError: if ``dtype`` is neither a torch dtype nor a VariableDType.
     """
-    var = Variable(mesh, name, shape, dtype, initializer, trainable)
+    if master_dtype is not None or slice_dtype is not None or activation_dtype is not None:
+        base = VariableDType.of(dtype if dtype is not None else torch.float32)
+        dtype = VariableDType(master_dtype or base.master_dtype, slice_dtype or base.slice_dtype,
+                              activation_dtype or base.activation_dtype)
+    full_name = scoped_variable_name(name)
+    var = mesh.graph.name_to_variable.get(full_name)
+    if var is None:
+        var = Variable(mesh, full_name, shape, dtype, initializer, trainable)
+    elif var.shape != convert_to_shape(shape):
+        raise ShapeError(f"get_variable: variable {full_name!r} exists with shape {var.shape}, asked for "
+                         f"{convert_to_shape(shape)}; use another name or variable_scope.")
     value = var.outputs[0]
     if var.activation_dtype == value.dtype:
         return value
     from meshtorch.ops.elementwise import cast
-    out = cast(value, var.activation_dtype, name=f"{name}/read")
+    out = cast(value, var.activation_dtype, name=f"{full_name}/read")
     out.operation.variable = var  # lets assign / optimizers find the variable from its read
     return out
 

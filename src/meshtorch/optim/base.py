@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from meshtorch.core.graph import Mesh, Tensor
+from meshtorch.core.scopes import VariableScope, variable_scope
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, Variable, _as_variable, constant, get_variable
@@ -45,7 +46,8 @@ def get_or_create_global_step(mesh: Mesh) -> Tensor:
                                     " it must be a scalar (shape []) of dtype int64, int32 or float32.")
                 return v.value
     name = GLOBAL_STEP_NAME if not mesh.graph.name_in_use(GLOBAL_STEP_NAME) else f"{mesh.name}/{GLOBAL_STEP_NAME}"
-    return get_variable(mesh, name, [], initializer=zeros_initializer(), dtype=torch.int64, trainable=False)
+    with variable_scope(VariableScope("")):  # unscoped, like TF's global step, wherever apply_grads is called
+        return get_variable(mesh, name, [], initializer=zeros_initializer(), dtype=torch.int64, trainable=False)
 
 
 def as_scalar(value, what: str, mesh: Mesh, step: Tensor | None = None):

@@ -139,7 +139,7 @@ def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_s
                                      {n: lw.variable_value(n) for n in lw.variable_names},
                                      {t.name: v for t, v in feeds.items()}, [t.name for t in fetches])
             for i, (a, b) in enumerate(zip(res, again, strict=True)):
-                assert torch.equal(a, b), f"mesh {mesh_shape!r} layout {layout!r}: fetch {i} differs after JSON round trip"
+                assert torch.equal(a, b), f"mesh {mesh_shape!r} layout {layout!r}: fetch {i} differs after JSON"
     return res[: len(outs)], dict(zip(grad_names, res[len(outs):], strict=True)), lw
 
 
