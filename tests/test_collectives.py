@@ -8,8 +8,8 @@
     equals the placement result of processor r.
 (c) Transposes, through graph gradients: a small graph whose forward pass causes one collective; the
     collectives of the gradient program (``plan_counters`` of the gradient fetch, records caused by the
-    operations ``mtf.gradients`` created) are the transpose documented in docs/collectives.md, and the gradient equals plain
-    PyTorch autograd on full tensors. Where today's program uses another collective than the ideal
+    operations ``mtf.gradients`` created) are the transpose documented in docs/collectives.md, and the
+    gradient equals plain PyTorch autograd on full tensors. Where today's program uses another collective than the ideal
     transpose, the constant ``TODAY_*`` below says so (see docs/collectives.md, "Where today's gradient
     differs").
 """
