@@ -48,31 +48,36 @@ def layouts(mesh_shape: str) -> list[tuple]:
 
 
 def calls(impl, layout: tuple):
-    """``[(name, function of the laid-out input)]``: every primitive that is legal on this layout's slices."""
+    """``[(key, function of the laid-out input)]``: every primitive that is legal on this layout's slices.
+
+    Keys are plain tuples naming the primitive and its arguments: ``("allreduce", axes, reduction)``,
+    ``("allconcat", a, concat_axis)``, ``("alltoall", a, split_axis, concat_axis)``,
+    ``("shift", a, offset, wrap)``, ``("receive", a, source_pcoord)``.
+    """
     sizes = impl.slice_shape([(f"d{k}", s) for k, s in enumerate(SHAPE)], TensorLayout(layout))
     out = []
     nd = impl.ndims
     for r in range(1, nd + 1):
         for axes in itertools.combinations(range(nd), r):
             for red in ("SUM", "MAX", "MIN"):
-                out.append((f"allreduce{axes}{red}", lambda x, axes=axes, red=red: impl.allreduce(x, list(axes), red)))
+                out.append((("allreduce", axes, red), lambda x, axes=axes, red=red: impl.allreduce(x, list(axes), red)))
     for a in range(nd):
         n = impl.shape[a].size
         for c in range(len(SHAPE)):
-            out.append((f"allconcat a{a} c{c}", lambda x, a=a, c=c: impl.allconcat(x, a, c)))
+            out.append((("allconcat", a, c), lambda x, a=a, c=c: impl.allconcat(x, a, c)))
             for s in range(len(SHAPE)):
                 if sizes[s] % n == 0:
-                    out.append((f"alltoall a{a} s{s} c{c}", lambda x, a=a, s=s, c=c: impl.alltoall(x, a, s, c)))
+                    out.append((("alltoall", a, s, c), lambda x, a=a, s=s, c=c: impl.alltoall(x, a, s, c)))
         for off, wrap in SHIFTS:
-            out.append((f"shift a{a} {off} {wrap}",
+            out.append((("shift", a, off, wrap),
                         lambda x, a=a, off=off, wrap=wrap: impl.shift_by_n_processors(x, a, off, wrap)))
-        src = [n - 1 - c if c % 2 == 0 else None for c in range(n)]
-        out.append((f"receive a{a} {src}", lambda x, a=a, src=src: impl.receive(x, a, src)))
+        src = tuple(n - 1 - c if c % 2 == 0 else None for c in range(n))
+        out.append((("receive", a, src), lambda x, a=a, src=src: impl.receive(x, a, list(src))))
     return out
 
 
 def run_all(impl, mesh_shape: str) -> dict:
-    """``{(layout, name): this process's result slices (list, one per local pnum)}`` for every call;
+    """``{(layout, key): this process's result slices (list, one per local pnum)}`` for every call;
     all-reduces get per-processor different inputs (:func:`partial_tensors`), the rest ``full_tensor()``."""
     full = full_tensor()
     parts = partial_tensors(impl.size)
@@ -81,9 +86,9 @@ def run_all(impl, mesh_shape: str) -> dict:
         tl = TensorLayout(lay)
         x = impl.import_full(full, tl)
         xp = impl.laid_out_constant(lambda p, tl=tl: parts[p][slice_bounds(impl, tl, p)].clone())
-        for name, fn in calls(impl, lay):
-            value = fn(xp if name.startswith("allreduce") else x)
-            out[(lay, name)] = [t.clone() for t in impl.local_slices(value)]
+        for key, fn in calls(impl, lay):
+            value = fn(xp if key[0] == "allreduce" else x)
+            out[(lay, key)] = [t.clone() for t in impl.local_slices(value)]
     return out
 
 

@@ -79,20 +79,19 @@ def shift_source(n, offset, wrap):
     return [(c - offset) % n if wrap else (c - offset if 0 <= c - offset < n else None) for c in range(n)]
 
 
-def reference(name, blocks, partial_blocks, p, dims):
-    """The per-processor reference of one call of :func:`_collectives_cases.calls`, parsed from its name."""
-    if name.startswith("allreduce"):
-        axes = eval(name[len("allreduce"):name.index(")") + 1])  # noqa: S307 - a tuple literal we wrote
-        return allreduce_ref(partial_blocks, p, axes, name[name.index(")") + 1:], dims)
-    words = name.split()
-    a = int(words[1][1:])
-    if words[0] == "allconcat":
-        return allconcat_ref(blocks, p, a, int(words[2][1:]), dims)
-    if words[0] == "alltoall":
-        return alltoall_ref(blocks, p, a, int(words[2][1:]), int(words[3][1:]), dims)
-    if words[0] == "shift":
-        return receive_ref(blocks, p, a, shift_source(dims[a], int(words[2]), words[3] == "True"), dims)
-    return receive_ref(blocks, p, a, eval(name.split(" ", 2)[2]), dims)  # noqa: S307 - a list literal we wrote
+def reference(key, blocks, partial_blocks, p, dims):
+    """The per-processor reference of one call of :func:`_collectives_cases.calls` (``key`` names it)."""
+    kind, *args = key
+    if kind == "allreduce":
+        return allreduce_ref(partial_blocks, p, args[0], args[1], dims)
+    if kind == "allconcat":
+        return allconcat_ref(blocks, p, *args, dims)
+    if kind == "alltoall":
+        return alltoall_ref(blocks, p, *args, dims)
+    if kind == "shift":
+        a, offset, wrap = args
+        return receive_ref(blocks, p, a, shift_source(dims[a], offset, wrap), dims)
+    return receive_ref(blocks, p, *args, dims)
 
 
 # ============================================================ (a) placement vs the reference
@@ -103,13 +102,13 @@ def test_placement_primitives_match_reference(mesh_shape):
     full, parts = C.full_tensor(), C.partial_tensors(impl.size)
     results = C.run_all(impl, mesh_shape)
     n = 0
-    for (lay, name), got in results.items():
+    for (lay, key), got in results.items():
         blocks = [block(full, lay, p, dims) for p in range(impl.size)]
         partial_blocks = [block(parts[p], lay, p, dims) for p in range(impl.size)]
         for p in range(impl.size):
-            want = reference(name, blocks, partial_blocks, p, dims)
-            assert got[p].shape == want.shape, (mesh_shape, lay, name, p)
-            torch.testing.assert_close(got[p], want, rtol=1e-12, atol=1e-12, msg=f"{mesh_shape} {lay} {name} p{p}")
+            want = reference(key, blocks, partial_blocks, p, dims)
+            assert got[p].shape == want.shape, (mesh_shape, lay, key, p)
+            torch.testing.assert_close(got[p], want, rtol=1e-12, atol=1e-12, msg=f"{mesh_shape} {lay} {key} p{p}")
             n += 1
     assert len(results) > 70 and n == impl.size * len(results)
 
