@@ -155,19 +155,17 @@ def test_full_tensor_semantics(mesh_shape):
 
 @pytest.mark.parametrize("mesh_shape", C.MESHES)
 def test_allreduce_sums_partial_full_tensors(mesh_shape):
-    """Each processor holds (its block of) a different full tensor; the SUM all-reduce over all axes gives,
-    everywhere, the block of the sum of the full tensors: the value a pending partial sum stands for."""
-    dims = C.mesh_dims(mesh_shape)
+    """Each processor holds a different full tensor (replicated layout); the SUM all-reduce over all axes
+    gives, everywhere, the sum of the full tensors: the value a pending partial sum stands for."""
     impl = mtf.PlacementMeshImpl(mesh_shape, "")
     parts = C.partial_tensors(impl.size)
     total = sum(parts[1:], parts[0])
-    for lay in C.layouts(mesh_shape):
-        if any(a is not None for a in lay):
-            continue  # a partial sum is replicated over the axes it is summed over
-        x = impl.laid_out_constant(lambda p: parts[p].clone())
-        got = impl.allreduce(x, list(range(len(dims))), "SUM")
-        for p in range(impl.size):
-            torch.testing.assert_close(got[p], total, rtol=1e-12, atol=1e-12)
+    x = impl.laid_out_constant(lambda p: parts[p].clone())
+    got = impl.allreduce(x, list(range(impl.ndims)), "SUM")
+    for p in range(impl.size):
+        torch.testing.assert_close(got[p], total, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(impl.export_full(got, TensorLayout((None,) * len(C.SHAPE))), total,
+                               rtol=1e-12, atol=1e-12)
 
 
 # ============================================================ (b) SPMD (4 gloo ranks) vs placement
@@ -202,6 +200,10 @@ B, H, N, Q, S = D("b", 4), D("h", 8), D("n", 4), D("q", 8), D("s", 4)
 #: The ideal transpose is one reduce-scatter; today the reshape's gradient all-reduces the partial
 #: sum and then keeps its slice locally.
 TODAY_ALLGATHER_PARTIAL_TRANSPOSE = [("allreduce", "SUM")]
+#: The gradient of ``unstack`` (an all-gather of the split dim) is ``stack``; when the parts' cotangents
+#: are partial sums over that axis, one reduce-scatter of the stacked sums would do; today each of the
+#: 4 parts is all-reduced, then each processor keeps its own part.
+TODAY_STACK_PARTIAL_TRANSPOSE = [("allreduce", "SUM", 4)]
 
 
 def _loss(mesh, y, seed=1):
@@ -261,6 +263,14 @@ def t_rename_einsum(t):
     return torch.einsum("bq,qn->bn", t["x"], t["u"])
 
 
+def g_unstack(mesh, v):
+    return mtf.add_n([mtf.einsum([part, v["w"]], output_shape=[B, N]) for part in mtf.unstack(v["xs"], "s")])
+
+
+def t_unstack(t):
+    return torch.einsum("sbh,hn->bn", t["xs"], t["w"])
+
+
 def g_slice(mesh, v):
     return mtf.slice(v["x"], 2, 4, "h")
 
@@ -269,7 +279,7 @@ def t_slice(t):
     return t["x"][:, 2:6]
 
 
-VARS = {"x": [B, H], "w": [H, N], "u": [Q, N]}
+VARS = {"x": [B, H], "w": [H, N], "u": [Q, N], "xs": [S, B, H]}
 
 # name, graph, torch reference, variables to differentiate, (mesh, layout),
 # forward collectives, collectives the gradient adds: [(kind, reduction, mesh axes, count)]
@@ -311,6 +321,8 @@ TRANSPOSE_CASES = [
      [("allgather", "", ("all",), 1)], [(k, r, ("all",), 1) for k, r in TODAY_ALLGATHER_PARTIAL_TRANSPOSE]),
     ("allgather<->(partial) today 2x2", g_rename_einsum, t_rename_einsum, ["x"], ("rows:2;cols:2", "h:cols;n:cols"),
      [("allgather", "", ("cols",), 1)], [(k, r, ("cols",), 1) for k, r in TODAY_ALLGATHER_PARTIAL_TRANSPOSE]),
+    ("unstack: allgather<->stack(partial) today", g_unstack, t_unstack, ["xs"], ("all:4", "s:all;n:all"),
+     [("allgather", "", ("all",), 1)], [(k, r, ("all",), n) for k, r, n in TODAY_STACK_PARTIAL_TRANSPOSE]),
     # mtf.slice of a split dim (all-gather, local slice) <-> mtf.pad (all-gather of the cotangent, local slice)
     ("slice: allgather<->allgather", g_slice, t_slice, ["x"], ("all:4", "h:all"),
      [("allgather", "", ("all",), 1)], [("allgather", "", ("all",), 1)]),
