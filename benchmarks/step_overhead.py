@@ -21,7 +21,7 @@ a 2x2 placement mesh (``data:2,model:2`` with ``batch:data;heads:model;d_ff:mode
 
 Runs of all variants are interleaved (each repeat runs every variant ``--runs`` times, in turn), so
 load from other processes hits them alike; figures are medians over repeats with the interquartile
-range [first quartile, third quartile].
+range [first quartile, third quartile] and the minimum (the least disturbed repeat).
 
 Also times planning (``mtf.Lowering(graph, {mesh: impl})``, which includes computing the initial
 variable values, then ``plan_counters(fetches)``, which selects the training step's steps) for the
@@ -187,14 +187,14 @@ def main(argv=None):
     plan = time_planning("base", "2x2", args.plan_repeats) if args.plan_repeats else None
     cpu = platform.processor() or platform.machine()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {cpu}; "
-          f"{args.repeats} interleaved repeats x {args.runs} runs; median [quartiles] over repeats")
-    print(f"{'variant':<24}{'steps':>6}{'ms/run':>24}{'kernel ms/run':>24}{'Python us/step':>24}  method")
+          f"{args.repeats} interleaved repeats x {args.runs} runs; median [quartiles] and min over repeats")
+    print(f"{'variant':<24}{'steps':>6}{'ms/run':>34}{'kernel ms/run':>34}{'Python us/step':>34}  method")
     for r in rows:
         def fmt(s):
-            return "" if s is None else f"{s['median']:8.2f} [{s['q1']:.2f}, {s['q3']:.2f}]"
+            return "" if s is None else f"{s['median']:8.2f} [{s['q1']:.2f}, {s['q3']:.2f}] min {s['min']:.2f}"
         py = fmt(r.get("us_per_step")) if "us_per_step" in r else "{:.2f} .. {:.2f}".format(*r["us_per_step_bracket"])
-        print(f"{r['variant']:<24}{r['steps']:>6}{fmt(r['ms_per_run']):>24}{fmt(r.get('kernel_ms_per_run')):>24}"
-              f"{py:>24}  {r.get('method', '')}")
+        print(f"{r['variant']:<24}{r['steps']:>6}{fmt(r['ms_per_run']):>34}{fmt(r.get('kernel_ms_per_run')):>34}"
+              f"{py:>34}  {r.get('method', '')}")
     print("before (issue 11, 2-layer LM with almost no compute):")
     for mesh, b in BEFORE.items():
         print(f"  {mesh:<6} {b['steps']} steps, {b['ms_per_run']} ms/run, about {b['us_per_step']:.0f} us/step")
