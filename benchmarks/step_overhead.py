@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import re
 import statistics
@@ -159,6 +160,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     variants = []
     for preset in args.presets.split(","):
         for mesh in MESHES:
@@ -185,8 +187,10 @@ def main(argv=None):
             row["method"] = "(ii) (run time - aten self CPU time) / steps: [low, high]"
         rows.append(row)
     plan = time_planning("base", "2x2", args.plan_repeats) if args.plan_repeats else None
+    load_after = os.getloadavg()
     cpu = platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {cpu}; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {cpu}, {os.cpu_count()} CPUs, load average "
+          f"{load_before[0]:.1f} before / {load_after[0]:.1f} after; "
           f"{args.repeats} interleaved repeats x {args.runs} runs; median [quartiles] and min over repeats")
     print(f"{'variant':<24}{'steps':>6}{'ms/run':>34}{'kernel ms/run':>34}{'Python us/step':>34}  method")
     for r in rows:
@@ -204,7 +208,8 @@ def main(argv=None):
               f"[{lo['min']:.2f}, {lo['max']:.2f}], then plan_counters {pc['median']:.3f} s")
     if args.json:
         out = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "repeats": args.repeats, "runs": args.runs,
+               "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+               "loadavg_before": load_before, "loadavg_after": load_after, "repeats": args.repeats, "runs": args.runs,
                "rows": rows, "planning": plan, "before": BEFORE, "raw": m}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
