@@ -196,7 +196,10 @@ def main(argv=None):
     for r in rows:
         def fmt(s):
             return "" if s is None else f"{s['median']:8.2f} [{s['q1']:.2f}, {s['q3']:.2f}] min {s['min']:.2f}"
-        py = fmt(r.get("us_per_step")) if "us_per_step" in r else "{:.2f} .. {:.2f}".format(*r["us_per_step_bracket"])
+        if "us_per_step" in r:
+            py = fmt(r["us_per_step"])
+        else:
+            py = "{:.2f} .. {:.2f}".format(*r["us_per_step_bracket"]) if "us_per_step_bracket" in r else ""
         print(f"{r['variant']:<24}{r['steps']:>6}{fmt(r['ms_per_run']):>34}{fmt(r.get('kernel_ms_per_run')):>34}"
               f"{py:>34}  {r.get('method', '')}")
     print("before (issue 11, 2-layer LM with almost no compute):")
