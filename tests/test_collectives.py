@@ -282,7 +282,7 @@ def t_slice(t):
 VARS = {"x": [B, H], "w": [H, N], "u": [Q, N], "xs": [S, B, H]}
 
 # name, graph, torch reference, variables to differentiate, (mesh, layout),
-# forward collectives, collectives the gradient adds: [(kind, reduction, mesh axes, count)]
+# collectives of the forward fetch, collectives caused by the ops mtf.gradients made: [(kind, reduction, axes, count)]
 TRANSPOSE_CASES = [
     # einsum contracting a split dim: all-reduce (partial sums -> replicated) <-> identity (a replicated
     # cotangent is broadcast to the partial-sum terms: no communication)
