@@ -26,7 +26,7 @@ import torch
 import _collectives_cases as C
 import meshtorch as mtf
 from meshtorch.core.layout import TensorLayout
-from meshtorch.testing_spmd import run_spmd
+from meshtorch.testing.spmd import run_spmd
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REDUCE = {"SUM": lambda ts: sum(ts[1:], ts[0]), "MAX": lambda ts: torch.stack(ts).amax(0),

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 
-from meshtorch.testing.spmd import run_spmd
-
 import _spmd_transformer as W
 from meshtorch.testing import rel_error
+from meshtorch.testing.spmd import run_spmd
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
