@@ -196,10 +196,10 @@ D = mtf.Dimension
 B, H, N, Q, S = D("b", 4), D("h", 8), D("n", 4), D("q", 8), D("s", 4)
 
 #: The gradient of an all-gather whose cotangent is a partial sum over the gathered mesh axis (a
-#: reshape/rename that un-splits a dim, followed by an einsum contracting a dim split over that axis).
-#: The ideal transpose is one reduce-scatter; today the reshape's gradient all-reduces the partial
-#: sum and then keeps its slice locally.
-TODAY_ALLGATHER_PARTIAL_TRANSPOSE = [("allreduce", "SUM")]
+#: reshape/rename that un-splits a dim, followed by an einsum contracting a dim split over that axis):
+#: the ideal transpose, one reduce-scatter (the reshape's gradient redistributes the partial sum
+#: straight into the split layout).
+TODAY_ALLGATHER_PARTIAL_TRANSPOSE = [("reduce_scatter", "")]
 #: The gradient of ``unstack`` (an all-gather of the split dim) is ``stack``; when the parts' cotangents
 #: are partial sums over that axis, one reduce-scatter of the stacked sums would do; today each of the
 #: 4 parts is all-reduced, then each processor keeps its own part.
@@ -316,10 +316,11 @@ TRANSPOSE_CASES = [
      [], [("allgather", "", ("all",), 1)]),
     ("allgather<->local slice, slice<->allgather 2x2", g_rename, t_rename, ["x"], ("rows:2;cols:2", "h:rows;q:cols"),
      [("allgather", "", ("rows",), 1)], [("allgather", "", ("cols",), 1)]),
-    # all-gather whose cotangent is a partial sum over the same axis: ideally a reduce-scatter
-    ("allgather<->(partial) today", g_rename_einsum, t_rename_einsum, ["x"], ("all:4", "h:all;n:all"),
+    # all-gather whose cotangent is a partial sum over the same axis: a reduce-scatter
+    ("allgather<->reduce_scatter (partial)", g_rename_einsum, t_rename_einsum, ["x"], ("all:4", "h:all;n:all"),
      [("allgather", "", ("all",), 1)], [(k, r, ("all",), 1) for k, r in TODAY_ALLGATHER_PARTIAL_TRANSPOSE]),
-    ("allgather<->(partial) today 2x2", g_rename_einsum, t_rename_einsum, ["x"], ("rows:2;cols:2", "h:cols;n:cols"),
+    ("allgather<->reduce_scatter (partial) 2x2", g_rename_einsum, t_rename_einsum, ["x"],
+     ("rows:2;cols:2", "h:cols;n:cols"),
      [("allgather", "", ("cols",), 1)], [(k, r, ("cols",), 1) for k, r in TODAY_ALLGATHER_PARTIAL_TRANSPOSE]),
     ("unstack: allgather<->stack(partial) today", g_unstack, t_unstack, ["xs"], ("all:4", "s:all;n:all"),
      [("allgather", "", ("all",), 1)], [(k, r, ("all",), n) for k, r, n in TODAY_STACK_PARTIAL_TRANSPOSE]),

@@ -323,9 +323,11 @@ class Planner:
         return self.collective("receive", slot, t, [mesh_axis], local, mesh_axis=mesh_axis,
                                source_pcoord=tuple(source_pcoord))
 
-    def redistribute(self, slot: int, t: Tensor, src_axes, dst_axes) -> int:
-        """Move ``slot`` (``t`` laid out with mesh axes ``src_axes`` per dim) to ``dst_axes``."""
-        return redistribute(self, slot, t, Layout(tuple(src_axes)), Layout(tuple(dst_axes)))
+    def redistribute(self, slot: int, t: Tensor, src_axes, dst_axes, src_partial=(), dst_partial=()) -> int:
+        """Move ``slot`` (``t`` laid out with mesh axes ``src_axes`` per dim, a partial sum over
+        ``src_partial``) to ``dst_axes``, still partial over ``dst_partial`` (a subset)."""
+        return redistribute(self, slot, t, Layout(tuple(src_axes), frozenset(src_partial)),
+                            Layout(tuple(dst_axes), frozenset(dst_partial)))
 
     # ---- sub-programs (loop bodies and conditions)
     def lower_subprogram(self, ops: Sequence[Operation], inputs: Sequence[Tensor], outputs: Sequence[Tensor],

@@ -97,11 +97,12 @@ class ReshapeOperation(Operation):
         impl = lw.mesh_impl(self)
         lo, ln = tuple(lw.tensor_layout(x)), tuple(lw.tensor_layout(out))
         mid_old, mid_new = plan_reshape(impl, x.shape, out.shape, lo, ln)
-        slot, pending = lw.get_lazy(x)
+        slot, partial = lw.get_lazy(x)
         used = {a for a in lo + ln if a is not None}
-        if pending & used:  # a partial sum may not be re-split: finish the sum first
-            slot, pending = lw.get(x), frozenset()
-        slot = relayout(lw, slot, x, x.shape, lo, mid_old)
+        # a partial sum over an axis the layouts split is reduced here (a reduce-scatter where the
+        # split happens before the local reshape); the others stay lazy through the reshape
+        pending = partial - used
+        slot = lw.redistribute(slot, x, lo, mid_old, partial, pending)
         before = impl.slice_shape(x.shape, mid_old)
         after = impl.slice_shape(out.shape, mid_new)
         if before != after:

@@ -157,7 +157,9 @@ class Optimizer:
             list of Assign operations; fetch them all in ``lowering.run`` to apply the update.
 
         A gradient in another dtype than the variable's slices is cast to the slice dtype first, so
-        updates are applied in the variable's own precision.
+        updates are applied in the variable's own precision. The update ops are built in
+        :meth:`Graph.storage_scope <meshtorch.core.graph.Graph.storage_scope>`: they see each variable,
+        its slots and its gradient in the variable's storage layout.
 
         Raises:
             ValueError: if ``grads`` and ``variables`` differ in length.
@@ -173,9 +175,12 @@ class Optimizer:
             var = _as_variable(v)
             if var.mesh not in meshes:
                 meshes.append(var.mesh)
-            if g.dtype != var.dtype:  # e.g. a bfloat16 gradient of a mixed-precision variable's read
-                g = ew.cast(g, var.dtype)
-            ops.extend(self.apply_grad(g, var))
+            # the update math is laid out like the variable (its storage layout): with storage rules
+            # (FSDP / ZeRO-3) the gradient, a partial sum, is reduce-scattered into the variable's shards
+            with var.graph.storage_scope():
+                if g.dtype != var.dtype:  # e.g. a bfloat16 gradient of a mixed-precision variable's read
+                    g = ew.cast(g, var.dtype)
+                ops.extend(self.apply_grad(g, var))
         for mesh in meshes:
             step = self.step_int(mesh)
             ops.append(Assign([step.operation], [step + 1], name="global_step_increment"))

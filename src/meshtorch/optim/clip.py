@@ -96,6 +96,9 @@ def clip_by_global_norm(grads, max_norm: float, eps: float = 1e-6):
 
     Raises:
         ValueError: if ``max_norm <= 0`` or every gradient is None.
+
+    The clipping ops are built in :meth:`Graph.storage_scope <meshtorch.core.graph.Graph.storage_scope>`:
+    with storage rules (FSDP) each gradient is reduce-scattered to its variable's shards first.
     """
     if not max_norm > 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be > 0, got {max_norm}.")
@@ -103,12 +106,14 @@ def clip_by_global_norm(grads, max_norm: float, eps: float = 1e-6):
     present = [g for g in grads if g is not None]
     if not present:
         raise ValueError("clip_by_global_norm: every gradient is None.")
-    norm = global_norm(present)
-    coef = minimum(ew.scalar_op(norm + float(eps), float(max_norm), "rdiv"), 1.0)
-    out = []
-    for g in grads:
-        if g is None:
-            out.append(None)
-        else:
-            out.append(g * (coef if g.dtype == torch.float32 else ew.cast(coef, g.dtype)))
+    # optimizer math: laid out like the variables (storage rules; FSDP shards it, see Graph.storage_scope)
+    with present[0].graph.storage_scope():
+        norm = global_norm(present)
+        coef = minimum(ew.scalar_op(norm + float(eps), float(max_norm), "rdiv"), 1.0)
+        out = []
+        for g in grads:
+            if g is None:
+                out.append(None)
+            else:
+                out.append(g * (coef if g.dtype == torch.float32 else ew.cast(coef, g.dtype)))
     return out, norm

@@ -21,6 +21,7 @@ class CostModel:
     all-reduce     ``2 (g - 1) / g * b``
     all-gather     ``(g - 1) * b``
     all-to-all     ``(g - 1) / g * b``
+    reduce-scatter ``(g - 1) / g * b``
     receive/shift  ``b``
     =============  =====================
 
@@ -44,7 +45,7 @@ class CostModel:
         if group <= 1:
             return 0.0
         wire = {"allreduce": 2 * (group - 1) / group * b, "allgather": (group - 1) * b,
-                "alltoall": (group - 1) / group * b}.get(c.kind, b)
+                "alltoall": (group - 1) / group * b, "reduce_scatter": (group - 1) / group * b}.get(c.kind, b)
         return self.latency + wire / self.bandwidth
 
 

@@ -178,6 +178,8 @@ class _Sizer:
         c: Collective | None = st.collective
         if c is not None:
             group = math.prod(self.axis_sizes.get(a, 1) for a in c.mesh_axes)
+            if c.kind == "reduce_scatter":
+                return c.bytes_per_processor // group
             return c.bytes_per_processor * (group if c.kind == "allgather" else 1)
         return max((self(i) for i in st.inputs), default=0)
 

@@ -1,0 +1,54 @@
+"""Graphs for tests/test_program_data.py, importable inside the gloo processes (run_spmd workers)."""
+
+from __future__ import annotations
+
+import torch
+
+import meshtorch as mtf
+
+B, IO, HID = mtf.Dimension("batch", 8), mtf.Dimension("io", 4), mtf.Dimension("hidden", 8)
+
+
+def mlp_step(lr: float = 0.1):
+    """A 2-layer MLP training step: returns (graph, mesh, x, [w1, w2], loss, grads, updates)."""
+    g = mtf.Graph(seed=3)
+    mesh = mtf.Mesh(g, "mesh")
+    x = mtf.placeholder(mesh, "x", [B, IO])
+    w1 = mtf.get_variable(mesh, "w1", [IO, HID])
+    w2 = mtf.get_variable(mesh, "w2", [HID, IO])
+    h = mtf.relu(mtf.einsum([x, w1], output_shape=[B, HID]))
+    y = mtf.einsum([h, w2], output_shape=[B, IO])
+    loss = mtf.reduce_mean(mtf.square(y - x))
+    grads = mtf.gradients([loss], [w1, w2])
+    updates = mtf.optim.SgdOptimizer(lr).apply_grads(grads, [w1, w2])
+    return g, mesh, x, [w1, w2], loss, grads, updates
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + step))
+
+
+def run_json_steps(text: str, impl, values: dict, steps: int, fetches: list, update_ops: list):
+    """Run a serialised training program ``steps`` times on ``impl``: returns per-step fetched values,
+    final variable values and the counters (as ``{(kind, axes, op, tensor, bytes): count}``)."""
+    program = mtf.Program.from_json(text)
+    impls = {"mesh": impl}
+    store = mtf.VariableStore(program, impls)
+    for n, v in values.items():
+        store.set_value(n, v)
+    session = mtf.Session(program, impls, store)
+    keys = tuple(("tensor", n) for n in fetches) + tuple(("assign", n) for n in update_ops)
+    out = []
+    for s in range(steps):
+        res = session.run(keys, {"x": batch(s)})
+        out.append([r for r in res[:len(fetches)]])
+    counters = {(c.kind, c.mesh_axes, c.op, c.tensor, c.bytes_per_processor): n
+                for c, n in session.counters.records.items()}
+    return out, {n: store.value(n) for n in values}, counters
+
+
+def spmd_json_worker(text: str, values: dict, steps: int, fetches: list, update_ops: list, mesh_shape: str,
+                     layout: str, storage: str):
+    """Inside a gloo rank: run the JSON program on an SpmdMeshImpl (no graph is built here)."""
+    impl = mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage)
+    return run_json_steps(text, impl, values, steps, fetches, update_ops)
