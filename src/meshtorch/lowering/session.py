@@ -15,7 +15,7 @@ import torch
 
 from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
-from meshtorch.lowering import executor
+from meshtorch.lowering import codegen, executor
 from meshtorch.lowering.counters import Counters
 from meshtorch.lowering.program import Program, count
 from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
@@ -42,16 +42,24 @@ class Plan:
     fetch_slots: list
     counters: Counters
     bound: list = field(default_factory=list)
+    fn: object = None  # the generated straight-line function (codegen mode)
 
 
 class Session:
     """Runs ``program`` on ``{mesh name: MeshImpl}`` with the variables in ``store``.
 
+    ``mode``: ``"codegen"`` (default) runs each plan as one generated straight-line Python function
+    (:mod:`meshtorch.lowering.codegen`); ``"interpret"`` loops over the bound steps
+    (:func:`~meshtorch.lowering.executor.run_steps`). Both give bitwise-equal results.
+
     Raises (at construction):
         ValueError: if an implementation's mesh shape or layout rules differ from the program's.
     """
 
-    def __init__(self, program: Program, impls: dict, store: VariableStore):
+    def __init__(self, program: Program, impls: dict, store: VariableStore, mode: str = "codegen"):
+        if mode not in ("codegen", "interpret"):
+            raise ValueError(f"Session: mode must be 'codegen' or 'interpret', got {mode!r}.")
+        self.mode = mode
         for name, m in program.meshes.items():
             impl = impls.get(name)
             if impl is None:
@@ -116,8 +124,13 @@ class Session:
             FeedError: naming the placeholder, if one the fetches need is missing or misshapen.
         """
         plan = self.plan(fetches)
-        if not plan.bound and plan.steps:
+        if self.mode == "interpret" and not plan.bound and plan.steps:
             plan.bound = executor.bind(plan.steps, plan.frees, self.impls, self.counters)
+        if self.mode == "codegen" and plan.fn is None:
+            produced = {o for st in plan.steps for o in st.outputs}
+            reads = {s for st in plan.steps for s in st.inputs} - produced
+            writes = {s for s, _ in plan.fetch_slots if s is not None} | {s for _, s in plan.assignments}
+            plan.fn = codegen.generate(plan.steps, plan.frees, self.impls, self.counters, reads, writes)
         env = [None] * self.program.n_slots
         for s, v in self.constant_values.items():
             env[s] = v
@@ -135,7 +148,10 @@ class Session:
         for s, (kind, mesh, _) in p.constants.items():
             if kind == "run_counter":
                 env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)
-        executor.run_steps(plan.bound, env)
+        if self.mode == "codegen":
+            plan.fn(env)
+        else:
+            executor.run_steps(plan.bound, env)
         results = []
         for s, name in plan.fetch_slots:
             if s is None:

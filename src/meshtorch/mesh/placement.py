@@ -29,6 +29,9 @@ class PlacementMeshImpl(MeshImpl):
         ValueError: if ``len(devices)`` differs from the number of processors.
     """
 
+    #: every processor's slice lives in this process: executors may unroll the processors
+    unrolled = True
+
     def __init__(self, shape, layout, devices: Sequence | None = None, storage=None):
         super().__init__(shape, layout, storage)
         if devices is None:
