@@ -42,6 +42,9 @@ class Lowering:
     Args:
         graph: the Graph (operations added after this call are not part of the program).
         mesh_to_impl: ``{Mesh: MeshImpl}``.
+        autostack, log_file: Mesh TF's (stacking TF variables; a log of variable sizes); accepted
+            and unused: slices are kept per variable, and ``meshtorch.memory_report`` /
+            ``plan_counters`` give the sizes.
         materialize: ``False`` plans without computing variables' initial values (a dry run:
             ``lowering.variables[v]`` is ``None``, the program, ``plan_counters`` and
             :mod:`meshtorch.planning` reports are the same; ``run`` raises RuntimeError).
@@ -55,7 +58,8 @@ class Lowering:
             whole is split).
     """
 
-    def __init__(self, graph: Graph, mesh_to_impl: dict[Mesh, MeshImpl], materialize: bool = True):
+    def __init__(self, graph: Graph, mesh_to_impl: dict[Mesh, MeshImpl], autostack: bool = True, log_file=None,
+                 materialize: bool = True):
         self.graph = graph
         self.materialize = materialize
         self.slot_bytes: dict[int, int] = {}  # slot -> per-processor bytes (for memory planning)

@@ -28,7 +28,7 @@ class MeshImpl:
     Args:
         shape: the mesh shape, e.g. ``"rows:2;cols:2"`` or ``[("all", 4)]``; ``""`` or ``[]`` is
             a single processor.
-        layout: layout rules, e.g. ``"batch:rows;hidden:cols"``.
+        layout_rules: layout rules (Mesh TF's name), e.g. ``"batch:rows;hidden:cols"``.
 
     A rule naming a mesh axis the mesh lacks is ignored (as in Mesh TF), so one set of rules
     serves several meshes.
@@ -37,9 +37,9 @@ class MeshImpl:
         LayoutError: on a malformed rule.
     """
 
-    def __init__(self, shape, layout):
+    def __init__(self, shape, layout_rules):
         self.shape: Shape = convert_to_shape(shape)
-        self.layout_rules: LayoutRules = convert_to_layout_rules(layout)
+        self.layout_rules: LayoutRules = convert_to_layout_rules(layout_rules)
         self._strides = []
         s = 1
         for d in reversed(self.shape.dims):

@@ -139,42 +139,42 @@ def _tensorize(x, y, kind):
     raise TypeError(f"{kind}: at least one operand must be an mtf Tensor.")
 
 
-def add(x, y, output_shape=None, name=None) -> Tensor:
-    """x + y, broadcasting by dimension name. Shapes: union of x's and y's dims."""
-    return _binary(torch.add, "add", x, y, output_shape, name, scalar_kinds=("add", "add"))
+def add(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 + x2 (Mesh TF ``mtf.add``), broadcasting by dimension name. Shapes: union of x1's and x2's dims."""
+    return _binary(torch.add, "add", x1, x2, output_shape, name, scalar_kinds=("add", "add"))
 
 
-def subtract(x, y, output_shape=None, name=None) -> Tensor:
-    """x - y, broadcasting by dimension name."""
-    return _binary(torch.sub, "subtract", x, y, output_shape, name, scalar_kinds=("sub", "rsub"))
+def subtract(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 - x2, broadcasting by dimension name."""
+    return _binary(torch.sub, "subtract", x1, x2, output_shape, name, scalar_kinds=("sub", "rsub"))
 
 
 sub = subtract
 
 
-def multiply(x, y, output_shape=None, name=None) -> Tensor:
-    """x * y, broadcasting by dimension name."""
-    return _binary(torch.mul, "multiply", x, y, output_shape, name, scalar_kinds=("mul", "mul"))
+def multiply(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 * x2, broadcasting by dimension name."""
+    return _binary(torch.mul, "multiply", x1, x2, output_shape, name, scalar_kinds=("mul", "mul"))
 
 
-def divide(x, y, output_shape=None, name=None) -> Tensor:
-    """x / y, broadcasting by dimension name."""
-    return _binary(torch.div, "divide", x, y, output_shape, name, scalar_kinds=("div", "rdiv"))
+def divide(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 / x2, broadcasting by dimension name."""
+    return _binary(torch.div, "divide", x1, x2, output_shape, name, scalar_kinds=("div", "rdiv"))
 
 
-def minimum(x, y, output_shape=None, name=None) -> Tensor:
+def minimum(x1, x2, output_shape=None, name=None) -> Tensor:
     """Elementwise min (gradient split evenly on ties, as torch.minimum)."""
-    return _binary(torch.minimum, "minimum", x, y, output_shape, name)
+    return _binary(torch.minimum, "minimum", x1, x2, output_shape, name)
 
 
-def maximum(x, y, output_shape=None, name=None) -> Tensor:
+def maximum(x1, x2, output_shape=None, name=None) -> Tensor:
     """Elementwise max (gradient split evenly on ties, as torch.maximum)."""
-    return _binary(torch.maximum, "maximum", x, y, output_shape, name)
+    return _binary(torch.maximum, "maximum", x1, x2, output_shape, name)
 
 
 def _cmp(fn, kind):
-    def op(x, y, output_shape=None, name=None) -> Tensor:
-        return _binary(fn, kind, x, y, output_shape, name, output_dtype=torch.bool)
+    def op(x1, x2, output_shape=None, name=None) -> Tensor:
+        return _binary(fn, kind, x1, x2, output_shape, name, output_dtype=torch.bool)
     op.__name__ = kind
     op.__doc__ = f"Elementwise ``{kind}`` with broadcasting by name; bool output, no gradient."
     return op
