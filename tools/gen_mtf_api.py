@@ -45,6 +45,8 @@ EXCLUDED = {
         "serialize_training_step": f"{TF}: orders tf ops with tf.control_dependencies; a meshtorch "
                                    "program is already a serial list of steps",
         "log_variable_sizes": f"{TF}: logs through tf.logging with TF variable-name regexes",
+        "pnum_to_processor_coordinates_nd": "TPU-specific: coordinates from a TPU device_assignment",
+        "processor_coordinates_to_pnum_map_nd": "TPU-specific: logical-to-physical map of a TPU device_assignment",
         "import_tf_tensor": None,  # kept: meshtorch's alias of import_tensor
     },
     "mtf.layers": {

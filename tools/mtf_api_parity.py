@@ -9,8 +9,8 @@ meshtorch parameter has a default; every Mesh TF default is a default here too, 
 Mesh TF's is a Python literal (``0.0``, ``None``, ``'name'``; a TF expression such as ``tf.float32``
 only needs some default; so does ``name``, whose default only names the op);
 ``*args`` and keyword-only parameters are accepted where Mesh TF accepts them (Mesh TF's
-``**kwargs`` are forwarded to TensorFlow functions; meshtorch names the ones it supports instead). Names the data marks ``excluded`` (TensorFlow- or TPU-specific, internal operation
-classes) are listed with their reason and left out of the coverage. TensorFlow is never imported.
+``**kwargs`` are forwarded to TensorFlow functions; meshtorch names the ones it supports instead).
+Names the data marks ``excluded`` (TensorFlow- or TPU-specific, internal operation classes) are listed with their reason and left out of the coverage. TensorFlow is never imported.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ from meshtorch.ops.binary import (
     minimum,
     multiply,
     not_equal,
+    floordiv,
+    mod,
     sub,
     subtract,
 )
@@ -102,14 +104,26 @@ from meshtorch.ops.conv_blocks import *  # noqa: F403
 from meshtorch.ops.pool import *  # noqa: F403
 from meshtorch.ops.control import *  # noqa: F403
 from meshtorch.ops.precision import *  # noqa: F403
+from meshtorch.ops.activations import *  # noqa: F403
+from meshtorch.ops.reduce_more import *  # noqa: F403
+from meshtorch.ops.sequence_more import *  # noqa: F403
+from meshtorch.ops.graph_helpers import *  # noqa: F403
+from meshtorch.core.processors import *  # noqa: F403
+from meshtorch.core import convert_to_layout_rules
+from meshtorch.ops.conv_backprop import *  # noqa: F403
+from meshtorch.mesh.devices import parallel
 from meshtorch.ops.variables import (
     Variable,
     assign,
     assign_add,
+    assign_add_slice,
+    assign_slice,
     assign_sub,
+    assign_sub_slice,
     constant,
     get_variable,
     import_fully_replicated,
+    import_laid_out_tensor,
     import_tensor,
     ones,
     ones_like,
@@ -119,5 +133,6 @@ from meshtorch.ops.variables import (
 )
 
 import_tf_tensor = import_tensor  # Mesh TF's name
+mtf_slice = slice  # noqa: F405 - Mesh TF exports its mtf_slice as mtf.slice; both names exist there
 
 __version__ = "0.1.0"

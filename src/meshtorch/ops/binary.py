@@ -190,6 +190,18 @@ logical_and = _cmp(torch.logical_and, "logical_and")
 logical_or = _cmp(torch.logical_or, "logical_or")
 
 
+def floordiv(x1, x2, output_shape=None) -> Tensor:
+    """floor(x1 / x2) elementwise with broadcasting by name (Mesh TF ``mtf.floordiv``, ``tf.floordiv``,
+    ``torch.floor_divide``); dtype of the Tensor operand; no gradient (zero almost everywhere)."""
+    return _binary(torch.floor_divide, "floordiv", x1, x2, output_shape)
+
+
+def mod(x1, x2, output_shape=None) -> Tensor:
+    """x1 mod x2 with the sign of x2 (Mesh TF ``mtf.mod``: ``tf.math.floormod``, ``torch.remainder``);
+    broadcasting by name; no gradient."""
+    return _binary(torch.remainder, "mod", x1, x2, output_shape)
+
+
 def _install_operators():
     Tensor.__add__ = lambda s, o: add(s, o)
     Tensor.__radd__ = lambda s, o: add(o, s)

@@ -334,7 +334,7 @@ def _recompute_grad_fn(explicit_inputs, all_inputs, forward_operations, outputs,
     return gradients([y for y, _ in pairs], proxies, [g for _, g in pairs])
 
 
-def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=None) -> Tensor | list[Tensor]:
+def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=True) -> Tensor | list[Tensor]:
     """``fn(*explicit_inputs)``, recomputed in the backward pass instead of kept (Mesh TF ``mtf.recompute_grad``).
 
     Activation checkpointing: the backward pass rebuilds ``fn``'s forward operations from the inputs
@@ -343,7 +343,7 @@ def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=None) -> 
     forward pass. Gradients reach the explicit inputs and every tensor ``fn`` reads (variables).
     Clones keep their op names, so random ops keyed by op name (and seed) draw identical values.
 
-    ``control_dependencies`` (Mesh TF: tf ops the recomputation waits for) is accepted and ignored:
+    ``control_dependencies`` (Mesh TF: whether the recomputation waits for the backward pass) is accepted and ignored:
     a meshtorch program runs its steps in order, so the recomputation already follows them.
 
     Returns:

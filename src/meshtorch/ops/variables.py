@@ -7,6 +7,8 @@ at the end (see :mod:`meshtorch.lowering`).
 
 from __future__ import annotations
 
+import builtins
+
 import numpy as np
 import torch
 
@@ -321,3 +323,49 @@ def zeros_like(t: Tensor) -> Tensor:
 def ones_like(t: Tensor) -> Tensor:
     """Ones of ``t``'s mesh, shape and dtype (Mesh TF ``mtf.ones_like``)."""
     return ones(t.mesh, t.shape, t.dtype)
+
+
+class ImportLaidOutTensorOperation(Operation):
+    """A tensor given as its per-processor slices (Mesh TF's ``ImportLaidOutTensorOperation``).
+
+    At lowering the slices are checked against the layout the rules give the tensor, assembled into
+    the full tensor (replicas must agree) and imported as :class:`ImportOperation` does.
+    """
+
+    def __init__(self, mesh, slices, shape, name=None):
+        super().__init__([], mesh, name=name or "import_laid_out")
+        self.slices = [_to_torch(s) for s in slices]
+        if not self.slices:
+            raise ValueError(f"import_laid_out_tensor {self.name!r}: no slices given.")
+        self.outputs = [Tensor(self, convert_to_shape(shape), self.slices[0].dtype, name=self.name)]
+
+    differentiable = False
+
+    def lower(self, lw):
+        out = self.outputs[0]
+        impl, layout = lw.mesh_impl(self), lw.tensor_layout(out)
+        if len(self.slices) != impl.size:
+            raise ShapeError(f"import_laid_out_tensor {self.name!r}: {len(self.slices)} slices for a mesh of "
+                             f"{impl.size} processors; give one slice per processor number.")
+        want = impl.slice_shape(out.shape, layout)
+        full = torch.empty(out.shape.to_integer_list(), dtype=out.dtype)
+        seen = torch.zeros(full.shape, dtype=torch.bool)
+        for p, s in enumerate(self.slices):
+            if list(s.shape) != want:
+                raise ShapeError(f"import_laid_out_tensor {self.name!r}: slice {p} has shape {list(s.shape)}, the "
+                                 f"layout {layout} of {out.shape} gives slices of {want}.")
+            idx = tuple(builtins.slice(b, b + n) for b, n in zip(impl.slice_begin(out.shape, p, layout), want,
+                                                                  strict=True))
+            if bool(seen[idx].any()) and not torch.equal(full[idx], s.to(full.dtype)):
+                raise ValueError(f"import_laid_out_tensor {self.name!r}: replicas of slice {p} differ.")
+            full[idx] = s
+            seen[idx] = True
+        lw.set(out, lw.constant(impl.import_full(full, layout)))
+
+
+def import_laid_out_tensor(mesh: Mesh, laid_out_tensor, shape, name=None) -> Tensor:
+    """A tensor of named ``shape`` from its slices, one per processor number (Mesh TF
+    ``mtf.import_laid_out_tensor``; there a LaidOutTensor, here a list of torch tensors laid out as the
+    layout rules lay out ``shape``). Raises ShapeError at lowering on a wrong count or slice shape."""
+    slices = getattr(laid_out_tensor, "tensor_list", laid_out_tensor)
+    return ImportLaidOutTensorOperation(mesh, list(slices), shape, name).outputs[0]
