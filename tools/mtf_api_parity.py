@@ -10,7 +10,8 @@ Mesh TF's is a Python literal (``0.0``, ``None``, ``'name'``; a TF expression su
 only needs some default; so does ``name``, whose default only names the op);
 ``*args`` and keyword-only parameters are accepted where Mesh TF accepts them (Mesh TF's
 ``**kwargs`` are forwarded to TensorFlow functions; meshtorch names the ones it supports instead).
-Names the data marks ``excluded`` (TensorFlow- or TPU-specific, internal operation classes) are listed with their reason and left out of the coverage. TensorFlow is never imported.
+Names the data marks ``excluded`` (TensorFlow- or TPU-specific, internal operation classes) are
+listed with their reason and left out of the coverage. TensorFlow is never imported.
 """
 
 from __future__ import annotations
