@@ -89,12 +89,21 @@ def multihead_attention_params(mesh, heads, io_channels, kv_channels, variable_d
     vs, os_ = io_channels.size ** -0.5, (io_channels.size * heads.size) ** -0.5
     g = mesh.graph
     if combine:
-        var = get_variable(mesh, g.unique_name("qkvo"), Shape([Dimension("qkvo", 4), heads, io_channels, kv_channels]),
+        var = get_variable(mesh, _free_name(g, "qkvo"), Shape([Dimension("qkvo", 4), heads, io_channels, kv_channels]),
                            initializer=_StackedNormal([qk, qk, vs, os_]), dtype=variable_dtype)
         return unstack(var, "qkvo")
-    return [get_variable(mesh, g.unique_name(n), Shape([heads, io_channels, kv_channels]),
+    return [get_variable(mesh, _free_name(g, n), Shape([heads, io_channels, kv_channels]),
                          initializer=random_normal_initializer(stddev=s), dtype=variable_dtype)
             for n, s in zip("qkvo", [qk, qk, vs, os_], strict=True)]
+
+
+def _free_name(graph, name: str) -> str:
+    """``name``, or ``name_1``, ``name_2``... : the first not used in ``graph`` (not reserved here)."""
+    cand, i = name, 0
+    while graph.name_in_use(cand):
+        i += 1
+        cand = f"{name}_{i}"
+    return cand
 
 
 def multihead_attention_vars(mesh, heads, io_channels, kv_channels, master_dtype, slice_dtype, activation_dtype):
