@@ -157,7 +157,8 @@ def test_batch_norm_training_and_eval(mesh_shape, layout):
     assert rel_error(out[1], (x - mm) / torch.sqrt(mv + 1e-9)) < 1e-5
 
 
-@pytest.mark.parametrize("mesh_shape,layout", [("", ""), ("all:4", "hidden:all"), ("rows:2;cols:2", "b:rows;hidden:cols")])
+@pytest.mark.parametrize("mesh_shape,layout",
+                         [("", ""), ("all:4", "hidden:all"), ("rows:2;cols:2", "b:rows;hidden:cols")])
 def test_dense_relu_dense_mesh_tf(mesh_shape, layout):
     x = _r(4, 8)
     (y,), vals = _run(lambda m, xt: L.dense_relu_dense(xt, D("hidden", 16), False), "b:4,io:8", x, mesh_shape, layout)
