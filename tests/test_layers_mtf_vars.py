@@ -259,3 +259,59 @@ def test_embedding_weights_and_jitter_and_annealed_dropout():
     kept = dv != 0  # step 0: keep probability 0.5, kept values scaled by 1 / 0.5
     assert abs(kept.float().mean().item() - 0.5) < 0.03 and torch.all(dv[kept] == 2.0)
     assert math.isclose(e.shape.size, 2 * 16 * 8)
+
+
+def _local_2d_ref(x, wq, wk, wv, wo):
+    # Mesh TF's computation: keys/values of the 3x3 neighbour blocks (zero outside), logits summed over
+    # memory rows, softmax over memory columns, values summed over memory rows and columns
+    b, nh, nw, h, w, _ = x.shape
+    q, k, v = (torch.einsum("bnmhwi,gik->bgnmhwk", x, m) for m in (wq, wk, wv))
+
+    def halo(t):
+        t = F.pad(t, (0, 0, 0, 0, 0, 0, 0, 0, 1, 1))  # zero blocks around num_h_blocks (dim 2)
+        t = torch.cat([t[:, :, i:i + nh] for i in range(3)], 4)  # memory rows: 3 blocks of h
+        t = F.pad(t, (0, 0, 0, 0, 0, 0, 1, 1))  # around num_w_blocks (dim 3)
+        return torch.cat([t[:, :, :, i:i + nw] for i in range(3)], 5)
+
+    kk, vv = halo(k), halo(v)  # [b, g, nh, nw, 3h, 3w, kv]
+    logits = torch.einsum("bgnmhwk,bgnmrck->bgnmhwc", q, kk)
+    p = torch.softmax(logits, -1)
+    out = torch.einsum("bgnmhwc,bgnmrck->bgnmhwk", p, vv)
+    return torch.einsum("bgnmhwk,gik->bnmhwi", out, wo)
+
+
+@pytest.mark.parametrize("mesh_shape,layout", [("", ""), ("all:2", "nh:all"), ("rows:2;cols:2", "nh:rows;nw:cols")])
+def test_local_2d_self_attention_spatial_blocks(mesh_shape, layout):
+    x = _r(1, 2, 2, 2, 2, 4)
+
+    def build(mesh, xt):
+        return L.local_2d_self_attention_spatial_blocks(xt, D("kv", 2), D("heads", 2), False)
+
+    (y,), vals = _run(build, "b:1,nh:2,nw:2,h:2,w:2,io:4", x, mesh_shape, layout)
+    wq, wk, wv, wo = _qkvo(vals, "multihead_attention")
+    assert rel_error(y, _local_2d_ref(x, wq, wk, wv, wo)) < 1e-5
+    with pytest.raises(ValueError, match="mask_right"):
+        L.local_2d_self_attention_spatial_blocks(mtf.zeros(mtf.Mesh(mtf.Graph()), "b:1,nh:2,nw:2,h:2,w:2,io:4"),
+                                                 D("kv", 2), D("heads", 2), False, mask_right=True)
+
+
+@pytest.mark.parametrize("mask_right", [False, True])
+@pytest.mark.parametrize("mesh_shape,layout",
+                         [("", ""), ("all:2", "heads:all"), ("rows:2;cols:2", "b:rows;heads:cols")])
+def test_memory_compressed_attention(mask_right, mesh_shape, layout):
+    x = _r(2, 8, 4)
+
+    def build(mesh, xt):
+        return L.multihead_self_attention_memory_compressed(xt, mask_right, 2, D("kv", 4), D("heads", 2), False)
+
+    (y,), vals = _run(build, "b:2,length:8,io:4", x, mesh_shape, layout)
+    wq, wk, wv, wo = _qkvo(vals, "multihead_attention")
+    mem = x.reshape(2, 4, 2, 4).mean(2)
+    q = torch.einsum("bli,hik->bhlk", x, wq)
+    k, v = (torch.einsum("bmi,hik->bhmk", mem, w) for w in (wk, wv))
+    logits = q @ k.transpose(-1, -2)
+    if mask_right:
+        logits = logits + (torch.arange(4)[None, :] * 2 + 1 > torch.arange(8)[:, None]).float() * -1e9
+    e = torch.exp(logits)
+    p = e / (e.sum(-1, keepdim=True) + 1.0)  # extra_logit = 0
+    assert rel_error(y, torch.einsum("bhlk,hik->bli", p @ v, wo)) < 1e-5

@@ -1,5 +1,6 @@
-"""Mesh TF's local (blocked) self-attention layers: masked_local_attention_1d (+ incremental),
-local_self_attention_spatial_blocks and local_1d_halo_exchange (mesh_tensorflow/layers.py).
+"""Mesh TF's local (blocked) and memory-compressed self-attention layers: masked_local_attention_1d
+(+ incremental), local_self_attention_spatial_blocks, local_2d_self_attention_spatial_blocks, their halo
+exchanges, and multihead_self_attention_memory_compressed (mesh_tensorflow/layers.py).
 
 Built from einsum, reshape, halo exchanges and :func:`~meshtorch.layers.mtf_attention.dot_product_attention`
 (no logit scale, as Mesh TF). The block dims (``length`` after blocking, ``num_w_blocks``) may be split
@@ -12,7 +13,7 @@ import torch
 
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension
 from meshtorch.core.graph import Tensor
-from meshtorch.layers.misc import attention_bias_local_block
+from meshtorch.layers.misc import attention_bias_local_block, compress_mean
 from meshtorch.layers.mtf_attention import dot_product_attention, qkvo_variables
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.binary import equal, greater, less_equal, mod
@@ -25,7 +26,8 @@ from meshtorch.ops.sequence_more import left_halo_exchange
 from meshtorch.ops.shape import pad, where
 
 __all__ = ["local_1d_halo_exchange", "local_self_attention_spatial_blocks", "masked_local_attention_1d",
-           "masked_local_attention_1d_incremental"]
+           "masked_local_attention_1d_incremental", "local_2d_halo_exchange", "local_2d_self_attention_spatial_blocks",
+           "multihead_self_attention_memory_compressed"]
 
 
 def local_1d_halo_exchange(k: Tensor, v: Tensor, num_w_blocks, w_dim, mask_right):
@@ -147,3 +149,91 @@ def masked_local_attention_1d_incremental(x: Tensor, prev_k: Tensor, prev_v: Ten
     v = where(current, v, prev_v, output_shape=prev_v.shape)
     o = dot_product_attention(q, k, v, mask=None, is_training=False)
     return einsum([o, wo], output_shape=x.shape), k, v
+
+
+def local_2d_halo_exchange(k: Tensor, v: Tensor, num_h_blocks, h_dim, num_w_blocks, w_dim, mask_right):
+    """Keys and values extended by one block of neighbours along ``h_dim`` then ``w_dim`` (Mesh TF's
+    helper): from the left/top only (``mask_right``) or both sides; zero padding for a None blocks dim."""
+    for blocks_dim, size_dim in ((num_h_blocks, h_dim), (num_w_blocks, w_dim)):
+        size_dim = convert_to_dimension(size_dim)
+        n = size_dim.size
+        if blocks_dim is not None:
+            fn = left_halo_exchange if mask_right else halo_exchange
+            k, v = fn(k, blocks_dim, size_dim, n), fn(v, blocks_dim, size_dim, n)
+        else:
+            pads = [n, 0] if mask_right else [n, n]
+            k, v = pad(k, pads, size_dim.name), pad(v, pads, size_dim.name)
+    return k, v
+
+
+def local_2d_self_attention_spatial_blocks(query_antecedent: Tensor, kv_channels, heads, is_training,
+                                           memory_h_dim=None, memory_w_dim=None, mask_right=False,
+                                           master_dtype=torch.float32, slice_dtype=torch.float32,
+                                           name=None) -> Tensor:
+    """Attention within a 2-d block and its 8 neighbour blocks (Mesh TF
+    ``layers.local_2d_self_attention_spatial_blocks``), no logit scale.
+
+    Computed exactly as Mesh TF does: :func:`dot_product_attention` with keys ``[..., memory_h, memory_w,
+    kv]`` takes the softmax over ``memory_w`` only, and its einsums sum over ``memory_h`` (the logits are
+    summed over memory rows before the softmax, the values after it).
+
+    Args:
+        query_antecedent: ``[batch, num_h_blocks, num_w_blocks, h_dim, w_dim, io_channels]``.
+
+    Returns:
+        the query's shape. Variables ``{name}/qkvo``.
+
+    Raises:
+        ValueError: for ``mask_right=True``: Mesh TF 0.1.21 builds that mask with
+            ``attention_bias_local_2d_block``, which cannot run (see the porting doc).
+    """
+    if mask_right:
+        raise ValueError("local_2d_self_attention_spatial_blocks: mask_right=True needs Mesh TF's "
+                         "attention_bias_local_2d_block, which cannot run in Mesh TF 0.1.21 either.")
+    kv_channels, heads = convert_to_dimension(kv_channels), convert_to_dimension(heads)
+    h_dim, w_dim, io_channels = query_antecedent.shape.dims[-3:]
+    batch, num_h_blocks, num_w_blocks = query_antecedent.shape.dims[:3]
+    mesh = query_antecedent.mesh
+    scope = mesh.graph.unique_name(name or "multihead_attention")
+    wq, wk, wv, wo = qkvo_variables(mesh, scope, heads, io_channels, kv_channels,
+                                    VariableDType(master_dtype, slice_dtype, query_antecedent.dtype))
+    memory = rename_dimension(query_antecedent, h_dim.name, "memory_" + h_dim.name)
+    memory = rename_dimension(memory, w_dim.name, "memory_" + w_dim.name)
+    memory_h_dim, memory_w_dim = memory.shape.dims[-3:-1]
+    blocks = [batch, heads, num_h_blocks, num_w_blocks]
+    q = einsum([query_antecedent, wq], output_shape=Shape(blocks + [h_dim, w_dim, kv_channels]))
+    k = einsum([memory, wk], output_shape=Shape(blocks + [memory_h_dim, memory_w_dim, kv_channels]))
+    v = einsum([memory, wv], output_shape=Shape(blocks + [memory_h_dim, memory_w_dim, kv_channels]))
+    k, v = local_2d_halo_exchange(k, v, num_h_blocks, memory_h_dim, num_w_blocks, memory_w_dim, mask_right)
+    out = dot_product_attention(q, k, v, mask=None, is_training=is_training)
+    return einsum([out, wo], output_shape=Shape([batch, num_h_blocks, num_w_blocks, h_dim, w_dim, io_channels]))
+
+
+def multihead_self_attention_memory_compressed(x: Tensor, mask_right, compression_factor, kv_channels, heads,
+                                               is_training, dropout=0.0, dropout_broadcast_dims=None,
+                                               master_dtype=torch.float32, slice_dtype=torch.float32,
+                                               name="multihead_attention") -> Tensor:
+    """Self-attention to a memory of ``length / compression_factor`` window means of x (Mesh TF
+    ``layers.multihead_self_attention_memory_compressed``; Liu et al. 2018), with ``extra_logit=0``.
+
+    ``mask_right``: query i sees compressed position m only if ``m * c + c - 1 <= i``.
+    Returns ``[batch..., length, io_channels]``; variables ``{name}/qkvo``.
+    """
+    kv_channels, heads = convert_to_dimension(kv_channels), convert_to_dimension(heads)
+    batch_dims = x.shape.dims[:-2]
+    length, io_channels = x.shape.dims[-2:]
+    scope = x.graph.unique_name(name or "compressed_attention")
+    wq, wk, wv, wo = qkvo_variables(x.mesh, scope, heads, io_channels, kv_channels,
+                                    VariableDType(master_dtype, slice_dtype, x.dtype))
+    memory = rename_dimension(compress_mean(x, length, compression_factor), length.name, "memory_length")
+    memory_length = memory.shape.dims[-2]
+    q = einsum([x, wq], output_shape=Shape(batch_dims + [heads, length, kv_channels]))
+    k = einsum([memory, wk], output_shape=Shape(batch_dims + [heads, memory_length, kv_channels]))
+    v = einsum([memory, wv], output_shape=Shape(batch_dims + [heads, memory_length, kv_channels]))
+    mask = None
+    if mask_right:
+        qpos = mtf_range(x.mesh, length, dtype=torch.int32)
+        mpos = mtf_range(x.mesh, memory_length, dtype=torch.int32) * compression_factor + (compression_factor - 1)
+        mask = ew.cast(greater(mpos, qpos), x.dtype) * -1e9
+    o = dot_product_attention(q, k, v, mask, is_training, dropout, dropout_broadcast_dims, extra_logit=0.0)
+    return einsum([o, wo], output_shape=Shape(batch_dims + [length, io_channels]))
