@@ -3,7 +3,7 @@
 ``import meshtorch as mtf`` gives a flat API with Mesh TF's names where the concept is the same.
 """
 
-from meshtorch import layers, optim, optimize
+from meshtorch import beam_search, layers, optim, optimize
 from meshtorch.autodiff import gradients
 from meshtorch.checkpoint import (
     CheckpointError,

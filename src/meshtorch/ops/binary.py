@@ -211,6 +211,10 @@ def _install_operators():
     Tensor.__rmul__ = lambda s, o: multiply(o, s)
     Tensor.__truediv__ = lambda s, o: divide(s, o)
     Tensor.__rtruediv__ = lambda s, o: divide(o, s)
+    Tensor.__floordiv__ = lambda s, o: floordiv(s, o)
+    Tensor.__rfloordiv__ = lambda s, o: floordiv(o, s)
+    Tensor.__mod__ = lambda s, o: mod(s, o)
+    Tensor.__rmod__ = lambda s, o: mod(o, s)
     Tensor.__neg__ = lambda s: ew.negative(s)
     Tensor.__pow__ = lambda s, c: ew.scalar_op(s, c, "pow")
 
