@@ -42,9 +42,7 @@ class Lowering:
     Args:
         graph: the Graph (operations added after this call are not part of the program).
         mesh_to_impl: ``{Mesh: MeshImpl}``.
-        autostack, log_file: Mesh TF's (stacking TF variables; a log of variable sizes); accepted
-            and unused: slices are kept per variable, and ``meshtorch.memory_report`` /
-            ``plan_counters`` give the sizes.
+        autostack, log_file: Mesh TF's; accepted and unused (see ``memory_report`` for sizes).
         materialize: ``False`` plans without computing variables' initial values (a dry run:
             ``lowering.variables[v]`` is ``None``, the program, ``plan_counters`` and
             :mod:`meshtorch.planning` reports are the same; ``run`` raises RuntimeError).

@@ -1,5 +1,6 @@
 """Neural-network layers on named dimensions (Mesh TF ``mtf.layers``)."""
 
+from meshtorch.layers import dense_extra, local_attention, misc, mtf_attention
 from meshtorch.layers.attention import AttentionOperation, multihead_attention_layer, scaled_dot_product_attention
 from meshtorch.layers.conv import (
     conv1d,
@@ -26,3 +27,4 @@ __all__ = ["dense", "get_dense_kernel_weights", "softmax_cross_entropy_with_logi
            "dense_relu_dense", "moe_ffn", "moe_apply", "expert_capacity", "top_k_gating", "conv1d", "conv2d", "conv3d",
            "conv2d_with_blocks", "conv3d_with_blocks", "conv2d_transpose", "conv3d_transpose",
            "conv2d_transpose_with_blocks", "conv3d_transpose_with_blocks"]
+__all__ += dense_extra.__all__ + local_attention.__all__ + misc.__all__ + mtf_attention.__all__
