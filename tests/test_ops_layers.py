@@ -37,17 +37,17 @@ OP_CASES = [
            lambda x: _ln_ref(x, 1)),
     OpCase("rms_norm", lambda m, x: mtf.layers.rms_norm(x, "d"), {"x": ("b:4,l:8,d:12", X)}, _rms_ref),
     OpCase("self_attention_causal",
-           lambda m, q, k, v: mtf.layers.dot_product_attention(q, k, v, "l", "k", causal=True),
+           lambda m, q, k, v: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", causal=True),
            {"q": ("b:4,h:4,l:8,k:8", _Q), "k": ("b:4,h:4,l:8,k:8", _K), "v": ("b:4,h:4,l:8,k:8", _V)},
            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
     OpCase("cross_attention_bias",
-           lambda m, q, k, v, bias: mtf.layers.dot_product_attention(q, k, v, "l", "k", memory_length_dim="m",
+           lambda m, q, k, v, bias: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", memory_length_dim="m",
                                                                      bias=bias, scale=1.0),
            {"q": ("b:4,h:4,l:8,k:8", _Q), "k": ("b:4,h:4,m:12,k:8", _KM), "v": ("b:4,h:4,m:12,k:8", _VM),
             "bias": ("h:4,l:8,m:12", _BIAS)},
            lambda q, k, v, bias: torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v),
     OpCase("self_attention_bias_causal_transposed_inputs",
-           lambda m, q, k, v, bias: mtf.layers.dot_product_attention(q, k, v, "l", "k", causal=True, bias=bias),
+           lambda m, q, k, v, bias: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", causal=True, bias=bias),
            {"q": ("l:8,b:4,k:8,h:4", _Q.permute(2, 0, 3, 1).contiguous()),
             "k": ("b:4,h:4,l:8,k:8", _K), "v": ("b:4,h:4,l:8,k:8", _V),
             "bias": ("h:4,l:8,memory_l:8", _BIAS[:, :, :8].contiguous())},
@@ -77,7 +77,7 @@ def _variables(build, inputs):
 
 
 def _mha_build(m, x):
-    return mtf.layers.multihead_attention(x, mtf.Dimension("heads", 4), mtf.Dimension("d_kv", 4), "l",
+    return mtf.layers.multihead_attention_layer(x, mtf.Dimension("heads", 4), mtf.Dimension("d_kv", 4), "l",
                                           causal=True, name="mha")
 
 
@@ -86,7 +86,7 @@ _MHA_VARS = _variables(_mha_build, _MHA_IN)
 
 
 def _ffn_build(m, x):
-    return mtf.layers.dense_relu_dense(x, mtf.Dimension("d_ff", 16), activation="gelu", gated=True, name="ffn")
+    return mtf.layers.dense_act_dense(x, mtf.Dimension("d_ff", 16), activation="gelu", gated=True, name="ffn")
 
 
 _FFN_VARS = _variables(_ffn_build, _MHA_IN)
@@ -109,6 +109,6 @@ def test_attention_rejects_split_length():
     g = mtf.Graph()
     mesh = mtf.Mesh(g, "m")
     q = mtf.placeholder(mesh, "q", "b:4,l:8,k:8")
-    mtf.layers.dot_product_attention(q, q, q, "l", "k")
+    mtf.layers.scaled_dot_product_attention(q, q, q, "l", "k")
     with pytest.raises(mtf.LayoutError, match="'l'"):
         mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "l:all")})

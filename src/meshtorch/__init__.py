@@ -3,7 +3,7 @@
 ``import meshtorch as mtf`` gives a flat API with Mesh TF's names where the concept is the same.
 """
 
-from meshtorch import layers, optim
+from meshtorch import beam_search, layers, optim, optimize
 from meshtorch.autodiff import gradients
 from meshtorch._version import __version__
 from meshtorch.checkpoint import (
@@ -53,6 +53,8 @@ from meshtorch.ops.binary import (
     minimum,
     multiply,
     not_equal,
+    floordiv,
+    mod,
     sub,
     subtract,
 )
@@ -105,14 +107,26 @@ from meshtorch.ops.conv_blocks import *  # noqa: F403
 from meshtorch.ops.pool import *  # noqa: F403
 from meshtorch.ops.control import *  # noqa: F403
 from meshtorch.ops.precision import *  # noqa: F403
+from meshtorch.ops.activations import *  # noqa: F403
+from meshtorch.ops.reduce_more import *  # noqa: F403
+from meshtorch.ops.sequence_more import *  # noqa: F403
+from meshtorch.ops.graph_helpers import *  # noqa: F403
+from meshtorch.core.processors import *  # noqa: F403
+from meshtorch.core import convert_to_layout_rules
+from meshtorch.layers.conv_backprop import *  # noqa: F403  (built with autodiff: above it)
+from meshtorch.mesh.devices import parallel
 from meshtorch.ops.variables import (
     Variable,
     assign,
     assign_add,
+    assign_add_slice,
+    assign_slice,
     assign_sub,
+    assign_sub_slice,
     constant,
     get_variable,
     import_fully_replicated,
+    import_laid_out_tensor,
     import_tensor,
     ones,
     ones_like,
@@ -122,5 +136,6 @@ from meshtorch.ops.variables import (
 )
 
 import_tf_tensor = import_tensor  # Mesh TF's name
+mtf_slice = slice  # noqa: F405 - Mesh TF exports its mtf_slice as mtf.slice; both names exist there
 
 from meshtorch import transformer  # noqa: E402  (mtf.transformer; built on the names above)

@@ -18,13 +18,15 @@ def _as_tensor(x) -> Tensor:
     raise TypeError(f"gradients: expected an mtf Tensor or Variable, got {x!r}.")
 
 
-def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
+def gradients(ys, xs, grad_ys=None, operations=None) -> list[Tensor | None]:
     """d(sum of ys)/d(x) for each x, as graph Tensors with x's shape (None if x does not affect ys).
 
     Args:
         ys: Tensor or list of Tensors (usually one scalar loss).
         xs: Tensors or Variables (their value tensors are used).
         grad_ys: optional upstream gradients, one per y (default: ones of y's shape).
+        operations: Mesh TF's optional list of the graph's operations to walk; accepted and ignored
+            (the walk always starts from ``ys``, which gives the same gradients).
 
     Returns:
         list of Tensors (same named shape and dtype as each x) or None.

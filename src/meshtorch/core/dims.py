@@ -105,8 +105,9 @@ class Shape:
 
     # --- sequence protocol ---
     @property
-    def dims(self) -> tuple[Dimension, ...]:
-        return self._dims
+    def dims(self) -> list[Dimension]:
+        """The dimensions as a new list (Mesh TF's type, so ``x.shape.dims[:-1] + [d]`` ports as is)."""
+        return list(self._dims)
 
     @property
     def dimension_names(self) -> tuple[str, ...]:

@@ -74,11 +74,14 @@ class Mesh:
     Args:
         graph: the Graph.
         name: the mesh's name, used as key in ``Lowering(graph, {mesh: mesh_impl})``.
+        variable_placer: Mesh TF's TF-device placer for variables; accepted and unused (a mesh
+            implementation places every slice).
     """
 
-    def __init__(self, graph: Graph, name: str = "mesh"):
+    def __init__(self, graph: Graph, name: str = "mesh", variable_placer=None):
         self.graph = graph
         self.name = name
+        self.variable_placer = variable_placer  # Mesh TF: a TF device placer; kept, unused here
 
     def __repr__(self):
         return f"Mesh({self.name!r})"
@@ -90,7 +93,7 @@ class Tensor:
     Python operators ``+ - * / -x`` build ops that broadcast by dimension name.
     """
 
-    def __init__(self, operation: Operation, shape, dtype: torch.dtype, index: int = 0, name: str | None = None):
+    def __init__(self, operation: Operation, shape, dtype: torch.dtype, name: str | None = None, index: int = 0):
         self.operation = operation
         self.shape = convert_to_shape(shape)
         if not isinstance(dtype, torch.dtype):

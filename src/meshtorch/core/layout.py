@@ -26,7 +26,8 @@ class LayoutRules:
         LayoutError: on an entry that is not ``dim:axis``.
     """
 
-    def __init__(self, rules: str | Iterable | LayoutRules = ()):
+    def __init__(self, pairs: str | Iterable | LayoutRules = ()):
+        rules = pairs  # Mesh TF's parameter name; a string "dim:axis;..." is accepted too
         if isinstance(rules, LayoutRules):
             self._pairs = rules._pairs
             return

@@ -1,11 +1,11 @@
 """Attention: scaled dot-product attention on named dims, and the multi-head attention layer.
 
-``dot_product_attention`` runs ``torch.nn.functional.scaled_dot_product_attention`` on each
+``scaled_dot_product_attention`` runs ``torch.nn.functional.scaled_dot_product_attention`` on each
 processor's slices. Every dimension other than the query length, memory length and the key /
 value feature dims is batch-like and may be split (batch, heads, ...) with no communication;
 the four attention dims are needed whole (``unsplittable_dims``). The multi-head layer's output
 projection contracts ``heads``: with heads split (Megatron-style model parallelism) that is one
-deferred all-reduce. Follows Mesh TF ``layers.multihead_attention`` / ``dot_product_attention``.
+deferred all-reduce. Mesh TF's own signatures (no default scale) are in :mod:`meshtorch.layers.mtf_attention`.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _k_attention_grad(*xs, n: int, **params):
 
 
 class AttentionOperation(Operation):
-    """Scaled dot-product attention on slices (see :func:`dot_product_attention`)."""
+    """Scaled dot-product attention on slices (see :func:`scaled_dot_product_attention`)."""
 
     def __init__(self, q, k, v, bias, spec: _AttentionSpec, name=None):
         super().__init__([q, k, v] + ([bias] if bias is not None else []), name=name or "attention")
@@ -148,10 +148,14 @@ class AttentionGradOperation(Operation):
             lw.set(t, s, pending)
 
 
-def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, key_dim, value_dim=None,
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, key_dim, value_dim=None,
                           memory_length_dim=None, causal: bool = False, bias: Tensor | None = None,
                           scale: float | None = None, name=None) -> Tensor:
     """``softmax(q k^T * scale + bias) v`` with named dims, via ``F.scaled_dot_product_attention``.
+
+    meshtorch's fused attention op (default scale ``1/sqrt(d_kv)``, as PyTorch). Mesh TF's
+    ``mtf.layers.dot_product_attention(q, k, v, mask, is_training, ...)`` (no scale) is in
+    :mod:`meshtorch.layers.mtf_attention`.
 
     Args:
         q: ``[batch-like..., length, key_dim]``.
@@ -180,10 +184,13 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, key_dim, 
     return AttentionOperation(q, k, v, bias, spec, name).outputs[0]
 
 
-def multihead_attention(x: Tensor, heads_dim, kv_dim, length_dim, memory: Tensor | None = None,
+def multihead_attention_layer(x: Tensor, heads_dim, kv_dim, length_dim, memory: Tensor | None = None,
                         memory_length_dim=None, causal: bool = False, bias: Tensor | None = None,
                         scale: float | None = None, name: str | None = None) -> Tensor:
-    """Multi-head attention layer (Vaswani et al. 2017; Mesh TF ``layers.multihead_attention``).
+    """Multi-head attention layer (Vaswani et al. 2017) on :func:`scaled_dot_product_attention`.
+
+    meshtorch's layer (default scale ``1/sqrt(d_kv)``); Mesh TF's ``mtf.layers.multihead_attention``
+    signature (no scale) is in :mod:`meshtorch.layers.mtf_attention`.
 
     Variables ``{name}/q``, ``/k``, ``/v`` of shape ``[d_model, heads, d_kv]`` and ``{name}/o`` of
     shape ``[heads, d_kv, d_model]``, where ``d_model`` is x's last dim.
@@ -211,6 +218,6 @@ def multihead_attention(x: Tensor, heads_dim, kv_dim, length_dim, memory: Tensor
     mshape = (mem.shape - [d_model.name]) + [heads, d_kv]
     k = einsum([mem, wk], output_shape=mshape, name=f"{name}/k_proj")
     v = einsum([mem, wv], output_shape=mshape, name=f"{name}/v_proj")
-    o = dot_product_attention(q, k, v, length_dim, d_kv, memory_length_dim=memory_length_dim, causal=causal,
+    o = scaled_dot_product_attention(q, k, v, length_dim, d_kv, memory_length_dim=memory_length_dim, causal=causal,
                               bias=bias, scale=scale, name=f"{name}/sdpa")
     return einsum([o, wo], output_shape=x.shape, name=f"{name}/o_proj")

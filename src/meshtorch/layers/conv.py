@@ -13,8 +13,9 @@ from meshtorch.core.dims import Dimension, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
 from meshtorch.ops.conv import conv, conv_transpose
-from meshtorch.ops.conv_blocks import conv_with_blocks
+from meshtorch.ops.conv_blocks import conv_with_blocks, halo_exchange
 from meshtorch.ops.initializers import VarianceScalingInitializer
+from meshtorch.ops.shape import pad
 from meshtorch.ops.variables import get_variable
 
 _WINDOW_NAMES = {1: ["f"], 2: ["fh", "fw"], 3: ["fd", "fh", "fw"]}
@@ -48,7 +49,7 @@ def _scope(x: Tensor, name, default):
 
 
 def conv1d(x: Tensor, output_dim, filter_size=3, stride=1, padding="SAME", filter_initializer=None,
-           variable_dtype=None, in_dim=None, spatial_dims=None, name=None) -> Tensor:
+           variable_dtype=None, name=None, in_dim=None, spatial_dims=None) -> Tensor:
     """1-d convolution layer: ``x [batch.., length, in]`` -> ``[batch.., length', output_dim]`` (Mesh TF ``conv1d``)."""
     name = _scope(x, name, "conv1d")
     w = _filter(x, in_dim, output_dim, filter_size, name, filter_initializer, variable_dtype)
@@ -56,7 +57,7 @@ def conv1d(x: Tensor, output_dim, filter_size=3, stride=1, padding="SAME", filte
 
 
 def conv2d(x: Tensor, output_dim, filter_size=(3, 3), strides=(1, 1), padding="SAME", filter_initializer=None,
-           variable_dtype=None, in_dim=None, spatial_dims=None, name=None) -> Tensor:
+           variable_dtype=None, name=None, in_dim=None, spatial_dims=None) -> Tensor:
     """2-d convolution layer (Mesh TF ``mtf.layers.conv2d``).
 
     Args:
@@ -74,7 +75,7 @@ def conv2d(x: Tensor, output_dim, filter_size=(3, 3), strides=(1, 1), padding="S
 
 
 def conv3d(x: Tensor, output_dim, filter_size=(3, 3, 3), strides=(1, 1, 1), padding="SAME", filter_initializer=None,
-           variable_dtype=None, in_dim=None, spatial_dims=None, name=None) -> Tensor:
+           variable_dtype=None, name=None, in_dim=None, spatial_dims=None) -> Tensor:
     """3-d convolution layer (Mesh TF ``mtf.layers.conv3d``); see :func:`conv2d`."""
     name = _scope(x, name, "conv3d")
     w = _filter(x, in_dim, output_dim, filter_size, name, filter_initializer, variable_dtype)
@@ -82,8 +83,8 @@ def conv3d(x: Tensor, output_dim, filter_size=(3, 3, 3), strides=(1, 1, 1), padd
 
 
 def conv2d_with_blocks(x: Tensor, output_dim, filter_size=(3, 3), strides=(1, 1), padding="SAME", h_blocks_dim=None,
-                       w_blocks_dim=None, filter_initializer=None, variable_dtype=None, in_dim=None,
-                       spatial_dims=None, name=None) -> Tensor:
+                       w_blocks_dim=None, filter_initializer=None, variable_dtype=None, name=None, in_dim=None,
+                       spatial_dims=None) -> Tensor:
     """Spatially partitioned 2-d convolution layer (Mesh TF ``mtf.layers.conv2d_with_blocks``).
 
     ``x [batch, h_blocks, w_blocks, h, w, in]``; the block dims may be split over mesh axes (halo
@@ -95,9 +96,10 @@ def conv2d_with_blocks(x: Tensor, output_dim, filter_size=(3, 3), strides=(1, 1)
 
 
 def conv3d_with_blocks(x: Tensor, output_dim, filter_size=(3, 3, 3), strides=(1, 1, 1), padding="SAME",
-                       d_blocks_dim=None, h_blocks_dim=None, w_blocks_dim=None, filter_initializer=None,
-                       variable_dtype=None, in_dim=None, spatial_dims=None, name=None) -> Tensor:
-    """Spatially partitioned 3-d convolution layer (Mesh TF ``mtf.layers.conv3d_with_blocks``)."""
+                       d_blocks_dim=None, h_blocks_dim=None, filter_initializer=None, variable_dtype=None, name=None,
+                       w_blocks_dim=None, in_dim=None, spatial_dims=None) -> Tensor:
+    """Spatially partitioned 3-d convolution layer (Mesh TF ``mtf.layers.conv3d_with_blocks``, whose
+    signature has no ``w_blocks_dim``: here it comes after ``name``)."""
     name = _scope(x, name, "conv3d_with_blocks")
     w = _filter(x, in_dim, output_dim, filter_size, name, filter_initializer, variable_dtype)
     return conv_with_blocks(x, w, strides, padding, [d_blocks_dim, h_blocks_dim, w_blocks_dim], spatial_dims,
@@ -105,8 +107,8 @@ def conv3d_with_blocks(x: Tensor, output_dim, filter_size=(3, 3, 3), strides=(1,
 
 
 def conv2d_transpose(x: Tensor, output_dim, filter_size=(2, 2), strides=(2, 2), padding="SAME",
-                     filter_initializer=None, variable_dtype=None, in_dim=None, spatial_dims=None,
-                     name=None) -> Tensor:
+                     filter_initializer=None, variable_dtype=None, name=None, in_dim=None,
+                     spatial_dims=None) -> Tensor:
     """2-d transposed convolution layer (Mesh TF ``mtf.layers.conv2d_transpose``).
 
     Variable ``{name}/kernel [fh, fw, output_dim, in]``; output sizes SAME ``in * s``, VALID
@@ -118,9 +120,50 @@ def conv2d_transpose(x: Tensor, output_dim, filter_size=(2, 2), strides=(2, 2), 
 
 
 def conv3d_transpose(x: Tensor, output_dim, filter_size=(2, 2, 2), strides=(2, 2, 2), padding="SAME",
-                     filter_initializer=None, variable_dtype=None, in_dim=None, spatial_dims=None,
-                     name=None) -> Tensor:
+                     filter_initializer=None, variable_dtype=None, name=None, in_dim=None,
+                     spatial_dims=None) -> Tensor:
     """3-d transposed convolution layer (Mesh TF ``mtf.layers.conv3d_transpose``)."""
     name = _scope(x, name, "conv3d_transpose")
     w = _filter(x, in_dim, output_dim, filter_size, name, filter_initializer, variable_dtype, transpose=True)
     return conv_transpose(x, w, strides, padding, spatial_dims, name=f"{name}/conv")
+
+
+def _transpose_with_blocks(x, output_dim, filter_size, strides, padding, blocks, filter_initializer, variable_dtype,
+                           name, layer, what):
+    """Mesh TF's ``conv{2,3}d_transpose_with_blocks``: halo-exchange (or zero-pad) each spatial dim by
+    ``filter_size // 2 - 1``, then a VALID transposed convolution."""
+    if all(b is None for b in blocks):
+        return layer(x, output_dim, filter_size, strides, padding, filter_initializer, variable_dtype, name)
+    if any(k % 2 for k in filter_size):
+        raise ValueError(f"{what}: filter sizes must be even, got {filter_size}.")
+    if padding != "SAME":
+        raise ValueError(f"{what} requires padding='SAME', got {padding!r}.")
+    n = len(filter_size)
+    for blocks_dim, size_dim, k in zip(blocks, x.shape.dims[-n - 1:-1], filter_size, strict=True):
+        halo = k // 2 - 1
+        if halo > 0:
+            x = halo_exchange(x, blocks_dim, size_dim, halo) if blocks_dim is not None else \
+                pad(x, [halo, halo], size_dim.name)
+    return layer(x, output_dim, filter_size, strides, "VALID", filter_initializer, variable_dtype, name)
+
+
+def conv2d_transpose_with_blocks(x: Tensor, output_dim, filter_size=(2, 2), strides=(2, 2), padding="SAME",
+                                 h_blocks_dim=None, w_blocks_dim=None, filter_initializer=None, variable_dtype=None,
+                                 name=None) -> Tensor:
+    """Spatially partitioned 2-d transposed convolution (Mesh TF ``layers.conv2d_transpose_with_blocks``):
+    ``x [batch, h_blocks, w_blocks, h, w, in]``; halo exchange of ``filter_size // 2 - 1`` rows over the
+    block dims (zero padding where a block dim is None), then :func:`conv2d_transpose` with VALID padding.
+    Even filter sizes, SAME padding only (ValueError otherwise)."""
+    return _transpose_with_blocks(x, output_dim, filter_size, strides, padding, [h_blocks_dim, w_blocks_dim],
+                                  filter_initializer, variable_dtype, name, conv2d_transpose,
+                                  "conv2d_transpose_with_blocks")
+
+
+def conv3d_transpose_with_blocks(x: Tensor, output_dim, filter_size=(2, 2, 2), strides=(2, 2, 2), padding="SAME",
+                                 d_blocks_dim=None, h_blocks_dim=None, filter_initializer=None, variable_dtype=None,
+                                 name=None) -> Tensor:
+    """3-d :func:`conv2d_transpose_with_blocks` (Mesh TF ``layers.conv3d_transpose_with_blocks``: block dims
+    for depth and height only, as there)."""
+    return _transpose_with_blocks(x, output_dim, filter_size, strides, padding, [d_blocks_dim, h_blocks_dim, None],
+                                  filter_initializer, variable_dtype, name, conv3d_transpose,
+                                  "conv3d_transpose_with_blocks")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from meshtorch.core.dims import Shape, convert_to_dimension
+from meshtorch.core.dims import Dimension, Shape, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
 from meshtorch.ops import binary, reduce
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast, negative, square
 from meshtorch.ops.indexing import one_hot
-from meshtorch.ops.initializers import VarianceScalingInitializer, zeros_initializer
+from meshtorch.ops.initializers import Initializer, VarianceScalingInitializer, zeros_initializer
+from meshtorch.ops.precision import VariableDType
+from meshtorch.ops.reshape import rename_dimension
 from meshtorch.ops.variables import get_variable
 
 
@@ -21,47 +23,83 @@ def _dims(x):
     return [convert_to_dimension(x)]
 
 
-def dense(x: Tensor, new_dims, reduced_dims=None, use_bias=True, activation=None, name=None,
-          kernel_initializer=None, variable_dtype=None) -> Tensor:
-    """Fully connected layer: ``activation(einsum(x, kernel) + bias)``.
+def dense(x: Tensor, new_dims, reduced_dims=None, expert_dims=None, use_bias=True, activation=None,
+          master_dtype=None, slice_dtype=None, variable_dtype=None, kernel_initializer=None, kernel_weights=None,
+          name=None) -> Tensor:
+    """Fully connected layer: ``activation(einsum(x, kernel) + bias)`` (Mesh TF ``layers.dense``).
 
     Args:
         x: Tensor ``[..., reduced_dims]``.
         new_dims: Dimension or list: the output dims.
-        reduced_dims: dims of x to contract (default: x's last dim).
+        reduced_dims: dims of x to contract (default: x's last dim). A reduced dim that is also a new
+            dim is renamed ``_<name>`` first (Mesh TF).
+        expert_dims: leading dims of the kernel and bias (one kernel per expert; Mesh TF).
         use_bias: add a bias of shape ``new_dims`` (zeros-initialised).
         activation: optional function Tensor -> Tensor (e.g. ``mtf.relu``).
         name: variable scope; the variables are ``{name}/kernel`` ``[reduced_dims + new_dims]`` and
             ``{name}/bias`` ``[new_dims]``.
         kernel_initializer: default variance scaling (scale 1, fan_in over ``reduced_dims``,
-            normal), as Mesh TF.
-        variable_dtype: dtype of the variables (default x's dtype).
+            normal), as Mesh TF; a :class:`~meshtorch.layers.dense_extra.DenseInitializer` is called
+            with ``(reduced_dims, new_dims)``.
+        master_dtype, slice_dtype, variable_dtype: the variables' dtypes. Default x's dtype (Mesh TF
+            defaults master and slice dtypes to float32; the same for float32 activations).
+        kernel_weights: an existing kernel ``[expert_dims + reduced_dims + new_dims]`` to use instead.
 
     Returns:
         Tensor ``[x's other dims..., new_dims]``.
     """
     new_dims = _dims(new_dims)
-    reduced_dims = _dims(reduced_dims) if reduced_dims is not None else [x.shape[-1]]
+    expert_dims = _dims(expert_dims) or []
+    reduced_dims = list(_dims(reduced_dims)) if reduced_dims is not None else [x.shape[-1]]
     for d in reduced_dims:
         if d not in x.shape.dims:
             raise ShapeError(f"dense {name!r}: reduced dim {d} is not in input {x.name!r} {x.shape}.")
+    for i, d in enumerate(reduced_dims):
+        if d in new_dims:  # Mesh TF: contract a renamed copy
+            reduced_dims[i] = Dimension("_" + d.name, d.size)
+            x = rename_dimension(x, d.name, "_" + d.name)
     for d in new_dims:
         if d.name in x.shape:
             raise ShapeError(f"dense {name!r}: new dim {d.name!r} is already a dim of {x.name!r} {x.shape}; "
                              "choose another name.")
-    graph = x.graph
-    name = graph.unique_name(name or "dense")
-    dtype = variable_dtype or x.dtype
-    init = kernel_initializer or VarianceScalingInitializer(reduced_dims=reduced_dims, new_dims=new_dims)
-    w = get_variable(x.mesh, f"{name}/kernel", Shape(reduced_dims + new_dims), initializer=init, dtype=dtype)
-    out_shape = (x.shape - [d.name for d in reduced_dims]) + new_dims
+    name = x.graph.unique_name(name or "dense")
+    dtype = _variable_dtype(x, master_dtype, slice_dtype, variable_dtype)
+    w = kernel_weights
+    if w is None:
+        w = get_dense_kernel_weights(x, new_dims, reduced_dims, expert_dims, kernel_initializer, name, dtype)
+    out_shape = (x.shape - [d.name for d in reduced_dims]) + [d for d in new_dims if d.name not in x.shape]
     y = einsum([x, w], output_shape=out_shape, name=f"{name}/einsum")
     if use_bias:
-        b = get_variable(x.mesh, f"{name}/bias", Shape(new_dims), initializer=zeros_initializer(), dtype=dtype)
+        b = get_variable(x.mesh, f"{name}/bias", Shape(expert_dims + new_dims), initializer=zeros_initializer(),
+                         dtype=dtype)
         y = binary.add(y, b, name=f"{name}/add_bias")
     if activation is not None:
         y = activation(y)
     return y
+
+
+def _variable_dtype(x, master_dtype, slice_dtype, variable_dtype):
+    if variable_dtype is not None:
+        return variable_dtype
+    if master_dtype is None and slice_dtype is None:
+        return x.dtype
+    return VariableDType(master_dtype or x.dtype, slice_dtype or master_dtype or x.dtype, x.dtype)
+
+
+def get_dense_kernel_weights(x: Tensor, new_dims, reduced_dims, expert_dims, kernel_initializer, name=None,
+                             variable_dtype=None, master_dtype=None, slice_dtype=None) -> Tensor:
+    """The kernel variable ``{name}/kernel`` ``[expert_dims + reduced_dims + new_dims]`` of :func:`dense`,
+    in x's dtype (Mesh TF ``layers.get_dense_kernel_weights``; ``name`` is used as given)."""
+    new_dims, reduced_dims, expert_dims = _dims(new_dims), _dims(reduced_dims), _dims(expert_dims) or []
+    dtype = _variable_dtype(x, master_dtype, slice_dtype, variable_dtype)
+    init = kernel_initializer
+    if init is None:
+        init = VarianceScalingInitializer(reduced_dims=reduced_dims, new_dims=new_dims)
+    elif callable(init) and not isinstance(init, Initializer):  # a DenseInitializer
+        init = init(reduced_dims, new_dims)
+    w = get_variable(x.mesh, f"{name or 'dense'}/kernel", Shape(expert_dims + reduced_dims + new_dims),
+                     initializer=init, dtype=dtype)
+    return w if w.dtype == x.dtype else cast(w, x.dtype)
 
 
 def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim, z_loss: float = 0.0,

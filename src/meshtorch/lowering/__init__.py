@@ -64,6 +64,7 @@ class Lowering:
     Args:
         graph: the Graph (operations added after this call are not part of the program).
         mesh_to_impl: ``{Mesh: MeshImpl}``.
+        autostack, log_file: Mesh TF's; accepted and unused (see ``memory_report`` for sizes).
         materialize: ``False`` plans without computing variables' initial values (a dry run:
             ``lowering.variables[v]`` is ``None``; the program, ``plan_counters`` and
             :mod:`meshtorch.planning` reports are the same; ``run`` raises RuntimeError).
@@ -78,7 +79,8 @@ class Lowering:
             whole is split).
     """
 
-    def __init__(self, graph: Graph, mesh_to_impl: dict, materialize: bool = True):
+    def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
+                 materialize: bool = True):
         self.graph = graph
         self.materialize = materialize
         self.planner = Planner(graph, dict(mesh_to_impl))

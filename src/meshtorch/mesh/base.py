@@ -28,7 +28,7 @@ class MeshImpl:
     Args:
         shape: the mesh shape, e.g. ``"rows:2;cols:2"`` or ``[("all", 4)]``; ``""`` or ``[]`` is
             a single processor.
-        layout: layout rules, e.g. ``"batch:rows;hidden:cols"`` (the compute layout).
+        layout_rules: layout rules (Mesh TF's name), e.g. ``"batch:rows;hidden:cols"`` (the compute layout).
         storage: storage rules, e.g. ``"d_model:data"``: how variables, their optimizer slots and
             the update math are laid out (ZeRO-3 / FSDP). A storage rule overrides the compute
             rules for the dimension it names; default none (variables stored as computed).
@@ -40,9 +40,9 @@ class MeshImpl:
         LayoutError: on a malformed rule.
     """
 
-    def __init__(self, shape, layout, storage=None):
+    def __init__(self, shape, layout_rules, storage=None):
         self.shape: Shape = convert_to_shape(shape)
-        self.layout_rules: LayoutRules = convert_to_layout_rules(layout)
+        self.layout_rules: LayoutRules = convert_to_layout_rules(layout_rules)
         self.storage_rules: LayoutRules = convert_to_layout_rules(storage or "")
         self._storage_layout_rules = self.layout_rules.overridden_by(self.storage_rules)
         self._strides = []

@@ -154,8 +154,8 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
     ``encoder/layer_{i}/{attention,attention_norm,ffn,ffn_norm}/...``;
     ``decoder/layer_{i}/{self_attention,self_attention_norm,encdec_attention,encdec_attention_norm,ffn,
     ffn_norm}/...``; ``{encoder,decoder}/final_norm/scale``; ``logits/kernel`` [d_model, vocab]. Attention
-    weights as :func:`meshtorch.layers.multihead_attention`, feed-forward as
-    :func:`meshtorch.layers.dense_relu_dense`.
+    weights as :func:`meshtorch.layers.multihead_attention_layer`, feed-forward as
+    :func:`meshtorch.layers.dense_act_dense`.
 
     Args:
         config: the EncDecConfig.
@@ -185,10 +185,10 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
         return drop(x)
 
     def attend(x, name, **kw):
-        return layers.multihead_attention(x, d["heads"], d["d_kv"], "length", scale=scale, name=name, **kw)
+        return layers.multihead_attention_layer(x, d["heads"], d["d_kv"], "length", scale=scale, name=name, **kw)
 
     def ffn(x, name):
-        return layers.dense_relu_dense(x, d["d_ff"], activation=c.activation, name=name)
+        return layers.dense_act_dense(x, d["d_ff"], activation=c.activation, name=name)
 
     def norm(x, name):
         return layers.rms_norm(x, d["d_model"], name=name)

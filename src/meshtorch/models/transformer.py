@@ -169,7 +169,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     x = _dropout(c, x, train)
     for i in range(c.num_layers):
         h = _norm(c, x, d["d_model"], f"layer_{i}/attention_norm")
-        h = layers.multihead_attention(h, d["heads"], d["d_kv"], "length", causal=True,
+        h = layers.multihead_attention_layer(h, d["heads"], d["d_kv"], "length", causal=True,
                                            scale=1.0 / math.sqrt(c.d_kv), name=f"layer_{i}/attention")
         x = x + _dropout(c, h, train)
         h = _norm(c, x, d["d_model"], f"layer_{i}/ffn_norm")
@@ -179,7 +179,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
                                         activation=c.activation, name=f"layer_{i}/moe")
             aux_losses.append(aux)
         else:
-            h = layers.dense_relu_dense(h, d["d_ff"], activation=c.activation, gated=c.gated,
+            h = layers.dense_act_dense(h, d["d_ff"], activation=c.activation, gated=c.gated,
                                             name=f"layer_{i}/ffn")
         x = x + _dropout(c, h, train)
     x = _norm(c, x, d["d_model"], "final_norm")

@@ -151,42 +151,42 @@ def _tensorize(x, y, kind):
     raise TypeError(f"{kind}: at least one operand must be an mtf Tensor.")
 
 
-def add(x, y, output_shape=None, name=None) -> Tensor:
-    """x + y, broadcasting by dimension name. Shapes: union of x's and y's dims."""
-    return _binary(torch.add, "add", x, y, output_shape, name, scalar_kinds=("add", "add"))
+def add(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 + x2 (Mesh TF ``mtf.add``), broadcasting by dimension name. Shapes: union of x1's and x2's dims."""
+    return _binary(torch.add, "add", x1, x2, output_shape, name, scalar_kinds=("add", "add"))
 
 
-def subtract(x, y, output_shape=None, name=None) -> Tensor:
-    """x - y, broadcasting by dimension name."""
-    return _binary(torch.sub, "subtract", x, y, output_shape, name, scalar_kinds=("sub", "rsub"))
+def subtract(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 - x2, broadcasting by dimension name."""
+    return _binary(torch.sub, "subtract", x1, x2, output_shape, name, scalar_kinds=("sub", "rsub"))
 
 
 sub = subtract
 
 
-def multiply(x, y, output_shape=None, name=None) -> Tensor:
-    """x * y, broadcasting by dimension name."""
-    return _binary(torch.mul, "multiply", x, y, output_shape, name, scalar_kinds=("mul", "mul"))
+def multiply(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 * x2, broadcasting by dimension name."""
+    return _binary(torch.mul, "multiply", x1, x2, output_shape, name, scalar_kinds=("mul", "mul"))
 
 
-def divide(x, y, output_shape=None, name=None) -> Tensor:
-    """x / y, broadcasting by dimension name."""
-    return _binary(torch.div, "divide", x, y, output_shape, name, scalar_kinds=("div", "rdiv"))
+def divide(x1, x2, output_shape=None, name=None) -> Tensor:
+    """x1 / x2, broadcasting by dimension name."""
+    return _binary(torch.div, "divide", x1, x2, output_shape, name, scalar_kinds=("div", "rdiv"))
 
 
-def minimum(x, y, output_shape=None, name=None) -> Tensor:
+def minimum(x1, x2, output_shape=None, name=None) -> Tensor:
     """Elementwise min (gradient split evenly on ties, as torch.minimum)."""
-    return _binary(torch.minimum, "minimum", x, y, output_shape, name)
+    return _binary(torch.minimum, "minimum", x1, x2, output_shape, name)
 
 
-def maximum(x, y, output_shape=None, name=None) -> Tensor:
+def maximum(x1, x2, output_shape=None, name=None) -> Tensor:
     """Elementwise max (gradient split evenly on ties, as torch.maximum)."""
-    return _binary(torch.maximum, "maximum", x, y, output_shape, name)
+    return _binary(torch.maximum, "maximum", x1, x2, output_shape, name)
 
 
 def _cmp(fn, kind):
-    def op(x, y, output_shape=None, name=None) -> Tensor:
-        return _binary(fn, kind, x, y, output_shape, name, output_dtype=torch.bool)
+    def op(x1, x2, output_shape=None, name=None) -> Tensor:
+        return _binary(fn, kind, x1, x2, output_shape, name, output_dtype=torch.bool)
     op.__name__ = kind
     op.__doc__ = f"Elementwise ``{kind}`` with broadcasting by name; bool output, no gradient."
     return op
@@ -202,6 +202,18 @@ logical_and = _cmp(torch.logical_and, "logical_and")
 logical_or = _cmp(torch.logical_or, "logical_or")
 
 
+def floordiv(x1, x2, output_shape=None) -> Tensor:
+    """floor(x1 / x2) elementwise with broadcasting by name (Mesh TF ``mtf.floordiv``, ``tf.floordiv``,
+    ``torch.floor_divide``); dtype of the Tensor operand; no gradient (zero almost everywhere)."""
+    return _binary(torch.floor_divide, "floordiv", x1, x2, output_shape)
+
+
+def mod(x1, x2, output_shape=None) -> Tensor:
+    """x1 mod x2 with the sign of x2 (Mesh TF ``mtf.mod``: ``tf.math.floormod``, ``torch.remainder``);
+    broadcasting by name; no gradient."""
+    return _binary(torch.remainder, "mod", x1, x2, output_shape)
+
+
 def _install_operators():
     Tensor.__add__ = lambda s, o: add(s, o)
     Tensor.__radd__ = lambda s, o: add(o, s)
@@ -211,6 +223,10 @@ def _install_operators():
     Tensor.__rmul__ = lambda s, o: multiply(o, s)
     Tensor.__truediv__ = lambda s, o: divide(s, o)
     Tensor.__rtruediv__ = lambda s, o: divide(o, s)
+    Tensor.__floordiv__ = lambda s, o: floordiv(s, o)
+    Tensor.__rfloordiv__ = lambda s, o: floordiv(o, s)
+    Tensor.__mod__ = lambda s, o: mod(s, o)
+    Tensor.__rmod__ = lambda s, o: mod(o, s)
     Tensor.__neg__ = lambda s: ew.negative(s)
     Tensor.__pow__ = lambda s, c: ew.scalar_op(s, c, "pow")
 

@@ -260,7 +260,7 @@ def _same(t):
     return t
 
 
-def custom_gradient(fn: Callable, grad_fn: Callable, inputs) -> Tensor | list[Tensor]:
+def custom_gradient(fn: Callable, grad_fn: Callable, explicit_inputs) -> Tensor | list[Tensor]:
     """``fn(*inputs)`` as ordinary operations, its gradient given by ``grad_fn`` (Mesh TF ``mtf.custom_gradient``).
 
     Args:
@@ -271,7 +271,7 @@ def custom_gradient(fn: Callable, grad_fn: Callable, inputs) -> Tensor | list[Te
             returning one gradient (or None) per ``all_inputs`` (the explicit inputs, then every other
             tensor the forward operations read, variables included). ``output_grads`` holds None for
             outputs that receive no gradient. Gradients must have their input's dims and dtype.
-        inputs: list of Tensors.
+        explicit_inputs: list of Tensors (Mesh TF's name).
 
     Returns:
         what ``fn`` returns (a Tensor or a list), as outputs of a :class:`CustomGradientOperation`.
@@ -281,7 +281,7 @@ def custom_gradient(fn: Callable, grad_fn: Callable, inputs) -> Tensor | list[Te
         ShapeError / TypeError: a gradient's dims or dtype differ from its input's.
     """
     from meshtorch.ops.elementwise import identity
-    inputs = _check_tensors(inputs, "custom_gradient")
+    inputs = _check_tensors(explicit_inputs, "custom_gradient")
     graph = inputs[0].graph
 
     def build():
@@ -337,7 +337,7 @@ def _recompute_grad_fn(explicit_inputs, all_inputs, forward_operations, outputs,
     return gradients([y for y, _ in pairs], proxies, [g for _, g in pairs])
 
 
-def recompute_grad(fn: Callable, explicit_inputs) -> Tensor | list[Tensor]:
+def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=True) -> Tensor | list[Tensor]:
     """``fn(*explicit_inputs)``, recomputed in the backward pass instead of kept (Mesh TF ``mtf.recompute_grad``).
 
     Activation checkpointing: the backward pass rebuilds ``fn``'s forward operations from the inputs
@@ -345,6 +345,9 @@ def recompute_grad(fn: Callable, explicit_inputs) -> Tensor | list[Tensor]:
     the program) and differentiates the copies, so the forward intermediates die right after the
     forward pass. Gradients reach the explicit inputs and every tensor ``fn`` reads (variables).
     Clones keep their op names, so random ops keyed by op name (and seed) draw identical values.
+
+    ``control_dependencies`` (Mesh TF: whether the recomputation waits for the backward pass) is accepted and ignored:
+    a meshtorch program runs its steps in order, so the recomputation already follows them.
 
     Returns:
         what ``fn`` returns. Raises NotImplementedError if ``fn`` contains a while_loop.

@@ -68,21 +68,28 @@ class SlicewiseOperation(Operation):
         lw.set(out, lw.slicewise(f, *slots))
 
 
-def slicewise(fn: Callable, xs, output_shape=None, output_dtype=None, grad_function=None,
+def slicewise(tf_fn: Callable, xs, output_shape=None, output_dtype=None, splittable_dims=None, grad_function=None,
               name: str | None = None, unsplittable_dims: Sequence[str] = ()) -> Tensor:
     """Apply an elementwise torch function to each slice (Mesh TF ``mtf.slicewise``).
 
     Inputs are aligned by dimension name and broadcast to ``output_shape`` (default: the union
-    of input shapes, in first-seen order). ``fn`` must act elementwise over every dim that may
-    be split; list the others in ``unsplittable_dims``.
+    of input shapes, in first-seen order). ``tf_fn`` (Mesh TF's name; a torch function here) must act
+    elementwise over every dim that may be split; list the others in ``unsplittable_dims``, or, as
+    Mesh TF does, list the dims that may be split in ``splittable_dims`` (every other dim is kept whole).
 
     Returns:
         Tensor of ``output_shape``, dtype ``output_dtype`` (default: first input's).
     """
     if isinstance(xs, Tensor):
         xs = [xs]
-    return SlicewiseOperation(fn, xs, output_shape, output_dtype, grad_function, name,
-                              unsplittable_dims=unsplittable_dims).outputs[0]
+    unsplittable = list(unsplittable_dims)
+    if splittable_dims is not None:
+        keep = {d if isinstance(d, str) else d.name for d in splittable_dims}
+        names = [d.name for x in xs for d in x.shape]
+        names += [d.name for d in convert_to_shape(output_shape)] if output_shape is not None else []
+        unsplittable += [n for n in dict.fromkeys(names) if n not in keep and n not in unsplittable]
+    return SlicewiseOperation(tf_fn, xs, output_shape, output_dtype, grad_function, name,
+                              unsplittable_dims=unsplittable).outputs[0]
 
 
 def _unary(fn, x: Tensor, grad, name, dtype=None, linear=False) -> Tensor:

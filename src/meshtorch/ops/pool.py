@@ -27,7 +27,7 @@ from meshtorch.ops._util import dim_names
 from meshtorch.ops.conv import _check_padding, _normalize_strides, _torch_pad, conv_output_size, conv_padding
 
 __all__ = ["PoolOperation", "PoolGradOperation", "pool", "max_pool1d", "max_pool2d", "max_pool3d",
-           "avg_pool1d", "avg_pool2d", "avg_pool3d"]
+           "avg_pool1d", "avg_pool2d", "avg_pool3d", "pool_fn", "pool_backprop"]
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -210,3 +210,48 @@ def avg_pool2d(x, ksize=(2, 2), strides=None, padding="VALID", spatial_dims=None
 def avg_pool3d(x, ksize=(2, 2, 2), strides=None, padding="VALID", spatial_dims=None, name=None) -> Tensor:
     """3-d average pooling (Mesh TF ``mtf.avg_pool3d``); see :func:`pool`."""
     return pool(x, "AVG", _n(ksize, 3, "avg_pool3d"), strides, padding, spatial_dims, name or "avg_pool3d")
+
+
+_POOL_FN_STRINGS = {"AVG_2D": ("AVG", 2), "AVG_3D": ("AVG", 3), "MAX_2D": ("MAX", 2), "MAX_3D": ("MAX", 3)}
+
+
+def _tf_pool(x: torch.Tensor, ksize, strides, padding, kind: str, n: int) -> torch.Tensor:
+    """``tf.nn.{max,avg}_pool{n}d`` on a torch tensor ``[batch..., spatial (n)..., channels]``."""
+    k = [ksize] * n if isinstance(ksize, int) else list(ksize)
+    k = k[1:-1] if len(k) == n + 2 else k
+    s = list(_normalize_strides(strides, n, "pool_fn"))
+    pad = _check_padding(padding, "pool_fn")
+    sizes = list(x.shape[x.ndim - n - 1:-1])
+    pads = [conv_padding(sizes[i], k[i], s[i], pad) for i in range(n)]
+    t = x.movedim(-1, x.ndim - n - 1)  # [..., c, spatial...]
+    lead = t.shape[: t.ndim - n]
+    y = _pool_ncs(t.reshape(-1, *sizes), kind=kind, n=n, ksize=tuple(k), strides=tuple(s), tpad=tuple(_torch_pad(pads)))
+    return y.reshape(*lead, *y.shape[1:]).movedim(x.ndim - n - 1, -1)
+
+
+def pool_fn(pool_fn_string: str):
+    """Mesh TF's ``mtf.pool_fn``: ``"AVG_2D"``, ``"AVG_3D"``, ``"MAX_2D"``, ``"MAX_3D"`` -> a slice function
+    ``fn(x, ksize, strides, padding)`` on torch tensors ``[batch..., spatial..., channels]`` (TF's NHWC)
+    with TF's padding semantics. Raises ValueError on another string."""
+    if pool_fn_string not in _POOL_FN_STRINGS:
+        raise ValueError(f"Unknown pool_fn_string {pool_fn_string!r}; use one of {sorted(_POOL_FN_STRINGS)}.")
+    kind, n = _POOL_FN_STRINGS[pool_fn_string]
+    return functools.partial(_tf_pool, kind=kind, n=n)
+
+
+def pool_backprop(x: Tensor, y: Tensor, dy: Tensor, ksize, strides, pool_fn_string: str, name=None) -> Tensor:
+    """Gradient of the pooling ``y = pool(x)`` (``pool_fn_string`` as :func:`pool_fn`, VALID padding, as
+    Mesh TF's pooling layers) for upstream ``dy`` (Mesh TF ``mtf.pool_backprop``). Returns x's shape.
+
+    Raises:
+        ShapeError: if ``y`` or ``dy`` do not have the pooled shape.
+    """
+    if pool_fn_string not in _POOL_FN_STRINGS:
+        raise ValueError(f"Unknown pool_fn_string {pool_fn_string!r}; use one of {sorted(_POOL_FN_STRINGS)}.")
+    kind, n = _POOL_FN_STRINGS[pool_fn_string]
+    k = [ksize] * n if isinstance(ksize, int) else list(ksize)
+    k = k[1:-1] if len(k) == n + 2 else k
+    fwd = PoolOperation(x, kind, k, strides, "VALID", name=f"{name or 'pool_backprop'}/forward")
+    if set(fwd.outputs[0].shape.dims) != set(y.shape.dims):
+        raise ShapeError(f"pool_backprop: y {y.name!r} {y.shape} is not the pooled shape {fwd.outputs[0].shape}.")
+    return PoolGradOperation(fwd, dy, name=name).outputs[0]

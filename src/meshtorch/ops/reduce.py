@@ -104,49 +104,73 @@ def _output_shape(x: Tensor, reduced_dim, output_shape, what):
     return x.shape - names
 
 
+def _positional_dim(positional, reduced_dim, what):
+    """Mesh TF's reductions take ``(x, disable_positional_args, output_shape, reduced_dim)`` and reject a
+    positional second argument; meshtorch also accepts the reduced dim there (``reduce_sum(x, "d")``)."""
+    if positional is None:
+        return reduced_dim
+    if reduced_dim is not None:
+        raise ValueError(f"{what}: reduced dim given twice (positionally and as reduced_dim=).")
+    return positional
+
+
 def _is_pair(d):
     return isinstance(d, tuple) and len(d) == 2 and isinstance(d[0], str) and isinstance(d[1], int)
 
 
-def reduce_sum(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+def reduce_sum(x: Tensor, disable_positional_args=None, output_shape=None, reduced_dim=None, name=None) -> Tensor:
     """Sum over ``reduced_dim`` (a dim, name, or list), or down to ``output_shape``; all dims if neither.
 
     Follows Mesh TF ``mtf.reduce_sum``. Returns a Tensor of the remaining dims, x's dtype.
     """
+    reduced_dim = _positional_dim(disable_positional_args, reduced_dim, "reduce_sum")
     return ReduceOperation(x, _output_shape(x, reduced_dim, output_shape, "reduce_sum"), "SUM", name).outputs[0]
 
 
-def reduce_max(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+def reduce_max(x: Tensor, disable_positional_args=None, output_shape=None, reduced_dim=None, name=None) -> Tensor:
     """Maximum over ``reduced_dim`` or down to ``output_shape`` (Mesh TF ``mtf.reduce_max``)."""
+    reduced_dim = _positional_dim(disable_positional_args, reduced_dim, "reduce_max")
     return ReduceOperation(x, _output_shape(x, reduced_dim, output_shape, "reduce_max"), "MAX", name).outputs[0]
 
 
-def reduce_min(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+def reduce_min(x: Tensor, disable_positional_args=None, output_shape=None, reduced_dim=None, name=None) -> Tensor:
     """Minimum over ``reduced_dim`` or down to ``output_shape`` (Mesh TF ``mtf.reduce_min``)."""
+    reduced_dim = _positional_dim(disable_positional_args, reduced_dim, "reduce_min")
     return ReduceOperation(x, _output_shape(x, reduced_dim, output_shape, "reduce_min"), "MIN", name).outputs[0]
 
 
-def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+def reduce_mean(x: Tensor, disable_positional_args=None, output_shape=None, reduced_dim=None, name=None) -> Tensor:
     """Mean over ``reduced_dim`` or down to ``output_shape`` (global count; one lazy all-reduce)."""
+    reduced_dim = _positional_dim(disable_positional_args, reduced_dim, "reduce_mean")
     shape = _output_shape(x, reduced_dim, output_shape, "reduce_mean")
     n = x.shape.size // max(shape.size, 1)
     return ew.scalar_op(reduce_sum(x, output_shape=shape, name=name), 1.0 / n, "mul")
 
 
-def reduce_logsumexp(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
-    """log(sum(exp(x))) over ``reduced_dim``, computed stably (the max is subtracted first)."""
+def reduce_logsumexp(x: Tensor, reduced_dim=None, extra_logit=None, name=None, output_shape=None) -> Tensor:
+    """log(sum(exp(x))) over ``reduced_dim`` (Mesh TF ``mtf.reduce_logsumexp``), computed stably.
+
+    ``extra_logit``: optional float or Tensor broadcastable to ``x.shape - reduced_dim``, an extra
+    logit added to the sum as Mesh TF does (``log(sum(exp(x)) + exp(extra_logit))``).
+    Returns a Tensor of ``x.shape - reduced_dim`` (or ``output_shape``), x's dtype.
+    """
     shape = _output_shape(x, reduced_dim, output_shape, "reduce_logsumexp")
     m = ew.stop_gradient(reduce_max(x, output_shape=shape))
-    from meshtorch.ops.binary import add, subtract
-    return add(ew.log(reduce_sum(ew.exp(subtract(x, m)), output_shape=shape)), m, name=name)
+    from meshtorch.ops.binary import add, maximum, subtract
+    if extra_logit is not None:
+        m = maximum(m, ew.stop_gradient(extra_logit) if isinstance(extra_logit, Tensor) else extra_logit)
+    s = reduce_sum(ew.exp(subtract(x, m)), output_shape=shape)
+    if extra_logit is not None:
+        s = add(s, ew.exp(subtract(extra_logit, m)))
+    return add(ew.log(s), m, name=name)
 
 
-def log_softmax(x: Tensor, reduced_dim, name=None) -> Tensor:
-    """x - logsumexp(x) over ``reduced_dim``; shape of x."""
+def log_softmax(x: Tensor, reduced_dim, extra_logit=None, name=None) -> Tensor:
+    """x - logsumexp(x) over ``reduced_dim`` (Mesh TF ``mtf.log_softmax``, with its ``extra_logit``); shape of x."""
     from meshtorch.ops.binary import subtract
-    return subtract(x, reduce_logsumexp(x, reduced_dim), output_shape=x.shape, name=name)
+    return subtract(x, reduce_logsumexp(x, reduced_dim, extra_logit), output_shape=x.shape, name=name)
 
 
-def softmax(x: Tensor, reduced_dim, name=None) -> Tensor:
-    """exp(log_softmax(x)) over ``reduced_dim``; shape of x."""
-    return ew.exp(log_softmax(x, reduced_dim), name=name)
+def softmax(x: Tensor, reduced_dim, extra_logit=None, name=None) -> Tensor:
+    """exp(log_softmax(x)) over ``reduced_dim`` (Mesh TF ``mtf.softmax``); shape of x."""
+    return ew.exp(log_softmax(x, reduced_dim, extra_logit), name=name)

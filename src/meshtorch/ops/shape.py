@@ -545,20 +545,22 @@ class WhereOperation(Operation):
         return [None, reduce_to_shape(gx, x.shape), reduce_to_shape(gy, y.shape)]
 
 
-def where(condition: Tensor, x, y, output_shape=None, name=None) -> Tensor:
-    """``x`` where ``condition`` else ``y``, broadcasting by name (Mesh TF ``mtf.where``).
+def where(condition: Tensor, if_true, if_false, output_shape=None, name=None) -> Tensor:
+    """``if_true`` where ``condition`` else ``if_false``, broadcasting by name (Mesh TF ``mtf.where``).
 
     A true select (``torch.where``), not Mesh TF's arithmetic blend: NaN or inf in the branch not
     taken never reaches the value, and the gradient of ``x`` is ``where(condition, dy, 0)`` (of
     ``y``: ``where(condition, 0, dy)``), summed over broadcast dims. No communication.
 
     Args:
-        condition: bool Tensor. x, y: Tensors or Python scalars (one at least a Tensor), same dtype.
+        condition: bool Tensor. if_true, if_false (Mesh TF's names; x, y below): Tensors or Python
+            scalars (one at least a Tensor), same dtype.
 
     Raises:
         TypeError: a non-bool condition or differing dtypes; ShapeError: one name with two sizes.
     """
     from meshtorch.ops.variables import constant
+    x, y = if_true, if_false
     if not isinstance(x, Tensor) and not isinstance(y, Tensor):
         raise TypeError("where: x or y must be an mtf Tensor.")
     if not isinstance(x, Tensor):

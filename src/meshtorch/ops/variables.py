@@ -7,6 +7,7 @@ at the end (see :mod:`meshtorch.lowering`).
 
 from __future__ import annotations
 
+import builtins
 import functools
 
 import numpy as np
@@ -86,8 +87,8 @@ class Variable(Operation):
             lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
 
 
-def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.float32, trainable=True,
-                 master_dtype=None, slice_dtype=None, activation_dtype=None) -> Tensor:
+def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype=None, slice_dtype=None,
+                 activation_dtype=None, initializer=None, trainable=True) -> Tensor:
     """Create a variable, or return the existing one of the same scoped name (Mesh TF ``mtf.get_variable``).
 
     The variable's full name is ``name`` prefixed by the enclosing :func:`mtf.variable_scope`
@@ -104,9 +105,9 @@ def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.flo
             or a number for a constant.
         dtype: torch dtype of the variable, or a :class:`~meshtorch.ops.precision.VariableDType`
             (mixed precision: slices stored in ``slice_dtype``, value returned in ``activation_dtype``).
+        master_dtype, slice_dtype, activation_dtype: Mesh TF's per-dtype overrides; any given one
+            replaces that field of ``dtype`` (as ``mtf.get_variable`` builds a VariableDType from them).
         trainable: listed in ``graph.trainable_variables``.
-        master_dtype / slice_dtype / activation_dtype: Mesh TF's deprecated per-dtype arguments;
-            each overrides the matching part of ``dtype`` when given.
 
     Returns:
         Tensor of ``shape`` in the activation dtype: the variable's value, or a cast of it when the
@@ -178,25 +179,54 @@ def _k_assign_value(t, *, align, dtype):
     return (t if align is None else align(t)).to(dtype).contiguous()
 
 
-def assign(var, new_val: Tensor, name=None) -> Assign:
+def assign_slice(variable, slice_var, val):
+    """Mesh TF's default ``assign_fn``: a slice's new value is ``val`` (cast to the slice dtype).
+
+    Called on torch slices (``slice_var``, ``val``); ``variable`` is the :class:`Variable`.
+    """
+    return val.to(slice_var.dtype)
+
+
+def assign_add_slice(variable, slice_var, val):
+    """``assign_fn`` for ``mtf.assign_add``: a slice's new value is ``slice_var + val``."""
+    return slice_var + val.to(slice_var.dtype)
+
+
+def assign_sub_slice(variable, slice_var, val):
+    """``assign_fn`` for ``mtf.assign_sub``: a slice's new value is ``slice_var - val``."""
+    return slice_var - val.to(slice_var.dtype)
+
+
+def assign(var, new_val: Tensor, assign_fn=assign_slice, name=None) -> Assign:
     """Operation that sets ``var`` to ``new_val`` when fetched (Mesh TF ``mtf.assign``).
+
+    ``assign_fn``: :func:`assign_slice` (default), :func:`assign_add_slice` or :func:`assign_sub_slice`,
+    as in Mesh TF; the new value is built as graph ops (``var + new_val``...) so it is laid out and
+    differentiated like any other tensor.
 
     Raises:
         ShapeError: naming the variable if the dims of ``new_val`` differ from the variable's.
+        ValueError: for another ``assign_fn`` (a TF slice function cannot run here).
     """
-    return Assign([var], [new_val], name)
-
-
-def assign_add(var, val: Tensor, name=None) -> Assign:
-    """``var += val`` when fetched."""
+    if assign_fn is assign_slice:
+        return Assign([var], [new_val], name)
     v = _as_variable(var)
-    return Assign([v], [v.outputs[0] + val], name or "assign_add")
+    if assign_fn is assign_add_slice:
+        return Assign([v], [v.outputs[0] + new_val], name or "assign_add")
+    if assign_fn is assign_sub_slice:
+        return Assign([v], [v.outputs[0] - new_val], name or "assign_sub")
+    raise ValueError(f"assign to {v.name!r}: assign_fn must be mtf.assign_slice, assign_add_slice or "
+                     f"assign_sub_slice, got {assign_fn!r}; build the new value with graph ops and mtf.assign it.")
 
 
-def assign_sub(var, val: Tensor, name=None) -> Assign:
-    """``var -= val`` when fetched."""
-    v = _as_variable(var)
-    return Assign([v], [v.outputs[0] - val], name or "assign_sub")
+def assign_add(var, new_val: Tensor, name=None) -> Assign:
+    """``var += new_val`` when fetched (Mesh TF ``mtf.assign_add``)."""
+    return assign(var, new_val, assign_add_slice, name)
+
+
+def assign_sub(var, new_val: Tensor, name=None) -> Assign:
+    """``var -= new_val`` when fetched (Mesh TF ``mtf.assign_sub``)."""
+    return assign(var, new_val, assign_sub_slice, name)
 
 
 class Placeholder(Operation):
@@ -249,25 +279,26 @@ def _to_torch(value, dtype=None) -> torch.Tensor:
     return value if dtype is None else value.to(dtype)
 
 
-def import_tensor(mesh: Mesh, value, shape, name=None, dtype=None) -> Tensor:
-    """A constant from a full torch tensor (or numpy array) with the given named shape.
+def import_tensor(mesh: Mesh, tf_tensor, shape=None, name=None, dtype=None) -> Tensor:
+    """A constant from a full torch tensor (or numpy array, or number) with the given named shape.
 
-    Mesh TF ``mtf.import_tf_tensor``. Each processor keeps its slice (cut once, at plan time).
+    Mesh TF ``mtf.import_tf_tensor`` (``tf_tensor`` is Mesh TF's name; pass a torch tensor). Each
+    processor keeps its slice (cut once, at plan time). ``shape=None``: a scalar, as in Mesh TF.
 
     Raises:
         ShapeError: if the tensor's sizes differ from ``shape``.
     """
-    return ImportOperation(mesh, _to_torch(value, dtype), shape, name).outputs[0]
+    return ImportOperation(mesh, _to_torch(tf_tensor, dtype), [] if shape is None else shape, name).outputs[0]
 
 
-def import_fully_replicated(mesh: Mesh, value, shape, name=None, dtype=None) -> Tensor:
+def import_fully_replicated(mesh: Mesh, tf_tensor, shape, name=None, dtype=None) -> Tensor:
     """Like :func:`import_tensor` (Mesh TF ``mtf.import_fully_replicated``).
 
     In Mesh TF this differs from ``import_tf_tensor`` in how the TF value reaches the devices;
     here the full tensor is on the host either way and each processor keeps its slice, so the
     two give the same program.
     """
-    return ImportOperation(mesh, _to_torch(value, dtype), shape, name or "import_replicated").outputs[0]
+    return ImportOperation(mesh, _to_torch(tf_tensor, dtype), shape, name or "import_replicated").outputs[0]
 
 
 class ConstantOperation(Operation):
@@ -305,9 +336,57 @@ def ones(mesh: Mesh, shape, dtype=torch.float32, name=None) -> Tensor:
     return constant(mesh, 1, shape, dtype, name or "ones")
 
 
-def zeros_like(x: Tensor) -> Tensor:
-    return zeros(x.mesh, x.shape, x.dtype)
+def zeros_like(t: Tensor) -> Tensor:
+    """Zeros of ``t``'s mesh, shape and dtype (Mesh TF ``mtf.zeros_like``)."""
+    return zeros(t.mesh, t.shape, t.dtype)
 
 
-def ones_like(x: Tensor) -> Tensor:
-    return ones(x.mesh, x.shape, x.dtype)
+def ones_like(t: Tensor) -> Tensor:
+    """Ones of ``t``'s mesh, shape and dtype (Mesh TF ``mtf.ones_like``)."""
+    return ones(t.mesh, t.shape, t.dtype)
+
+
+class ImportLaidOutTensorOperation(Operation):
+    """A tensor given as its per-processor slices (Mesh TF's ``ImportLaidOutTensorOperation``).
+
+    At lowering the slices are checked against the layout the rules give the tensor, assembled into
+    the full tensor (replicas must agree) and imported as :class:`ImportOperation` does.
+    """
+
+    def __init__(self, mesh, slices, shape, name=None):
+        super().__init__([], mesh, name=name or "import_laid_out")
+        self.slices = [_to_torch(s) for s in slices]
+        if not self.slices:
+            raise ValueError(f"import_laid_out_tensor {self.name!r}: no slices given.")
+        self.outputs = [Tensor(self, convert_to_shape(shape), self.slices[0].dtype, name=self.name)]
+
+    differentiable = False
+
+    def lower(self, lw):
+        out = self.outputs[0]
+        impl, layout = lw.mesh_impl(self), lw.tensor_layout(out)
+        if len(self.slices) != impl.size:
+            raise ShapeError(f"import_laid_out_tensor {self.name!r}: {len(self.slices)} slices for a mesh of "
+                             f"{impl.size} processors; give one slice per processor number.")
+        want = impl.slice_shape(out.shape, layout)
+        full = torch.empty(out.shape.to_integer_list(), dtype=out.dtype)
+        seen = torch.zeros(full.shape, dtype=torch.bool)
+        for p, s in enumerate(self.slices):
+            if list(s.shape) != want:
+                raise ShapeError(f"import_laid_out_tensor {self.name!r}: slice {p} has shape {list(s.shape)}, the "
+                                 f"layout {layout} of {out.shape} gives slices of {want}.")
+            idx = tuple(builtins.slice(b, b + n) for b, n in zip(impl.slice_begin(out.shape, p, layout), want,
+                                                                  strict=True))
+            if bool(seen[idx].any()) and not torch.equal(full[idx], s.to(full.dtype)):
+                raise ValueError(f"import_laid_out_tensor {self.name!r}: replicas of slice {p} differ.")
+            full[idx] = s
+            seen[idx] = True
+        lw.set(out, lw.import_constant(out, full))
+
+
+def import_laid_out_tensor(mesh: Mesh, laid_out_tensor, shape, name=None) -> Tensor:
+    """A tensor of named ``shape`` from its slices, one per processor number (Mesh TF
+    ``mtf.import_laid_out_tensor``; there a LaidOutTensor, here a list of torch tensors laid out as the
+    layout rules lay out ``shape``). Raises ShapeError at lowering on a wrong count or slice shape."""
+    slices = getattr(laid_out_tensor, "tensor_list", laid_out_tensor)
+    return ImportLaidOutTensorOperation(mesh, list(slices), shape, name).outputs[0]

@@ -7,6 +7,7 @@ from meshtorch.optim.adafactor import (
     reduce_rms,
 )
 from meshtorch.optim.adam import AdamOptimizer, AdamWOptimizer
+from meshtorch.optim.adam_weight_decay import AdamWeightDecayOptimizer, AdamWithMultiLRSchedule
 from meshtorch.optim.base import Optimizer, get_or_create_global_step
 from meshtorch.optim.clip import GlobalSumOfSquares, clip_by_global_norm, global_norm
 from meshtorch.optim.schedules import (
@@ -24,5 +25,5 @@ __all__ = [
     "adafactor_decay_rate_pow", "adafactor_decay_rate_adam", "reduce_rms", "get_or_create_global_step",
     "GlobalSumOfSquares", "global_norm", "clip_by_global_norm",
     "constant_schedule", "linear_warmup", "rsqrt_decay", "truncated_rsqrt", "cosine_decay_with_warmup",
-    "product_schedule",
+    "product_schedule", "AdamWeightDecayOptimizer", "AdamWithMultiLRSchedule",
 ]

@@ -44,15 +44,17 @@ from meshtorch.optim.base import Optimizer, check_grad, scalar_tensor
 __all__ = ["AdafactorOptimizer", "adafactor_decay_rate_pow", "adafactor_decay_rate_adam", "reduce_rms"]
 
 
-def reduce_rms(x):
-    """sqrt(mean(x^2)) over all dims: a scalar (Mesh TF ``optimize.reduce_rms``)."""
-    return ew.sqrt(reduce_mean(ew.square(x)))
+def reduce_rms(x, **kwargs):
+    """sqrt(mean(x^2)) (Mesh TF ``optimize.reduce_rms``): over all dims (a scalar), or as ``kwargs``
+    (``reduced_dim=`` / ``output_shape=``) tell :func:`~meshtorch.ops.reduce.reduce_mean`."""
+    return ew.sqrt(reduce_mean(ew.square(x), **kwargs))
 
 
-def adafactor_decay_rate_pow(exponent: float):
-    """Schedule ``step -> 1 - (step + 1)^-exponent`` (Mesh TF ``adafactor_decay_rate_pow``)."""
+def adafactor_decay_rate_pow(exponent: float = 0.8, offset=0):
+    """Schedule ``step -> 1 - (step - offset + 1)^-exponent`` (Mesh TF ``adafactor_decay_rate_pow``;
+    ``offset``: the first step of a fine-tuning phase)."""
     def decay(step):
-        return 1.0 - (step + 1.0) ** (-float(exponent))
+        return 1.0 - ((step - float(offset)) + 1.0) ** (-float(exponent))
     return decay
 
 
@@ -88,6 +90,10 @@ class AdafactorOptimizer(Optimizer):
         factored: use factored second moments where the shape allows.
         epsilon1: added to squared gradients. epsilon2: floor of the parameter RMS.
         min_dim_size_to_factor: factor only if the two largest dims are both at least this size.
+        stacked_dim_names: dims never factored or reduced over: the parameter scale is an RMS per
+            index of these dims (Mesh TF's stacked layers).
+        exclude_from_parameter_scale: substrings; a variable whose name contains one is updated
+            without the parameter scale.
 
     Shapes: ``grad`` has the variable's named shape. Slots: ``vr`` = var shape minus ``d0``,
     ``vc`` = var shape minus ``d1`` (factored), else ``v`` and (beta1) ``m`` of the var's shape; each
@@ -98,7 +104,8 @@ class AdafactorOptimizer(Optimizer):
     """
 
     def __init__(self, multiply_by_parameter_scale=True, learning_rate=None, decay_rate=None, beta1=0.0,
-                 clipping_threshold=1.0, factored=True, epsilon1=1e-30, epsilon2=1e-3, min_dim_size_to_factor=128):
+                 clipping_threshold=1.0, factored=True, epsilon1=1e-30, epsilon2=1e-3, min_dim_size_to_factor=128,
+                 stacked_dim_names=None, exclude_from_parameter_scale=None):
         super().__init__(learning_rate)
         if not 0.0 <= beta1 < 1.0:
             raise ValueError(f"AdafactorOptimizer: beta1 must be in [0, 1), got {beta1}.")
@@ -109,15 +116,18 @@ class AdafactorOptimizer(Optimizer):
         self.factored = bool(factored)
         self.epsilon1, self.epsilon2 = float(epsilon1), float(epsilon2)
         self.min_dim_size_to_factor = int(min_dim_size_to_factor)
+        self.stacked_dim_names = list(stacked_dim_names or [])
+        self.exclude_from_parameter_scale = list(exclude_from_parameter_scale or [])
 
     def factored_dims(self, shape):
         """The two largest dims ``[d0, d1]`` to factor over, or None (Mesh TF ``_factored_dims``).
 
         Ties keep the shape's order (a stable sort, as in Mesh TF).
         """
-        if not self.factored or shape.ndims < 2:
+        dims = [d for d in shape.dims if d.name not in self.stacked_dim_names]
+        if not self.factored or len(dims) < 2:
             return None
-        sorted_dims = sorted(shape.dims, key=lambda d: -d.size)
+        sorted_dims = sorted(dims, key=lambda d: -d.size)
         if sorted_dims[1].size < self.min_dim_size_to_factor:
             return None
         return sorted_dims[:2]
@@ -148,8 +158,9 @@ class AdafactorOptimizer(Optimizer):
                                 dtype=f32, trainable=False)
 
         grad_squared = ew.square(grad) + self.epsilon1
-        if self.multiply_by_parameter_scale:
-            update_scale = maximum(reduce_rms(old_val), scalar_tensor(self.epsilon2, mesh)) * lr
+        if self.multiply_by_parameter_scale and not any(s in var.name for s in self.exclude_from_parameter_scale):
+            stacked = [d for d in var.shape.dims if d.name in self.stacked_dim_names]
+            update_scale = maximum(reduce_rms(old_val, output_shape=stacked), scalar_tensor(self.epsilon2, mesh)) * lr
         else:
             update_scale = lr
         updates = []
