@@ -68,6 +68,9 @@ class Lowering:
         materialize: ``False`` plans without computing variables' initial values (a dry run:
             ``lowering.variables[v]`` is ``None``; the program, ``plan_counters`` and
             :mod:`meshtorch.planning` reports are the same; ``run`` raises RuntimeError).
+        mode: how runs execute: ``"codegen"`` (one generated Python function per fetch set),
+            ``"interpret"`` (a loop over the steps) or ``"compile"`` (that function through
+            ``torch.compile``); see :class:`~meshtorch.lowering.session.Session`.
 
     Attributes:
         program: the :class:`Program`; ``session``: the :class:`Session`; ``store``: the
@@ -80,7 +83,9 @@ class Lowering:
     """
 
     def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
-                 materialize: bool = True):
+                 materialize: bool = True, mode: str = "codegen"):
+        if mode not in ("codegen", "interpret", "compile"):
+            raise ValueError(f"Lowering: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
         self.graph = graph
         self.materialize = materialize
         self.planner = Planner(graph, dict(mesh_to_impl))
@@ -89,7 +94,7 @@ class Lowering:
         self.store = VariableStore(self.program, impls)
         if materialize:
             self.store.initialize(self.planner.variable_ops)
-        self.session = Session(self.program, impls, self.store)
+        self.session = Session(self.program, impls, self.store, mode)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 
     @property
@@ -103,7 +108,7 @@ class Lowering:
         self.planner.mesh_to_impl = dict(mesh_to_impl)
         impls = {m.name: i for m, i in mesh_to_impl.items()}
         self.store.impls = impls
-        old, self.session = self.session, Session(self.program, impls, self.store)
+        old, self.session = self.session, Session(self.program, impls, self.store, self.session.mode)
         self.session.counters, self.session.run_count = old.counters, old.run_count
 
     # ---- Mesh TF-era attributes

@@ -8,6 +8,7 @@ completed runs (:attr:`Session.run_count`) is part of their key.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,16 +51,25 @@ class Session:
 
     ``mode``: ``"codegen"`` (default) runs each plan as one generated straight-line Python function
     (:mod:`meshtorch.lowering.codegen`); ``"interpret"`` loops over the bound steps
-    (:func:`~meshtorch.lowering.executor.run_steps`). Both give bitwise-equal results.
+    (:func:`~meshtorch.lowering.executor.run_steps`); both give bitwise-equal results.
+    ``"compile"`` hands the generated function to ``torch.compile`` (inductor fuses the kernels;
+    collectives of an SPMD mesh are graph breaks): the first run of each fetch set compiles (tens of
+    seconds on a CPU), :attr:`compile_seconds` records it; results agree to float rounding. A plan
+    with random ops (dropout) is not compiled (``compile_seconds`` None): their key includes the run
+    number, which ``torch.compile`` would specialise on.
 
-    Raises (at construction):
-        ValueError: if an implementation's mesh shape or layout rules differ from the program's.
+    Raises:
+        ValueError: an unknown ``mode``, or an implementation whose mesh shape or rules differ from
+            the program's.
+
     """
 
     def __init__(self, program: Program, impls: dict, store: VariableStore, mode: str = "codegen"):
-        if mode not in ("codegen", "interpret"):
-            raise ValueError(f"Session: mode must be 'codegen' or 'interpret', got {mode!r}.")
+        if mode not in ("codegen", "interpret", "compile"):
+            raise ValueError(f"Session: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
         self.mode = mode
+        #: seconds spent compiling, per fetch set (mode "compile"): the first run of each
+        self.compile_seconds: dict = {}
         for name, m in program.meshes.items():
             impl = impls.get(name)
             if impl is None:
@@ -126,11 +136,20 @@ class Session:
         plan = self.plan(fetches)
         if self.mode == "interpret" and not plan.bound and plan.steps:
             plan.bound = executor.bind(plan.steps, plan.frees, self.impls, self.counters)
-        if self.mode == "codegen" and plan.fn is None:
+        first_compile = False
+        if self.mode != "interpret" and plan.fn is None:
             produced = {o for st in plan.steps for o in st.outputs}
             reads = {s for st in plan.steps for s in st.inputs} - produced
             writes = {s for s, _ in plan.fetch_slots if s is not None} | {s for _, s in plan.assignments}
             plan.fn = codegen.generate(plan.steps, plan.frees, self.impls, self.counters, reads, writes)
+            counters_read = {s for s, c in self.program.constants.items() if c[0] == "run_counter"} & reads
+            if self.mode == "compile" and not counters_read:
+                plan.fn = torch.compile(plan.fn, dynamic=False)
+                first_compile = True
+            elif self.mode == "compile":
+                # random ops key on the run number, a Python int torch.compile would specialise on (one
+                # recompilation per run): such plans run as the generated function, uncompiled
+                self.compile_seconds[fetches] = None
         env = [None] * self.program.n_slots
         for s, v in self.constant_values.items():
             env[s] = v
@@ -148,10 +167,14 @@ class Session:
         for s, (kind, mesh, _) in p.constants.items():
             if kind == "run_counter":
                 env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)
-        if self.mode == "codegen":
-            plan.fn(env)
-        else:
+        if self.mode == "interpret":
             executor.run_steps(plan.bound, env)
+        elif first_compile:
+            t0 = time.perf_counter()
+            plan.fn(env)
+            self.compile_seconds[fetches] = time.perf_counter() - t0
+        else:
+            plan.fn(env)
         results = []
         for s, name in plan.fetch_slots:
             if s is None:

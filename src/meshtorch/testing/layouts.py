@@ -102,7 +102,8 @@ def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_s
     ``make_impl(mesh_shape, layout) -> MeshImpl`` (default ``PlacementMeshImpl``) picks the implementation.
     ``roundtrip``: ``"serialize"`` also writes the program as JSON (every step must be data);
     ``"run"`` also reads that JSON back, runs it in a fresh session on a fresh implementation
-    with the same variable values, and asserts bitwise-equal results.
+    with the same variable values and the other executor (the step interpreter instead of the
+    generated function), and asserts bitwise-equal results.
     """
     g = mtf.Graph(seed=seed)
     mesh = mtf.Mesh(g, "mesh")
@@ -143,18 +144,19 @@ def run_layout(build, inputs, mesh_shape, layout, grad=True, seed=0, cotangent_s
     return res[: len(outs)], dict(zip(grad_names, res[len(outs):], strict=True)), lw
 
 
-def run_program_json(text: str, impls: dict, variables: dict, feeds: dict, fetches: list) -> list:
+def run_program_json(text: str, impls: dict, variables: dict, feeds: dict, fetches: list,
+                     mode: str = "interpret") -> list:
     """Run a serialised program (``Lowering.to_json``) once on ``{mesh name: MeshImpl}``.
 
     ``variables``: ``{name: full tensor}``; ``feeds``: ``{placeholder name: full tensor}``;
-    ``fetches``: tensor names. Returns the fetched full tensors. No graph is needed: only the
-    program's JSON text, as another process would receive it.
+    ``fetches``: tensor names; ``mode``: the session's executor. Returns the fetched full tensors.
+    No graph is needed: only the program's JSON text, as another process would receive it.
     """
     program = mtf.Program.from_json(text)
     store = mtf.VariableStore(program, impls)
     for n, v in variables.items():
         store.set_value(n, v)
-    session = mtf.Session(program, impls, store)
+    session = mtf.Session(program, impls, store, mode)
     return session.run(tuple(("tensor", n) for n in fetches), feeds)
 
 
