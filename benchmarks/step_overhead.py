@@ -74,14 +74,14 @@ def count_steps(lowering, fetches) -> int:
     return sum(1 for line in lowering.program_str(fetches).splitlines() if _STEP_LINE.match(line))
 
 
-def build_variant(preset: str, mesh: str, zero_flop: bool, seed: int = 0) -> Variant:
+def build_variant(preset: str, mesh: str, zero_flop: bool, seed: int = 0, mode: str = "codegen") -> Variant:
     cfg = PRESETS[preset]
     if zero_flop:
         cfg = dataclasses.replace(cfg, **ZERO_FLOP)
     opt = mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0)
     lm = build_lm(cfg, seed=seed, optimizer=opt, clip_norm=1.0)
     mesh_shape, layout = MESHES[mesh]
-    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(mesh_shape, layout)}, mode=mode)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.length + 1), generator=g)
     feeds = {lm.inputs: ids[:, :-1], lm.targets: ids[:, 1:]}
@@ -89,8 +89,8 @@ def build_variant(preset: str, mesh: str, zero_flop: bool, seed: int = 0) -> Var
 
     def run():
         lw.run(fetches, feeds=feeds)
-    run()  # the first run selects the steps and caches the program
-    name = f"{preset}{'/zero-flop' if zero_flop else ''} {mesh}"
+    run()  # the first run selects the steps and caches the program (and compiles it, in mode "compile")
+    name = f"{preset}{'/zero-flop' if zero_flop else ''} {mesh} {mode}"
     return Variant(name, preset, mesh, zero_flop, run, count_steps(lw, fetches))
 
 
@@ -157,15 +157,21 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="skip method (ii), the torch.profiler subtraction")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave the default)")
     ap.add_argument("--json", metavar="OUT", help="also write the results to this JSON file")
+    ap.add_argument("--modes", default="interpret,codegen",
+                    help="executors to compare, interleaved: interpret (the step loop, as before the generated "
+                         "functions), codegen (default executor), compile (torch.compile; tens of seconds each)")
+    ap.add_argument("--meshes", default=",".join(MESHES), help=f"subset of {sorted(MESHES)}")
+    ap.add_argument("--zero-flop-only", action="store_true", help="only the zero-FLOP configurations (method (i))")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     variants = []
     for preset in args.presets.split(","):
-        for mesh in MESHES:
-            for zero_flop in (True, False):
-                variants.append(build_variant(preset, mesh, zero_flop))
+        for mesh in args.meshes.split(","):
+            for zero_flop in ((True,) if args.zero_flop_only else (True, False)):
+                for mode in args.modes.split(","):
+                    variants.append(build_variant(preset, mesh, zero_flop, mode=mode))
     for v in variants:  # warm-up
         v.run()
     m = measure(variants, args.repeats, args.runs, not args.no_profile)
@@ -192,7 +198,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {cpu}, {os.cpu_count()} CPUs, load average "
           f"{load_before[0]:.1f} before / {load_after[0]:.1f} after; "
           f"{args.repeats} interleaved repeats x {args.runs} runs; median [quartiles] and min over repeats")
-    print(f"{'variant':<24}{'steps':>6}{'ms/run':>34}{'kernel ms/run':>34}{'Python us/step':>34}  method")
+    print(f"{'variant':<34}{'steps':>6}{'ms/run':>34}{'kernel ms/run':>34}{'Python us/step':>34}  method")
     for r in rows:
         def fmt(s):
             return "" if s is None else f"{s['median']:8.2f} [{s['q1']:.2f}, {s['q3']:.2f}] min {s['min']:.2f}"
@@ -200,7 +206,7 @@ def main(argv=None):
             py = fmt(r["us_per_step"])
         else:
             py = "{:.2f} .. {:.2f}".format(*r["us_per_step_bracket"]) if "us_per_step_bracket" in r else ""
-        print(f"{r['variant']:<24}{r['steps']:>6}{fmt(r['ms_per_run']):>34}{fmt(r.get('kernel_ms_per_run')):>34}"
+        print(f"{r['variant']:<34}{r['steps']:>6}{fmt(r['ms_per_run']):>34}{fmt(r.get('kernel_ms_per_run')):>34}"
               f"{py:>34}  {r.get('method', '')}")
     print("before (issue 11, 2-layer LM with almost no compute):")
     for mesh, b in BEFORE.items():
