@@ -136,7 +136,7 @@ def beam_search(logits_fn, initial_ids: Tensor, alpha, states=None, eos_id=EOS_I
         gathered = []
         for s in new_states or []:
             s2 = einsum([rename_dimension(s, beam_dim.name, old_beam_dim.name), ew.cast(selector, s.dtype)],
-                        reduced_dims=[old_beam_dim], output_shape=s.shape)
+                        output_shape=s.shape)
             gathered.append(replace_dimensions(s2, [batch_dim, beam_dim], batch_and_beam_dim))
         return [i + 1, alive_seq, alive_log_probs, finished_seq, finished_scores, finished_flags] + gathered
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from meshtorch.transformer import _beam_search as beam_search_lib
+from meshtorch import beam_search as beam_search_lib
 from meshtorch.transformer import _mtf as mtf
 from meshtorch.transformer._context import Context
 from meshtorch.transformer._sequences import autoregressive_inputs

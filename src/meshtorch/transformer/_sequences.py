@@ -16,7 +16,7 @@ def delimited_lm_inputs_mask(ids, eos_id=1):
     """
     length_dim = ids.shape.dims[-1]
     eos_before = mtf.cumsum(mtf.to_int32(mtf.equal(ids, eos_id)), length_dim, exclusive=True)
-    return mtf.equal(mtf.mod_2(eos_before), 0)
+    return mtf.equal(mtf.mod(eos_before, 2), 0)
 
 
 def autoregressive_inputs(targets, sequence_id=None):
