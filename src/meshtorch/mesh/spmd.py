@@ -160,12 +160,19 @@ class SpmdMeshImpl(MeshImpl):
         dist.all_reduce(buf, op=_OPS[reduction], group=group)
         return back(buf)
 
-    def allconcat(self, x, mesh_axis, concat_axis):
+    def _on_axis(self, x, mesh_axis):
+        """``(n, group, wire tensor, back)`` for a collective along ``mesh_axis``; None if it has one member."""
         n = self.shape[mesh_axis].size
         if n == 1:
-            return x
+            return None
         group, _ = self._group([mesh_axis])
-        buf, back = _wire(x)
+        return (n, group, *_wire(x))
+
+    def allconcat(self, x, mesh_axis, concat_axis):
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
+            return x
+        n, group, buf, back = on
         buf = buf.contiguous()
         out = torch.empty((n * buf.numel(),), dtype=buf.dtype, device=buf.device)
         _all_gather(out, buf.reshape(-1), group=group)
@@ -175,11 +182,10 @@ class SpmdMeshImpl(MeshImpl):
         return back(out.reshape(shape))
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
-        n = self.shape[mesh_axis].size
-        if n == 1:
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
             return x
-        group, _ = self._group([mesh_axis])
-        buf, back = _wire(x)
+        n, group, buf, back = on
         moved = buf.movedim(split_axis, 0).contiguous()  # piece j = rows [j*s, (j+1)*s)
         out = torch.empty_like(moved)
         dist.all_to_all_single(out, moved, group=group)
@@ -187,11 +193,10 @@ class SpmdMeshImpl(MeshImpl):
         return back(torch.cat([p.movedim(0, split_axis) for p in pieces], dim=concat_axis))
 
     def reduce_scatter(self, x, mesh_axis, scatter_axis):
-        n = self.shape[mesh_axis].size
-        if n == 1:
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
             return x
-        group, _ = self._group([mesh_axis])
-        buf, back = _wire(x)
+        n, group, buf, back = on
         moved = buf.movedim(scatter_axis, 0).contiguous()  # piece c = rows [c*s, (c+1)*s)
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
         dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group)
