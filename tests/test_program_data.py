@@ -90,8 +90,10 @@ def test_storage_layout_gathers_weights_and_reduce_scatters_gradients():
     assert [tuple(lw.tensor_layout(w)) for w in ws] == [(0, None), (None, 0)]  # stored as shards
     c = lw.plan_counters([loss] + updates)
     kinds = {(r.kind, r.tensor): n for r, n in c.records.items()}
-    # every weight is all-gathered for compute, every gradient reduce-scattered into the shards
-    assert kinds[("allgather", "w1")] == 1 and kinds[("allgather", "w2")] == 1
+    # every weight is all-gathered for compute, every gradient reduce-scattered into the shards. With
+    # reshard-after-forward (the default) a weight the backward pass reads is gathered again: w2 (dh = dy w2^T);
+    # w1 is not read by the backward pass (no gradient w.r.t. x is asked for)
+    assert kinds[("allgather", "w1")] == 1 and kinds[("allgather", "w2")] == 2
     scattered = [r for r in c.records if r.kind == "reduce_scatter"]
     assert len(scattered) == 2 and {r.op for r in scattered} == {"einsum_grad1", "einsum_1_grad1"}
     # no all-reduce of a gradient: only the loss (a scalar) is all-reduced
@@ -116,6 +118,32 @@ def test_storage_layout_gathers_weights_and_reduce_scatters_gradients():
     assert [list(t.shape) for t in impl.local_slices(lw.variables[ws[0].operation])] == [[1, 8]] * 4
 
 
+def test_without_reshard_after_forward_the_forward_gather_is_kept():
+    g, mesh, x, ws, loss, grads, updates = mlp_step()
+    impl = mtf.PlacementMeshImpl("all:4", "batch:all", storage="io:all", reshard_after_forward=False)
+    lw = mtf.Lowering(g, {mesh: impl})
+    c = lw.plan_counters([loss] + updates)
+    assert sorted(r.tensor for r in c.records if r.kind == "allgather") == ["w1", "w2"]
+    ref, ref_vars = _reference_steps()
+    for s in range(STEPS):
+        assert rel_error(lw.run([loss] + updates, feeds={x: batch(s)})[0], ref[s][0]) <= 1e-5
+
+
+def test_weight_gathers_are_not_hoisted_to_the_start():
+    """An FSDP weight is gathered where it is first used, not at the start of the program (which would
+    hold every gathered weight at once); the backward gather comes after the forward pass."""
+    lw, x, ws, loss, grads, updates = _plan("all:4", "batch:all", storage="io:all")
+    plan = lw.plan([loss] + updates)
+    steps = plan.steps
+    gathers = [i for i, st in enumerate(steps) if st.kind == "allgather" and st.collective.tensor == "w2"]
+    at = {st.op: i for i, st in enumerate(steps)}
+    assert at["einsum"] < gathers[0] < at["einsum_1"]  # gathered after the first layer ran, just before use
+    assert at["einsum_1"] < gathers[1] < at["einsum_1_grad0"]  # and again for the backward pass
+    forward_copy = steps[gathers[0]].outputs[0]
+    freed_at = next(i for i, f in enumerate(plan.frees) if forward_copy in f)
+    assert freed_at < gathers[1]  # the forward copy is freed before the backward gather (reshard)
+
+
 def test_storage_rules_leave_a_program_without_them_unchanged():
     plain, *_ = _plan("data:2;model:2", "batch:data;hidden:model")
     same, *_ = _plan("data:2;model:2", "batch:data;hidden:model", storage="")
@@ -138,3 +166,32 @@ def test_program_json_round_trip_keeps_every_step():
     assert math.isfinite(len(again.steps)) and len(again.steps) == len(lw.program.steps)
     with pytest.raises(ValueError, match="not a meshtorch program"):
         mtf.Program.from_json('{"format": "other"}')
+
+
+def test_bfloat16_activations_gather_bfloat16_weights_from_float32_shards():
+    """Mixed precision with storage rules (FSDP2's param_dtype): the shard is cast, then gathered, so the
+    all-gather moves bfloat16 while the stored (master) copy stays float32."""
+    def build():
+        g = mtf.Graph(seed=3)
+        mesh = mtf.Mesh(g, "mesh")
+        b, io, hid = mtf.Dimension("batch", 8), mtf.Dimension("io", 4), mtf.Dimension("hidden", 8)
+        x = mtf.placeholder(mesh, "x", [b, io], dtype=torch.bfloat16)
+        vd = mtf.VariableDType(torch.float32, torch.float32, torch.bfloat16)
+        w = mtf.get_variable(mesh, "w", [io, hid], dtype=vd)
+        y = mtf.einsum([x, w], output_shape=[b, hid])
+        loss = mtf.reduce_mean(mtf.cast(mtf.square(y), torch.float32))
+        upd = mtf.optim.SgdOptimizer(0.1).apply_grads(mtf.gradients([loss], [w]), [w])
+        return g, mesh, x, loss, upd
+    g, mesh, x, loss, upd = build()
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "batch:all", storage="io:all")})
+    gathers = [r for r in lw.plan_counters([loss] + upd).records if r.kind == "allgather"]
+    assert [(r.tensor, r.bytes_per_processor) for r in gathers] == [("w/read", 4 * 8 // 4 * 2)]  # bf16 shard
+    assert lw.store.values["w"][0].dtype == torch.float32 and list(lw.store.values["w"][0].shape) == [1, 8]
+    g2, mesh2, x2, loss2, upd2 = build()
+    ref = mtf.Lowering(g2, {mesh2: mtf.PlacementMeshImpl("", "")})
+    for s in range(2):
+        feed = batch(s).to(torch.bfloat16)
+        a = lw.run([loss] + upd, feeds={x: feed})[0]
+        r = ref.run([loss2] + upd2, feeds={x2: feed})[0]
+        assert rel_error(a, r) <= 1e-2, (s, a, r)
+    assert rel_error(lw.variable_value("w"), ref.variable_value("w")) <= 1e-2

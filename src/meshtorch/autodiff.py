@@ -40,6 +40,7 @@ def gradients(ys, xs, grad_ys=None, operations=None) -> list[Tensor | None]:
     from meshtorch.ops.variables import ones
 
     ops = list(graph.operations)
+    first_new = len(ops)
     # tensors downstream of xs
     downstream = set(xs)
     for op in ops:
@@ -67,4 +68,6 @@ def gradients(ys, xs, grad_ys=None, operations=None) -> list[Tensor | None]:
             if g is None or t not in downstream:
                 continue
             grads[t] = add(grads[t], g) if t in grads else g
+    for op in graph.operations[first_new:]:
+        op.backward = True  # the backward pass (FSDP re-gathers the weights it reads; see MeshImpl)
     return [grads.get(x) for x in xs]

@@ -133,6 +133,9 @@ class Operation:
     differentiable: bool = True
     #: sees tensors in their storage layout (variables, assignments, ops built in Graph.storage_scope)
     storage_side: bool = False
+    #: built by ``mtf.gradients`` (the backward pass): with reshard-after-forward storage, a weight it
+    #: reads is all-gathered again instead of kept from the forward pass
+    backward: bool = False
 
     def __init__(self, inputs, mesh: Mesh | None = None, name: str | None = None):
         self.inputs: list[Tensor] = list(inputs)

@@ -38,6 +38,12 @@ class _Lowered:
     home: list | None = None  # the step list (main program or a sub-program) that computes it
 
 
+def mesh_record(impl: MeshImpl) -> dict:
+    """What a program records of a mesh implementation (a session checks its implementation matches)."""
+    return {"shape": str(impl.shape), "layout": str(impl.layout_rules), "storage": str(impl.storage_rules),
+            "reshard_after_forward": impl.reshard_after_forward}
+
+
 def storage_side(op: Operation | None) -> bool:
     """Does ``op`` see tensors in their storage layout (variables, assignments, optimizer updates)?"""
     return op is not None and bool(getattr(op, "storage_side", False))
@@ -73,8 +79,7 @@ class Planner:
         for op in graph.operations:
             self._lower_op(op)
         self._current_op = None
-        meshes = {m.name: {"shape": str(i.shape), "layout": str(i.layout_rules),
-                           "storage": str(i.storage_rules)} for m, i in self.mesh_to_impl.items()}
+        meshes = {m.name: mesh_record(i) for m, i in self.mesh_to_impl.items()}
         self.program = Program(
             meshes=meshes, steps=self.steps, constants=self.constants, placeholders={}, variables={},
             trainable=[v.name for v in self.var_reads if v.trainable], tensors={}, assignments={},
@@ -237,7 +242,7 @@ class Planner:
         want = Layout(tuple(axes) if axes is not None else tuple(self.tensor_layout(t)))
         if lowered.layout == want:
             return lowered.slot
-        key = (t, want)
+        key = (t, want, self._phase(t))
         if key not in self._forced:
             saved, self._current_op = self._current_op, t.operation  # attribute to the producer
             # emit where t was lowered: a tensor of an enclosing program needed inside a loop body
@@ -258,6 +263,14 @@ class Planner:
                 self._current_op = saved
                 self._target = saved_target
         return self._forced[key]
+
+    def _phase(self, t: Tensor) -> bool:
+        """True when the op being lowered is in the backward pass and ``t`` is a stored value (a variable)
+        whose mesh reshards after the forward pass: its redistribution (the all-gather) is then emitted
+        again for the backward pass instead of keeping the forward one alive (FSDP)."""
+        op = self._current_op
+        return bool(op is not None and op.backward and storage_side(t.operation)
+                    and self.mesh_impl(t).reshard_after_forward)
 
     # ================================================================= emitting steps
     def emit(self, kind: str, fn, inputs: Sequence[int], num_outputs: int = 1, params=None,

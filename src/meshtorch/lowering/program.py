@@ -265,8 +265,14 @@ def select_steps(steps, needed: set, keep: set):
     return chosen, [tuple(f) for f in frees]
 
 
+#: collectives moved up to just after their input's producer: the reductions (gradient sums). Gathers
+#: stay where their consumer needs them: hoisting an FSDP weight's all-gather to the start of the program
+#: would hold every gathered weight at once.
+HOISTED = ("allreduce", "reduce_scatter")
+
+
 def hoist_collectives(steps: list) -> list:
-    """Move each collective to just after the step producing its input.
+    """Move each reduction (all-reduce, reduce-scatter) to just after the step producing its input.
 
     The order stays valid (a collective's inputs exist where it lands; its outputs are used no earlier
     than before) and is a deterministic function of the program, so every SPMD process issues the
@@ -277,7 +283,7 @@ def hoist_collectives(steps: list) -> list:
     """
     out: list = []
     for st in steps:
-        if st.collective is None:
+        if st.kind not in HOISTED:
             out.append(st)
             continue
         made = {o: i for i, prev in enumerate(out) for o in prev.outputs}

@@ -18,6 +18,7 @@ from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering import codegen, executor
 from meshtorch.lowering.counters import Counters
+from meshtorch.lowering.planner import mesh_record
 from meshtorch.lowering.program import Program, count
 from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
 
@@ -74,7 +75,7 @@ class Session:
             impl = impls.get(name)
             if impl is None:
                 raise ValueError(f"Session: no MeshImpl given for mesh {name!r} of the program.")
-            mine = {"shape": str(impl.shape), "layout": str(impl.layout_rules), "storage": str(impl.storage_rules)}
+            mine = mesh_record(impl)
             if mine != m:
                 raise ValueError(f"Session: mesh {name!r} was planned as {m}, but the implementation has {mine}; "
                                  "plan again for this mesh, or build the implementation with the planned shape "

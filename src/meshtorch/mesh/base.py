@@ -32,6 +32,9 @@ class MeshImpl:
         storage: storage rules, e.g. ``"d_model:data"``: how variables, their optimizer slots and
             the update math are laid out (ZeRO-3 / FSDP). A storage rule overrides the compute
             rules for the dimension it names; default none (variables stored as computed).
+        reshard_after_forward: with storage rules, a weight gathered for the forward pass is freed
+            after its last forward use and gathered again for the backward pass (FSDP's default);
+            False keeps the forward gather for the backward (one all-gather, more memory).
 
     A rule naming a mesh axis the mesh lacks is ignored (as in Mesh TF), so one set of rules
     serves several meshes.
@@ -40,10 +43,11 @@ class MeshImpl:
         LayoutError: on a malformed rule.
     """
 
-    def __init__(self, shape, layout_rules, storage=None):
+    def __init__(self, shape, layout_rules, storage=None, reshard_after_forward: bool = True):
         self.shape: Shape = convert_to_shape(shape)
         self.layout_rules: LayoutRules = convert_to_layout_rules(layout_rules)
         self.storage_rules: LayoutRules = convert_to_layout_rules(storage or "")
+        self.reshard_after_forward = bool(reshard_after_forward)
         self._storage_layout_rules = self.layout_rules.overridden_by(self.storage_rules)
         self._strides = []
         s = 1

@@ -23,7 +23,7 @@ class PlacementMeshImpl(MeshImpl):
         layout: layout rules, e.g. ``"batch:rows;hidden:cols"``.
         devices: one torch device per processor (may repeat); default ``"cpu"`` for all.
         storage: storage rules for variables (FSDP / ZeRO-3), e.g. ``"d_model:data"``; see
-            :class:`~meshtorch.mesh.base.MeshImpl`.
+            :class:`~meshtorch.mesh.base.MeshImpl` (also ``reshard_after_forward``).
 
     Raises:
         ValueError: if ``len(devices)`` differs from the number of processors.
@@ -32,8 +32,9 @@ class PlacementMeshImpl(MeshImpl):
     #: every processor's slice lives in this process: executors may unroll the processors
     unrolled = True
 
-    def __init__(self, shape, layout, devices: Sequence | None = None, storage=None):
-        super().__init__(shape, layout, storage)
+    def __init__(self, shape, layout, devices: Sequence | None = None, storage=None,
+                 reshard_after_forward: bool = True):
+        super().__init__(shape, layout, storage, reshard_after_forward)
         if devices is None:
             devices = ["cpu"] * self.size
         if len(devices) != self.size:

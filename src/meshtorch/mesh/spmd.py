@@ -62,7 +62,8 @@ class SpmdMeshImpl(MeshImpl):
             so that independent computation overlaps the communication. Default: on for CUDA
             devices; off on CPU, where gloo's reduction competes with the computation for the same
             cores (measured no faster on the 2-core test machine, see docs/distributed.md).
-        storage: storage rules for variables (FSDP / ZeRO-3); see :class:`~meshtorch.mesh.base.MeshImpl`.
+        storage, reshard_after_forward: storage rules for variables (FSDP / ZeRO-3) and whether the
+            backward pass gathers weights again; see :class:`~meshtorch.mesh.base.MeshImpl`.
 
     Raises:
         MeshtorchError: if the mesh has a different number of processors than the world size.
@@ -72,8 +73,8 @@ class SpmdMeshImpl(MeshImpl):
     """
 
     def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_allreduce: bool | None = None,
-                 storage=None):
-        super().__init__(mesh_shape, layout_rules, storage)
+                 storage=None, reshard_after_forward: bool = True):
+        super().__init__(mesh_shape, layout_rules, storage, reshard_after_forward)
         if dist.is_initialized():  # the existing group's backend decides where slices live
             backend = dist.get_backend()
             if device is None and backend != "nccl":

@@ -134,7 +134,10 @@ def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype
     if var.activation_dtype == value.dtype:
         return value
     from meshtorch.ops.elementwise import cast
-    out = cast(value, var.activation_dtype, name=f"{full_name}/read")
+    # cast the stored shard (storage layout): with storage rules (FSDP) the weight is then all-gathered in the
+    # activation dtype while the master copy keeps its own (FSDP2's mixed-precision param_dtype)
+    with mesh.graph.storage_scope():
+        out = cast(value, var.activation_dtype, name=f"{full_name}/read")
     out.operation.variable = var  # lets assign / optimizers find the variable from its read
     return out
 
