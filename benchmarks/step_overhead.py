@@ -4,11 +4,10 @@ For the ``tiny`` and ``small`` LM presets (``meshtorch.models.transformer.PRESET
 global-norm clipping (as ``benchmarks/lm_step.py`` builds its training step), on 1 processor and on
 a 2x2 placement mesh (``data:2,model:2`` with ``batch:data;heads:model;d_ff:model;vocab:model``):
 
-* **steps**: program steps of one training step (``lowering.run([loss] + updates)``). There is no
-  public per-fetch step count today, so this counts the step lines of ``lowering.program_str(fetches)``
-  (lines that start with a step index; nested sub-program lines are counted too). Today
-  ``program_str`` ignores ``fetches`` and lists the whole program, which for these graphs is the
-  training step plus nothing else.
+* **steps**: program steps of one training step (``lowering.run([loss] + updates)``): the step lines
+  of ``lowering.program_str(fetches)`` (lines that start with a step index; nested sub-program lines
+  are counted too), which lists the steps one run of ``fetches`` executes (before 2026-11-23 evening
+  it listed the whole program, 5-7 lines more for these graphs).
 * **(i) zero-FLOP configuration**: the preset's structure (layers, optimizer, clipping) with every
   dimension 1 or 2 (d_model 2, heads 2, d_kv 1, d_ff 2, vocab 4, length 2, batch 2), so kernels cost
   almost nothing: Python time per step = time per run / steps.

@@ -308,6 +308,7 @@ class Lowering:
 
     # ---- inspection
     def program_str(self, fetches=None) -> str:
-        """The program as text: one line per step (kind, op, slots, collective)."""
-        return program_str(self.program.steps)
+        """The program as text: one line per step (kind, op, slots, collective); with ``fetches``, only
+        the steps one ``run(fetches)`` executes, in its order."""
+        return program_str(self.program.steps if fetches is None else self.plan(fetches).steps)
 
