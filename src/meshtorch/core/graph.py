@@ -133,6 +133,12 @@ class Operation:
     differentiable: bool = True
     #: sees tensors in their storage layout (variables, assignments, ops built in Graph.storage_scope)
     storage_side: bool = False
+    #: sharding strategy for partial sums, declared as data and applied by the planner's
+    #: ``inputs(op)``: None (every input fully reduced first), ``"linear"`` (linear in all inputs jointly:
+    #: inputs that are all partial sums over the same mesh axes stay so, and so does the output, e.g.
+    #: add, concat, add_n) or ``"first"`` (linear in input 0: it may stay a partial sum, the others are
+    #: reduced, e.g. reduce_sum, transpose, shift, gather of weights). DTensor's ``Partial`` propagation.
+    partial_sums: str | None = None
     #: built by ``mtf.gradients`` (the backward pass): with reshard-after-forward storage, a weight it
     #: reads is all-gathered again instead of kept from the forward pass
     backward: bool = False

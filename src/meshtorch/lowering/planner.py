@@ -272,6 +272,24 @@ class Planner:
         return bool(op is not None and op.backward and storage_side(t.operation)
                     and self.mesh_impl(t).reshard_after_forward)
 
+    def inputs(self, op: Operation, allow: bool = True, blocked=frozenset()) -> tuple[list[int], frozenset]:
+        """Slots of ``op``'s inputs and the mesh axes over which its output stays a partial sum, as the
+        op's declared strategy (``op.partial_sums``) says. ``allow=False`` or a pending axis in
+        ``blocked`` (an axis the op itself splits or gathers over) reduces every input first."""
+        mode = op.partial_sums
+        lazy = [self.get_lazy(x) for x in op.inputs] if mode and allow else []
+        if mode == "linear" and lazy:
+            pend = {p for _, p in lazy}
+            if len(pend) == 1 and not (next(iter(pend)) & frozenset(blocked)):
+                return [s for s, _ in lazy], next(iter(pend))
+        elif mode == "first" and lazy:
+            slot, pend = lazy[0]
+            if not pend & frozenset(blocked):
+                return [slot] + [self.get(x) for x in op.inputs[1:]], pend
+        elif mode not in (None, "linear", "first"):
+            raise ValueError(f"{type(op).__name__}.partial_sums must be None, 'linear' or 'first', got {mode!r}.")
+        return [self.get(x) for x in op.inputs], frozenset()
+
     # ================================================================= emitting steps
     def emit(self, kind: str, fn, inputs: Sequence[int], num_outputs: int = 1, params=None,
              collective: Collective | None = None, flops: int = 0, subprograms: Sequence = (), mesh=None):
