@@ -20,6 +20,8 @@ import torch
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._kernels import filled
+from meshtorch.ops.elementwise import identity
+from meshtorch.ops.variables import Assign, Placeholder, Variable
 
 __all__ = ["WhileLoopOperation", "while_loop", "CustomGradientOperation", "custom_gradient", "recompute_grad",
            "Depend", "depend", "PrintOperation", "Print"]
@@ -42,7 +44,6 @@ def _capture(graph, fn: Callable, what: str):
     caller's op, as Mesh TF does for loop bodies); the other new operations are removed from the
     graph and returned, in creation order.
     """
-    from meshtorch.ops.variables import Assign, Placeholder, Variable
     ops = graph.operations
     before = len(ops)
     result = fn()
@@ -280,7 +281,6 @@ def custom_gradient(fn: Callable, grad_fn: Callable, explicit_inputs) -> Tensor 
         ValueError: grad_fn creates variables or returns the wrong number of gradients; fn assigns.
         ShapeError / TypeError: a gradient's dims or dtype differ from its input's.
     """
-    from meshtorch.ops.elementwise import identity
     inputs = _check_tensors(explicit_inputs, "custom_gradient")
     graph = inputs[0].graph
 
@@ -359,7 +359,6 @@ class Depend(Operation):
     """``x``, computed after ``dependencies`` (Mesh TF ``Depend``): fetching it runs their steps too."""
 
     def __init__(self, x: Tensor, dependencies, name=None):
-        from meshtorch.ops.variables import Assign
         if not isinstance(x, Tensor):
             raise TypeError(f"depend: x must be an mtf Tensor, got {type(x).__name__}.")
         deps = []

@@ -19,6 +19,7 @@ from meshtorch.core.graph import Mesh, Operation, Tensor
 from meshtorch.core.scopes import scoped_variable_name
 from meshtorch.ops._kernels import filled
 from meshtorch.ops._util import align_fn
+from meshtorch.ops.elementwise import cast
 from meshtorch.ops.initializers import convert_initializer
 from meshtorch.ops.precision import VariableDType
 
@@ -133,7 +134,6 @@ def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype
     value = var.outputs[0]
     if var.activation_dtype == value.dtype:
         return value
-    from meshtorch.ops.elementwise import cast
     out = cast(value, var.activation_dtype, name=f"{full_name}/read")
     out.operation.variable = var  # lets assign / optimizers find the variable from its read
     return out
