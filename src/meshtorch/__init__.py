@@ -4,7 +4,7 @@
 """
 
 from meshtorch import beam_search, layers, optim, optimize
-from meshtorch.autodiff import gradients
+from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch._version import __version__
 from meshtorch.checkpoint import (
     CheckpointError,
