@@ -536,9 +536,9 @@ class WhereOperation(Operation):
             return [None, None, None]
         c, x, y = self.inputs
         gx = slicewise(functools.partial(_k_where_grad, keep_true=True), [c, dy], output_shape=dy.shape,
-                       name=f"{self.name}_grad_x")
+                       output_dtype=dy.dtype, name=f"{self.name}_grad_x")
         gy = slicewise(functools.partial(_k_where_grad, keep_true=False), [c, dy], output_shape=dy.shape,
-                       name=f"{self.name}_grad_y")
+                       output_dtype=dy.dtype, name=f"{self.name}_grad_y")
         return [None, reduce_to_shape(gx, x.shape), reduce_to_shape(gy, y.shape)]
 
 
