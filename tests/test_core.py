@@ -104,3 +104,46 @@ def test_feed_wrong_shape_names_placeholder():
 def test_mesh_devices_count_checked():
     with pytest.raises(ValueError, match="4 processors"):
         mtf.PlacementMeshImpl("all:4", "", devices=["cpu"] * 3)
+
+
+def test_register_gradient_rule_applies_to_subclasses_and_rejects_hidden_or_duplicate_rules():
+    from meshtorch.core.graph import _GRADIENT_RULES, gradient_rule, register_gradient
+    from meshtorch.ops.binary import BinaryOperation
+    from meshtorch.ops.reduce import ReduceOperation
+
+    class Scale(mtf.Operation):  # no gradient() of its own: the registered rule gives it
+        def __init__(self, x):
+            super().__init__([x], name="scale")
+            self.outputs = [mtf.Tensor(self, x.shape, x.dtype)]
+
+    class SubScale(Scale):
+        pass
+
+    class WithMethod(mtf.Operation):
+        def gradient(self, grad_ys):
+            return grad_ys
+
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g, "m")
+    x = mtf.zeros(mesh, "h:4")
+    with pytest.raises(NotImplementedError, match="'scale'"):
+        Scale(x).gradient([x])
+    try:
+        @register_gradient(Scale)
+        def rule(op, grad_ys):
+            return [mtf.negative(grad_ys[0], name="scale_rule_grad")]
+
+        assert gradient_rule(SubScale) is rule
+        y = SubScale(x).outputs[0]
+        (dx,) = mtf.gradients([y], [x])
+        assert dx.operation.name == "scale_rule_grad" and dx.operation.inputs[0].name == "scale_1_grad_seed"
+        with pytest.raises(ValueError, match="already has a gradient rule"):
+            register_gradient(Scale)
+    finally:
+        _GRADIENT_RULES.pop(Scale, None)
+    with pytest.raises(TypeError, match="defines gradient"):
+        register_gradient(WithMethod)
+    with pytest.raises(TypeError, match="Operation subclass"):
+        register_gradient(int)
+    # the rules of meshtorch.ops.gradients are registered by importing any op module
+    assert gradient_rule(BinaryOperation) is not None and gradient_rule(ReduceOperation) is not None

@@ -64,6 +64,9 @@ OP_CASES = [
            lambda c, x, y: torch.where(c, x, y)),
     OpCase("where_compare_scalar", lambda mesh, x: mtf.where(mtf.greater(x, 0.0), x * 3.0, 0.5),
            {"x": X48}, lambda x: torch.where(x > 0, x * 3.0, torch.tensor(0.5))),
+    OpCase("where_grad_meets_other_grad",  # where's gradient has dy's dtype, not the condition's (bool)
+           lambda mesh, x: mtf.where(mtf.greater(x, 0.0), x * 3.0, 0.5) + x,
+           {"x": X48}, lambda x: torch.where(x > 0, x * 3.0, torch.tensor(0.5)) + x),
     OpCase("range", lambda mesh, x: x * mtf.cast(mtf.range(mesh, mtf.Dimension("s", 8), torch.int64),
                                                  torch.float32),
            {"x": X48}, lambda x: x * torch.arange(8.0)),

@@ -4,7 +4,7 @@
 """
 
 from meshtorch import beam_search, layers, optim, optimize
-from meshtorch.autodiff import gradients
+from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch._version import __version__
 from meshtorch.checkpoint import (
     CheckpointError,
@@ -79,6 +79,7 @@ from meshtorch.ops.elementwise import (
     tanh,
 )
 from meshtorch.ops.indexing import *  # noqa: F403  (each family module lists its API in __all__)
+from meshtorch.ops.selection import *  # noqa: F403
 from meshtorch.ops.initializers import (
     Initializer,
     VarianceScalingInitializer,

@@ -1,13 +1,23 @@
-"""Reverse-mode differentiation on the graph: ``gradients(ys, xs)``.
+"""Reverse-mode differentiation on the graph: ``gradients(ys, xs)``, and ``recompute_grad`` built on it.
 
 The gradient is built from ordinary graph operations (each op's ``gradient()``), so the backward
 pass is laid out by the same rules as the forward pass and lowered like everything else
-(Mesh TF ``mtf.gradients``).
+(Mesh TF ``mtf.gradients``). ``recompute_grad`` (Mesh TF ``mtf.recompute_grad``) is a
+``custom_gradient`` whose gradient function calls ``gradients``, so it sits here, above the ops.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Sequence
+
 from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops.binary import add
+from meshtorch.ops.control import WhileLoopOperation, custom_gradient
+from meshtorch.ops.elementwise import identity
+from meshtorch.ops.variables import ones
+
+__all__ = ["gradients", "recompute_grad"]
 
 
 def _as_tensor(x) -> Tensor:
@@ -36,9 +46,6 @@ def gradients(ys, xs, grad_ys=None, operations=None) -> list[Tensor | None]:
     if not ys:
         raise ValueError("gradients: ys is empty.")
     graph = ys[0].graph
-    from meshtorch.ops.binary import add
-    from meshtorch.ops.variables import ones
-
     ops = list(graph.operations)
     first_new = len(ops)
     # tensors downstream of xs
@@ -71,3 +78,50 @@ def gradients(ys, xs, grad_ys=None, operations=None) -> list[Tensor | None]:
     for op in graph.operations[first_new:]:
         op.backward = True  # the backward pass (FSDP re-gathers the weights it reads; see MeshImpl)
     return [grads.get(x) for x in xs]
+
+
+def _clone_operations(ops: Sequence[Operation], mapping: dict) -> None:
+    """Append a copy of each op (in order) reading ``mapping``'s tensors; map old outputs to new ones.
+
+    A clone keeps its original's name, so anything keyed by the op name (the counter-based random
+    ops) produces exactly the same values when recomputed.
+    """
+    for op in ops:
+        if isinstance(op, WhileLoopOperation):
+            raise NotImplementedError(f"recompute_grad: cannot recompute while_loop {op.name!r}; "
+                                      "keep loops outside fn.")
+        new = copy.copy(op)
+        new.inputs = [mapping.get(t, t) for t in op.inputs]
+        new.outputs = [Tensor(new, t.shape, t.dtype, index=t.index, name=t.name) for t in op.outputs]
+        op.graph.operations.append(new)
+        mapping.update(zip(op.outputs, new.outputs, strict=True))
+
+
+def _recompute_grad_fn(explicit_inputs, all_inputs, forward_operations, outputs, output_grads):
+    if all(g is None for g in output_grads):
+        return [None] * len(all_inputs)
+    # differentiate w.r.t. fresh copies of the inputs, so that no gradient leaks from one input to
+    # another through the ops that computed them (the outer backward pass handles those)
+    proxies = [identity(t, name="recompute_input") for t in all_inputs]
+    mapping = dict(zip(all_inputs, proxies, strict=True))
+    _clone_operations(forward_operations, mapping)
+    pairs = [(mapping[y], g) for y, g in zip(outputs, output_grads, strict=True) if g is not None]
+    return gradients([y for y, _ in pairs], proxies, [g for _, g in pairs])
+
+
+def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=True) -> Tensor | list[Tensor]:
+    """``fn(*explicit_inputs)``, recomputed in the backward pass instead of kept (Mesh TF ``mtf.recompute_grad``).
+
+    Activation checkpointing: the backward pass rebuilds ``fn``'s forward operations from the inputs
+    (clones appended to the graph when the gradient is built, hence lowered in the backward part of
+    the program) and differentiates the copies, so the forward intermediates die right after the
+    forward pass. Gradients reach the explicit inputs and every tensor ``fn`` reads (variables).
+    Clones keep their op names, so random ops keyed by op name (and seed) draw identical values.
+
+    ``control_dependencies`` (Mesh TF: whether the recomputation waits for the backward pass) is accepted and ignored:
+    a meshtorch program runs its steps in order, so the recomputation already follows them.
+
+    Returns:
+        what ``fn`` returns. Raises NotImplementedError if ``fn`` contains a while_loop.
+    """
+    return custom_gradient(fn, _recompute_grad_fn, explicit_inputs)

@@ -7,6 +7,7 @@ shapes. Mirrors Mesh TensorFlow's ``mtf.Graph``/``mtf.Mesh``/``mtf.Tensor``/``mt
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -117,7 +118,7 @@ class Tensor:
     def __repr__(self):
         return f"Tensor({self.name!r}, {self.shape}, {str(self.dtype).replace('torch.', '')})"
 
-    # Operators are bound in meshtorch.ops.binary to avoid an import cycle.
+    # Operators (+, -, *, /, ...) are bound by meshtorch.ops.binary: ops sit above core.
 
 
 class Operation:
@@ -171,7 +172,13 @@ class Operation:
         return self.differentiable
 
     def gradient(self, grad_ys):
-        """Gradients for each input given gradients of each output (None = zero)."""
+        """Gradients for each input given gradients of each output (None = zero).
+
+        Subclasses override this, or register a rule with :func:`register_gradient`.
+        """
+        rule = gradient_rule(type(self))
+        if rule is not None:
+            return rule(self, grad_ys)
         if not self.differentiable:
             return [None] * len(self.inputs)
         raise NotImplementedError(f"{type(self).__name__} {self.name!r} has no gradient.")
@@ -182,6 +189,49 @@ class Operation:
     def __repr__(self):
         ins = ", ".join(t.name for t in self.inputs)
         return f"{type(self).__name__}({self.name!r}: {ins})"
+
+
+#: gradient rules registered per Operation class (register_gradient); filled by meshtorch.ops.gradients
+_GRADIENT_RULES: dict[type, Callable] = {}
+
+
+def register_gradient(op_type: type) -> Callable:
+    """Decorator: ``@register_gradient(SomeOperation) def rule(op, grad_ys) -> [Tensor | None per input]``.
+
+    Most operations define ``gradient()`` next to their lowering. A rule that needs an op family which
+    itself builds on the operation's family (reduce_sum's gradient is a broadcast, broadcast's is a
+    reduce_sum) is registered from a module above both, :mod:`meshtorch.ops.gradients`, so imports
+    between op families only point one way (TensorFlow's ``tf.RegisterGradient``). The rule of the
+    nearest class in the op's MRO applies.
+
+    Raises:
+        TypeError: ``op_type`` is not an Operation subclass, or it (or a base below Operation)
+            defines its own ``gradient()``, which would hide the rule.
+        ValueError: ``op_type`` has a rule already.
+    """
+    if not (isinstance(op_type, type) and issubclass(op_type, Operation)) or op_type is Operation:
+        raise TypeError(f"register_gradient: expected an Operation subclass, got {op_type!r}.")
+    for cls in op_type.__mro__[:op_type.__mro__.index(Operation)]:
+        if "gradient" in vars(cls):
+            raise TypeError(f"register_gradient: {cls.__name__} defines gradient() itself, which would hide a "
+                            f"rule registered for {op_type.__name__}; register for a class without one.")
+    if op_type in _GRADIENT_RULES:
+        raise ValueError(f"register_gradient: {op_type.__name__} already has a gradient rule "
+                         f"({_GRADIENT_RULES[op_type].__module__}.{_GRADIENT_RULES[op_type].__qualname__}).")
+
+    def register(rule: Callable) -> Callable:
+        _GRADIENT_RULES[op_type] = rule
+        return rule
+    return register
+
+
+def gradient_rule(op_type: type) -> Callable | None:
+    """The rule :func:`register_gradient` registered for ``op_type`` or its nearest base, or None."""
+    for cls in op_type.__mro__:
+        rule = _GRADIENT_RULES.get(cls)
+        if rule is not None:
+            return rule
+    return None
 
 
 def check_same_mesh(tensors, what: str):

@@ -11,6 +11,7 @@ import io
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pydoc_data import topics as _pydoc_topics
 
 import numpy as np
 import torch
@@ -100,8 +101,7 @@ class SentencePieceTokenizer:
 
 def builtin_documents() -> list[str]:
     """CPython's pydoc topic texts (English prose about Python), one document per topic, in a fixed order."""
-    from pydoc_data import topics
-    return [topics.topics[k] for k in sorted(topics.topics)]
+    return [_pydoc_topics.topics[k] for k in sorted(_pydoc_topics.topics)]
 
 
 def builtin_corpus() -> str:

@@ -10,12 +10,13 @@ import functools
 
 import torch
 
+from meshtorch.autodiff import recompute_grad
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.binary import less, maximum, minimum
-from meshtorch.ops.control import custom_gradient, recompute_grad
+from meshtorch.ops.control import custom_gradient
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.initializers import ones_initializer, random_normal_initializer, zeros_initializer
 from meshtorch.ops.pool import pool

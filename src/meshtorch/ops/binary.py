@@ -18,10 +18,17 @@ from meshtorch.core.dims import combine_shapes, convert_to_shape
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops._util import align_fn
+from meshtorch.ops.reshape import transpose
+from meshtorch.ops.variables import constant
 
 
 class BinaryOperation(Operation):
-    """``fn(x, y)`` on aligned slices; ``kind`` selects the gradient rule."""
+    """``fn(x, y)`` on aligned slices; ``kind`` selects the gradient rule.
+
+    Gradient: :meth:`output_shape_gradients` (the rule of ``kind``, here), then each summed over the
+    dims its input lacks (``reduce_to_shape``). Reductions build on binary ops (softmax), so that last
+    step is registered in :mod:`meshtorch.ops.gradients`, above both families.
+    """
 
     def __init__(self, fn, x: Tensor, y: Tensor, kind: str, output_shape=None, output_dtype=None,
                  name: str | None = None):
@@ -63,27 +70,15 @@ class BinaryOperation(Operation):
         f = fn if ax is None and ay is None else functools.partial(_k_aligned, fn=fn, ax=ax, ay=ay)
         lw.set(out, lw.slicewise(f, sx, sy))
 
-    def gradient(self, grad_ys):
-        dy = grad_ys[0]
-        if dy is None or self.kind not in _GRADS:
-            return [None, None]
+    def output_shape_gradients(self, dy: Tensor):
+        """``(gx, gy)``: the gradients of x and y in the output's shape, before the sum over the dims
+        each input lacks (None: no gradient). Only for kinds with a gradient (``has_gradient``)."""
         x, y = self.inputs
-        gx, gy = _GRADS[self.kind](x, y, self.outputs[0], dy)
-        return [None if gx is None else reduce_to_shape(gx, x.shape),
-                None if gy is None else reduce_to_shape(gy, y.shape)]
+        return _GRADS[self.kind](x, y, self.outputs[0], dy)
 
 
 def _k_aligned(a, b, *, fn, ax, ay):
     return fn(a if ax is None else ax(a), b if ay is None else ay(b))
-
-
-def reduce_to_shape(g: Tensor, shape) -> Tensor:
-    """Sum ``g`` over the dims ``shape`` lacks and order it as ``shape`` (gradient of broadcasting)."""
-    shape = convert_to_shape(shape)
-    if g.shape == shape:
-        return g
-    from meshtorch.ops.reduce import reduce_sum
-    return reduce_sum(g, output_shape=shape)
 
 
 def _mul_grads(x, y, out, dy):
@@ -135,7 +130,6 @@ def _binary(fn, kind, x, y, output_shape=None, name=None, output_dtype=None, sca
         # Mesh TF ignores output_shape with a scalar operand; we honour it as for two tensors (a local permute)
         if output_shape is None:
             return t
-        from meshtorch.ops.reshape import transpose
         return transpose(t, output_shape)
     if not isinstance(x, Tensor) or not isinstance(y, Tensor):
         x, y = _tensorize(x, y, kind)
@@ -143,7 +137,6 @@ def _binary(fn, kind, x, y, output_shape=None, name=None, output_dtype=None, sca
 
 
 def _tensorize(x, y, kind):
-    from meshtorch.ops.variables import constant
     if isinstance(x, Tensor):
         return x, constant(x.mesh, y, [], dtype=x.dtype)
     if isinstance(y, Tensor):

@@ -1,7 +1,8 @@
-"""Control flow and autodiff helpers: while_loop, custom_gradient, recompute_grad, depend, Print.
+"""Control flow and autodiff helpers: while_loop, custom_gradient, depend, Print.
 
-Follows Mesh TensorFlow's ``mtf.while_loop``, ``mtf.custom_gradient``, ``mtf.recompute_grad``,
-``mtf.depend`` and ``mtf.Print`` (mesh_tensorflow/ops.py). The loop condition and body are
+Follows Mesh TensorFlow's ``mtf.while_loop``, ``mtf.custom_gradient``, ``mtf.depend`` and ``mtf.Print``
+(mesh_tensorflow/ops.py). ``mtf.recompute_grad`` (custom_gradient with a gradient function that calls
+``gradients``) lives in :mod:`meshtorch.autodiff`, above the ops. The loop condition and body are
 sub-graphs: they are built by calling the Python functions on placeholder tensors owned by the
 loop operation, kept out of ``graph.operations``, and lowered once each into a separate step
 list (:meth:`meshtorch.lowering.Lowering.lower_subprogram`) that the loop's single step runs
@@ -10,7 +11,6 @@ while the condition holds.
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -20,8 +20,10 @@ import torch
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._kernels import filled
+from meshtorch.ops.elementwise import identity
+from meshtorch.ops.variables import Assign, Placeholder, Variable
 
-__all__ = ["WhileLoopOperation", "while_loop", "CustomGradientOperation", "custom_gradient", "recompute_grad",
+__all__ = ["WhileLoopOperation", "while_loop", "CustomGradientOperation", "custom_gradient",
            "Depend", "depend", "PrintOperation", "Print"]
 
 
@@ -42,7 +44,6 @@ def _capture(graph, fn: Callable, what: str):
     caller's op, as Mesh TF does for loop bodies); the other new operations are removed from the
     graph and returned, in creation order.
     """
-    from meshtorch.ops.variables import Assign, Placeholder, Variable
     ops = graph.operations
     before = len(ops)
     result = fn()
@@ -280,7 +281,6 @@ def custom_gradient(fn: Callable, grad_fn: Callable, explicit_inputs) -> Tensor 
         ValueError: grad_fn creates variables or returns the wrong number of gradients; fn assigns.
         ShapeError / TypeError: a gradient's dims or dtype differ from its input's.
     """
-    from meshtorch.ops.elementwise import identity
     inputs = _check_tensors(explicit_inputs, "custom_gradient")
     graph = inputs[0].graph
 
@@ -306,60 +306,10 @@ def custom_gradient(fn: Callable, grad_fn: Callable, explicit_inputs) -> Tensor 
     return result[0] if single else result
 
 
-def _clone_operations(ops: Sequence[Operation], mapping: dict) -> None:
-    """Append a copy of each op (in order) reading ``mapping``'s tensors; map old outputs to new ones.
-
-    A clone keeps its original's name, so anything keyed by the op name (the counter-based random
-    ops) produces exactly the same values when recomputed.
-    """
-    for op in ops:
-        if isinstance(op, WhileLoopOperation):
-            raise NotImplementedError(f"recompute_grad: cannot recompute while_loop {op.name!r}; "
-                                      "keep loops outside fn.")
-        new = copy.copy(op)
-        new.inputs = [mapping.get(t, t) for t in op.inputs]
-        new.outputs = [Tensor(new, t.shape, t.dtype, index=t.index, name=t.name) for t in op.outputs]
-        op.graph.operations.append(new)
-        mapping.update(zip(op.outputs, new.outputs, strict=True))
-
-
-def _recompute_grad_fn(explicit_inputs, all_inputs, forward_operations, outputs, output_grads):
-    from meshtorch.autodiff import gradients
-    from meshtorch.ops.elementwise import identity
-    if all(g is None for g in output_grads):
-        return [None] * len(all_inputs)
-    # differentiate w.r.t. fresh copies of the inputs, so that no gradient leaks from one input to
-    # another through the ops that computed them (the outer backward pass handles those)
-    proxies = [identity(t, name="recompute_input") for t in all_inputs]
-    mapping = dict(zip(all_inputs, proxies, strict=True))
-    _clone_operations(forward_operations, mapping)
-    pairs = [(mapping[y], g) for y, g in zip(outputs, output_grads, strict=True) if g is not None]
-    return gradients([y for y, _ in pairs], proxies, [g for _, g in pairs])
-
-
-def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=True) -> Tensor | list[Tensor]:
-    """``fn(*explicit_inputs)``, recomputed in the backward pass instead of kept (Mesh TF ``mtf.recompute_grad``).
-
-    Activation checkpointing: the backward pass rebuilds ``fn``'s forward operations from the inputs
-    (clones appended to the graph when the gradient is built, hence lowered in the backward part of
-    the program) and differentiates the copies, so the forward intermediates die right after the
-    forward pass. Gradients reach the explicit inputs and every tensor ``fn`` reads (variables).
-    Clones keep their op names, so random ops keyed by op name (and seed) draw identical values.
-
-    ``control_dependencies`` (Mesh TF: whether the recomputation waits for the backward pass) is accepted and ignored:
-    a meshtorch program runs its steps in order, so the recomputation already follows them.
-
-    Returns:
-        what ``fn`` returns. Raises NotImplementedError if ``fn`` contains a while_loop.
-    """
-    return custom_gradient(fn, _recompute_grad_fn, explicit_inputs)
-
-
 class Depend(Operation):
     """``x``, computed after ``dependencies`` (Mesh TF ``Depend``): fetching it runs their steps too."""
 
     def __init__(self, x: Tensor, dependencies, name=None):
-        from meshtorch.ops.variables import Assign
         if not isinstance(x, Tensor):
             raise TypeError(f"depend: x must be an mtf Tensor, got {type(x).__name__}.")
         deps = []

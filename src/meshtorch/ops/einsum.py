@@ -23,6 +23,7 @@ from meshtorch.core.dims import Shape, combine_shapes, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._util import dim_names
+from meshtorch.ops.shape import broadcast
 
 _LETTERS = string.ascii_letters
 
@@ -78,7 +79,6 @@ class EinsumOperation(Operation):
         dy = grad_ys[0]
         if dy is None:
             return [None] * len(self.inputs)
-        from meshtorch.ops.shape import broadcast
         grads = []
         for i, x in enumerate(self.inputs):
             others = [dy] + [t for j, t in enumerate(self.inputs) if j != i]

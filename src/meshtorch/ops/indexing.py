@@ -1,7 +1,7 @@
 """Indexing: one_hot, gather (a real per-slice lookup) and its transpose, scatter-add.
 
 Selection by value (top_k, top_1, argmax, nth_largest_element, sample_with_temperature) lives in
-:mod:`meshtorch.ops.selection` and is re-exported here.
+:mod:`meshtorch.ops.selection` (built on gather and one_hot here).
 
 gather lowering (Mesh TF writes ``gather`` as ``einsum([one_hot(indices, dim), weights])``, which
 costs ``|indices| * |dim| * |rest|`` multiply-adds; here each processor looks its indices up in
@@ -30,10 +30,9 @@ from meshtorch.core.dims import Shape, combine_shapes, convert_to_dimension, con
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._kernels import slice_begin, value_of
+from meshtorch.ops.variables import constant
 
-__all__ = ["one_hot", "OneHotOperation", "gather", "GatherOperation", "scatter_add", "ScatterAddOperation",
-           "top_k", "top_1", "argmax", "nth_largest_element", "nth_largest", "sample_with_temperature",
-           "TopKOperation"]
+__all__ = ["one_hot", "OneHotOperation", "gather", "GatherOperation", "scatter_add", "ScatterAddOperation"]
 
 
 class OneHotOperation(Operation):
@@ -294,7 +293,6 @@ def gather(weights: Tensor, indices, dim, output_shape=None, name=None) -> Tenso
             or ``output_shape`` holds other dims. TypeError: non-integer indices.
     """
     if not isinstance(indices, Tensor):
-        from meshtorch.ops.variables import constant
         indices = constant(weights.mesh, int(indices), [], dtype=torch.int64, name="gather_index")
     return GatherOperation(weights, indices, dim, output_shape, name).outputs[0]
 
@@ -307,13 +305,3 @@ def scatter_add(updates: Tensor, indices: Tensor, dim, output_shape, name=None) 
     """
     return ScatterAddOperation(updates, indices, dim, output_shape, name).outputs[0]
 
-
-from meshtorch.ops.selection import (  # noqa: E402  (selection uses gather and one_hot above)
-    TopKOperation,
-    argmax,
-    nth_largest,
-    nth_largest_element,
-    sample_with_temperature,
-    top_1,
-    top_k,
-)

@@ -16,6 +16,7 @@ from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops._util import dim_names
+from meshtorch.ops.binary import add, maximum, subtract
 
 _TORCH = {"SUM": torch.sum, "MAX": torch.amax, "MIN": torch.amin}
 
@@ -58,19 +59,14 @@ class ReduceOperation(Operation):
             local = lw.slicewise(f, lw.get(x))
             lw.set(out, lw.allreduce(local, red_mesh_axes, self.reduction, out) if red_mesh_axes else local)
 
-    def gradient(self, grad_ys):
-        dy = grad_ys[0]
-        if dy is None:
-            return [None]
-        x = self.inputs[0]
-        from meshtorch.ops.shape import broadcast
-        if self.reduction == "SUM":
-            return [broadcast(dy, x.shape)]
-        # max/min: the gradient goes to the elements equal to the result, split evenly among ties
-        y = self.outputs[0]
+    def max_min_gradient(self, dy: Tensor) -> Tensor:
+        """Gradient of a MAX or MIN reduction: ``dy`` goes to the elements equal to the result, split
+        evenly among ties. (A SUM's gradient is a broadcast, which builds on reductions; both rules are
+        registered in :mod:`meshtorch.ops.gradients`.)"""
+        x, y = self.inputs[0], self.outputs[0]
         mask = ew.slicewise(_k_argmask, [x, y], output_shape=x.shape, name="reduce_argmask")
         count = reduce_sum(mask, output_shape=y.shape)
-        return [ew.slicewise(_k_share, [mask, dy, count], output_shape=x.shape, name="reduce_extreme_grad")]
+        return ew.slicewise(_k_share, [mask, dy, count], output_shape=x.shape, name="reduce_extreme_grad")
 
 
 def _k_reduce(t, *, reduction, dims, perm, low):
@@ -139,6 +135,15 @@ def reduce_min(x: Tensor, disable_positional_args=None, output_shape=None, reduc
     return ReduceOperation(x, _output_shape(x, reduced_dim, output_shape, "reduce_min"), "MIN", name).outputs[0]
 
 
+def reduce_to_shape(g: Tensor, shape) -> Tensor:
+    """``g`` summed over the dims ``shape`` lacks, in ``shape``'s order (the gradient of broadcasting);
+    ``g`` itself if it has that shape already."""
+    shape = convert_to_shape(shape)
+    if g.shape == shape:
+        return g
+    return reduce_sum(g, output_shape=shape)
+
+
 def reduce_mean(x: Tensor, disable_positional_args=None, output_shape=None, reduced_dim=None, name=None) -> Tensor:
     """Mean over ``reduced_dim`` or down to ``output_shape`` (global count; one lazy all-reduce)."""
     reduced_dim = _positional_dim(disable_positional_args, reduced_dim, "reduce_mean")
@@ -156,7 +161,6 @@ def reduce_logsumexp(x: Tensor, reduced_dim=None, extra_logit=None, name=None, o
     """
     shape = _output_shape(x, reduced_dim, output_shape, "reduce_logsumexp")
     m = ew.stop_gradient(reduce_max(x, output_shape=shape))
-    from meshtorch.ops.binary import add, maximum, subtract
     if extra_logit is not None:
         m = maximum(m, ew.stop_gradient(extra_logit) if isinstance(extra_logit, Tensor) else extra_logit)
     s = reduce_sum(ew.exp(subtract(x, m)), output_shape=shape)
@@ -167,7 +171,6 @@ def reduce_logsumexp(x: Tensor, reduced_dim=None, extra_logit=None, name=None, o
 
 def log_softmax(x: Tensor, reduced_dim, extra_logit=None, name=None) -> Tensor:
     """x - logsumexp(x) over ``reduced_dim`` (Mesh TF ``mtf.log_softmax``, with its ``extra_logit``); shape of x."""
-    from meshtorch.ops.binary import subtract
     return subtract(x, reduce_logsumexp(x, reduced_dim, extra_logit), output_shape=x.shape, name=name)
 
 

@@ -25,8 +25,14 @@ import torch
 from meshtorch.core.dims import Dimension, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops import elementwise as ew
 from meshtorch.ops._kernels import slice_begin
+from meshtorch.ops.einsum import einsum
 from meshtorch.ops.indexing import gather, one_hot, resolve_dim
+from meshtorch.ops.random import random_uniform
+
+__all__ = ["top_k", "top_1", "argmax", "nth_largest_element", "nth_largest", "sample_with_temperature",
+           "TopKOperation"]
 
 
 def _merge(vals: torch.Tensor, idx: torch.Tensor, k: int):
@@ -99,7 +105,6 @@ class TopKOperation(Operation):
         if dv is None:
             return [None]
         x = self.inputs[0]
-        from meshtorch.ops.einsum import einsum
         mapping = one_hot(self.outputs[1], self.reduced_dim, dtype=dv.dtype, name=f"{self.name}_grad_onehot")
         return [einsum([dv, mapping], output_shape=x.shape, name=f"{self.name}_grad")]
 
@@ -195,9 +200,6 @@ def sample_with_temperature(logits: Tensor, dim, temperature: float = 1.0, name=
     Returns:
         int64 Tensor of ``logits.shape - dim``.
     """
-    from meshtorch.ops import elementwise as ew
-    from meshtorch.ops.random import random_uniform
-
     dim = resolve_dim(logits, dim, "sample_with_temperature")
     if temperature < 0:
         raise ValueError(f"sample_with_temperature: temperature must be >= 0, got {temperature}.")

@@ -24,7 +24,10 @@ from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops import sequence as _sequence
 from meshtorch.ops._kernels import align_spec, aligned, cat, narrow
 from meshtorch.ops._relayout import coordinate_constant, gather_dim, scatter_dim
+from meshtorch.ops.elementwise import slicewise
+from meshtorch.ops.reduce import reduce_to_shape
 from meshtorch.ops.sequence import CumsumOperation, RangeOperation, ShiftOperation, cumsum, mtf_range, shift
+from meshtorch.ops.variables import constant, zeros
 
 range = _sequence.range  # noqa: A001 - Mesh TF's name (mtf.range)
 
@@ -122,7 +125,6 @@ class BroadcastOperation(Operation):
         dy = grad_ys[0]
         if dy is None:
             return [None]
-        from meshtorch.ops.binary import reduce_to_shape
         return [reduce_to_shape(dy, self.inputs[0].shape)]
 
 
@@ -317,7 +319,6 @@ class SplitOperation(_WholeDimOperation):
         self._lower_whole(lw, functools.partial(_k_split, sizes=tuple(sizes), dim=i))
 
     def gradient(self, grad_ys):
-        from meshtorch.ops.variables import zeros
         parts = [g if g is not None else zeros(o.mesh, o.shape, o.dtype) for g, o in zip(grad_ys, self.outputs,
                                                                                           strict=True)]
         return [concat(parts, self.dim_name, name=f"{self.name}_grad")]
@@ -440,7 +441,6 @@ class UnstackOperation(_WholeDimOperation):
         self._lower_whole(lw, functools.partial(_k_unbind, dim=ax))
 
     def gradient(self, grad_ys):
-        from meshtorch.ops.variables import zeros
         parts = [g if g is not None else zeros(o.mesh, o.shape, o.dtype) for g, o in zip(grad_ys, self.outputs,
                                                                                           strict=True)]
         return [stack(parts, self.dim_name, self.axis, name=f"{self.name}_grad")]
@@ -484,7 +484,6 @@ class AddNOperation(Operation):
         dy = grad_ys[0]
         if dy is None:
             return [None] * len(self.inputs)
-        from meshtorch.ops.binary import reduce_to_shape
         return [reduce_to_shape(dy, x.shape) for x in self.inputs]
 
 
@@ -535,13 +534,11 @@ class WhereOperation(Operation):
         dy = grad_ys[0]
         if dy is None:
             return [None, None, None]
-        from meshtorch.ops.binary import reduce_to_shape
-        from meshtorch.ops.elementwise import slicewise
         c, x, y = self.inputs
         gx = slicewise(functools.partial(_k_where_grad, keep_true=True), [c, dy], output_shape=dy.shape,
-                       name=f"{self.name}_grad_x")
+                       output_dtype=dy.dtype, name=f"{self.name}_grad_x")
         gy = slicewise(functools.partial(_k_where_grad, keep_true=False), [c, dy], output_shape=dy.shape,
-                       name=f"{self.name}_grad_y")
+                       output_dtype=dy.dtype, name=f"{self.name}_grad_y")
         return [None, reduce_to_shape(gx, x.shape), reduce_to_shape(gy, y.shape)]
 
 
@@ -559,7 +556,6 @@ def where(condition: Tensor, if_true, if_false, output_shape=None, name=None) ->
     Raises:
         TypeError: a non-bool condition or differing dtypes; ShapeError: one name with two sizes.
     """
-    from meshtorch.ops.variables import constant
     x, y = if_true, if_false
     if not isinstance(x, Tensor) and not isinstance(y, Tensor):
         raise TypeError("where: x or y must be an mtf Tensor.")

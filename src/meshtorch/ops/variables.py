@@ -19,6 +19,7 @@ from meshtorch.core.graph import Mesh, Operation, Tensor
 from meshtorch.core.scopes import scoped_variable_name
 from meshtorch.ops._kernels import filled
 from meshtorch.ops._util import align_fn
+from meshtorch.ops.elementwise import cast
 from meshtorch.ops.initializers import convert_initializer
 from meshtorch.ops.precision import VariableDType
 
@@ -133,7 +134,6 @@ def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype
     value = var.outputs[0]
     if var.activation_dtype == value.dtype:
         return value
-    from meshtorch.ops.elementwise import cast
     # cast the stored shard (storage layout): with storage rules (FSDP) the weight is then all-gathered in the
     # activation dtype while the master copy keeps its own (FSDP2's mixed-precision param_dtype)
     with mesh.graph.storage_scope():

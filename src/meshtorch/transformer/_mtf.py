@@ -7,6 +7,7 @@ without importing the top-level ``meshtorch`` package (which imports this packag
 from __future__ import annotations
 
 from meshtorch import layers  # noqa: F401  (mtf.layers.*)
+from meshtorch.autodiff import recompute_grad  # noqa: F401
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension, convert_to_shape  # noqa: F401
 from meshtorch.core.graph import Mesh, Tensor  # noqa: F401
 from meshtorch.core.scopes import get_variable_scope, variable_scope  # noqa: F401
@@ -26,7 +27,7 @@ from meshtorch.ops.binary import (  # noqa: F401
     multiply,
     not_equal,
 )
-from meshtorch.ops.control import recompute_grad, while_loop  # noqa: F401
+from meshtorch.ops.control import while_loop  # noqa: F401
 from meshtorch.ops.einsum import einsum  # noqa: F401
 from meshtorch.ops.elementwise import abs, cast, exp, gelu, log, negative, relu, rsqrt, sigmoid, square, tanh  # noqa: F401,A004
 from meshtorch.ops.indexing import gather, one_hot  # noqa: F401
