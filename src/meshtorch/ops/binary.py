@@ -49,6 +49,8 @@ class BinaryOperation(Operation):
         if x.dtype != y.dtype and kind not in ("where",):
             raise TypeError(f"{kind} {self.name!r}: dtypes differ ({x.name!r} is {x.dtype}, {y.name!r} is "
                             f"{y.dtype}); cast one with mtf.cast.")
+        # add and subtract are linear in both inputs: partial sums over the same axes stay partial
+        self.partial_sums = "linear" if kind in ("add", "subtract") else None
         self.outputs = [Tensor(self, shape, output_dtype or x.dtype)]
 
     @property
@@ -60,15 +62,9 @@ class BinaryOperation(Operation):
         out = self.outputs[0]
         ax, ay = align_fn(x.shape, out.shape), align_fn(y.shape, out.shape)
         fn = self.fn
-        if self.kind in ("add", "subtract"):
-            sx, px = lw.get_lazy(x)
-            sy, py = lw.get_lazy(y)
-            if px and px == py and ax is None and ay is None:
-                lw.set(out, lw.slicewise(fn, sx, sy), px)
-                return
-        sx, sy = lw.get(x), lw.get(y)
+        (sx, sy), pending = lw.inputs(self, allow=ax is None and ay is None)
         f = fn if ax is None and ay is None else functools.partial(_k_aligned, fn=fn, ax=ax, ay=ay)
-        lw.set(out, lw.slicewise(f, sx, sy))
+        lw.set(out, lw.slicewise(f, sx, sy), pending)
 
     def output_shape_gradients(self, dy: Tensor):
         """``(gx, gy)``: the gradients of x and y in the output's shape, before the sum over the dims

@@ -146,6 +146,8 @@ def _dim_begin_constant(lw, t: Tensor, pos: int) -> int:
 class GatherOperation(Operation):
     """``out[shared, idx_only, rest] = weights[shared, indices[shared, idx_only], rest]`` (see module doc)."""
 
+    partial_sums = "first"  # linear in the weights
+
     def __init__(self, weights: Tensor, indices: Tensor, dim, output_shape=None, name=None):
         super().__init__([weights, indices], name=name or "gather")
         dim = resolve_dim(weights, dim, f"gather {self.name!r}")
@@ -181,9 +183,8 @@ class GatherOperation(Operation):
         vpos = w.shape.get_dim_index(self.dim.name)
         v_axis = lw.tensor_layout(w)[vpos]
         ind_axes = set(lw.tensor_mesh_axes(ind))
-        wslot, pending = lw.get_lazy(w)
-        if pending & ind_axes:  # partial sums over an axis that splits the indices: sum first
-            wslot, pending = lw.get(w), frozenset()
+        # partial sums over an axis that splits the indices are summed first
+        (wslot, islot), pending = lw.inputs(self, blocked=ind_axes)
         n = lw.slice_shape(w)[vpos]
         if v_axis is not None and v_axis in ind_axes:
             wslot = lw.allconcat(wslot, v_axis, vpos, w)
@@ -194,7 +195,7 @@ class GatherOperation(Operation):
         plan = self.plan
         f = functools.partial(_k_gather, w_perm=tuple(plan.w_perm), i_perm=tuple(plan.i_perm), nb=len(plan.shared),
                               n=n, out_perm=tuple(plan.perm_to(out.shape.dimension_names)))
-        slot = lw.slicewise(f, wslot, lw.get(ind), begins)
+        slot = lw.slicewise(f, wslot, islot, begins)
         lw.set(out, slot, pending | ({v_axis} if v_axis is not None else set()))
 
 
@@ -227,6 +228,8 @@ class ScatterAddOperation(Operation):
     gathered weights' shape), zeros where no index points.
     """
 
+    partial_sums = "first"  # linear in the updates
+
     def __init__(self, updates: Tensor, indices: Tensor, dim, output_shape, name=None):
         super().__init__([updates, indices], name=name or "scatter_add")
         output_shape = convert_to_shape(output_shape)
@@ -256,8 +259,7 @@ class ScatterAddOperation(Operation):
         plan = self.plan
         vpos = out.shape.get_dim_index(self.dim.name)
         v_axis = lw.tensor_layout(out)[vpos]
-        uslot, pending = lw.get_lazy(upd)
-        islot = lw.get(ind)
+        (uslot, islot), pending = lw.inputs(self)
         split_idx = {a: name for name, a in zip(ind.shape.dimension_names, lw.tensor_layout(ind), strict=True)
                      if a is not None and name in plan.idx_only}
         if v_axis is not None and v_axis in split_idx:

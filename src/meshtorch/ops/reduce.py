@@ -27,6 +27,7 @@ class ReduceOperation(Operation):
     def __init__(self, x: Tensor, output_shape, reduction: str, name: str | None = None):
         super().__init__([x], name=name or f"reduce_{reduction.lower()}")
         self.reduction = reduction
+        self.partial_sums = "first" if reduction == "SUM" else None  # a sum of partial sums stays partial
         output_shape = convert_to_shape(output_shape)
         for d in output_shape:
             if d not in x.shape.dims:
@@ -53,7 +54,7 @@ class ReduceOperation(Operation):
         f = functools.partial(_k_reduce, reduction=self.reduction if red_axes else None, dims=red_axes,
                               perm=tuple(perm) if need_perm else None, low=x.dtype if low else None)
         if self.reduction == "SUM":
-            slot, pending = lw.get_lazy(x)
+            (slot,), pending = lw.inputs(self)
             lw.set(out, lw.slicewise(f, slot), pending | frozenset(red_mesh_axes))
         else:
             local = lw.slicewise(f, lw.get(x))

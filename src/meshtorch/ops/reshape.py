@@ -192,6 +192,8 @@ def _dims(d) -> list[Dimension]:
 class TransposeOperation(Operation):
     """``x`` with its dims permuted to ``new_shape``'s order: a local ``permute`` (a dim keeps its split)."""
 
+    partial_sums = "first"  # a permutation: a partial sum stays partial
+
     def __init__(self, x: Tensor, new_shape: Shape, name=None):
         super().__init__([x], name=name or "transpose")
         if sorted(new_shape.dims) != sorted(x.shape.dims):
@@ -201,7 +203,7 @@ class TransposeOperation(Operation):
         self.outputs = [Tensor(self, new_shape, x.dtype)]
 
     def lower(self, lw):
-        slot, pending = lw.get_lazy(self.inputs[0])  # a permutation: a partial sum stays lazy
+        (slot,), pending = lw.inputs(self)
         perm = self.perm
         lw.set(self.outputs[0], lw.slicewise(functools.partial(_k_permute, perm=tuple(perm)), slot), pending)
 

@@ -89,6 +89,8 @@ def _k_range_block(impl, pnum: int, *, sizes, layout, n: int, dtype: torch.dtype
 class ShiftOperation(Operation):
     """``out[i] = x[i - offset]`` along ``dim``; wrapped around or zero-filled."""
 
+    partial_sums = "first"  # linear: a partial sum stays partial
+
     def __init__(self, x: Tensor, offset: int, dim, wrap: bool, name=None):
         super().__init__([x], name=name or "shift")
         if isinstance(offset, bool) or not isinstance(offset, int):
@@ -100,7 +102,7 @@ class ShiftOperation(Operation):
     def lower(self, lw):
         x, out = self.inputs[0], self.outputs[0]
         ax, wrap = self.axis, self.wrap
-        slot, pending = lw.get_lazy(x)  # linear: a pending partial sum stays lazy
+        (slot,), pending = lw.inputs(self)
         a = lw.tensor_layout(x)[ax]
         impl = lw.mesh_impl(self)
         n = impl.shape[a].size if a is not None else 1
@@ -168,6 +170,8 @@ def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
 class CumsumOperation(Operation):
     """Inclusive or exclusive running sum along ``dim``; ``reverse`` sums from the end."""
 
+    partial_sums = "first"  # linear: a partial sum stays partial
+
     def __init__(self, x: Tensor, dim, exclusive: bool = False, reverse: bool = False, name=None):
         super().__init__([x], name=name or "cumsum")
         self.dim_name, self.axis = _dim_index(x, dim, f"cumsum {self.name!r}")
@@ -177,7 +181,7 @@ class CumsumOperation(Operation):
     def lower(self, lw):
         x, out = self.inputs[0], self.outputs[0]
         ax, excl, rev = self.axis, self.exclusive, self.reverse
-        slot, pending = lw.get_lazy(x)  # linear: a pending partial sum stays lazy
+        (slot,), pending = lw.inputs(self)
         res = lw.slicewise(functools.partial(_k_cumsum_local, axis=ax, exclusive=excl, reverse=rev), slot)
         a = lw.tensor_layout(x)[ax]
         impl = lw.mesh_impl(self)

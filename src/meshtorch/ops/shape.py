@@ -144,15 +144,11 @@ class _WholeDimOperation(Operation):
     """Base of ops that need one dimension whole: gather it, run ``local``, keep each processor's piece."""
 
     dim_name: str
+    partial_sums = "linear"  # slice, pad, concat, split: partial sums over the same axes stay partial
 
     def _lower_whole(self, lw, local, lazy=True):
         """``local(*slots_with_whole_dim) -> tuple of per-output values``; linear ops keep a lazy sum."""
-        lazy_in = [lw.get_lazy(x) for x in self.inputs] if lazy else []
-        pend = {p for _, p in lazy_in}
-        if lazy and len(pend) == 1:  # linear op: a partial sum stays lazy (the dim's mesh axis is not pending)
-            raw, pending = [s for s, _ in lazy_in], pend.pop()
-        else:
-            raw, pending = [lw.get(x) for x in self.inputs], frozenset()
+        raw, pending = lw.inputs(self, allow=lazy)
         slots = [gather_dim(lw, x, s, self.dim_name) for x, s in zip(self.inputs, raw, strict=True)]
         n = len(self.outputs)
         out_slots = lw.slicewise(local, *slots, num_outputs=n)
@@ -429,7 +425,7 @@ class UnstackOperation(_WholeDimOperation):
 
     def _lower_whole(self, lw, local, lazy=True):
         x = self.inputs[0]
-        s, pending = lw.get_lazy(x)
+        (s,), pending = lw.inputs(self)
         s = gather_dim(lw, x, s, self.dim_name)
         n = len(self.outputs)
         outs = lw.slicewise(local, s, num_outputs=n)
@@ -460,6 +456,8 @@ def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
 class AddNOperation(Operation):
     """Sum of ``xs``, broadcasting by name to the union of their shapes."""
 
+    partial_sums = "linear"  # sums of partial sums over the same axes stay one lazy all-reduce
+
     def __init__(self, xs, name=None):
         super().__init__(xs, name=name or "add_n")
         for x in xs:
@@ -471,12 +469,7 @@ class AddNOperation(Operation):
     def lower(self, lw):
         out = self.outputs[0]
         aligns = tuple(align_spec(x.shape, out.shape) for x in self.inputs)
-        lazy = [lw.get_lazy(x) for x in self.inputs]
-        pend = {p for _, p in lazy}
-        if len(pend) == 1 and all(a is None for a in aligns):  # sums of partial sums stay one lazy all-reduce
-            slots, pending = [s for s, _ in lazy], pend.pop()
-        else:
-            slots, pending = [lw.get(x) for x in self.inputs], frozenset()
+        slots, pending = lw.inputs(self, allow=all(a is None for a in aligns))
         f = functools.partial(_k_add_n, aligns=aligns, sizes=tuple(lw.slice_shape(out)))
         lw.set(out, lw.slicewise(f, *slots), pending)
 
