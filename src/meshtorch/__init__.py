@@ -3,7 +3,7 @@
 ``import meshtorch as mtf`` gives a flat API with Mesh TF's names where the concept is the same.
 """
 
-from meshtorch import beam_search, layers, optim, optimize
+from meshtorch import beam_search, layers, optim, optimize, placement_mesh_impl
 from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch._version import __version__
 from meshtorch.checkpoint import (

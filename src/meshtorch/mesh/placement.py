@@ -21,7 +21,8 @@ class PlacementMeshImpl(MeshImpl):
     Args:
         shape: mesh shape, e.g. ``"rows:2;cols:2"``.
         layout: layout rules, e.g. ``"batch:rows;hidden:cols"``.
-        devices: one torch device per processor (may repeat); default ``"cpu"`` for all.
+        devices: one torch device per processor (may repeat); default ``"cpu"`` for all; ``""`` (Mesh TF's
+            default device, as its examples pass ``[""] * mesh_size``) is the CPU.
         storage: storage rules for variables (FSDP / ZeRO-3), e.g. ``"d_model:data"``; see
             :class:`~meshtorch.mesh.base.MeshImpl` (also ``reshard_after_forward``).
 
@@ -40,7 +41,7 @@ class PlacementMeshImpl(MeshImpl):
         if len(devices) != self.size:
             raise ValueError(f"PlacementMeshImpl: mesh {self.shape} has {self.size} processors, "
                              f"but {len(devices)} devices were given.")
-        self.devices = [torch.device(d) for d in devices]
+        self.devices = [torch.device(d or "cpu") for d in devices]  # "": Mesh TF's default device
         self._one_device = len(set(self.devices)) == 1
 
     def _to(self, t: torch.Tensor, p: int) -> torch.Tensor:

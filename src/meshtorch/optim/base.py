@@ -14,6 +14,8 @@ session step that increments it). Adam's bias correction uses ``t = step + 1`` a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.graph import Mesh, Tensor
@@ -143,6 +145,21 @@ class Optimizer:
         return c[key]
 
     # ------------------------------------------------------------ public API
+    def __init_subclass__(cls, **kwargs):
+        """Every optimizer's ``apply_grad`` builds its update in the variable's storage layout (see
+        :meth:`apply_grads`), also when a Mesh TF program calls ``apply_grad`` per variable itself."""
+        super().__init_subclass__(**kwargs)
+        fn = cls.__dict__.get("apply_grad")
+        if fn is None or getattr(fn, "_storage_scoped", False):
+            return
+
+        @functools.wraps(fn)
+        def apply_grad(self, grad, var):
+            with _as_variable(var).graph.storage_scope():
+                return fn(self, grad, var)
+        apply_grad._storage_scoped = True
+        cls.apply_grad = apply_grad
+
     def apply_grads(self, grads, variables) -> list[Assign]:
         """One update per (gradient, variable) pair, plus one increment of ``global_step``.
 
