@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 
-def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async_allreduce: bool = False) -> dict:
+def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async_allreduce: bool = False,
+           bucket_bytes: int = 0) -> dict:
     sys.path.insert(0, HERE)
     import mlp_model as M
     import torch.distributed as dist
@@ -37,7 +38,8 @@ def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async
     torch.set_num_threads(threads)
     lr = 0.1
     g, mesh, images, labels, loss, update, w1, w2 = M.build(hidden, batch, lr=lr)
-    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:2", "batch:all", async_allreduce=async_allreduce)})
+    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:2", "batch:all", async_allreduce=async_allreduce)},
+                      bucket_bytes=bucket_bytes)
     fetches = [loss, *update]
     rank = dist.get_rank()
 
@@ -105,16 +107,20 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--async-allreduce", action="store_true", help="asynchronous all-reduces (CPU default: blocking)")
+    ap.add_argument("--bucket-mb", type=float, default=0.0,
+                    help="meshtorch gradient buckets of this many MiB per process (0: one all-reduce per gradient; "
+                         "DDP's default bucket_cap_mb is 25)")
     args = ap.parse_args(argv)
     from meshtorch.testing.spmd import run_spmd
 
     res = run_spmd("spmd_vs_ddp:worker", args=(args.hidden, args.batch, args.steps, args.blocks, args.threads,
-                                                 args.async_allreduce),
+                                                 args.async_allreduce, int(args.bucket_mb * 2**20)),
                    nprocs=2, timeout_s=900, extra_path=[HERE]).check().results[0]
     m = statistics.median(res["times"]["meshtorch"])
     d = statistics.median(res["times"]["ddp"])
     print(f"MNIST MLP hidden {args.hidden}, global batch {args.batch}, 2 gloo processes x {args.threads} thread(s), "
-          f"{args.blocks} blocks of {args.steps} steps, {'async' if args.async_allreduce else 'blocking'} all-reduce")
+          f"{args.blocks} blocks of {args.steps} steps, {'async' if args.async_allreduce else 'blocking'} all-reduce, "
+          f"buckets {args.bucket_mb:g} MiB")
     print("meshtorch steps/s per block:", ", ".join(f"{v:.1f}" for v in res["times"]["meshtorch"]))
     print("DDP       steps/s per block:", ", ".join(f"{v:.1f}" for v in res["times"]["ddp"]))
     paired = statistics.median(a / b for a, b in zip(res["times"]["meshtorch"], res["times"]["ddp"], strict=True))

@@ -52,3 +52,12 @@ def spmd_json_worker(text: str, values: dict, steps: int, fetches: list, update_
     """Inside a gloo rank: run the JSON program on an SpmdMeshImpl (no graph is built here)."""
     impl = mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage)
     return run_json_steps(text, impl, values, steps, fetches, update_ops)
+
+
+def spmd_bucket_worker(steps: int, bucket_bytes: int):
+    """Inside a gloo rank: the MLP data-parallel over 4 ranks, gradient all-reduces in buckets."""
+    g, mesh, x, ws, loss, grads, updates = mlp_step()
+    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all")}, bucket_bytes=bucket_bytes)
+    losses = [lw.run([loss] + updates, feeds={x: batch(s)})[0] for s in range(steps)]
+    kinds = [st.kind for st in lw.plan([loss] + updates).steps]
+    return losses, {n: lw.variable_value(n) for n in ("w1", "w2")}, kinds

@@ -3,12 +3,17 @@ straight-line function (default) and that function through torch.compile."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import meshtorch as mtf
 from _program_data import batch, mlp_step
 from meshtorch.testing import rel_error
+from meshtorch.testing.spmd import run_spmd
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 LAYOUTS = [("", ""), ("all:4", "batch:all"), ("rows:2;cols:2", "batch:rows;hidden:cols")]
 
@@ -56,3 +61,28 @@ def test_unknown_mode_is_refused_before_planning():
     g, mesh, *_ = mlp_step()
     with pytest.raises(ValueError, match="mode must be"):
         mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")}, mode="fast")
+
+
+def test_gradient_buckets_give_the_same_numbers_and_counters():
+    """DDP-style buckets: the two gradient all-reduces of a data-parallel step become one call; results,
+    variables and collective records are those of one call per gradient (placement and 4 gloo ranks)."""
+    def run(bucket_bytes):
+        g, mesh, x, ws, loss, grads, updates = mlp_step()
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:4", "batch:all")}, bucket_bytes=bucket_bytes)
+        out = [lw.run([loss] + updates, feeds={x: batch(s)})[0] for s in range(3)]
+        return out, lw, [st.kind for st in lw.plan([loss] + updates).steps]
+    plain, lwp, _ = run(0)
+    bucketed, lwb, kinds = run(1 << 20)
+    assert all(torch.equal(a, b) for a, b in zip(plain, bucketed, strict=True))
+    assert all(torch.equal(lwp.variable_value(n), lwb.variable_value(n)) for n in ("w1", "w2"))
+    assert dict(lwp.counters.records) == dict(lwb.counters.records)
+    # the loss and both gradient sums (3 all-reduce records) in one call: nothing needs them before the update
+    assert kinds.count("allreduce_bucket") == 1 and "allreduce" not in kinds
+    assert sum(n for r, n in lwb.plan_counters([]).records.items()) == 0 and lwb.counters.count("allreduce") == 9
+    tiny, _, _ = run(8)  # a cap below one gradient: no bucket, same numbers
+    assert all(torch.equal(a, b) for a, b in zip(plain, tiny, strict=True))
+    spmd = run_spmd("_program_data:spmd_bucket_worker", args=(3, 1 << 20), nprocs=4, extra_path=[TESTS_DIR]).check()
+    for losses, values, rank_kinds in spmd.results:
+        assert rank_kinds.count("allreduce_bucket") == 1
+        assert all(rel_error(a, b) <= 1e-6 for a, b in zip(losses, plain, strict=True))
+        assert all(rel_error(values[n], lwp.variable_value(n)) <= 1e-6 for n in values)

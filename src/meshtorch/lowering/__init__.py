@@ -71,6 +71,9 @@ class Lowering:
         mode: how runs execute: ``"codegen"`` (one generated Python function per fetch set),
             ``"interpret"`` (a loop over the steps) or ``"compile"`` (that function through
             ``torch.compile``); see :class:`~meshtorch.lowering.session.Session`.
+        bucket_bytes: > 0 issues the SUM all-reduces of a run (data-parallel gradient sums) in buckets
+            of at most that many bytes per processor, one collective call each (DDP's buckets); the
+            counters and results are the same.
 
     Attributes:
         program: the :class:`Program`; ``session``: the :class:`Session`; ``store``: the
@@ -83,7 +86,7 @@ class Lowering:
     """
 
     def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
-                 materialize: bool = True, mode: str = "codegen"):
+                 materialize: bool = True, mode: str = "codegen", bucket_bytes: int = 0):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Lowering: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
         self.graph = graph
@@ -94,7 +97,7 @@ class Lowering:
         self.store = VariableStore(self.program, impls)
         if materialize:
             self.store.initialize(self.planner.variable_ops)
-        self.session = Session(self.program, impls, self.store, mode)
+        self.session = Session(self.program, impls, self.store, mode, bucket_bytes)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 
     @property
@@ -108,7 +111,8 @@ class Lowering:
         self.planner.mesh_to_impl = dict(mesh_to_impl)
         impls = {m.name: i for m, i in mesh_to_impl.items()}
         self.store.impls = impls
-        old, self.session = self.session, Session(self.program, impls, self.store, self.session.mode)
+        old = self.session
+        self.session = Session(self.program, impls, self.store, old.mode, old.bucket_bytes)
         self.session.counters, self.session.run_count = old.counters, old.run_count
 
     # ---- Mesh TF-era attributes

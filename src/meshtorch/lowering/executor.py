@@ -24,6 +24,7 @@ _METHODS = {
     "alltoall": "alltoall",
     "reduce_scatter": "reduce_scatter",
     "receive": "receive",
+    "allreduce_bucket": "allreduce_many",
 }
 
 

@@ -254,6 +254,11 @@ def select_steps(steps, needed: set, keep: set):
             needed.update(st.inputs)
     chosen.reverse()
     chosen = hoist_collectives(chosen)
+    return chosen, frees_after(chosen, keep)
+
+
+def frees_after(chosen: list, keep: set) -> list:
+    """Per step of ``chosen``, the slots (not in ``keep``) whose last use it is."""
     last_use: dict[int, int] = {}
     for i, st in enumerate(chosen):
         for s in st.inputs:
@@ -262,7 +267,7 @@ def select_steps(steps, needed: set, keep: set):
     for s, i in last_use.items():
         if s not in keep:
             frees[i].append(s)
-    return chosen, [tuple(f) for f in frees]
+    return [tuple(f) for f in frees]
 
 
 #: collectives moved up to just after their input's producer: the reductions (gradient sums). Gathers

@@ -17,9 +17,10 @@ import torch
 from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering import codegen, executor
+from meshtorch.lowering.buckets import bucket_allreduces
 from meshtorch.lowering.counters import Counters
 from meshtorch.lowering.planner import mesh_record
-from meshtorch.lowering.program import Program, count
+from meshtorch.lowering.program import Program, count, frees_after
 from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
 
 
@@ -50,6 +51,9 @@ class Plan:
 class Session:
     """Runs ``program`` on ``{mesh name: MeshImpl}`` with the variables in ``store``.
 
+    ``bucket_bytes`` > 0 merges SUM all-reduces over the same mesh axes into buckets of at most that
+    many bytes per processor, one collective call each (DDP's buckets; :mod:`meshtorch.lowering.buckets`).
+
     ``mode``: ``"codegen"`` (default) runs each plan as one generated straight-line Python function
     (:mod:`meshtorch.lowering.codegen`); ``"interpret"`` loops over the bound steps
     (:func:`~meshtorch.lowering.executor.run_steps`); both give bitwise-equal results.
@@ -65,10 +69,13 @@ class Session:
 
     """
 
-    def __init__(self, program: Program, impls: dict, store: VariableStore, mode: str = "codegen"):
+    def __init__(self, program: Program, impls: dict, store: VariableStore, mode: str = "codegen",
+                 bucket_bytes: int = 0):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Session: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
         self.mode = mode
+        #: gradient bucket size in bytes per processor (0: one all-reduce call per value; see buckets.py)
+        self.bucket_bytes = int(bucket_bytes)
         #: seconds spent compiling, per fetch set (mode "compile"): the first run of each
         self.compile_seconds: dict = {}
         for name, m in program.meshes.items():
@@ -120,6 +127,9 @@ class Session:
         needed |= {s for st in steps for s in st.inputs}
         c = count(steps)
         c.runs = 1
+        if self.bucket_bytes:
+            steps = bucket_allreduces(steps, self.bucket_bytes)
+            frees = frees_after(steps, needed_keep(p, fetch_slots, assignments))
         return Plan(steps, frees,
                     [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
                     [(n, t.slot) for n, t in p.variables.items() if t.slot in needed],
@@ -213,6 +223,11 @@ class Session:
                                 f"{p} (layout {layout}), but was fed a slice of shape {list(v.shape)}.")
             out.append(v.to(device=impl.device(p), dtype=spec.dtype))
         return impl.from_local_slices(out)
+
+
+def needed_keep(program: Program, fetch_slots, assignments) -> set:
+    """Slots a plan must never free: its results, new variable values and the program's constants."""
+    return ({s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments} | set(program.constants))
 
 
 def _as_torch(value) -> torch.Tensor:

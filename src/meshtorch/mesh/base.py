@@ -156,6 +156,11 @@ class MeshImpl:
         """Reduce (SUM, MAX, MIN) over the processor groups along ``mesh_axes``; all get the result."""
         raise NotImplementedError
 
+    def allreduce_many(self, *xs, mesh_axes: Sequence[int], reduction: str = "SUM"):
+        """All-reduce several laid-out values over the same mesh axes in one collective call where the
+        implementation can (a gradient bucket); returns a tuple. Default: one all-reduce each."""
+        return tuple(self.allreduce(x, mesh_axes, reduction) for x in xs)
+
     def allconcat(self, x, mesh_axis: int, concat_axis: int):
         """All-gather: concatenate the group's slices along tensor axis ``concat_axis``."""
         raise NotImplementedError

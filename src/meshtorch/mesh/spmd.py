@@ -161,6 +161,26 @@ class SpmdMeshImpl(MeshImpl):
         dist.all_reduce(buf, op=_OPS[reduction], group=group)
         return back(buf)
 
+    def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"allreduce_many: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
+        if not mesh_axes:
+            return tuple(xs)
+        group, _ = self._group(mesh_axes)
+        wired = [_wire(x) for x in xs]
+        out: list = [None] * len(xs)
+        by_dtype: dict = {}
+        for i, (buf, _) in enumerate(wired):
+            by_dtype.setdefault(buf.dtype, []).append(i)
+        for idx in by_dtype.values():  # one flat buffer (one call) per dtype
+            flat = torch.cat([wired[i][0].reshape(-1) for i in idx])
+            dist.all_reduce(flat, op=_OPS[reduction], group=group)
+            for i, piece in zip(idx, flat.split([wired[i][0].numel() for i in idx]), strict=True):
+                buf, back = wired[i]
+                out[i] = back(piece.view(buf.shape))
+        return tuple(out)
+
     def _on_axis(self, x, mesh_axis):
         """``(n, group, wire tensor, back)`` for a collective along ``mesh_axis``; None if it has one member."""
         n = self.shape[mesh_axis].size
