@@ -14,12 +14,12 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from meshtorch.core.graph import Operation
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import Collective, Counters, _human
+from meshtorch.lowering.layout import slice_nbytes
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -121,12 +121,8 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _tensor_slice_bytes(lowering: Lowering, t) -> int:
-    return int(np.prod(lowering.slice_shape(t), dtype=np.int64)) * _itemsize(t.dtype)
+    return slice_nbytes(lowering.slice_shape(t), t.dtype)
 
 
 def _value_bytes(v) -> float:
