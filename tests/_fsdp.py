@@ -1,0 +1,70 @@
+"""The FSDP acceptance runs of tests/test_fsdp.py, importable inside the gloo processes (run_spmd workers).
+
+One tiny LM, three layouts (replicated data parallel; FSDP over ``data``; FSDP + tensor parallel on
+``data:2,model:2``), two optimizers (AdamW with global-norm clipping; Adafactor), 20 steps each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import meshtorch as mtf
+from meshtorch.models.transformer import build_lm, preset
+
+CFG = preset("tiny", vocab_size=30, vocab_multiple=4, d_model=16, num_heads=4, d_kv=4, d_ff=32, num_layers=2,
+             length=8, batch_size=4)
+STEPS = 20
+TP = "batch:data;heads:model;d_ff:model;vocab:model"
+# name -> (mesh shape, compute rules, storage rules)
+LAYOUTS = {
+    "replicated_dp": ("data:4", "batch:data", ""),
+    "fsdp": ("data:4", "batch:data", "d_model:data"),
+    "fsdp_tp": ("data:2,model:2", TP, "d_model:data"),
+}
+OPTIMIZERS = ("adamw_clip", "adafactor")
+LR, WD, CLIP = 1e-2, 0.01, 1.0
+
+
+def data(step: int):
+    """(inputs, targets) int64 [batch, length]: three fixed batches, cycled."""
+    g = torch.Generator().manual_seed(step % 3)
+    ids = torch.randint(0, CFG.vocab_size, (CFG.batch_size, CFG.length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def build(optimizer: str):
+    """The LM training step, built explicitly so the gradients are known: (lm, variables, grads, updates)."""
+    lm = build_lm(CFG, seed=4)
+    variables = lm.graph.trainable_variables
+    grads = mtf.gradients([lm.loss], variables)
+    if optimizer == "adamw_clip":
+        clipped, _ = mtf.optim.clip_by_global_norm(grads, CLIP)
+        updates = mtf.optim.AdamWOptimizer(LR, weight_decay=WD).apply_grads(clipped, variables)
+    elif optimizer == "adafactor":
+        updates = mtf.optim.AdafactorOptimizer().apply_grads(grads, variables)
+    else:
+        raise ValueError(optimizer)
+    return lm, variables, grads, updates
+
+
+def train(impl, optimizer: str, steps: int = STEPS):
+    """``steps`` training steps on ``impl``: (losses, final parameter values, counters of all the steps)."""
+    lm, variables, _, updates = build(optimizer)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
+    losses = []
+    for s in range(steps):
+        x, y = data(s)
+        losses.append(lw.run([lm.loss] + updates, feeds={lm.inputs: x, lm.targets: y})[0].item())
+    values = {v.name: lw.variable_value(v.name) for v in variables}
+    counters = {(c.kind, c.mesh_axes, c.op, c.tensor, c.bytes_per_processor): n
+                for c, n in lw.counters.records.items()}
+    return losses, values, counters
+
+
+def spmd_worker():
+    """Inside a gloo rank: every (layout, optimizer) run on an SpmdMeshImpl; {(layout, optimizer): train(...)}."""
+    out = {}
+    for name, (mesh_shape, layout, storage) in LAYOUTS.items():
+        for opt in OPTIMIZERS:
+            out[(name, opt)] = train(mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage), opt)
+    return out
