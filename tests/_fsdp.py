@@ -68,3 +68,23 @@ def spmd_worker():
         for opt in OPTIMIZERS:
             out[(name, opt)] = train(mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage), opt)
     return out
+
+
+# ---------------------------------------------------------------------- checkpoints across storage layouts
+CKPT_STEPS = 3
+
+
+def ckpt_save_worker(path: str):
+    """4 ranks, FSDP over ``data``: train CKPT_STEPS AdamW steps, ``mtf.save`` (each rank writes its shards);
+    return (losses, full values of every variable, the plain-PyTorch state dict, checkpoint directory)."""
+    mesh_shape, layout, storage = LAYOUTS["fsdp"]
+    lm, _, _, updates = build("adamw_clip")
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage)})
+    local = [list(lw.slice_shape(v.outputs[0])) for v in lw.variables]
+    losses = []
+    for s in range(CKPT_STEPS):
+        x, y = data(s)
+        losses.append(lw.run([lm.loss] + updates, feeds={lm.inputs: x, lm.targets: y})[0].item())
+    final = mtf.save(lw, path, step=CKPT_STEPS)
+    values = {n: lw.variable_value(n) for n in lw.variable_names}
+    return losses, values, mtf.to_torch_state_dict(lw, trainable_only=True), final, local
