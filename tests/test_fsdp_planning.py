@@ -106,6 +106,10 @@ def test_over_budget_configuration_fails_before_training_naming_a_storage_rule_t
     with pytest.raises(MemoryLimitError, match="No single storage rule fits") as info:
         check_memory_limit(lm.graph, lm.mesh, fetches, "data:4", "batch:data", memory_limit=1000)
     assert info.value.suggestion is None
+    # a suggestion adds to the storage rules given, never placing one dimension twice
+    with pytest.raises(MemoryLimitError) as info:
+        check_memory_limit(lm.graph, lm.mesh, fetches, "data:4", "batch:data", "d_model:data", 1000)
+    assert "d_model:data;d_model" not in str(info.value)
 
 
 def test_plan_lm_takes_storage_and_memory_limit():

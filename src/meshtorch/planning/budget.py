@@ -86,10 +86,11 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
         return rep
     cands = storage_candidates(graph, mesh_shape, layout) if candidates is None else list(candidates)
     fits, smallest = [], None
+    named = {r.split(":")[0].strip() for r in storage.replace(",", ";").split(";") if r.strip()}
     for extra in cands:
-        st = _join(storage, extra)
-        if st == storage:
+        if extra.split(":")[0].strip() in named:  # the storage rules already place this dimension
             continue
+        st = _join(storage, extra)
         try:
             r = plan_memory(graph, mesh, fetches, mesh_shape, layout, st, cost)
         except LayoutError:
