@@ -62,12 +62,48 @@ def train(impl, optimizer: str, steps: int = STEPS):
 
 
 def spmd_worker():
-    """Inside a gloo rank: every (layout, optimizer) run on an SpmdMeshImpl; {(layout, optimizer): train(...)}."""
+    """Inside a gloo rank: every (layout, optimizer) run on an SpmdMeshImpl; {(layout, optimizer): train(...)},
+    plus ``("bf16", storage)``: the bfloat16-activation MLP (:func:`bf16_steps`)."""
     out = {}
     for name, (mesh_shape, layout, storage) in LAYOUTS.items():
         for opt in OPTIMIZERS:
             out[(name, opt)] = train(mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage), opt)
+    for storage in BF16_STORAGE:
+        out[("bf16", storage)] = bf16_steps(mtf.SpmdMeshImpl("all:4", "batch:all", storage=storage))
     return out
+
+
+# ---------------------------------------------------------------------- mixed precision under storage rules
+BF16_STORAGE = ("", "io:all")
+
+
+def bf16_mlp():
+    """A 2-layer MLP with float32 variables read as bfloat16 (``VariableDType``), SGD: (graph, mesh, x, loss,
+    variables, grads, updates)."""
+    g = mtf.Graph(seed=5)
+    mesh = mtf.Mesh(g, "mesh")
+    b, io, h = mtf.Dimension("batch", 8), mtf.Dimension("io", 8), mtf.Dimension("hidden", 16)
+    vd = mtf.VariableDType(torch.float32, torch.float32, torch.bfloat16)
+    x = mtf.placeholder(mesh, "x", [b, io], dtype=torch.bfloat16)
+    w1 = mtf.get_variable(mesh, "w1", [io, h], dtype=vd)
+    w2 = mtf.get_variable(mesh, "w2", [h, io], dtype=vd)
+    y = mtf.einsum([mtf.relu(mtf.einsum([x, w1], output_shape=[b, h])), w2], output_shape=[b, io])
+    loss = mtf.reduce_mean(mtf.square(mtf.cast(y, torch.float32) - mtf.cast(x, torch.float32)))
+    variables = g.trainable_variables
+    grads = mtf.gradients([loss], variables)
+    updates = mtf.optim.SgdOptimizer(0.1).apply_grads(grads, variables)
+    return g, mesh, x, loss, variables, grads, updates
+
+
+def bf16_steps(impl, steps: int = 3):
+    """``steps`` SGD steps of :func:`bf16_mlp` on ``impl``: (losses, final float32 weights)."""
+    g, mesh, x, loss, variables, _, updates = bf16_mlp()
+    lw = mtf.Lowering(g, {mesh: impl})
+    losses = []
+    for s in range(steps):
+        xv = torch.randn(8, 8, generator=torch.Generator().manual_seed(50 + s)).bfloat16()
+        losses.append(lw.run([loss] + updates, feeds={x: xv})[0].item())
+    return losses, {v.name: lw.variable_value(v.name) for v in variables}
 
 
 # ---------------------------------------------------------------------- checkpoints across storage layouts

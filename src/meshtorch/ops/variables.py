@@ -133,7 +133,10 @@ def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype=torch.flo
     if var.activation_dtype == value.dtype:
         return value
     from meshtorch.ops.elementwise import cast
-    out = cast(value, var.activation_dtype, name=f"{full_name}/read")
+    # the read is cast where the variable is stored (its storage layout): under storage rules (FSDP)
+    # each shard is cast and the all-gather for compute moves the activation dtype (FSDP2's param_dtype)
+    with mesh.graph.storage_scope():
+        out = cast(value, var.activation_dtype, name=f"{full_name}/read")
     out.operation.variable = var  # lets assign / optimizers find the variable from its read
     return out
 
