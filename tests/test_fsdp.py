@@ -68,7 +68,14 @@ def test_losses_equal_under_every_storage_layout_on_placement_mesh(placement_run
     ref_losses, ref_values, _ = placement_runs[("replicated_dp", opt)]
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it trains
     for name in ("fsdp", "fsdp_tp"):
-        losses, values, _ = placement_runs[(name, opt)]
+        losses, values, counters = placement_runs[(name, opt)]
+        # what ran is STEPS times what the plan of one step says
+        m, lay, st = LAYOUTS[name]
+        lm, _, _, updates = build(opt)
+        lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(m, lay, storage=st)}, materialize=False)
+        planned = {(c.kind, c.mesh_axes, c.op, c.tensor, c.bytes_per_processor): n * STEPS
+                   for c, n in lw.plan_counters([lm.loss] + updates).records.items()}
+        assert counters == planned, (name, opt)
         assert _max_rel(losses, ref_losses) <= RTOL, (name, opt)
         for n, v in values.items():
             assert rel_error(v, ref_values[n]) <= 1e-5, (name, opt, n)
