@@ -154,7 +154,7 @@ def test_manifest_describes_variables_and_rng(tmp_path):
     m[0].run_count = 7  # a Lowering that counts its runs gets the count saved and restored
     path = mtf.save(m[0], str(tmp_path), step=0)
     man = json.load(open(os.path.join(path, "manifest.json")))
-    assert man["meshes"]["mesh"] == {"shape": "rows:2;cols:2", "layout": "batch:rows;hidden:cols",
+    assert man["meshes"]["mesh"] == {"shape": "rows:2;cols:2", "layout": "batch:rows;hidden:cols", "storage": "",
                                      "impl": "PlacementMeshImpl"}
     assert man["step"] == 0 and man["format_version"] == 1 and man["meshtorch_version"] == mtf.__version__
     assert man["rng"] == {"graph_seed": 0, "run_count": 7}

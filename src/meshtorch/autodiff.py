@@ -70,7 +70,11 @@ def gradients(ys, xs, grad_ys=None, operations=None) -> list[Tensor | None]:
         out_grads = [grads.get(t) for t in op.outputs]
         if all(g is None for g in out_grads):
             continue
-        in_grads = op.gradient(out_grads)
+        if getattr(op, "storage_side", False):  # a variable's read cast: its gradient is taken on the shards too
+            with graph.storage_scope():
+                in_grads = op.gradient(out_grads)
+        else:
+            in_grads = op.gradient(out_grads)
         for t, g in zip(op.inputs, in_grads, strict=True):
             if g is None or t not in downstream:
                 continue

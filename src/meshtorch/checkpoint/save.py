@@ -7,9 +7,10 @@ A checkpoint is a directory ``<root>/ckpt-<step>/`` holding
   by the variable's name. (``full=True`` writes one ``full.safetensors`` of full tensors instead.)
 * ``index-p<pnum>.json``: what one process wrote (files, sha256, regions); one per writing process.
 * ``manifest.json``: written last by the leader from the index files: format version, meshtorch
-  version, step, ``extra``, the random-generator state, each mesh's shape and layout rules, and
+  version, step, ``extra``, the random-generator state, each mesh's shape, layout and storage rules, and
   the variable table ``name -> {mesh, shape (named dims), dtype, trainable, layout, regions}``
-  where a region is ``{file, key, begin, size}`` in the variable's dim order.
+  where a region is ``{file, key, begin, size}`` in the variable's dim order. A variable's ``layout`` is
+  the one it is stored in (its storage layout under storage rules, FSDP): each processor writes its shard.
 
 Saving is atomic: everything is written into ``<root>/.tmp-ckpt-<step>``, fsync'ed (files and the
 directory), and renamed (``os.replace``) to ``ckpt-<step>``; old checkpoints beyond ``keep`` are
@@ -231,6 +232,7 @@ def _manifest(lowering, tmp: str, step: int, extra) -> dict:
     for mesh, impl in lowering.mesh_to_impl.items():
         meshes[mesh.name] = {"shape": ";".join(f"{d.name}:{d.size}" for d in impl.shape),
                              "layout": ";".join(f"{a}:{b}" for a, b in impl.layout_rules.pairs),
+                             "storage": ";".join(f"{a}:{b}" for a, b in impl.storage_rules.pairs),
                              "impl": type(impl).__name__}
     run_count = getattr(lowering, "run_count", None)
     return {

@@ -8,12 +8,16 @@ big for this machine can still be planned.
 * :mod:`~meshtorch.planning.cost`: :class:`CostModel` and :func:`estimate_time`, a simple
   alpha-beta model of one step's time.
 * :mod:`~meshtorch.planning.search`: :func:`search_layouts` ranks the legal layouts of a mesh.
+* :mod:`~meshtorch.planning.budget`: :func:`check_memory_limit` fails an over-budget configuration
+  before training, naming a storage rule (FSDP) that would fit.
 * :mod:`~meshtorch.planning.command`: what ``meshtorch plan`` prints for the LM.
 """
 
+from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
-from meshtorch.planning.search import candidate_layouts, graph_dimensions, search_layouts
+from meshtorch.planning.search import candidate_layouts, graph_dimensions, search_layouts, storage_candidates
 
-__all__ = ["CostModel", "MemoryReport", "candidate_layouts", "estimate_time", "graph_dimensions", "memory_report",
-           "search_layouts"]
+__all__ = ["CostModel", "MemoryLimitError", "MemoryReport", "candidate_layouts", "check_memory_limit",
+           "estimate_time", "graph_dimensions", "memory_report", "plan_memory", "search_layouts",
+           "storage_candidates"]

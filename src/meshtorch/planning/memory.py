@@ -6,6 +6,10 @@ intermediate values while the planned steps of ``fetches`` execute in order, the
 multiply-adds, global and per processor) and every collective with its bytes. It reads the lowered
 program (:class:`~meshtorch.lowering.Lowering`), never runs it, so it works on a dry-run lowering
 (``Lowering(graph, impls, materialize=False)``) that allocates no variable storage.
+
+Under storage rules (FSDP / ZeRO-3, ``PlacementMeshImpl(..., storage="d_model:data")``) variables and
+optimizer slots are counted as the shards they are stored as; the gathered full weights and the
+unreduced (partial-sum) gradients are intermediate values, counted in the peak activations.
 """
 
 from __future__ import annotations
@@ -33,8 +37,13 @@ class MemoryReport:
     Attributes:
         num_processors: processors of the mesh (the largest mesh if several).
         variables: ``{variable name: bytes of its slice}``.
-        trainable_bytes: slices of trainable variables (the parameters).
+        trainable_bytes: slices of trainable variables (the parameters), in their storage layout.
         non_trainable_bytes: slices of the other variables (optimizer slots, step counter).
+        gradient_bytes: the gradients the fetched updates apply, one per trainable variable assigned
+            by a fetched ``Assign``, each in its variable's storage layout and dtype (what the
+            update reads: a shard under storage rules). They are intermediate values, so they are
+            also part of ``peak_activation_bytes`` (not added again to ``total_bytes``); 0 when no
+            update of a trainable variable is fetched.
         constant_bytes: plan-time constants kept by the lowering (masks, offsets, imported tensors).
         peak_activation_bytes: estimated peak of live intermediate values (placeholder feeds,
             step outputs, collective buffers) while the planned steps run in order, each freed
@@ -52,6 +61,7 @@ class MemoryReport:
         counters: the planned :class:`~meshtorch.lowering.counters.Counters` (every collective).
         mesh_axis_sizes: ``{mesh axis name: size}``, for the cost model.
         layout: the layout rules, as text (for reports).
+        storage: the storage rules, as text ("" when variables are stored in the compute layout).
         estimated_time: seconds under a :class:`CostModel`, filled in by :func:`search_layouts`.
     """
 
@@ -70,6 +80,23 @@ class MemoryReport:
     mesh_axis_sizes: dict[str, int] = field(default_factory=dict)
     layout: str = ""
     estimated_time: dict | None = None
+    gradient_bytes: int = 0
+    storage: str = ""
+
+    @property
+    def parameter_bytes(self) -> int:
+        """The parameters' slices (``trainable_bytes``)."""
+        return self.trainable_bytes
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Optimizer slots and step counters (``non_trainable_bytes``)."""
+        return self.non_trainable_bytes
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state per processor (what FSDP divides by the data axis)."""
+        return self.trainable_bytes + self.gradient_bytes + self.non_trainable_bytes
 
     @property
     def variable_bytes(self) -> int:
@@ -92,9 +119,10 @@ class MemoryReport:
     def summary(self) -> str:
         """A readable table of the report."""
         n = self.num_processors
-        lines = [f"plan for {n} processor(s){' layout ' + repr(self.layout) if self.layout else ''} "
-                 "(bytes per processor):",
+        lines = [f"plan for {n} processor(s){' layout ' + repr(self.layout) if self.layout else ''}"
+                 f"{' storage ' + repr(self.storage) if self.storage else ''} (bytes per processor):",
                  f"  parameters (trainable variables)   {_human(self.trainable_bytes):>12}",
+                 f"  gradients (in peak activations)    {_human(self.gradient_bytes):>12}",
                  f"  other variables (optimizer state)  {_human(self.non_trainable_bytes):>12}",
                  f"  constants                          {_human(self.constant_bytes):>12}",
                  f"  peak activations (estimate)        {_human(self.peak_activation_bytes):>12}"
@@ -111,9 +139,9 @@ class MemoryReport:
             total = sum(b for _, b in comm.values())
             lines.append(f"communication per step: {sum(c for c, _ in comm.values())} collectives, "
                          f"{_human(total)} per processor")
-            lines.append(f"  {'collective':<12}{'mesh axes':<16}{'count':>7}{'bytes/processor':>18}")
+            lines.append(f"  {'collective':<16}{'mesh axes':<16}{'count':>7}{'bytes/processor':>18}")
             for (kind, axes), (count, b) in comm.items():
-                lines.append(f"  {kind:<12}{','.join(axes):<16}{count:>7}{_human(b):>18}")
+                lines.append(f"  {kind:<16}{','.join(axes):<16}{count:>7}{_human(b):>18}")
         if self.estimated_time:
             t = self.estimated_time
             lines.append(f"estimated step time: {t['total_s'] * 1e3:.3f} ms (compute {t['compute_s'] * 1e3:.3f} ms, "
@@ -236,6 +264,8 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
             trainable += b
         else:
             other += b
+    assigned = {name for name, _ in prog.assignments}
+    gradient_bytes = sum(variables[v.name] for v in lowering.variables if v.trainable and v.name in assigned)
     constants = int(sum(_value_bytes(v) for v in lowering.session.constant_values.values()))
     inputs = sum(size(s) for _, s in prog.placeholders)
     peak, peak_i, largest = _walk(prog.steps, prog.frees, size, size.records, live=inputs)
@@ -254,4 +284,5 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
         peak_step=(peak_i, peak_op), largest_slot_bytes=largest, estimated_slots=size.estimated,
         einsum_flops=prog.counters.einsum_flops, flops_per_processor=local_flops,
         counters=lowering.plan_counters(fetches), mesh_axis_sizes=dict(size.axis_sizes),
-        layout="; ".join(str(i.layout_rules) for i in impls if str(i.layout_rules)))
+        layout="; ".join(str(i.layout_rules) for i in impls if str(i.layout_rules)),
+        gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)))

@@ -60,6 +60,25 @@ def candidate_layouts(dim_names: Sequence[str], mesh_axes: Sequence[str], dim_si
     return out
 
 
+def storage_candidates(graph, mesh_shape, layout: str = "") -> list[str]:
+    """Single storage rules worth trying for ``graph`` on ``mesh_shape`` (FSDP / ZeRO-3 candidates).
+
+    One ``"dim:axis"`` rule for every dimension of a trainable variable and every mesh axis of size
+    > 1 that divides it, skipping rules the compute ``layout`` already holds; ``d_model`` first (it is
+    in every weight of a Transformer, so ``d_model:<data axis>`` shards all of them), then in the order
+    the dims first appear in the variables. Levanter's parameter axis mapping vs compute mapping.
+    """
+    sizes = {d.name: d.size for d in PlacementMeshImpl(mesh_shape, "").shape if d.size > 1}
+    compute = set(_rule_pairs(layout))
+    dims: dict[str, set] = {}
+    for v in graph.trainable_variables:
+        for d in v.outputs[0].shape:
+            dims.setdefault(d.name, set()).add(d.size)
+    order = sorted(dims, key=lambda n: (n != "d_model", list(dims).index(n)))
+    return [f"{d}:{a}" for d in order for a, n in sizes.items()
+            if (d, a) not in compute and all(s % n == 0 for s in dims[d])]
+
+
 def _rule_pairs(rules: str) -> list[tuple[str, str]]:
     return [tuple(p.split(":")) for p in rules.replace(",", ";").split(";") if p.strip()]
 
@@ -84,7 +103,8 @@ def _default_fetches(built):
 def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str] | None = None,
                    memory_limit_bytes: int | None = None, fetches_fn: Callable | None = None,
                    cost: CostModel | None = None, max_candidates: int = 256,
-                   refine: int | None = None) -> list[tuple[str, MemoryReport]]:
+                   refine: int | None = None, storage_rules: Sequence[str] | None = None,
+                   storage_top: int = 4) -> list[tuple[str, MemoryReport]]:
     """Rank layout rules for a model on a mesh by estimated step time (best first).
 
     Args:
@@ -104,9 +124,18 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
             (several dims may share an axis, e.g. ``heads:model;d_ff:model``) that lowers the
             estimated time most (or, over the memory limit, the memory), until none does. 0: off;
             default 3, or 0 when ``candidate_rules`` are given (only those are tried).
+        storage_rules: storage rules to try as well (FSDP / ZeRO-3, see
+            :meth:`meshtorch.mesh.base.MeshImpl`), e.g. ``["d_model:data"]``, or ``"auto"`` for
+            :func:`storage_candidates` of the graph. Each is tried on the ``storage_top`` compute
+            layouts of least estimated time and the ``storage_top`` of least activation memory
+            (among those over ``memory_limit_bytes`` when it is given), so a layout over the limit
+            can be brought under it by sharding its variables. Default None: variables are
+            stored in their compute layout (no storage rules), as before.
+        storage_top: how many compute layouts (by time, and by activation memory) get the storage candidates.
 
     Returns:
-        ``[(layout rules, MemoryReport)]`` of every legal layout tried that fits the limit (one
+        ``[(layout rules, MemoryReport)]`` of every legal layout tried that fits the limit (the
+        storage rules of each are ``report.storage``, "" for none; one
         of each set equal up to swapping mesh axes of one size), sorted by
         ``report.estimated_time["total_s"]`` (ties:
         smaller ``total_bytes``). Illegal layouts (``LayoutError`` from the lowering: size not
@@ -137,20 +166,22 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
     limit = memory_limit_bytes
     if refine is None:
         refine = 3 if default_candidates else 0
-    scored: dict[str, MemoryReport | None] = {}
+    scored: dict[tuple[str, str], MemoryReport | None] = {}
 
-    def score(rules: str) -> MemoryReport | None:
-        if rules not in scored:
+    def score(rules: str, storage: str = "") -> MemoryReport | None:
+        key = (rules, storage)
+        if key not in scored:
             try:
-                lw = Lowering(graph, {mesh: PlacementMeshImpl(mesh_shape, rules)}, materialize=False)
+                impl = PlacementMeshImpl(mesh_shape, rules, storage=storage)
+                lw = Lowering(graph, {mesh: impl}, materialize=False)
             except LayoutError:
-                scored[rules] = None
+                scored[key] = None
                 return None
             rep = memory_report(lw, fetches)
-            rep.layout = rules
+            rep.layout, rep.storage = rules, storage
             rep.estimated_time = estimate_time(rep, cost)
-            scored[rules] = rep
-        return scored[rules]
+            scored[key] = rep
+        return scored[key]
 
     def rank(rep: MemoryReport):  # layouts over the limit rank after every layout within it
         over = limit is not None and rep.total_bytes > limit
@@ -170,12 +201,29 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
             if not nbrs:
                 break
             rep = min(nbrs, key=rank)
+    if storage_rules is not None:
+        if isinstance(storage_rules, str):
+            if storage_rules != "auto":
+                raise ValueError(f"search_layouts: storage_rules must be a list of rule strings or 'auto', "
+                                 f"got {storage_rules!r}.")
+        # a layout within the limit needs no storage rules: try them on the fastest layouts over it, and on
+        # those with the least activation memory (storage rules shrink only the variables)
+        over = [r for r in scored.values() if r is not None and (limit is None or r.total_bytes > limit)]
+        by_time = sorted(over, key=lambda r: (r.estimated_time["total_s"], r.total_bytes))[:storage_top]
+        by_act = sorted(over, key=lambda r: (r.peak_activation_bytes + r.constant_bytes, r.total_bytes))[:storage_top]
+        fastest = list({id(r): r for r in by_time + by_act}.values())
+        for rep in fastest:
+            cands = storage_candidates(graph, mesh_shape, rep.layout) if storage_rules == "auto" else storage_rules
+            for st in cands:
+                score(rep.layout, st)
     results, seen = [], set()
-    for rules, r in sorted(((k, r) for k, r in scored.items() if r is not None), key=lambda kr: rank(kr[1])):
-        groups = defaultdict(set)
-        for d, a in _rule_pairs(rules):
-            groups[a].add(d)
-        key = frozenset((axis_sizes.get(a, a), frozenset(ds)) for a, ds in groups.items())
+    for (rules, storage), r in sorted(((k, r) for k, r in scored.items() if r is not None),
+                                      key=lambda kr: rank(kr[1])):
+        groups = defaultdict(lambda: (set(), set()))  # mesh axis -> (compute dims, storage dims)
+        for which, text in ((0, rules), (1, storage)):
+            for d, a in _rule_pairs(text):
+                groups[a][which].add(d)
+        key = frozenset((axis_sizes.get(a, a), frozenset(c), frozenset(st)) for a, (c, st) in groups.items())
         if key not in seen and (limit is None or r.total_bytes <= limit):
             seen.add(key)
             results.append((rules, r))

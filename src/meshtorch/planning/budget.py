@@ -1,0 +1,117 @@
+"""A per-processor memory budget checked before anything is allocated (:func:`check_memory_limit`).
+
+The check plans the training step as a dry run (``Lowering(..., materialize=False)``: no variable
+storage), so a configuration too large for the machine fails in seconds with a message that names the
+limit, the predicted bytes per processor and a storage rule (FSDP / ZeRO-3) that would fit, instead of
+running out of memory after allocating. ``meshtorch train`` / ``meshtorch plan`` and
+``benchmarks/fsdp_memory.py`` call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshtorch.core.errors import LayoutError, MeshtorchError
+from meshtorch.lowering import Lowering
+from meshtorch.lowering.counters import _human
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.planning.memory import MemoryReport, memory_report
+from meshtorch.planning.search import storage_candidates
+
+__all__ = ["MemoryLimitError", "check_memory_limit", "plan_memory"]
+
+
+class MemoryLimitError(MeshtorchError, ValueError):
+    """The planned per-processor memory of a configuration exceeds the given limit.
+
+    Attributes:
+        limit: the limit in bytes; ``report``: the :class:`MemoryReport` over it; ``suggestion``:
+        ``(storage rules, MemoryReport)`` of a storage rule that fits, or None.
+    """
+
+    def __init__(self, message: str, limit: int, report: MemoryReport, suggestion=None):
+        super().__init__(message)
+        self.limit, self.report, self.suggestion = limit, report, suggestion
+
+
+def _join(storage: str, extra: str) -> str:
+    return ";".join(r for r in (storage, extra) if r)
+
+
+def plan_memory(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str = "",
+                cost: CostModel | None = None) -> MemoryReport:
+    """The :class:`MemoryReport` of one ``run(fetches)`` of ``graph`` on ``mesh_shape`` with compute rules
+    ``layout`` and storage rules ``storage`` (dry run: nothing allocated), with its estimated time.
+
+    Raises:
+        LayoutError: naming the tensor and dimension, if the rules are illegal for the graph.
+    """
+    lw = Lowering(graph, {mesh: PlacementMeshImpl(mesh_shape, layout, storage=storage)}, materialize=False)
+    rep = memory_report(lw, fetches)
+    rep.layout, rep.storage = layout, storage
+    rep.estimated_time = estimate_time(rep, cost or CostModel())
+    return rep
+
+
+def _breakdown(r: MemoryReport) -> str:
+    return (f"parameters {_human(r.parameter_bytes)}, gradients {_human(r.gradient_bytes)}, optimizer state "
+            f"{_human(r.optimizer_state_bytes)}, peak activations {_human(r.peak_activation_bytes)}")
+
+
+def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str = "",
+                       memory_limit: int | None = None, candidates: Sequence[str] | None = None,
+                       cost: CostModel | None = None) -> MemoryReport:
+    """Plan ``fetches`` (e.g. ``[loss] + updates``) and fail before training if over ``memory_limit``.
+
+    Args:
+        graph, mesh: the model's graph and its Mesh.
+        mesh_shape, layout, storage: the mesh shape, compute rules and storage rules to be used.
+        memory_limit: bytes per processor (None: no check, the report is returned).
+        candidates: storage rules to suggest from (added to ``storage``); default
+            :func:`~meshtorch.planning.search.storage_candidates` (``d_model:<axis>`` first).
+        cost: the cost model ranking the storage rules that fit (default :class:`CostModel`).
+
+    Returns:
+        The :class:`MemoryReport` of the configuration (it fits).
+
+    Raises:
+        MemoryLimitError: the predicted ``total_bytes`` per processor exceed ``memory_limit``; the
+            message names the limit, the prediction (with its breakdown) and the fastest storage
+            rule that fits (by estimated time), or says that none of the candidates does.
+        LayoutError: the rules are illegal for the graph.
+    """
+    rep = plan_memory(graph, mesh, fetches, mesh_shape, layout, storage, cost)
+    if memory_limit is None or rep.total_bytes <= memory_limit:
+        return rep
+    cands = storage_candidates(graph, mesh_shape, layout) if candidates is None else list(candidates)
+    fits, smallest = [], None
+    named = {r.split(":")[0].strip() for r in storage.replace(",", ";").split(";") if r.strip()}
+    for extra in cands:
+        if extra.split(":")[0].strip() in named:  # the storage rules already place this dimension
+            continue
+        st = _join(storage, extra)
+        try:
+            r = plan_memory(graph, mesh, fetches, mesh_shape, layout, st, cost)
+        except LayoutError:
+            continue
+        if smallest is None or r.total_bytes < smallest[1].total_bytes:
+            smallest = (st, r)
+        if r.total_bytes <= memory_limit:
+            fits.append((st, r))
+    where = (f"mesh {str(mesh_shape)!r}, layout {layout!r}" + (f", storage {storage!r}" if storage else
+                                                                ", no storage rules"))
+    msg = (f"memory limit exceeded before training: predicted {_human(rep.total_bytes)} ({rep.total_bytes} bytes) "
+           f"per processor ({_breakdown(rep)}) on {where}, over the limit of {_human(memory_limit)} "
+           f"({memory_limit} bytes).")
+    best = None
+    if fits:
+        best = min(fits, key=lambda sr: (sr[1].estimated_time["total_s"], sr[1].total_bytes))
+        msg += (f" Storage rule {best[0]!r} would fit: {_human(best[1].total_bytes)} per processor "
+                f"({_breakdown(best[1])}); pass storage={best[0]!r} (meshtorch: --storage {best[0]!r}).")
+    elif smallest is not None:
+        msg += (f" No single storage rule fits; the smallest, {smallest[0]!r}, needs {_human(smallest[1].total_bytes)} "
+                "per processor: use more processors, a smaller batch, or split the model over more mesh axes.")
+    else:
+        msg += " No storage rule applies: use more processors, a smaller batch or a smaller model."
+    raise MemoryLimitError(msg, memory_limit, rep, best)
