@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import re
 
-from meshtorch.core.errors import LayoutError
+import torch
+
+from meshtorch.core.errors import LayoutError, ShapeError, UsageError
+from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import build_lm, preset
@@ -31,11 +34,11 @@ def parse_bytes(text: str) -> int:
     """``"16GiB"``, ``"512MB"``, ``"1e9"`` -> bytes.
 
     Raises:
-        ValueError: naming the text, if it is not a number with an optional unit.
+        UsageError: naming the text, if it is not a number with an optional unit.
     """
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"--memory-limit: cannot read {text!r}; write e.g. 16GiB, 512MB or 1e9.")
+        raise UsageError(f"--memory-limit: cannot read {text!r}; write e.g. 16GiB, 512MB or 1e9.")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
@@ -45,12 +48,78 @@ def _config(args, vocab_multiple: int):
                   vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple)
 
 
+def _positive(flag: str, value) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{flag} must be a finite number > 0, got {value}.")
+
+
+def check_args(args) -> None:
+    """Check ``meshtorch plan``'s flags before the model is built.
+
+    Raises:
+        UsageError: naming the flag (a size, a count or a rate that is not positive, a mesh size that is not a
+            positive integer, an unreadable ``--memory-limit``). LayoutError: a ``--layout``/``--storage`` rule
+            matching no dimension of the model or no axis of the mesh, naming it and listing both.
+    """
+    for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "vocab", "top", "flop_rate",
+                 "bandwidth"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.experts is not None and args.experts < 0:
+        raise UsageError(f"--experts must be >= 0, got {args.experts}.")
+    if args.latency is not None and not (math.isfinite(args.latency) and args.latency >= 0):
+        raise UsageError(f"--latency must be a finite number >= 0, got {args.latency}.")
+    if args.memory_limit:
+        parse_bytes(args.memory_limit)
+    try:
+        mesh = PlacementMeshImpl(args.mesh, "").shape
+    except ShapeError as e:
+        raise UsageError(f"--mesh {args.mesh!r}: {e} Mesh axis sizes must be positive integers.") from None
+    cfg = _config(args, 1)
+    cfg = preset(args.preset, **{**cfg.to_dict(), "num_layers": 1})
+    names = set()
+    for op in build_lm(cfg).graph.operations:
+        for t in op.outputs:
+            names.update(d.name for d in t.shape)
+    check_rules_strict(args.layout, names, mesh, flag="--layout")
+    check_rules_strict(getattr(args, "storage", "") or "", names, mesh, flag="--storage")
+
+
+def hardware_cost_model(args) -> tuple[CostModel, str]:
+    """The cost model of ``--hardware`` (``auto``: GPU if CUDA is available, else CPU) with the
+    ``--flop-rate``/``--bandwidth``/``--latency`` overrides, and the hardware's name."""
+    hw = args.hardware
+    if hw == "auto":
+        hw = "gpu" if torch.cuda.is_available() else "cpu"
+    base = CostModel.cpu() if hw == "cpu" else CostModel()
+    return CostModel(args.flop_rate or base.flop_rate, args.bandwidth or base.bandwidth,
+                     args.latency if args.latency is not None else base.latency), hw
+
+
+def why_line(ranked) -> str:
+    """One line saying why the first layout of ``ranked`` (``[(layout, MemoryReport)]``) beats the second."""
+    if len(ranked) < 2:
+        return "why: it is the only legal layout."
+    (a, ra), (b, rb) = ranked[0], ranked[1]
+    ta, tb = ra.estimated_time, rb.estimated_time
+    d_compute, d_comm = tb["compute_s"] - ta["compute_s"], tb["comm_s"] - ta["comm_s"]
+    if abs(tb["total_s"] - ta["total_s"]) <= 1e-12:
+        what = (f"the same estimated time, less memory per processor ({ra.total_bytes / 2 ** 20:.1f} vs "
+                f"{rb.total_bytes / 2 ** 20:.1f} MiB)")
+    elif d_compute >= d_comm:
+        what = (f"less compute per processor ({ta['compute_s'] * 1e3:.3f} vs {tb['compute_s'] * 1e3:.3f} ms), "
+                f"communication {ta['comm_s'] * 1e3:.3f} vs {tb['comm_s'] * 1e3:.3f} ms")
+    else:
+        what = (f"less communication ({ta['comm_s'] * 1e3:.3f} vs {tb['comm_s'] * 1e3:.3f} ms), compute "
+                f"{ta['compute_s'] * 1e3:.3f} vs {tb['compute_s'] * 1e3:.3f} ms")
+    return f"why: {a or '(replicated)'} beats {b or '(replicated)'} by {what}."
+
+
 def main_plan(args) -> list:
     """Print the plan (or the ranked layouts); returns ``[(layout, MemoryReport)]``."""
-    base = CostModel.cpu() if args.hardware == "cpu" else CostModel()
-    cost = CostModel(args.flop_rate or base.flop_rate, args.bandwidth or base.bandwidth,
-                     args.latency if args.latency is not None else base.latency)
-    impl = PlacementMeshImpl(args.mesh, "" if args.search else args.layout)
+    check_args(args)
+    cost, hw = hardware_cost_model(args)
+    storage = getattr(args, "storage", "") or None
+    impl = PlacementMeshImpl(args.mesh, "" if args.search else args.layout, storage=storage)
     if args.search:  # the vocab must be divisible by whichever axis the search puts it on
         multiple = math.lcm(*[d.size for d in impl.shape]) if impl.shape.ndims else 1
     else:
@@ -62,14 +131,14 @@ def main_plan(args) -> list:
     print(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size} "
           f"x length {cfg.length}; AdamW training step; mesh {args.mesh!r}")
-    print(f"cost model: {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per collective "
-          "(dry run: nothing allocated or executed)")
+    print(f"cost model ({hw}): {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
+          "collective (dry run: nothing allocated or executed)")
     fetches = [lm.loss] + lm.updates
     if not args.search:
         try:
             lw = Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
         except LayoutError as e:
-            raise SystemExit(f"meshtorch plan: illegal layout {args.layout!r}: {e}") from None
+            raise LayoutError(f"--layout {args.layout!r} is illegal for this model: {e}") from None
         rep = memory_report(lw, fetches)
         rep.layout = args.layout
         rep.estimated_time = estimate_time(rep, cost)
@@ -80,7 +149,7 @@ def main_plan(args) -> list:
         ranked = search_layouts(lambda: lm, args.mesh, memory_limit_bytes=limit, fetches_fn=lambda m: fetches,
                                 cost=cost)
     except ValueError as e:
-        raise SystemExit(f"meshtorch plan: {e}") from None
+        raise UsageError(f"--search: {e}") from None
     print(f"{len(ranked)} legal layouts{' within ' + args.memory_limit if limit else ''}; best {args.top}:")
     print(f"  {'rank':>4}  {'layout':<50}{'time ms':>10}{'compute':>10}{'comm':>10}{'memory/proc':>13}"
           f"{'comm/proc':>12}")
@@ -89,5 +158,24 @@ def main_plan(args) -> list:
         comm = sum(b for _, b in r.communication().values())
         print(f"  {i + 1:>4}  {lay or '(replicated)':<50}{t['total_s'] * 1e3:>10.3f}{t['compute_s'] * 1e3:>10.3f}"
               f"{t['comm_s'] * 1e3:>10.3f}{r.total_bytes / 2 ** 20:>10.1f} MiB{comm / 2 ** 20:>8.2f} MiB")
+    print(why_line(ranked))
+    mine = LayoutRules(args.layout)
+    pos = next((i for i, (lay, _) in enumerate(ranked) if LayoutRules(lay) == mine), None)
+    if pos is None:  # not among the candidates tried: lower it and place it by its estimated time
+        try:
+            lw = Lowering(lm.graph, {lm.mesh: PlacementMeshImpl(args.mesh, args.layout)}, materialize=False)
+            rep = memory_report(lw, fetches)
+            rep.estimated_time = estimate_time(rep, cost)
+            t = rep.estimated_time["total_s"]
+            pos = sum(r.estimated_time["total_s"] < t for _, r in ranked)
+            print(f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked) + 1}, "
+                  f"{t * 1e3:.3f} ms ({rep.estimated_time['compute_s'] * 1e3:.3f} compute, "
+                  f"{rep.estimated_time['comm_s'] * 1e3:.3f} comm), {rep.total_bytes / 2 ** 20:.1f} MiB/proc")
+        except LayoutError as e:
+            print(f"--layout {args.layout!r} (yours, or train's default): illegal on this model ({e})")
+    else:
+        t = ranked[pos][1].estimated_time
+        print(f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked)}, "
+              f"{t['total_s'] * 1e3:.3f} ms")
     return ranked
 
