@@ -127,18 +127,19 @@ def main_plan(args) -> list:
         multiple = 1 if a is None else impl.shape[a].size
     cfg = _config(args, multiple)
     lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
+    fetches = [lm.loss] + lm.updates
+    if not args.search:  # an illegal layout is refused before anything is printed
+        try:
+            lw = Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+        except LayoutError as e:
+            raise LayoutError(f"--layout {args.layout!r} is illegal for this model: {e}") from None
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     print(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size} "
           f"x length {cfg.length}; AdamW training step; mesh {args.mesh!r}")
     print(f"cost model ({hw}): {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
           "collective (dry run: nothing allocated or executed)")
-    fetches = [lm.loss] + lm.updates
     if not args.search:
-        try:
-            lw = Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
-        except LayoutError as e:
-            raise LayoutError(f"--layout {args.layout!r} is illegal for this model: {e}") from None
         rep = memory_report(lw, fetches)
         rep.layout = args.layout
         rep.estimated_time = estimate_time(rep, cost)

@@ -237,14 +237,14 @@ def check_args(args) -> None:
         checks.positive("--" + what.replace("_", "-"), getattr(args, what))
     checks.non_negative("--threads", args.threads)
     mesh = checks.mesh_shape("--mesh", args.mesh)
-    if not os.path.isdir(args.data_dir):
-        raise UsageError(f"--data-dir {args.data_dir!r} is not a directory; give the directory holding the IDX "
-                         "files (train-images-idx3-ubyte, ...).")
     if args.model == "conv":
         graph = build_conv_model(batch_size=args.batch_size, hidden_size=args.hidden).graph
     else:
         graph = build_mnist_model(batch_size=args.batch_size, hidden_size=args.hidden).graph
     checks.layout_rules("--layout", args.layout, checks.graph_dim_names(graph), mesh)
+    if not os.path.isdir(args.data_dir):
+        raise UsageError(f"--data-dir {args.data_dir!r} is not a directory; give the directory holding the IDX "
+                         "files (train-images-idx3-ubyte, ...).")
 
 
 def main_mnist(args) -> int:

@@ -135,6 +135,8 @@ def check_args(args) -> None:
     if getattr(args, "resume_from", None):
         if not os.path.isdir(args.resume_from):
             raise UsageError(f"--resume-from {args.resume_from!r} is not a checkpoint directory.")
+    elif args.resume and os.path.isdir(args.checkpoint_dir):
+        resume_point(args.checkpoint_dir, None)  # a damaged newest checkpoint is reported before any work
     args.data = checks.input_files("--data", args.data)
     checks.writable_dir("--checkpoint-dir", args.checkpoint_dir)
     checks.writable_file("--plot", args.plot)
