@@ -207,3 +207,47 @@ def test_sample_slides_past_the_context(ckpt, capsys):
     rc, out, _ = run_cli(["sample", "--checkpoint-dir", ckpt, "--max-new-tokens", "40", "--no-progress"], capsys)
     assert rc == 0, out
     assert "exceed the context of 16" in out
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _rank_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"RANK"])
+
+
+@pytest.mark.slow
+def test_killed_rank_is_named_by_every_survivor_and_the_launcher(tmp_path):
+    """SIGKILL rank 2 of 4 in the middle of training: every surviving rank and the launcher name rank 2,
+    no traceback, all ranks gone within 60 s."""
+    env = dict(os.environ, PYTHONPATH=SRC)
+    ck = tmp_path / "ck"
+    argv = [sys.executable, "-m", "meshtorch", "launch", "-n", "4", "--", "train", *TINY, "--steps", "100000",
+            "--eval-every", "100000", "--mesh", "all:4", "--layout", "batch:all", "--checkpoint-dir", str(ck),
+            "--checkpoint-every", "1", "--keep", "1"]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(ck.glob("ckpt-*")) and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        assert p.poll() is None, p.communicate()[0]
+        ranks = {_rank_of(c): c for c in _children(p.pid)}
+        assert sorted(ranks) == [0, 1, 2, 3]
+        os.kill(ranks[2], 9)
+        t_kill = time.monotonic()
+        out, _ = p.communicate(timeout=60)
+        assert time.monotonic() - t_kill < 60
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, out
+    assert "rank 2 failed first (killed by signal SIGKILL)" in out, out
+    assert "Traceback" not in out, out
+    survivors = [ln for ln in out.splitlines() if "stopping because" in ln]
+    assert len(survivors) >= 2 and all("because rank 2: stopped responding" in ln for ln in survivors), out
+    assert not any(os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
+                   for c in ranks.values())

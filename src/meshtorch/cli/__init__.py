@@ -59,6 +59,6 @@ def main(argv=None) -> int:
             code = PEER_FAILED_STATUS  # not this rank's fault: the launcher names the rank that failed first
         if code == 2 and int(os.environ.get("RANK", "0")) > 0:
             return code  # every rank checks the same inputs: rank 0 says what is wrong, once
-        hint = "" if ours else " (--debug shows the traceback)"
+        hint = "" if ours or code == PEER_FAILED_STATUS else " (--debug shows the traceback)"
         print(f"meshtorch {args.command}: error: {msg}{hint}", file=sys.stderr, flush=True)
         return code

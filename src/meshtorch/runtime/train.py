@@ -40,6 +40,7 @@ from meshtorch.optim import (
     linear_warmup,
     rsqrt_decay,
 )
+from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops
@@ -83,6 +84,23 @@ def learning_rate(args):
     else:
         lr = lambda step: cosine_decay_with_warmup(step, peak, warm, total)  # noqa: E731
     return lr
+
+
+def host_lr(args, step: int) -> float | None:
+    """The ``--schedule`` learning rate at ``step`` as a float (the optimizer's graph schedule, on the host),
+    for the logs; None for Adafactor's own schedule."""
+    if args.optimizer == "adafactor" and args.lr <= 0:
+        return None
+    total = max(args.steps, 2)
+    peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
+    s = torch.tensor(float(step), dtype=torch.float64)
+    if args.schedule == "constant":
+        return peak
+    if args.schedule == "linear-warmup":
+        return float(_linear_warmup(s, warmup=float(warm), peak=peak))
+    if args.schedule == "rsqrt":
+        return float(_rsqrt_decay(s, warmup=float(warm), multiplier=peak * math.sqrt(warm)))
+    return float(_cosine_decay_with_warmup(s, warmup=float(warm), total=float(total), peak=peak, min_value=0.0))
 
 
 def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
@@ -240,7 +258,6 @@ def main_train(args) -> dict:
     peak = job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
                           int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world)
     fpt = flops_per_token(cfg)
-    lr_of = learning_rate(args)
     metrics = None
     if getattr(args, "log_dir", "") and main_process:
         metrics = MetricsLog(args.log_dir, {"config": cfg.to_dict(), "mesh": args.mesh, "layout": args.layout,
@@ -267,47 +284,50 @@ def main_train(args) -> dict:
     bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
     t_start = time.perf_counter()
-    for step in bar:
-        batch = next(it, None)
-        if batch is None:
-            epoch, in_epoch = epoch + 1, 0
-            it = dataset.batches(cfg.batch_size, args.seed, epoch)
-            batch = next(it)
-        in_epoch += 1
-        t0 = time.perf_counter()
-        loss = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)[0].item()
-        dt = time.perf_counter() - t0
-        if not math.isfinite(loss):
-            raise RunFailure(f"training diverged: the loss is {loss} at step {step + 1}; nothing after step "
-                             f"{step} was saved. {_last_good(args.checkpoint_dir)} Lower --lr (now {args.lr}) or "
-                             "set --clip-norm.")
-        history["step"].append(step)
-        history["loss"].append(loss)
-        tps = tokens_per_step / dt
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * tps * fpt / peak:.1f}%")
-        if metrics is not None:
-            lr_now = lr_of(step) if callable(lr_of) else lr_of
-            metrics.log(step + 1, loss=loss, bits_per_byte=loss / math.log(2) / bpt, learning_rate=float(lr_now),
-                        tokens_per_s=tps, tokens_per_s_per_process=tps / world, mfu=tps * fpt / peak)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            if eval_lowering is not lowering:
-                for name in lowering.variable_names:
-                    if name in eval_lowering.variable_names:
-                        eval_lowering.set_variable_value(name, lowering.variable_value(name))
-            val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
-            history["val_step"].append(step + 1)
-            history["val_loss"].append(val)
+    try:
+        for step in bar:
+            batch = next(it, None)
+            if batch is None:
+                epoch, in_epoch = epoch + 1, 0
+                it = dataset.batches(cfg.batch_size, args.seed, epoch)
+                batch = next(it)
+            in_epoch += 1
+            t0 = time.perf_counter()
+            loss = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)[0].item()
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss):
+                raise RunFailure(f"training diverged: the loss is {loss} at step {step + 1}; nothing after step "
+                                 f"{step} was saved. {_last_good(args.checkpoint_dir)} Lower --lr (now {args.lr}) or "
+                                 "set --clip-norm.")
+            history["step"].append(step)
+            history["loss"].append(loss)
+            tps = tokens_per_step / dt
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * tps * fpt / peak:.1f}%")
             if metrics is not None:
-                metrics.log(step + 1, validation_loss=val, validation_bits_per_byte=val / math.log(2) / bpt)
-            if main_process:
-                tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
-                           f"{val / math.log(2) / bpt:.4f} bits per byte")
-        if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
-                                    or step + 1 == args.steps):
-            _check_finite(lowering, step + 1, args)
-            save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
-                     extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
-                            "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
+                metrics.log(step + 1, loss=loss, bits_per_byte=loss / math.log(2) / bpt,
+                            learning_rate=host_lr(args, step), tokens_per_s=tps,
+                            tokens_per_s_per_process=tps / world, mfu=tps * fpt / peak)
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                if eval_lowering is not lowering:
+                    for name in lowering.variable_names:
+                        if name in eval_lowering.variable_names:
+                            eval_lowering.set_variable_value(name, lowering.variable_value(name))
+                val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
+                history["val_step"].append(step + 1)
+                history["val_loss"].append(val)
+                if metrics is not None:
+                    metrics.log(step + 1, validation_loss=val, validation_bits_per_byte=val / math.log(2) / bpt)
+                if main_process:
+                    tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
+                               f"{val / math.log(2) / bpt:.4f} bits per byte")
+            if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
+                                        or step + 1 == args.steps):
+                _check_finite(lowering, step + 1, args)
+                save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
+                         extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
+                                "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
+    finally:
+        bar.close()  # an error message starts on its own line
     if not history["val_loss"]:
         raise UsageError(f"--steps {args.steps}: nothing to train, the checkpoint is already at step {start}; "
                          "give a larger --steps to continue.")
