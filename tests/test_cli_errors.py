@@ -17,8 +17,8 @@ from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import build_lm, preset
 
 TINY = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
-        "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "", "--steps", "2",
-        "--eval-every", "2", "--warmup-steps", "1"]
+        "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "",
+        "--checkpoint-dir", "", "--steps", "2", "--eval-every", "2", "--warmup-steps", "1"]
 PLAN = ["plan", "--preset", "tiny", "--layers", "1", "--length", "16", "--batch-size", "4", "--vocab", "64"]
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 

@@ -11,7 +11,7 @@ from meshtorch.runtime.sample import load_lm
 
 SMALL = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
          "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "",
-         "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2"]
+         "--checkpoint-dir", "", "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2"]
 
 
 def _args(*argv):

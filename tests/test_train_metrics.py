@@ -11,7 +11,8 @@ from meshtorch.cli import main
 from meshtorch.runtime.metrics import available_cores, job_peak_flops
 
 TINY = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
-        "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--warmup-steps", "1"]
+        "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--warmup-steps", "1",
+        "--checkpoint-dir", ""]
 
 
 def test_log_dir_writes_tensorboard_events_and_metrics_jsonl(tmp_path, capsys):

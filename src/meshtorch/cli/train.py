@@ -56,8 +56,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
     p.add_argument("--log-dir", default="",
                    help="write TensorBoard event files and metrics.jsonl here ('' to skip)")
-    p.add_argument("--checkpoint-dir", default="",
-                   help="save checkpoints here (atomic, restorable on any layout; '' for none)")
+    p.add_argument("--checkpoint-dir", default="runs/ckpt",
+                   help="save checkpoints here (atomic, restorable on any layout; `meshtorch sample --checkpoint-dir` "
+                        "reads them; '' for none)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
