@@ -143,7 +143,7 @@ def test_launch_reports_one_input_error_with_status_2():
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
     assert out.count("--lr must be a finite number") == 1, out
-    assert "rank 0 failed first" in out and "Traceback" not in out
+    assert "failed first (status 2: invalid input" in out and "Traceback" not in out
     assert time.perf_counter() - t0 < 60
 
 

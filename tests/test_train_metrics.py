@@ -26,8 +26,9 @@ def test_log_dir_writes_tensorboard_events_and_metrics_jsonl(tmp_path, capsys):
     val_rows = [r for r in rows if "validation_loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4] and [r["step"] for r in val_rows] == [2, 4]
     for r in train_rows:
-        assert {"bits_per_byte", "learning_rate", "tokens_per_s", "tokens_per_s_per_process", "mfu"} <= set(r)
-        assert 0 < r["mfu"] <= 1 and math.isfinite(r["loss"])
+        assert {"bits_per_byte", "learning_rate", "tokens_per_s", "tokens_per_s_per_process", "mfu",
+                "grad_norm"} <= set(r)
+        assert 0 < r["mfu"] <= 1 and math.isfinite(r["loss"]) and r["grad_norm"] > 0
     ea = event_accumulator.EventAccumulator(str(log))
     ea.Reload()
     tags = ea.Tags()["scalars"]

@@ -86,6 +86,12 @@ def learning_rate(args):
     return lr
 
 
+def grad_sum_of_squares(graph):
+    """The float32 scalar sum of squared gradients that ``--clip-norm`` computes (its square root is the
+    global gradient norm before clipping), or None without clipping."""
+    return next((op.outputs[0] for op in graph.operations if type(op).__name__ == "GlobalSumOfSquares"), None)
+
+
 def host_lr(args, step: int) -> float | None:
     """The ``--schedule`` learning rate at ``step`` as a float (the optimizer's graph schedule, on the host),
     for the logs; None for Adafactor's own schedule."""
@@ -264,7 +270,8 @@ def main_train(args) -> dict:
                                             "storage": getattr(args, "storage", ""), "processes": world})
     tokens_per_step = cfg.batch_size * cfg.length
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
-    fetches = [lm.loss] + lm.updates
+    sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
+    fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
     start, epoch, in_epoch = 0, 0, 0
     if args.resume or getattr(args, "resume_from", None):
         point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
@@ -293,10 +300,15 @@ def main_train(args) -> dict:
                 batch = next(it)
             in_epoch += 1
             t0 = time.perf_counter()
-            loss = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)[0].item()
+            outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
             dt = time.perf_counter() - t0
-            if not math.isfinite(loss):
-                raise RunFailure(f"training diverged: the loss is {loss} at step {step + 1}; nothing after step "
+            loss = outs[0].item()
+            gnorm = math.sqrt(outs[1].item()) if sumsq is not None and outs[1].item() >= 0 else None
+            if sumsq is not None and not math.isfinite(outs[1].item()):
+                gnorm = float("nan")
+            if not math.isfinite(loss) or (gnorm is not None and not math.isfinite(gnorm)):
+                what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {gnorm}"
+                raise RunFailure(f"training diverged: {what} at step {step + 1}; nothing after step "
                                  f"{step} was saved. {_last_good(args.checkpoint_dir)} Lower --lr (now {args.lr}) or "
                                  "set --clip-norm.")
             history["step"].append(step)
@@ -305,7 +317,7 @@ def main_train(args) -> dict:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * tps * fpt / peak:.1f}%")
             if metrics is not None:
                 metrics.log(step + 1, loss=loss, bits_per_byte=loss / math.log(2) / bpt,
-                            learning_rate=host_lr(args, step), tokens_per_s=tps,
+                            learning_rate=host_lr(args, step), grad_norm=gnorm, tokens_per_s=tps,
                             tokens_per_s_per_process=tps / world, mfu=tps * fpt / peak)
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 if eval_lowering is not lowering:
