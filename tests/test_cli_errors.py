@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -251,3 +252,22 @@ def test_killed_rank_is_named_by_every_survivor_and_the_launcher(tmp_path):
     assert len(survivors) >= 2 and all("because rank 2: stopped responding" in ln for ln in survivors), out
     assert not any(os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
                    for c in ranks.values())
+
+
+def _idx(path, array):
+    array = np.asarray(array, dtype=np.uint8)
+    header = (0x0800 | array.ndim).to_bytes(4, "big") + b"".join(int(s).to_bytes(4, "big") for s in array.shape)
+    path.write_bytes(header + array.tobytes())
+
+
+def test_mnist_divergence_stops_with_status_1(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 400), ("t10k", 100)):
+        _idx(tmp_path / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
+        _idx(tmp_path / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
+    rc, out, _ = run_cli(["mnist", "--data-dir", str(tmp_path), "--lr", "1e6", "--epochs", "1", "--hidden", "64",
+                          "--batch-size", "10",
+                          "--no-progress", "--threads", "1"], capsys)
+    assert rc == 1, out
+    assert "training diverged" in out and "at step" in out and "--lr" in out and "Traceback" not in out
+    assert "test accuracy" not in out  # stopped at the step, not reported as a finished run

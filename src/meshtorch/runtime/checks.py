@@ -137,3 +137,17 @@ def input_files(flag: str, paths) -> list[str]:
         else:
             out.append(p)
     return out
+
+
+#: a loss this many times the first step's is taken as divergence (healthy training never grows it so)
+EXPLODED_FACTOR = 1000.0
+
+
+def divergence(loss: float, first_loss: float | None) -> str | None:
+    """Why ``loss`` means the run diverged: non-finite, or over :data:`EXPLODED_FACTOR` times the first
+    step's loss ``first_loss`` (a cross-entropy starts near its maximum useful value); None if it is fine."""
+    if not math.isfinite(loss):
+        return f"the loss is {loss}"
+    if first_loss is not None and first_loss > 0 and loss > EXPLODED_FACTOR * first_loss:
+        return f"the loss is {loss:.4g}, over {EXPLODED_FACTOR:g} times the first step's {first_loss:.4g}"
+    return None

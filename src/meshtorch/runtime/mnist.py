@@ -14,7 +14,6 @@ evaluation feeds slices the same way and gathers the logits. Only the main proce
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -194,9 +193,9 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
             idx = perm[s * batch_size:(s + 1) * batch_size]
             loss = lowering.run(fetches, feeds=local_feeds(model, lowering, train_x, train_y, idx), feed_slices=True)[0]
             epoch_losses.append(float(loss))
-            if not math.isfinite(epoch_losses[-1]):
-                raise RunFailure(f"training diverged: the loss is {epoch_losses[-1]} at step {s + 1} of epoch {epoch}; "
-                                 f"lower --lr (now {lr}).")
+            why = checks.divergence(epoch_losses[-1], step_losses[0] if step_losses else epoch_losses[0])
+            if why:
+                raise RunFailure(f"training diverged: {why} at step {s + 1} of epoch {epoch}; lower --lr (now {lr}).")
             if bar is not None:
                 bar.update(1)
                 if s % 20 == 0:

@@ -290,7 +290,7 @@ def main_train(args) -> dict:
         next(it)
     bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
-    t_start = time.perf_counter()
+    t_start, first_loss = time.perf_counter(), None
     try:
         for step in bar:
             batch = next(it, None)
@@ -306,11 +306,13 @@ def main_train(args) -> dict:
             gnorm = math.sqrt(outs[1].item()) if sumsq is not None and outs[1].item() >= 0 else None
             if sumsq is not None and not math.isfinite(outs[1].item()):
                 gnorm = float("nan")
-            if not math.isfinite(loss) or (gnorm is not None and not math.isfinite(gnorm)):
-                what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {gnorm}"
-                raise RunFailure(f"training diverged: {what} at step {step + 1}; nothing after step "
-                                 f"{step} was saved. {_last_good(args.checkpoint_dir)} Lower --lr (now {args.lr}) or "
-                                 "set --clip-norm.")
+            first_loss = loss if first_loss is None else first_loss
+            what = checks.divergence(loss, first_loss)
+            if what is None and gnorm is not None and not math.isfinite(gnorm):
+                what = f"the gradient norm is {gnorm}"
+            if what:
+                raise RunFailure(f"training diverged: {what} at step {step + 1}; nothing after step {step} was "
+                                 f"saved. {_last_good(args.checkpoint_dir)} {_advice(args)}")
             history["step"].append(step)
             history["loss"].append(loss)
             tps = tokens_per_step / dt
@@ -368,8 +370,14 @@ def main_train(args) -> dict:
 
 
 def _last_good(checkpoint_dir: str) -> str:
-    latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
-    return f"The last good checkpoint is {latest}." if latest else "No checkpoint was saved."
+    if not checkpoint_dir:
+        return "(No --checkpoint-dir.)"
+    latest = latest_checkpoint(checkpoint_dir)
+    return f"The last good checkpoint is {latest}." if latest else f"No checkpoint in {checkpoint_dir!r} yet."
+
+
+def _advice(args) -> str:
+    return f"Lower --lr (now {args.lr})" + (" or set --clip-norm." if not args.clip_norm else ".")
 
 
 def _check_finite(lowering, step: int, args) -> None:
@@ -378,7 +386,7 @@ def _check_finite(lowering, step: int, args) -> None:
         v = lowering.variable_value(name)
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise RunFailure(f"training diverged: variable {name!r} is not finite after step {step}; not saved. "
-                             f"{_last_good(args.checkpoint_dir)} Lower --lr (now {args.lr}) or set --clip-norm.")
+                             f"{_last_good(args.checkpoint_dir)} {_advice(args)}")
 
 
 def _plot(history: dict, path: str, bytes_per_token: float = 1.0, title: str = "") -> None:
