@@ -11,6 +11,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        hidden = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if "default" in text or hidden or not action.option_strings:
             return text
         return text + " (default: %(default)r)" if isinstance(action.default, str) else text + " (default: %(default)s)"
