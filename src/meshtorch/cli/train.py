@@ -51,7 +51,7 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, batches and sampling")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0: torch's default). One is fastest for the small per-processor "
+                   help="torch intra-op threads (0: torch's own choice). One is fastest for the small per-processor "
                         "slices of a simulated mesh on a few cores; raise it for large models")
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
     p.add_argument("--log-dir", default="",
