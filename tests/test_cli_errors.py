@@ -271,3 +271,13 @@ def test_mnist_divergence_stops_with_status_1(tmp_path, capsys):
     assert rc == 1, out
     assert "training diverged" in out and "at step" in out and "--lr" in out and "Traceback" not in out
     assert "test accuracy" not in out  # stopped at the step, not reported as a finished run
+
+
+def test_sample_reports_a_newer_checkpoint_without_manifest(ckpt, tmp_path, capsys):
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(os.path.join(ckpt, "ckpt-2"), d / "ckpt-2")
+    (d / "ckpt-10").mkdir()  # damaged: no manifest
+    rc, out, _ = run_cli(["sample", "--checkpoint-dir", str(d), "--max-new-tokens", "3", "--no-progress"], capsys)
+    assert rc == 0, out
+    assert "ckpt-10" in out and "no manifest" in out and "ckpt-2" in out

@@ -151,3 +151,9 @@ def divergence(loss: float, first_loss: float | None) -> str | None:
     if first_loss is not None and first_loss > 0 and loss > EXPLODED_FACTOR * first_loss:
         return f"the loss is {loss:.4g}, over {EXPLODED_FACTOR:g} times the first step's {first_loss:.4g}"
     return None
+
+
+def step_dirs(checkpoint_dir: str) -> list[str]:
+    """``ckpt-<step>`` directories of ``checkpoint_dir``, newest first (complete or not)."""
+    names = [d for d in os.listdir(checkpoint_dir) if d.startswith("ckpt-") and d[5:].isdigit()]
+    return [os.path.join(checkpoint_dir, d) for d in sorted(names, key=lambda d: -int(d[5:]))]

@@ -53,6 +53,12 @@ def check_args(args) -> tuple[LMConfig, object]:
         checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
     mesh = checks.mesh_shape("--mesh", args.mesh)
     path = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
+    used = os.path.basename(path).rsplit("-", 1)[-1]
+    step = int(used) if used.isdigit() else -1
+    newer = [d for d in checks.step_dirs(args.checkpoint_dir) if int(os.path.basename(d)[5:]) > step
+             and not os.path.isfile(os.path.join(d, "manifest.json"))] if step >= 0 else []
+    for d in newer:  # a damaged or unfinished newer checkpoint is never skipped silently
+        print(f"note: {d!r} has no manifest.json (damaged or unfinished): using {path!r}", file=sys.stderr)
     manifest = load_manifest(path)
     extra = manifest.get("extra") or {}
     if "config" not in extra:

@@ -180,12 +180,6 @@ def check_args(args) -> None:
     checks.layout_rules("--storage", getattr(args, "storage", ""), names, mesh)
 
 
-def _step_dirs(checkpoint_dir: str) -> list[str]:
-    """``ckpt-<step>`` directories of ``checkpoint_dir``, newest first."""
-    names = [d for d in os.listdir(checkpoint_dir) if d.startswith("ckpt-") and d[5:].isdigit()]
-    return [os.path.join(checkpoint_dir, d) for d in sorted(names, key=lambda d: -int(d[5:]))]
-
-
 def _older_hint(older: list[str]) -> str:
     if not older:
         return "there is no older checkpoint; start without --resume"
@@ -202,7 +196,7 @@ def resume_point(checkpoint_dir: str, resume_from: str | None):
     """
     if resume_from:
         return resume_from, []
-    dirs = _step_dirs(checkpoint_dir)
+    dirs = checks.step_dirs(checkpoint_dir)
     if not dirs:
         return None, []
     try:
