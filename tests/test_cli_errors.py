@@ -2,6 +2,7 @@
 rule, rank or tensor, no traceback, and for input errors nothing trained (no model line, no progress)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -281,3 +282,17 @@ def test_sample_reports_a_newer_checkpoint_without_manifest(ckpt, tmp_path, caps
     rc, out, _ = run_cli(["sample", "--checkpoint-dir", str(d), "--max-new-tokens", "3", "--no-progress"], capsys)
     assert rc == 0, out
     assert "ckpt-10" in out and "no manifest" in out and "ckpt-2" in out
+
+
+def test_data_directory_reads_the_text_files_in_it(tmp_path, capsys):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    (d / "b.md").write_text("Pack my box with five dozen liquor jugs. " * 200)
+    (d / "image.png").write_bytes(b"\x89PNG not text")  # not a text file: ignored
+    rc, out, _ = run_cli(["train", *TINY, "--data", str(d), "--steps", "1", "--eval-every", "1"], capsys)
+    assert rc == 0, out
+    assert "validation loss" in out
+    n_train = int(re.search(r"(\d+) train / (\d+) validation sequences", out).group(1))
+    text_bytes = len((d / "a.txt").read_text()) + len((d / "b.md").read_text())
+    assert n_train * 17 <= text_bytes  # only the two text files were packed (the built-in corpus is ~465 kB)
