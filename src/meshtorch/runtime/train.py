@@ -239,6 +239,9 @@ def main_train(args) -> dict:
                  d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
                  activation=args.activation, norm=args.norm, gated=args.gated or None, vocab_size=tok.vocab_size,
                  vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts)
+    if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
+        raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
+                         f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
     dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
     bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
