@@ -109,6 +109,7 @@ INPUT_ERRORS = [
     ([*PLAN, "--layout", "batch:nonexistent_axis"], ["nonexistent_axis"]),
     ([*PLAN, "--storage", "d_model:nope"], ["--storage", "nope"]),
     ([*PLAN, "--top", "0"], ["--top"]),
+    ([*PLAN, "--search", "--storage", "d_model:data"], ["--storage", "--search"]),
     ([*PLAN, "--search", "--memory-limit", "12XB"], ["--memory-limit", "12XB"]),
     ([*PLAN, "--flop-rate", "-1"], ["--flop-rate"]),
     ([*PLAN, "--layout", "batch:data;length:model"], ["length"]),

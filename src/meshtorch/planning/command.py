@@ -70,6 +70,9 @@ def check_args(args) -> None:
         raise UsageError(f"--latency must be a finite number >= 0, got {args.latency}.")
     if args.memory_limit:
         parse_bytes(args.memory_limit)
+    if args.search and getattr(args, "storage", ""):
+        raise UsageError("--storage applies to the report of one --layout; --search ranks compute layouts "
+                         "without storage rules (drop --search or --storage).")
     try:
         mesh = PlacementMeshImpl(args.mesh, "").shape
     except ShapeError as e:

@@ -313,6 +313,7 @@ def main_train(args) -> dict:
             history["step"].append(step)
             history["loss"].append(loss)
             tps = tokens_per_step / dt
+            peak = max(peak, tps * fpt)  # the start-up measurement was low (a busy machine): never over 100 %
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * tps * fpt / peak:.1f}%")
             if metrics is not None:
                 metrics.log(step + 1, loss=loss, bits_per_byte=loss / math.log(2) / bpt,
