@@ -40,7 +40,10 @@ def is_communication_error(exc: BaseException) -> bool:
 def describe_failure(exc: BaseException) -> str:
     """The line to print for ``exc``; in a multi-process job it names the rank that failed first and why.
 
-    Also returns whether this rank failed first: see :func:`failed_first`.
+    In a job, records this rank's failure in the store unless one is recorded (a communication error
+    is blamed on the rank whose heartbeat stopped, see :func:`meshtorch.mesh.watchdog.silent_ranks`)
+    and waits 0.75 s so the other ranks' watchdogs read it. :func:`failed_first` tells from the line
+    whether this rank is the one named.
     """
     if not dist.is_initialized():
         return _cause(exc)
