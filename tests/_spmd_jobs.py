@@ -73,8 +73,8 @@ def ckpt_restore_worker(path: str):
 # ---------------------------------------------------------------------- meshtorch train
 TRAIN_ARGV = ["train", "--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "2", "--d-kv", "16",
               "--d-ff", "64", "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--plot", "",
-              "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2", "--steps", "5", "--eval-every", "5",
-              "--sample", "6", "--temperature", "0", "--mesh", "data:2,model:2",
+              "--checkpoint-dir", "", "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2", "--steps", "5",
+              "--eval-every", "5", "--sample", "6", "--temperature", "0", "--mesh", "data:2,model:2",
               "--layout", "batch:data;heads:model;d_ff:model;vocab:model"]
 
 

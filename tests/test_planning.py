@@ -294,6 +294,9 @@ def test_plan_cli_reports_and_searches(capsys):
     main(args + ["--search", "--top", "3"])
     out = capsys.readouterr().out
     assert "legal layouts" in out and out.count("\n") >= 5
-    assert math.isfinite(float(out.strip().splitlines()[-1].split()[2]))
-    with pytest.raises(SystemExit, match="length"):
-        main(args + ["--layout", "batch:data;length:model"])  # attention needs length whole
+    lines = out.splitlines()
+    rows = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["rank", "layout"]) + 1:][:3]
+    assert len(rows) == 3 and math.isfinite(float(rows[-1].split()[2]))
+    assert "why: " in out and "rank " in out.splitlines()[-1]  # the winner explained, --layout placed
+    assert main(args + ["--layout", "batch:data;length:model"]) == 2  # attention needs length whole
+    assert "length" in capsys.readouterr().err

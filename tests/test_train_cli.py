@@ -11,7 +11,7 @@ from meshtorch.runtime.sample import load_lm
 
 SMALL = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
          "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "",
-         "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2"]
+         "--checkpoint-dir", "", "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2"]
 
 
 def _args(*argv):
@@ -48,3 +48,37 @@ def test_resume_is_bitwise_identical_and_decoding_is_layout_independent(tmp_path
 
     s = _args("sample", "--checkpoint-dir", str(tmp_path / "a"), "--max-new-tokens", "5", "--temperature", "0")
     assert len(s.func(s)[0]) == 5
+
+
+def test_storage_rules_change_where_weights_live_not_the_losses(capsys):
+    from meshtorch.cli import main
+    base = ["train", *SMALL, "--dropout", "0", "--steps", "3", "--eval-every", "3"]
+    ref = _args(*base)
+    ref_loss = ref.func(ref)["history"]["loss"]
+    fsdp = _args(*base, "--storage", "d_model:data")
+    out = fsdp.func(fsdp)
+    assert torch.allclose(torch.tensor(out["history"]["loss"]), torch.tensor(ref_loss), rtol=1e-5)
+    lw = out["lowering"]
+    assert "reduce_scatter" in lw.counters.summary() or "reducescatter" in lw.counters.summary().replace("-", "")
+    capsys.readouterr()
+    assert main(["plan", "--preset", "tiny", "--layers", "1", "--length", "16", "--batch-size", "4", "--vocab", "64",
+                 "--storage", "d_model:data"]) == 0
+    planned = capsys.readouterr().out
+    assert "allgather" in planned.replace("_", "").replace("-", "").replace(" ", "")
+
+
+def test_every_flag_has_help_and_states_its_default_once():
+    from meshtorch.cli import build_parser
+    from meshtorch.cli._help import HelpFormatter
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "train" in a.choices)
+    for name, p in sub.choices.items():
+        fmt = HelpFormatter(name)
+        for a in p._actions:
+            if not a.option_strings or a.dest == "help":
+                continue
+            assert a.help, (name, a.option_strings)
+            text = fmt._get_help_string(a) if isinstance(p.formatter_class, type) and issubclass(
+                p.formatter_class, HelpFormatter) else a.help
+            assert (text % {"default": a.default}).count("(default") <= 1, (name, a.option_strings, text)  # once

@@ -8,10 +8,12 @@ sets ``func``, a function of :mod:`meshtorch.runtime`, :mod:`meshtorch.planning`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from meshtorch.cli import launch, mnist, plan, sample, train
-from meshtorch.core.errors import MeshtorchError
+from meshtorch.core.errors import MeshtorchError, RunFailure
+from meshtorch.runtime.failures import PEER_FAILED_STATUS, describe_failure, failed_first
 
 _COMMANDS = [train, sample, mnist, plan, launch]
 
@@ -20,19 +22,43 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subcommand per module in ``_COMMANDS``."""
     parser = argparse.ArgumentParser(prog="meshtorch", description="Mesh TensorFlow's named-dimension model "
                                      "parallelism on PyTorch.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full Python traceback of an error (default: one line naming the cause)")
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
     for mod in _COMMANDS:
         mod.add_parser(sub)
+    for p in sub.choices.values():  # also accepted after the command: `meshtorch train --debug`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full Python traceback of an error")
     return parser
 
 
 def main(argv=None) -> int:
-    """Entry point of the ``meshtorch`` script. Returns the exit status (2 on a meshtorch error)."""
+    """Entry point of the ``meshtorch`` script. Returns the exit status.
+
+    0 on success; 2 on an input error (a :class:`~meshtorch.core.errors.MeshtorchError` or ValueError
+    other than :class:`~meshtorch.core.errors.RunFailure`: a bad flag, file, layout or checkpoint, found
+    before training); 1 on a runtime failure (divergence, a failed rank, any other exception). Errors
+    are printed as one line without traceback unless ``--debug`` is given (then they propagate).
+    """
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)  # commands may return a result object for programmatic use
         return rc if isinstance(rc, int) else 0
-    except (MeshtorchError, ValueError) as e:
-        print(f"meshtorch {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"meshtorch {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line; the traceback with --debug
+        if args.debug:
+            raise
+        ours = isinstance(e, MeshtorchError | ValueError)
+        code = 2 if ours and not isinstance(e, RunFailure) else 1
+        msg = describe_failure(e)
+        if not failed_first(msg):
+            code = PEER_FAILED_STATUS  # not this rank's fault: the launcher names the rank that failed first
+        if code == 2 and int(os.environ.get("RANK", "0")) > 0:
+            return code  # every rank checks the same inputs: rank 0 says what is wrong, once
+        hint = "" if ours or code == PEER_FAILED_STATUS else " (--debug shows the traceback)"
+        print(f"meshtorch {args.command}: error: {msg}{hint}", file=sys.stderr, flush=True)
+        return code

@@ -20,7 +20,8 @@ def add_launch_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds before a collective that a failed or hung rank never joins raises (default 60)")
     p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds the other ranks get to exit after one fails before they are terminated")
+                   help="seconds the other ranks get to exit after one fails before they are terminated "
+                        "(default: %(default)s)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after `--`")
     p.set_defaults(func=main_launch_args)
     return p

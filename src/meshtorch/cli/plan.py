@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-
+from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS
 from meshtorch.planning.command import DEFAULT_LAYOUT, DEFAULT_MESH, main_plan
 
@@ -12,19 +11,21 @@ def add_plan_subcommand(subparsers) -> None:
     """Register ``meshtorch plan`` on an argparse sub-parsers object."""
     p = subparsers.add_parser("plan", help="memory, FLOPs and communication of an LM step, before running; "
                                            "--search ranks layouts",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+                              formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size preset")
     for flag in ("layers", "d-model", "heads", "d-kv", "d-ff", "length", "batch-size", "vocab", "experts"):
-        p.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
+        p.add_argument(f"--{flag}", type=int, default=None, help="override the preset (default: the preset's)")
     p.add_argument("--mesh", default=DEFAULT_MESH, help='mesh shape, e.g. "data:2,model:2"; "" = 1 processor')
     p.add_argument("--layout", default=DEFAULT_LAYOUT, help="layout rules tensor_dim:mesh_axis;...")
-    p.add_argument("--search", action="store_true", help="rank all layouts of --mesh instead of reporting --layout")
+    p.add_argument("--storage", default="", help='storage layout rules for variables, e.g. "d_model:data" (FSDP)')
+    p.add_argument("--search", action="store_true",
+                   help="rank all layouts of --mesh (and place --layout among them) instead of reporting --layout")
     p.add_argument("--top", type=int, default=10, help="layouts to print with --search")
     p.add_argument("--memory-limit", default=None, help="with --search: drop layouts needing more per processor "
                                                         "(e.g. 16GiB)")
-    p.add_argument("--hardware", default="gpu", choices=["gpu", "cpu"],
-                   help="cost-model defaults: gpu = CostModel() (1e14 FLOP/s, 1e11 B/s, 1e-5 s), "
-                        "cpu = CostModel.cpu() (1e11, 1e10, 5e-5)")
+    p.add_argument("--hardware", default="auto", choices=["auto", "gpu", "cpu"],
+                   help="cost-model defaults: auto = the hardware this runs on (gpu if CUDA is available, else cpu), "
+                        "gpu = CostModel() (1e14 FLOP/s, 1e11 B/s, 1e-5 s), cpu = CostModel.cpu() (1e11, 1e10, 5e-5)")
     p.add_argument("--flop-rate", type=float, default=None, help="cost model: FLOP/s per processor")
     p.add_argument("--bandwidth", type=float, default=None, help="cost model: link bytes/s")
     p.add_argument("--latency", type=float, default=None, help="cost model: seconds per collective")

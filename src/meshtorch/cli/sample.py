@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-import argparse
-
+from meshtorch.cli._help import HelpFormatter
 from meshtorch.runtime.sample import main_sample
 
 
 def add_sample_subcommand(subparsers) -> None:
+    """Register ``meshtorch sample`` on an argparse sub-parsers object."""
     p = subparsers.add_parser("sample", help="generate text from a trained LM checkpoint",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint-dir", required=True)
-    p.add_argument("--prompt", default="The ")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=40)
+                              formatter_class=HelpFormatter)
+    p.add_argument("--checkpoint-dir", required=True,
+                   help="a --checkpoint-dir of meshtorch train (its newest checkpoint) or one ckpt-<step> directory")
+    p.add_argument("--prompt", default="The ", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to generate; past the model's context the window slides (the oldest tokens drop)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--beam", type=int, default=0, help="beam width (0: sample)")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1, help="independent samples (at most the batch size)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--mesh", default="", help="mesh to decode on (default: 1 processor)")
-    p.add_argument("--layout", default="")
+    p.add_argument("--layout", default="", help="layout rules tensor_dim:mesh_axis;... (default: replicated)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main_sample)
 
 

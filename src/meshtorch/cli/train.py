@@ -2,50 +2,73 @@
 
 from __future__ import annotations
 
-import argparse
-
+from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS
 from meshtorch.runtime.train import DEFAULT_LAYOUT, DEFAULT_MESH, main_train
 
+_OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model width"),
+              ("heads", int, "attention heads"), ("d-kv", int, "size of each head"),
+              ("d-ff", int, "feed-forward hidden size"), ("length", int, "context length in tokens"),
+              ("batch-size", int, "sequences per step"), ("dropout", float, "dropout rate in [0, 1)"),
+              ("experts", int, "mixture-of-experts experts per MoE layer (0: dense)"))
+
 
 def add_train_subcommand(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a Transformer LM (the main job)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    for flag, typ in (("layers", int), ("d-model", int), ("heads", int), ("d-kv", int), ("d-ff", int),
-                      ("length", int), ("batch-size", int), ("dropout", float), ("experts", int)):
-        p.add_argument(f"--{flag}", type=typ, default=None, help="override the preset")
-    p.add_argument("--activation", default=None, choices=["relu", "gelu", "gelu_tanh", "silu"])
+    """Register ``meshtorch train`` on an argparse sub-parsers object. Every flag is checked before data is loaded
+    (:func:`meshtorch.runtime.train.check_args`)."""
+    p = subparsers.add_parser("train", help="train a Transformer LM (the main job)", formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size preset")
+    for flag, typ, what in _OVERRIDES:
+        p.add_argument(f"--{flag}", type=typ, default=None, help=f"{what} (default: the preset's)")
+    p.add_argument("--activation", default=None, choices=["relu", "gelu", "gelu_tanh", "silu"],
+                   help="feed-forward activation (default: the preset's)")
     p.add_argument("--gated", action="store_true", help="gated feed-forward (GEGLU/SwiGLU)")
-    p.add_argument("--norm", default=None, choices=["rms", "layer"])
-    p.add_argument("--mesh", default=DEFAULT_MESH, help='mesh shape, e.g. "data:2,model:2"; "" = 1 processor')
-    p.add_argument("--layout", default=DEFAULT_LAYOUT, help="layout rules tensor_dim:mesh_axis;...")
-    p.add_argument("--data", nargs="*", default=None, help="UTF-8 text files (default: built-in corpus)")
+    p.add_argument("--norm", default=None, choices=["rms", "layer"], help="normalization (default: the preset's)")
+    p.add_argument("--mesh", default=DEFAULT_MESH,
+                   help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
+                        "processor")
+    p.add_argument("--layout", default=DEFAULT_LAYOUT,
+                   help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis)")
+    p.add_argument("--storage", default="",
+                   help='storage layout rules for variables, e.g. "d_model:data" (FSDP: weights all-gathered for '
+                        "compute, gradients reduce-scattered)")
+    p.add_argument("--data", nargs="*", default=None,
+                   help="UTF-8 text files, or directories of .txt/.md/.rst files (default: the built-in corpus)")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "sentencepiece"],
                    help="UTF-8 bytes, or a SentencePiece model trained on the training documents")
     p.add_argument("--vocab-size", type=int, default=1024, help="SentencePiece vocabulary size")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"])
-    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (adafactor: <= 0 = its own schedule)")
-    p.add_argument("--schedule", default="cosine", choices=["constant", "linear-warmup", "rsqrt", "cosine"])
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clipping (0: off)")
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=600, help="training steps (in total, counting resumed ones)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"],
+                   help="optimizer")
+    p.add_argument("--lr", type=float, default=6e-3,
+                   help="peak learning rate, finite and > 0 (adafactor: <= 0 = its own schedule)")
+    p.add_argument("--schedule", default="cosine", choices=["constant", "linear-warmup", "rsqrt", "cosine"],
+                   help="learning-rate schedule")
+    p.add_argument("--warmup-steps", type=int, default=50, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (adamw, adam)")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations")
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, batches and sampling")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0: torch's default). One is fastest for the small per-processor "
+                   help="torch intra-op threads (0: torch's own choice). One is fastest for the small per-processor "
                         "slices of a simulated mesh on a few cores; raise it for large models")
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
-    p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (atomic, restorable on any layout)")
+    p.add_argument("--log-dir", default="",
+                   help="write TensorBoard event files and metrics.jsonl here ('' to skip)")
+    p.add_argument("--checkpoint-dir", default="runs/ckpt",
+                   help="save checkpoints here (atomic, restorable on any layout; `meshtorch sample --checkpoint-dir` "
+                        "reads them; '' for none)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--sample", type=int, default=200, help="bytes to sample after training (0: none)")
-    p.add_argument("--prompt", default="The ")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume-from", default=None,
+                   help="continue from this checkpoint directory (e.g. an older ckpt-<step> when the newest is "
+                        "damaged); new checkpoints still go to --checkpoint-dir")
+    p.add_argument("--sample", type=int, default=200, help="tokens to sample after training (0: none)")
+    p.add_argument("--prompt", default="The ", help="prompt of the sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens (0: all)")
     p.set_defaults(func=main_train)
 
 

@@ -28,3 +28,11 @@ class DataError(MeshtorchError, ValueError):
 class CheckpointError(MeshtorchError, ValueError):
     """A checkpoint cannot be written or read: corrupt or truncated file, missing variable, shape or
     dtype mismatch. The message names the variable and the file."""
+
+
+class UsageError(MeshtorchError, ValueError):
+    """A command-line flag or input path is invalid (exit status 2); the message names the flag."""
+
+
+class RunFailure(MeshtorchError, RuntimeError):
+    """A run that started correctly failed (divergence, a failed rank): the command exits with status 1."""

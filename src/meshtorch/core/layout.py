@@ -168,5 +168,29 @@ class TensorLayout:
         return out
 
 
+def check_rules_strict(rules, dim_names: Iterable[str], mesh_shape, flag: str = "--layout") -> LayoutRules:
+    """``rules`` as :class:`LayoutRules`, refusing rules that name no dimension of the model or no axis of the mesh.
+
+    The library ignores such rules (Mesh TF's behaviour: a rule applies only where both names exist); a
+    command line calls this so that a typo is not silently run fully replicated.
+
+    Raises:
+        LayoutError: naming ``flag`` and the rule, listing the model's dimensions and the mesh's axes.
+    """
+    rules = convert_to_layout_rules(rules)
+    dims = sorted(set(dim_names))
+    axes = [d.name for d in convert_to_shape(mesh_shape)]
+    for d, a in rules.pairs:
+        what = []
+        if d not in dims:
+            what.append(f"tensor dimension {d!r} is not a dimension of the model")
+        if a not in axes:
+            what.append(f"mesh axis {a!r} is not an axis of the mesh")
+        if what:
+            raise LayoutError(f"{flag}: rule '{d}:{a}': {' and '.join(what)}. The model's dimensions are "
+                              f"{', '.join(dims)}; the mesh's axes are {', '.join(axes) or '(none: one processor)'}.")
+    return rules
+
+
 def convert_to_layout_rules(x) -> LayoutRules:
     return x if isinstance(x, LayoutRules) else LayoutRules(x)

@@ -34,6 +34,11 @@ def check_full(name: str, spec: TensorSlot, value, what: str = "Placeholder") ->
     if tuple(value.shape) != want:
         raise FeedError(f"{what} {name!r} expects shape {spec_shape(spec)} (sizes {list(want)}), "
                         f"but was fed a tensor of shape {list(value.shape)}.")
+    if (value.is_floating_point() or value.is_complex()) and not (spec.dtype.is_floating_point
+                                                                   or spec.dtype.is_complex):
+        raise FeedError(f"{what} {name!r} has dtype {str(spec.dtype).replace('torch.', '')} but was fed "
+                        f"{str(value.dtype).replace('torch.', '')} values, which would be truncated; feed integers "
+                        "(e.g. tensor.long()).")
     return value.to(spec.dtype)
 
 

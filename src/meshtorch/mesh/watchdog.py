@@ -20,6 +20,7 @@ import traceback
 import torch.distributed as dist
 
 FAILED_KEY = "meshtorch/failed"
+HEARTBEAT_KEY = "meshtorch/alive/{rank}"  # a counter each rank's watchdog increments every poll
 #: exit status of a rank the watchdog stops because another rank failed
 PEER_FAILED_STATUS = 75  # sysexits EX_TEMPFAIL: not this rank's fault
 _watchdog: _Watchdog | None = None
@@ -68,6 +69,7 @@ class _Watchdog(threading.Thread):
     def run(self):
         while not self.stopped.wait(self.poll_s):
             try:
+                self.store.add(HEARTBEAT_KEY.format(rank=self.rank), 1)
                 if not self.store.check([FAILED_KEY]):
                     continue
                 msg = self.store.get(FAILED_KEY).decode()
@@ -80,6 +82,40 @@ class _Watchdog(threading.Thread):
             # exit a little after the failed rank, so that torchrun / meshtorch launch name it as the first failure
             time.sleep(self.exit_delay_s)
             os._exit(PEER_FAILED_STATUS)
+
+
+def silent_ranks(world_size: int, wait_s: float = 1.0) -> list[int] | None:
+    """Ranks whose watchdog heartbeat did not advance during ``wait_s`` seconds (killed or hung), or None if
+    the store cannot be read (its host, rank 0 or the launcher, is gone)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        keys = [HEARTBEAT_KEY.format(rank=r) for r in range(world_size)]
+        before = [store.add(k, 0) for k in keys]
+        time.sleep(wait_s)
+        after = [store.add(k, 0) for k in keys]
+    except Exception:  # noqa: BLE001 - the store host is gone
+        return None
+    return [r for r in range(world_size) if before[r] == after[r]]
+
+
+def record_failure_text(text: str) -> str | None:
+    """Record ``text`` (``"rank R: cause"``) as the job's failure unless one is recorded; returns the first."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        first = store.compare_set(FAILED_KEY, "", text[:4000])
+        return first.decode() if isinstance(first, bytes) else str(first)
+    except Exception:  # noqa: BLE001 - the store may be gone already
+        return None
+
+
+def mark_reported() -> None:
+    """Tell this rank's watchdog that this rank handles the failure itself (it stops watching)."""
+    if _watchdog is not None:
+        _watchdog.reported = True
 
 
 def start_watchdog(poll_s: float = 0.25, exit_delay_s: float = 2.0) -> None:

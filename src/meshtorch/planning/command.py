@@ -4,8 +4,9 @@ of one LM training step, before running it.
 ``meshtorch plan --mesh "data:2,model:2" --layout "batch:data;heads:model"`` builds the LM training
 graph (AdamW), lowers it as a dry run (no variable storage is allocated, nothing runs) and prints
 the :func:`meshtorch.planning.memory_report`; ``--search`` ranks every layout of the mesh with
-:func:`meshtorch.planning.search_layouts` and prints the best ``--top``. :func:`plan_lm` is the same as a
-function with ``storage`` (storage rules, FSDP) and ``memory_limit`` (bytes) arguments.
+:func:`meshtorch.planning.search_layouts`, prints the best ``--top``, why the winner wins and where
+``--layout`` ranks. :func:`plan_lm` is the same as a function with ``storage`` (storage rules, FSDP)
+and ``memory_limit`` (bytes) arguments.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ from __future__ import annotations
 import math
 import re
 
-from meshtorch.core.errors import LayoutError
+import torch
+
+from meshtorch.core.errors import LayoutError, ShapeError, UsageError
+from meshtorch.core.layout import LayoutRules, check_rules_strict
+from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
-from meshtorch.planning.cost import CostModel
+from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.planning.memory import memory_report
 from meshtorch.planning.search import search_layouts
 
 DEFAULT_MESH = "data:2,model:2"
@@ -46,21 +52,138 @@ def _config(args, vocab_multiple: int):
                   vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple)
 
 
+def _positive(flag: str, value) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{flag} must be a finite number > 0, got {value}.")
+
+
+def check_args(args) -> None:
+    """Check ``meshtorch plan``'s flags before the model is built.
+
+    Raises:
+        UsageError: naming the flag (a size, a count or a rate that is not positive, a mesh size that is not a
+            positive integer, an unreadable ``--memory-limit``). LayoutError: a ``--layout``/``--storage`` rule
+            matching no dimension of the model or no axis of the mesh, naming it and listing both.
+    """
+    for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "vocab", "top", "flop_rate",
+                 "bandwidth"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.experts is not None and args.experts < 0:
+        raise UsageError(f"--experts must be >= 0, got {args.experts}.")
+    if args.latency is not None and not (math.isfinite(args.latency) and args.latency >= 0):
+        raise UsageError(f"--latency must be a finite number >= 0, got {args.latency}.")
+    if args.memory_limit:
+        parse_bytes(args.memory_limit)
+    storage = getattr(args, "storage", "") or ""
+    if args.search and storage not in ("", "auto"):
+        raise UsageError("--storage with --search: give --storage auto (search storage rules too) or drop "
+                         "--storage; explicit storage rules apply to the report of one --layout.")
+    if storage == "auto" and not args.search:
+        raise UsageError("--storage auto needs --search (it searches storage rules).")
+    try:
+        mesh = PlacementMeshImpl(args.mesh, "").shape
+    except ShapeError as e:
+        raise UsageError(f"--mesh {args.mesh!r}: {e} Mesh axis sizes must be positive integers.") from None
+    cfg = _config(args, 1)
+    cfg = preset(args.preset, **{**cfg.to_dict(), "num_layers": 1})
+    names = set()
+    for op in build_lm(cfg).graph.operations:
+        for t in op.outputs:
+            names.update(d.name for d in t.shape)
+    check_rules_strict(args.layout, names, mesh, flag="--layout")
+    if storage != "auto":
+        check_rules_strict(storage, names, mesh, flag="--storage")
+
+
+def hardware_cost_model(args) -> tuple[CostModel, str]:
+    """The cost model of ``--hardware`` (``auto``: GPU if CUDA is available, else CPU) with the
+    ``--flop-rate``/``--bandwidth``/``--latency`` overrides, and the hardware's name."""
+    hw = args.hardware
+    if hw == "auto":
+        hw = "gpu" if torch.cuda.is_available() else "cpu"
+    base = CostModel.cpu() if hw == "cpu" else CostModel()
+    return CostModel(args.flop_rate or base.flop_rate, args.bandwidth or base.bandwidth,
+                     args.latency if args.latency is not None else base.latency), hw
+
+
+def why_line(ranked) -> str:
+    """One line saying why the first layout of ``ranked`` (``[(layout, MemoryReport)]``) beats the second."""
+    if len(ranked) < 2:
+        return "why: it is the only legal layout."
+    (a, ra), (b, rb) = ranked[0], ranked[1]
+    ta, tb = ra.estimated_time, rb.estimated_time
+    d_compute, d_comm = tb["compute_s"] - ta["compute_s"], tb["comm_s"] - ta["comm_s"]
+    if abs(tb["total_s"] - ta["total_s"]) <= 1e-12:
+        what = (f"the same estimated time, less memory per processor ({ra.total_bytes / 2 ** 20:.1f} vs "
+                f"{rb.total_bytes / 2 ** 20:.1f} MiB)")
+    elif d_compute >= d_comm:
+        what = (f"less compute per processor ({ta['compute_s'] * 1e3:.3f} vs {tb['compute_s'] * 1e3:.3f} ms), "
+                f"communication {ta['comm_s'] * 1e3:.3f} vs {tb['comm_s'] * 1e3:.3f} ms")
+    else:
+        what = (f"less communication ({ta['comm_s'] * 1e3:.3f} vs {tb['comm_s'] * 1e3:.3f} ms), compute "
+                f"{ta['compute_s'] * 1e3:.3f} vs {tb['compute_s'] * 1e3:.3f} ms")
+    return f"why: {a or '(replicated)'} beats {b or '(replicated)'} by {what}."
+
+
 def main_plan(args) -> list:
     """Print the plan (or the ranked layouts) for the parsed ``meshtorch plan`` arguments; returns
-    ``[(layout, MemoryReport)]``. Reads ``args.storage`` (storage rules, or ``"auto"`` to search them)
-    and ``args.memory_limit`` (text such as ``16GiB``) when the parser defines them."""
-    base = CostModel.cpu() if args.hardware == "cpu" else CostModel()
-    cost = CostModel(args.flop_rate or base.flop_rate, args.bandwidth or base.bandwidth,
-                     args.latency if args.latency is not None else base.latency)
+    ``[(layout, MemoryReport)]``.
+
+    Raises:
+        UsageError / LayoutError: from :func:`check_args`, before the model is built; LayoutError naming
+            ``--layout`` if it is illegal for the model.
+    """
+    check_args(args)
+    cost, hw = hardware_cost_model(args)
+    storage = getattr(args, "storage", "") or ""
     limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
-    return plan_lm(lambda multiple: _config(args, multiple), args.mesh, args.layout,
-                   storage=getattr(args, "storage", "") or "", memory_limit=limit, search=args.search, top=args.top,
-                   cost=cost)
+    if not args.search:  # an illegal layout is refused before anything is printed
+        impl = PlacementMeshImpl(args.mesh, args.layout, storage=storage or None)
+        a = impl.tensor_dimension_to_mesh_axis("vocab")
+        lm = build_lm(_config(args, 1 if a is None else impl.shape[a].size), optimizer=AdamWOptimizer(1e-3))
+        try:
+            Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+        except LayoutError as e:
+            raise LayoutError(f"--layout {args.layout!r} is illegal for this model: {e}") from None
+    try:
+        ranked = plan_lm(lambda multiple: _config(args, multiple), args.mesh, args.layout, storage=storage,
+                         memory_limit=limit, search=args.search, top=args.top, cost=cost, hardware=hw)
+    except ValueError as e:
+        raise UsageError(f"--search: {e}") from None
+    if args.search:
+        print(why_line(ranked))
+        print(your_layout_line(args, ranked, cost))
+    return ranked
+
+
+def your_layout_line(args, ranked, cost) -> str:
+    """Where ``--layout`` (the user's, or train's default) ranks among ``ranked``."""
+    mine = LayoutRules(args.layout)
+    pos = next((i for i, (lay, _) in enumerate(ranked) if LayoutRules(lay) == mine), None)
+    if pos is not None:
+        t = ranked[pos][1].estimated_time
+        return (f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked)}, "
+                f"{t['total_s'] * 1e3:.3f} ms")
+    # not among the candidates tried: lower it and place it by its estimated time
+    impl = PlacementMeshImpl(args.mesh, args.layout)
+    a = impl.tensor_dimension_to_mesh_axis("vocab")
+    lm = build_lm(_config(args, 1 if a is None else impl.shape[a].size), optimizer=AdamWOptimizer(1e-3))
+    try:
+        lw = Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+    except LayoutError as e:
+        return f"--layout {args.layout!r} (yours, or train's default): illegal on this model ({e})"
+    rep = memory_report(lw, [lm.loss] + lm.updates)
+    rep.estimated_time = estimate_time(rep, cost)
+    t = rep.estimated_time["total_s"]
+    pos = sum(r.estimated_time["total_s"] < t for _, r in ranked)
+    return (f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked) + 1}, "
+            f"{t * 1e3:.3f} ms ({rep.estimated_time['compute_s'] * 1e3:.3f} compute, "
+            f"{rep.estimated_time['comm_s'] * 1e3:.3f} comm), {rep.total_bytes / 2 ** 20:.1f} MiB/proc")
 
 
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
-            search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print) -> list:
+            search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
+            hardware: str = "") -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -74,7 +197,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         memory_limit: bytes per processor. Without ``search``: a configuration over it is reported with
             the :class:`~meshtorch.planning.budget.MemoryLimitError` message (the limit, the prediction,
             a storage rule that fits). With ``search``: layouts over it are dropped.
-        cost: the :class:`CostModel` (default ``CostModel()``).
+        cost: the :class:`CostModel` (default ``CostModel()``); ``hardware``: its name, printed.
 
     Returns:
         ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules).
@@ -95,7 +218,8 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     print_fn(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
              f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size} "
              f"x length {cfg.length}; AdamW training step; mesh {mesh_shape!r}")
-    print_fn(f"cost model: {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
+    hw = f" ({hardware})" if hardware else ""
+    print_fn(f"cost model{hw}: {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
              "collective (dry run: nothing allocated or executed)")
     fetches = [lm.loss] + lm.updates
     if not search:

@@ -30,11 +30,23 @@ def _prepare(lm, prompt_ids, rows: int):
     return buf, len(prompt)
 
 
+def _slide(buf: torch.Tensor, t: int) -> int:
+    """Make room for the token at position ``t``: past the context, drop the oldest token (sliding window)."""
+    if t < buf.shape[1]:
+        return t
+    buf[:, :-1] = buf[:, 1:].clone()
+    return buf.shape[1] - 1
+
+
 def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
-           seed: int = 0, num_samples: int = 1) -> list[list[int]]:
+           seed: int = 0, num_samples: int = 1, progress=None) -> list[list[int]]:
     """Sample continuations of ``prompt_ids``; ``temperature=0`` is greedy decoding.
 
+    Past the model's context (``length``) the window slides: each new token is predicted from the last
+    ``length - 1`` tokens.
+
     Args:
+        progress: optional callable, called once per generated token (e.g. a tqdm bar's ``update``).
         lowering / lm: a Lowering of an :class:`~meshtorch.models.transformer.LMGraph`.
         prompt_ids: token ids (1-D).
         top_k: keep only the ``top_k`` most likely tokens (0: all).
@@ -43,10 +55,11 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
     Returns:
         ``num_samples`` lists of generated token ids (prompt excluded).
     """
-    buf, t0 = _prepare(lm, prompt_ids, num_samples)
+    buf, t = _prepare(lm, prompt_ids, num_samples)
     gen = torch.Generator().manual_seed(seed)
-    end = min(lm.config.length, t0 + max_new_tokens)
-    for t in range(t0, end):
+    out = [[] for _ in range(num_samples)]
+    for _ in range(max_new_tokens):
+        t = _slide(buf, t)
         logits = _next_logits(lowering, lm, buf, t)[:num_samples]
         if temperature <= 0:
             nxt = logits.argmax(-1)
@@ -57,21 +70,29 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
         buf[:num_samples, t] = nxt
-    return [buf[i, t0:end].tolist() for i in range(num_samples)]
+        for i in range(num_samples):
+            out[i].append(int(nxt[i]))
+        t += 1
+        if progress is not None:
+            progress()
+    return out
 
 
 def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32,
-                length_penalty: float = 0.0) -> list[int]:
+                length_penalty: float = 0.0, progress=None) -> list[int]:
     """Beam search (Graves 2012; Mesh TF ``beam_search`` without EOS handling): the best sequence.
+
+    Past the model's context the window slides (as :func:`sample`); ``progress`` is called per token.
 
     Beams are rows of the graph's batch. Scores are summed log-probabilities divided by
     ``len**length_penalty`` when ranking the final beams.
     """
-    buf, t0 = _prepare(lm, prompt_ids, beam_size)
+    buf, t = _prepare(lm, prompt_ids, beam_size)
     scores = torch.full((beam_size,), float("-inf"))
     scores[0] = 0.0  # all beams start equal: expand only the first
-    end = min(lm.config.length, t0 + max_new_tokens)
-    for t in range(t0, end):
+    hist = torch.zeros(beam_size, 0, dtype=torch.int64)
+    for _ in range(max_new_tokens):
+        t = _slide(buf, t)
         logp = torch.log_softmax(_next_logits(lowering, lm, buf, t)[:beam_size], -1)
         cand = (scores[:, None] + logp).flatten()
         best = cand.topk(beam_size)
@@ -79,7 +100,10 @@ def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: in
         src, tok = best.indices // vocab, best.indices % vocab
         buf[:beam_size] = buf[src].clone()
         buf[:beam_size, t] = tok
+        hist = torch.cat([hist[src], tok[:, None]], dim=1)
         scores = best.values
-    n = end - t0
-    final = scores / (max(n, 1) ** length_penalty)
-    return buf[int(final.argmax()), t0:end].tolist()
+        t += 1
+        if progress is not None:
+            progress()
+    final = scores / (max(max_new_tokens, 1) ** length_penalty)
+    return hist[int(final.argmax())].tolist()

@@ -8,6 +8,7 @@ and are then terminated.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from meshtorch.core.errors import UsageError
 from meshtorch.mesh.watchdog import PEER_FAILED_STATUS
 
 
@@ -72,9 +74,22 @@ def launch(command: list[str], nprocs: int, timeout_s: float | None = None, grac
     if first_fail is None:
         return 0
     r, c = first_fail
-    how = f"signal {signal.Signals(-c).name}" if c < 0 else f"status {c}"
-    print(f"meshtorch launch: rank {r} failed first ({how}); exit statuses by rank: {codes}", file=sys.stderr)
-    return 1
+    print(f"meshtorch launch: rank {r} failed first ({_how(c)}); exit statuses by rank: {codes}", file=sys.stderr)
+    return c if 0 < c != PEER_FAILED_STATUS else 1
+
+
+def _how(code: int) -> str:
+    """Words for a process's exit status."""
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == 2:
+        return "status 2: invalid input, see its message above"
+    if code == PEER_FAILED_STATUS:
+        return f"status {code}: stopped because another rank failed"
+    return f"status {code}: its error is above"
 
 
 def _terminate(procs, wait_s: float = 5.0):
@@ -96,16 +111,19 @@ def launch_command(command: list[str], nprocs: int, timeout_s: float | None = No
     is taken as a meshtorch subcommand (``python -m meshtorch command...``).
 
     Raises:
-        SystemExit: if the command is empty or ``nprocs`` < 1 (naming the flag).
+        UsageError: if the command is empty, ``nprocs`` < 1, or a time is not positive (naming the flag).
     """
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise SystemExit("meshtorch launch: give a command after `--`, e.g. "
-                         "`meshtorch launch -n 4 -- python train.py`.")
+        raise UsageError("give a command after `--`, e.g. `meshtorch launch -n 4 -- python train.py`.")
     if nprocs < 1:
-        raise SystemExit(f"meshtorch launch: -n must be >= 1, got {nprocs}.")
+        raise UsageError(f"-n/--nproc must be >= 1, got {nprocs}.")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise UsageError(f"--timeout must be a finite number of seconds > 0, got {timeout_s}.")
+    if not (math.isfinite(grace_s) and grace_s >= 0):
+        raise UsageError(f"--grace must be a finite number of seconds >= 0, got {grace_s}.")
     if os.sep not in command[0] and shutil.which(command[0]) is None:
         command = [sys.executable, "-m", "meshtorch", *command]
     return launch(command, nprocs, timeout_s=timeout_s, grace_s=grace_s)

@@ -14,18 +14,21 @@ evaluation feeds slices the same way and gathers the logits. Only the main proce
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from meshtorch.core.errors import RunFailure, UsageError
 from meshtorch.data.mnist import load_mnist
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.models.mnist import MnistModel, build_mnist_model
 from meshtorch.models.mnist_conv import build_conv_model, pixel_stats
+from meshtorch.runtime import checks
 from meshtorch.runtime.optional import optional_module
 
 
@@ -190,6 +193,9 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
             idx = perm[s * batch_size:(s + 1) * batch_size]
             loss = lowering.run(fetches, feeds=local_feeds(model, lowering, train_x, train_y, idx), feed_slices=True)[0]
             epoch_losses.append(float(loss))
+            why = checks.divergence(epoch_losses[-1], step_losses[0] if step_losses else epoch_losses[0])
+            if why:
+                raise RunFailure(f"training diverged: {why} at step {s + 1} of epoch {epoch}; lower --lr (now {lr}).")
             if bar is not None:
                 bar.update(1)
                 if s % 20 == 0:
@@ -215,16 +221,34 @@ def train_mnist(mesh_shape: str = "", layout: str = "", epochs: int = 3, batch_s
     return MnistRun(stats, step_losses, model, lowering, time.perf_counter() - t_start, config)
 
 
-def main_mnist(args) -> int:
-    """Run the job from parsed arguments; print per-epoch results and the communication summary."""
+def check_args(args) -> None:
+    """Check every ``meshtorch mnist`` flag before the data is read or the model built (defaults filled in).
+
+    Raises:
+        UsageError: naming the flag: a number out of range, a missing ``--data-dir``, a mesh size that is not
+            a positive integer. LayoutError: a ``--layout`` rule matching no dimension of the model or no
+            axis of the mesh (naming the rule, listing both).
+    """
     for k, v in MODEL_DEFAULTS[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    for what in ("epochs", "batch_size", "hidden"):
-        if getattr(args, what) <= 0:
-            raise ValueError(f"--{what.replace('_', '-')} must be positive, got {getattr(args, what)}.")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}.")
+    for what in ("epochs", "batch_size", "hidden", "lr", "steps_per_epoch"):
+        checks.positive("--" + what.replace("_", "-"), getattr(args, what))
+    checks.non_negative("--threads", args.threads)
+    mesh = checks.mesh_shape("--mesh", args.mesh)
+    if args.model == "conv":
+        graph = build_conv_model(batch_size=args.batch_size, hidden_size=args.hidden).graph
+    else:
+        graph = build_mnist_model(batch_size=args.batch_size, hidden_size=args.hidden).graph
+    checks.layout_rules("--layout", args.layout, checks.graph_dim_names(graph), mesh)
+    if not os.path.isdir(args.data_dir):
+        raise UsageError(f"--data-dir {args.data_dir!r} is not a directory; give the directory holding the IDX "
+                         "files (train-images-idx3-ubyte, ...).")
+
+
+def main_mnist(args) -> int:
+    """Run the job from parsed arguments; print per-epoch results and the communication summary."""
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     run = train_mnist(args.mesh, args.layout, args.epochs, args.batch_size, args.hidden, args.lr, args.seed,

@@ -8,13 +8,16 @@ from the ones it was trained with (checkpoints restore onto any layout).
 from __future__ import annotations
 
 import os
+import sys
 
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore
-from meshtorch.core.errors import CheckpointError
+from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.data.text import ByteTokenizer, SentencePieceTokenizer
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import LMConfig, build_lm
+from meshtorch.runtime import checks
 from meshtorch.runtime.generate import beam_search, sample
+from meshtorch.runtime.optional import optional_module
 
 
 def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
@@ -31,18 +34,70 @@ def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
     return lm, lowering
 
 
+def check_args(args) -> tuple[LMConfig, object]:
+    """Check ``meshtorch sample``'s flags against the checkpoint's manifest before the model is built;
+    returns the model config and the tokenizer.
+
+    Raises:
+        UsageError: naming the flag: a missing ``--checkpoint-dir``, a number out of range, a prompt that
+            leaves no room in the context, more samples or beams than the batch.
+        CheckpointError: a checkpoint without manifest or model config. LayoutError: a ``--layout`` rule
+            matching no dimension of the model or no axis of the mesh.
+    """
+    if not os.path.isdir(args.checkpoint_dir):
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory; give the --checkpoint-dir "
+                         "of a meshtorch train run.")
+    checks.positive("--max-new-tokens", args.max_new_tokens)
+    checks.positive("--num-samples", args.num_samples)
+    for flag in ("temperature", "top_k", "beam"):
+        checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
+    mesh = checks.mesh_shape("--mesh", args.mesh)
+    path = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
+    used = os.path.basename(path).rsplit("-", 1)[-1]
+    step = int(used) if used.isdigit() else -1
+    newer = [d for d in checks.step_dirs(args.checkpoint_dir) if int(os.path.basename(d)[5:]) > step
+             and not os.path.isfile(os.path.join(d, "manifest.json"))] if step >= 0 else []
+    for d in newer:  # a damaged or unfinished newer checkpoint is never skipped silently
+        print(f"note: {d!r} has no manifest.json (damaged or unfinished): using {path!r}", file=sys.stderr)
+    manifest = load_manifest(path)
+    extra = manifest.get("extra") or {}
+    if "config" not in extra:
+        raise CheckpointError(f"checkpoint {path!r} has no model config; was it written by 'meshtorch train'?")
+    cfg = LMConfig(**extra["config"])
+    spm_path = os.path.join(args.checkpoint_dir, "tokenizer.model")
+    tok = SentencePieceTokenizer.from_file(spm_path) if os.path.exists(spm_path) else ByteTokenizer()
+    n = len(tok.encode(args.prompt))
+    if n == 0 or n >= cfg.length:
+        raise UsageError(f"--prompt is {n} tokens; the model's context is {cfg.length} tokens, so give 1 to "
+                         f"{cfg.length - 1}.")
+    rows = args.beam or args.num_samples
+    if rows > cfg.batch_size:
+        flag = "--beam" if args.beam else "--num-samples"
+        raise UsageError(f"{flag} {rows} exceeds the model's batch of {cfg.batch_size}.")
+    small = LMConfig(**{**extra["config"], "num_layers": 1})
+    checks.layout_rules("--layout", args.layout, checks.graph_dim_names(build_lm(small, train=False).graph), mesh)
+    return cfg, tok
+
+
 def main_sample(args):
     """Run ``meshtorch sample`` from its parsed arguments (:mod:`meshtorch.cli.sample`): print and return
     the generated token ids."""
+    cfg, tok = check_args(args)
     lm, lowering = load_lm(args.checkpoint_dir, args.mesh, args.layout)
-    spm_path = os.path.join(args.checkpoint_dir, "tokenizer.model")
-    tok = SentencePieceTokenizer.from_file(spm_path) if os.path.exists(spm_path) else ByteTokenizer()
     prompt = tok.encode(args.prompt)
+    if args.max_new_tokens + len(prompt) > cfg.length:
+        print(f"note: {len(prompt)} prompt + {args.max_new_tokens} new tokens exceed the context of {cfg.length}: "
+              f"later tokens see only the last {cfg.length - 1}.", file=sys.stderr)
+    tqdm = optional_module("tqdm", "meshtorch sample's progress bar (--no-progress: none)").tqdm
+    bar = tqdm(total=args.max_new_tokens, desc="sample", unit="tok", leave=False,
+               disable=getattr(args, "no_progress", False))
     if args.beam:
-        outs = [beam_search(lowering, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens)]
+        outs = [beam_search(lowering, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens,
+                            progress=bar.update)]
     else:
         outs = sample(lowering, lm, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                      args.num_samples)
+                      args.num_samples, progress=bar.update)
+    bar.close()
     for ids in outs:
         print(args.prompt + tok.decode(ids))
         print("-" * 40)

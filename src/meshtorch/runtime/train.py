@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from meshtorch.checkpoint import latest_checkpoint, restore, save
+from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore, save
+from meshtorch.core.errors import CheckpointError, RunFailure, UsageError
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.lowering import Lowering
@@ -39,7 +40,10 @@ from meshtorch.optim import (
     linear_warmup,
     rsqrt_decay,
 )
+from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
+from meshtorch.runtime import checks
 from meshtorch.runtime.generate import sample
+from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops
 from meshtorch.runtime.optional import optional_module
 
 DEFAULT_MESH = "data:2,model:2"
@@ -55,16 +59,7 @@ def vocab_multiple(mesh_shape: str, layout: str) -> int:
 
 def make_optimizer(args):
     """The optimizer named by ``--optimizer`` with the ``--schedule`` learning rate."""
-    total = max(args.steps, 2)
-    peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
-    if args.schedule == "constant":
-        lr = peak
-    elif args.schedule == "linear-warmup":
-        lr = lambda step: linear_warmup(step, warm, peak)  # noqa: E731
-    elif args.schedule == "rsqrt":
-        lr = lambda step: rsqrt_decay(step, warm, peak * math.sqrt(warm))  # noqa: E731
-    else:
-        lr = lambda step: cosine_decay_with_warmup(step, peak, warm, total)  # noqa: E731
+    lr = learning_rate(args)
     if args.optimizer == "adamw":
         return AdamWOptimizer(lr, weight_decay=args.weight_decay)
     if args.optimizer == "adam":
@@ -76,15 +71,42 @@ def make_optimizer(args):
     return SgdOptimizer(lr)
 
 
-def measure_peak_flops(seconds: float = 0.5, n: int = 512) -> float:
-    """FLOP/s of a float32 ``n x n`` matmul loop on the CPU (the MFU denominator), measured once."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        count += 1
-    return 2 * n ** 3 * count / (time.perf_counter() - t0)
+def learning_rate(args):
+    """The ``--schedule`` learning rate: a float or a function of the step."""
+    total = max(args.steps, 2)
+    peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
+    if args.schedule == "constant":
+        lr = peak
+    elif args.schedule == "linear-warmup":
+        lr = lambda step: linear_warmup(step, warm, peak)  # noqa: E731
+    elif args.schedule == "rsqrt":
+        lr = lambda step: rsqrt_decay(step, warm, peak * math.sqrt(warm))  # noqa: E731
+    else:
+        lr = lambda step: cosine_decay_with_warmup(step, peak, warm, total)  # noqa: E731
+    return lr
+
+
+def grad_sum_of_squares(graph):
+    """The float32 scalar sum of squared gradients that ``--clip-norm`` computes (its square root is the
+    global gradient norm before clipping), or None without clipping."""
+    return next((op.outputs[0] for op in graph.operations if type(op).__name__ == "GlobalSumOfSquares"), None)
+
+
+def host_lr(args, step: int) -> float | None:
+    """The ``--schedule`` learning rate at ``step`` as a float (the optimizer's graph schedule, on the host),
+    for the logs; None for Adafactor's own schedule."""
+    if args.optimizer == "adafactor" and args.lr <= 0:
+        return None
+    total = max(args.steps, 2)
+    peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
+    s = torch.tensor(float(step), dtype=torch.float64)
+    if args.schedule == "constant":
+        return peak
+    if args.schedule == "linear-warmup":
+        return float(_linear_warmup(s, warmup=float(warm), peak=peak))
+    if args.schedule == "rsqrt":
+        return float(_rsqrt_decay(s, warmup=float(warm), multiplier=peak * math.sqrt(warm)))
+    return float(_cosine_decay_with_warmup(s, warmup=float(warm), total=float(total), peak=peak, min_value=0.0))
 
 
 def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
@@ -109,6 +131,82 @@ def evaluate(lowering, lm, dataset, batches: int) -> float:
     return total / max(n, 1)
 
 
+def check_args(args) -> None:
+    """Check every ``meshtorch train`` flag before data is loaded or the model built.
+
+    Raises:
+        UsageError: naming the flag (a number out of range, an unwritable output path, a missing
+            input file, a mesh size that is not a positive integer, a prompt longer than the context).
+        LayoutError: naming a ``--layout``/``--storage`` rule that matches no dimension of the model or no
+            axis of the mesh, listing both.
+    """
+    for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "steps", "eval_every",
+                 "eval_batches", "vocab_size", "keep"):
+        checks.positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.experts is not None:
+        checks.non_negative("--experts", args.experts)
+    for flag in ("threads", "warmup_steps", "weight_decay", "clip_norm", "checkpoint_every", "sample", "temperature",
+                 "top_k"):
+        checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
+    checks.fraction("--dropout", args.dropout)
+    if args.optimizer == "adafactor":
+        checks.number("--lr", args.lr)  # <= 0: Adafactor's own schedule
+    else:
+        checks.positive("--lr", args.lr)
+    mesh = checks.mesh_shape("--mesh", args.mesh)
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints).")
+    if getattr(args, "resume_from", None):
+        if not os.path.isdir(args.resume_from):
+            raise UsageError(f"--resume-from {args.resume_from!r} is not a checkpoint directory.")
+    elif args.resume and os.path.isdir(args.checkpoint_dir):
+        resume_point(args.checkpoint_dir, None)  # a damaged newest checkpoint is reported before any work
+    args.data = checks.input_files("--data", args.data)
+    checks.writable_dir("--checkpoint-dir", args.checkpoint_dir)
+    checks.writable_file("--plot", args.plot)
+    if getattr(args, "log_dir", ""):
+        checks.writable_dir("--log-dir", args.log_dir)
+        optional_module("tensorboard", "meshtorch train --log-dir")
+    if args.sample and not args.prompt:
+        raise UsageError("--prompt is empty; sampling needs at least one prompt character (or --sample 0).")
+    cfg = preset(args.preset, num_layers=1, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv,
+                 d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, gated=args.gated or None,
+                 vocab_size=256, num_experts=args.experts)
+    if args.sample and args.tokenizer == "byte" and len(args.prompt.encode("utf-8")) >= cfg.length:
+        raise UsageError(f"--prompt is {len(args.prompt.encode('utf-8'))} bytes, but the model's context is "
+                         f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
+    names = checks.graph_dim_names(build_lm(cfg).graph)
+    checks.layout_rules("--layout", args.layout, names, mesh)
+    checks.layout_rules("--storage", getattr(args, "storage", ""), names, mesh)
+
+
+def _older_hint(older: list[str]) -> str:
+    if not older:
+        return "there is no older checkpoint; start without --resume"
+    return f"older checkpoints: {', '.join(older)}; resume from one with --resume-from {older[0]}"
+
+
+def resume_point(checkpoint_dir: str, resume_from: str | None):
+    """``(path, older)``: the checkpoint to resume from (``resume_from``, or the newest ``ckpt-<step>`` in
+    ``checkpoint_dir``; None if there is none) and the older ones.
+
+    Raises:
+        CheckpointError: if the newest checkpoint directory has no readable manifest, naming it and the
+            older ones to pass to ``--resume-from``.
+    """
+    if resume_from:
+        return resume_from, []
+    dirs = checks.step_dirs(checkpoint_dir)
+    if not dirs:
+        return None, []
+    try:
+        load_manifest(dirs[0])
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: the newest checkpoint {dirs[0]!r} is unreadable ({e}); "
+                              f"{_older_hint(dirs[1:])}.") from None
+    return dirs[0], dirs[1:]
+
+
 def main_train(args) -> dict:
     """Run ``meshtorch train`` from its parsed arguments (:mod:`meshtorch.cli.train`); returns the history,
     bits per byte, tokens/s, the lowering, the LM and the sample ids.
@@ -117,12 +215,13 @@ def main_train(args) -> dict:
         MeshtorchError: if tqdm (the ``meshtorch[cli]`` extra) is not installed.
     """
     tqdm = optional_module("tqdm", "meshtorch train's progress bar").tqdm
+    check_args(args)
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
         init_distributed()
-    impl = make_mesh_impl(args.mesh, args.layout)
+    impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None)
     main_process = impl.is_leader()
 
     def say(*a):
@@ -140,6 +239,9 @@ def main_train(args) -> dict:
                  d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
                  activation=args.activation, norm=args.norm, gated=args.gated or None, vocab_size=tok.vocab_size,
                  vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts)
+    if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
+        raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
+                         f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
     dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
     bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
@@ -147,26 +249,36 @@ def main_train(args) -> dict:
     eval_lm, eval_lowering = lm, lowering
     if cfg.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
         eval_lm = build_lm(cfg, seed=args.seed, train=False)
-        eval_lowering = Lowering(eval_lm.graph, {eval_lm.mesh: make_mesh_impl(args.mesh, args.layout)})
+        eval_impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None)
+        eval_lowering = Lowering(eval_lm.graph, {eval_lm.mesh: eval_impl})
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     say(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
           f"batch {cfg.batch_size} x length {cfg.length}")
     say(f"mesh {args.mesh!r} layout {args.layout!r}; {len(dataset.train)} train / "
           f"{len(dataset.validation)} validation sequences")
-    peak = measure_peak_flops()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    peak = job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
+                          int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world)
     fpt = flops_per_token(cfg)
+    metrics = None
+    if getattr(args, "log_dir", "") and main_process:
+        metrics = MetricsLog(args.log_dir, {"config": cfg.to_dict(), "mesh": args.mesh, "layout": args.layout,
+                                            "storage": getattr(args, "storage", ""), "processes": world})
     tokens_per_step = cfg.batch_size * cfg.length
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
-    fetches = [lm.loss] + lm.updates
+    sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
+    fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
     start, epoch, in_epoch = 0, 0, 0
-    if args.resume:
-        if not args.checkpoint_dir:
-            raise SystemExit("--resume needs --checkpoint-dir")
-        if latest_checkpoint(args.checkpoint_dir) is None:
+    if args.resume or getattr(args, "resume_from", None):
+        point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
+        if point is None:
             say(f"no checkpoint in {args.checkpoint_dir!r} yet: starting from scratch")
         else:
-            meta = restore(lowering, args.checkpoint_dir)
+            try:
+                meta = restore(lowering, point)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} ({_older_hint(older)})") from None
             pos = (meta.get("extra") or {}).get("data", {})
             start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
             say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})")
@@ -175,48 +287,76 @@ def main_train(args) -> dict:
         next(it)
     bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
-    t_start = time.perf_counter()
-    for step in bar:
-        batch = next(it, None)
-        if batch is None:
-            epoch, in_epoch = epoch + 1, 0
-            it = dataset.batches(cfg.batch_size, args.seed, epoch)
-            batch = next(it)
-        in_epoch += 1
-        t0 = time.perf_counter()
-        loss = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)[0].item()
-        dt = time.perf_counter() - t0
-        history["step"].append(step)
-        history["loss"].append(loss)
-        tps = tokens_per_step / dt
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * tps * fpt / peak:.1f}%")
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            if eval_lowering is not lowering:
-                for name in lowering.variable_names:
-                    if name in eval_lowering.variable_names:
-                        eval_lowering.set_variable_value(name, lowering.variable_value(name))
-            val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
-            history["val_step"].append(step + 1)
-            history["val_loss"].append(val)
-            if main_process:
-                tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
-                           f"{val / math.log(2) / bpt:.4f} bits per byte")
-        if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
-                                    or step + 1 == args.steps):
-            save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
-                     extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
-                            "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
+    t_start, first_loss = time.perf_counter(), None
+    try:
+        for step in bar:
+            batch = next(it, None)
+            if batch is None:
+                epoch, in_epoch = epoch + 1, 0
+                it = dataset.batches(cfg.batch_size, args.seed, epoch)
+                batch = next(it)
+            in_epoch += 1
+            t0 = time.perf_counter()
+            outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
+            dt = time.perf_counter() - t0
+            loss = outs[0].item()
+            gnorm = math.sqrt(outs[1].item()) if sumsq is not None and outs[1].item() >= 0 else None
+            if sumsq is not None and not math.isfinite(outs[1].item()):
+                gnorm = float("nan")
+            first_loss = loss if first_loss is None else first_loss
+            what = checks.divergence(loss, first_loss)
+            if what is None and gnorm is not None and not math.isfinite(gnorm):
+                what = f"the gradient norm is {gnorm}"
+            if what:
+                raise RunFailure(f"training diverged: {what} at step {step + 1}; nothing after step {step} was "
+                                 f"saved. {_last_good(args.checkpoint_dir)} {_advice(args)}")
+            history["step"].append(step)
+            history["loss"].append(loss)
+            tps = tokens_per_step / dt
+            peak = max(peak, tps * fpt)  # the start-up measurement was low (a busy machine): never over 100 %
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * tps * fpt / peak:.1f}%")
+            if metrics is not None:
+                metrics.log(step + 1, loss=loss, bits_per_byte=loss / math.log(2) / bpt,
+                            learning_rate=host_lr(args, step), grad_norm=gnorm, tokens_per_s=tps,
+                            tokens_per_s_per_process=tps / world, mfu=tps * fpt / peak)
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                if eval_lowering is not lowering:
+                    for name in lowering.variable_names:
+                        if name in eval_lowering.variable_names:
+                            eval_lowering.set_variable_value(name, lowering.variable_value(name))
+                val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
+                history["val_step"].append(step + 1)
+                history["val_loss"].append(val)
+                if metrics is not None:
+                    metrics.log(step + 1, validation_loss=val, validation_bits_per_byte=val / math.log(2) / bpt)
+                if main_process:
+                    tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
+                               f"{val / math.log(2) / bpt:.4f} bits per byte")
+            if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
+                                        or step + 1 == args.steps):
+                _check_finite(lowering, step + 1, args)
+                save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
+                         extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
+                                "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
+    finally:
+        bar.close()  # an error message starts on its own line
     if not history["val_loss"]:
-        raise SystemExit(f"nothing to train: the checkpoint is already at step {start} >= --steps {args.steps}")
+        raise UsageError(f"--steps {args.steps}: nothing to train, the checkpoint is already at step {start}; "
+                         "give a larger --steps to continue.")
     wall = time.perf_counter() - t_start
     tps = (args.steps - start) * tokens_per_step / wall
     val = history["val_loss"][-1]
-    say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s, MFU {100 * tps * fpt / peak:.2f}% "
-          f"(peak {peak / 1e9:.1f} GFLOP/s measured)")
+    if metrics is not None:
+        metrics.close()
+    say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s ({tps / world:.0f} per process, "
+        f"{world} process{'es' if world > 1 else ''}), MFU {100 * tps * fpt / peak:.2f}% (of {peak / 1e9:.1f} "
+        f"GFLOP/s: a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
+        f"x {world} process{'es' if world > 1 else ''})")
     say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
     say(lowering.counters.summary())
     if args.plot and main_process:
-        _plot(history, args.plot, bpt)
+        _plot(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
+              f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}")
         say(f"loss curve: {args.plot}")
     ids = None
     if args.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
@@ -227,7 +367,27 @@ def main_train(args) -> dict:
             "lowering": lowering, "lm": lm, "sample_ids": ids}
 
 
-def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:
+def _last_good(checkpoint_dir: str) -> str:
+    if not checkpoint_dir:
+        return "(No --checkpoint-dir.)"
+    latest = latest_checkpoint(checkpoint_dir)
+    return f"The last good checkpoint is {latest}." if latest else f"No checkpoint in {checkpoint_dir!r} yet."
+
+
+def _advice(args) -> str:
+    return f"Lower --lr (now {args.lr})" + (" or set --clip-norm." if not args.clip_norm else ".")
+
+
+def _check_finite(lowering, step: int, args) -> None:
+    """Refuse to save non-finite weights over a good checkpoint (a gradient that blew up this step)."""
+    for name in lowering.variable_names:
+        v = lowering.variable_value(name)
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise RunFailure(f"training diverged: variable {name!r} is not finite after step {step}; not saved. "
+                             f"{_last_good(args.checkpoint_dir)} {_advice(args)}")
+
+
+def _plot(history: dict, path: str, bytes_per_token: float = 1.0, title: str = "") -> None:
     matplotlib = optional_module("matplotlib", "meshtorch train --plot")
     matplotlib.use("Agg")
     plt = optional_module("matplotlib.pyplot", "meshtorch train --plot")
@@ -239,6 +399,7 @@ def _plot(history: dict, path: str, bytes_per_token: float = 1.0) -> None:
     ax.plot(history["val_step"], [v * k for v in history["val_loss"]], "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("bits per byte")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

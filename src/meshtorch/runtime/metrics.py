@@ -1,0 +1,88 @@
+"""Training metrics: an honest MFU denominator and the ``--log-dir`` writers (TensorBoard, ``metrics.jsonl``).
+
+MFU (PaLM appendix B) = achieved model FLOP/s / peak FLOP/s of the hardware the job really has. The
+peak is a float32 matmul loop measured once per process with its torch threads, scaled to the share
+of the host's cores that process gets when ``LOCAL_WORLD_SIZE`` processes share them (torchrun /
+``meshtorch launch``), times the number of processes in the job. A simulated mesh is one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from meshtorch.runtime.optional import optional_module
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def measure_peak_flops(seconds: float = 0.5, n: int = 512) -> float:
+    """FLOP/s of a float32 ``n x n`` matmul loop on the CPU with this process's torch threads, best of 3."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = 0.0
+    for _ in range(3):
+        count, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 3:
+            a @ b
+            count += 1
+        best = max(best, 2 * n ** 3 * count / (time.perf_counter() - t0))
+    return best
+
+
+def job_peak_flops(measured: float, threads: int, local_processes: int, processes: int) -> float:
+    """Peak FLOP/s of the whole job.
+
+    Args:
+        measured: :func:`measure_peak_flops` of one process running ``threads`` torch threads.
+        threads: this process's torch threads.
+        local_processes: processes sharing this host's cores (``LOCAL_WORLD_SIZE``).
+        processes: processes in the job (``WORLD_SIZE``).
+
+    Each process's share is ``min(threads, cores / local_processes)`` cores, so 4 processes on 2 cores
+    each count half a core, not one.
+    """
+    share = min(float(threads), available_cores() / max(local_processes, 1))
+    return measured * share / max(threads, 1) * processes
+
+
+class MetricsLog:
+    """``--log-dir`` writers: TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``, needs the
+    ``tensorboard`` package) and ``metrics.jsonl`` (one JSON object per line: ``step`` and the scalars).
+
+    Raises:
+        MeshtorchError: if ``tensorboard`` is not installed (``pip install 'meshtorch[cli]'``).
+    """
+
+    def __init__(self, log_dir: str, config: dict | None = None):
+        optional_module("tensorboard", "meshtorch train --log-dir")  # names the package if it is missing
+        tb = optional_module("torch.utils.tensorboard", "meshtorch train --log-dir")
+        os.makedirs(log_dir, exist_ok=True)
+        self.writer = tb.SummaryWriter(log_dir)
+        self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        if config:
+            self.writer.add_text("config", json.dumps(config, indent=1, default=str))
+
+    def log(self, step: int, **scalars) -> None:
+        """Write the finite scalars (e.g. ``loss=2.3``) at ``step``."""
+        row = {"step": step}
+        for k, v in scalars.items():
+            if v is None:
+                continue
+            self.writer.add_scalar(k, float(v), step)
+            row[k] = float(v)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()
