@@ -90,7 +90,8 @@ def check_args(args) -> None:
     for op in build_lm(cfg).graph.operations:
         for t in op.outputs:
             names.update(d.name for d in t.shape)
-    check_rules_strict(args.layout, names, mesh, flag="--layout")
+    if not (args.search and args.layout == DEFAULT_LAYOUT):  # train's default is only placed in a search
+        check_rules_strict(args.layout, names, mesh, flag="--layout")
     if storage != "auto":
         check_rules_strict(storage, names, mesh, flag="--storage")
 
