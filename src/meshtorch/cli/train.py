@@ -53,6 +53,15 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's own choice). One is fastest for the small per-processor "
                         "slices of a simulated mesh on a few cores; raise it for large models")
+    p.add_argument("--executor", default="codegen", choices=["codegen", "interpret", "compile"],
+                   help="how each step runs: one generated Python function per step (codegen), a loop over the "
+                        "program's steps (interpret), or that function through torch.compile (compile: the first "
+                        "step compiles, tens of seconds on a CPU; plans with dropout stay uncompiled)")
+    p.add_argument("--compile", dest="executor", action="store_const", const="compile",
+                   help="shorthand for --executor compile")
+    p.add_argument("--bucket-mb", type=float, default=0.0,
+                   help="issue gradient all-reduces in buckets of at most this many MiB per processor, one "
+                        "collective call each (DDP's bucket_cap_mb; 0: one call per gradient)")
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
     p.add_argument("--log-dir", default="",
                    help="write TensorBoard event files and metrics.jsonl here ('' to skip)")

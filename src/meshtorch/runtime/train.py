@@ -146,8 +146,9 @@ def check_args(args) -> None:
     if args.experts is not None:
         checks.non_negative("--experts", args.experts)
     for flag in ("threads", "warmup_steps", "weight_decay", "clip_norm", "checkpoint_every", "sample", "temperature",
-                 "top_k"):
-        checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
+                 "top_k", "bucket_mb"):
+        if getattr(args, flag, None) is not None:
+            checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
     checks.fraction("--dropout", args.dropout)
     if args.optimizer == "adafactor":
         checks.number("--lr", args.lr)  # <= 0: Adafactor's own schedule
@@ -245,7 +246,9 @@ def main_train(args) -> dict:
     dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
     bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
-    lowering = Lowering(lm.graph, {lm.mesh: impl})
+    executor = getattr(args, "executor", "codegen")
+    lowering = Lowering(lm.graph, {lm.mesh: impl}, mode=executor,
+                        bucket_bytes=int(getattr(args, "bucket_mb", 0.0) * 2 ** 20))
     eval_lm, eval_lowering = lm, lowering
     if cfg.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
         eval_lm = build_lm(cfg, seed=args.seed, train=False)
