@@ -92,9 +92,12 @@ def _k_attention(q, k, v, b=None, *, align, bias_align, out_align, causal: bool,
 
 
 def _to4(t):
-    """``[batch..., seq, feature]`` -> contiguous ``[prod(batch), 1, seq, feature]``: the flash kernels
-    read strided views of permuted slices wrongly (checked in torch 2.13), so they get contiguous copies."""
-    return t.reshape(-1, 1, t.shape[-2], t.shape[-1]).contiguous()
+    """``[batch..., seq, feature]`` -> ``[B, H, seq, feature]`` for the flash kernels: 4-D slices pass as
+    they are, others become ``[prod(batch), 1, seq, feature]``; a slice whose feature dim is not
+    unit-stride is copied (the kernel misreads such views, checked in torch 2.13)."""
+    if t.dim() != 4:
+        t = t.reshape(-1, 1, t.shape[-2], t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _k_attention_flash(q, k, v, *, align, out_align, causal: bool, scale):
@@ -114,9 +117,9 @@ def _k_attention_flash_grad(q, k, v, out, lse, dy, *, align, dy_align, back, cau
     from the forward's output and log-sum-exp (no recompute)."""
     q, k, v = (aligned(t, a) for a, t in zip(align, (q, k, v), strict=True))
     out, dy = aligned(out, dy_align), aligned(dy, dy_align)
+    q4 = _to4(q)
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _to4(dy), _to4(q), _to4(k), _to4(v), _to4(out), lse.reshape(-1, 1, lse.shape[-1]), 0.0, causal,
-        scale=scale)
+        _to4(dy), q4, _to4(k), _to4(v), _to4(out), lse.reshape(q4.shape[:-1]), 0.0, causal, scale=scale)
     return tuple(aligned(g.reshape(t.shape), b) for g, t, b in zip((gq, gk, gv), (q, k, v), back, strict=True))
 
 
