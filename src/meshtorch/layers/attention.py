@@ -58,6 +58,10 @@ class _AttentionSpec:
         self.align = [align_spec(q.shape, q_order), align_spec(k.shape, k_order), align_spec(v.shape, v_order)]
         sdpa_out = Shape(self.batch + [q.shape.get_dim_by_name(length), v.shape.get_dim_by_name(value)])
         self.out_align = align_spec(sdpa_out, self.out_shape)
+        # PyTorch's CPU flash kernel (no bias, equal key/value feature sizes) also returns the softmax
+        # log-sum-exp, which the gradient reuses instead of recomputing the forward under autograd.
+        self.flash = bias is None and q.shape.get_dim_by_name(key).size == v.shape.get_dim_by_name(value).size
+        self.lse_shape = Shape(self.batch + [q.shape.get_dim_by_name(length)])
         self.dy_align = align_spec(self.out_shape, sdpa_out)
         self.back = [align_spec(q_order, q.shape), align_spec(k_order, k.shape), align_spec(v_order, v.shape)]
         self.bias_align = None
@@ -87,6 +91,38 @@ def _k_attention(q, k, v, b=None, *, align, bias_align, out_align, causal: bool,
     return aligned(out, out_align)
 
 
+def _to4(t):
+    """``[batch..., seq, feature]`` -> ``[B, H, seq, feature]`` for the flash kernels: 4-D slices pass as
+    they are, others become ``[prod(batch), 1, seq, feature]``; a slice whose feature dim is not
+    unit-stride is copied (the kernel misreads such views, checked in torch 2.13)."""
+    if t.dim() != 4:
+        t = t.reshape(-1, 1, t.shape[-2], t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _k_attention_flash(q, k, v, *, align, out_align, causal: bool, scale):
+    """Attention on slices through ``aten._scaled_dot_product_flash_attention_for_cpu``: (out, logsumexp).
+
+    Same numbers as :func:`_k_attention` without bias (``F.scaled_dot_product_attention`` dispatches
+    to this kernel on CPU); the log-sum-exp ``[batch..., length]`` feeds :func:`_k_attention_flash_grad`.
+    """
+    q, k, v = (aligned(t, a) for a, t in zip(align, (q, k, v), strict=True))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _to4(q), _to4(k), _to4(v), 0.0, causal, scale=scale)
+    return aligned(out.reshape(v.shape[:-2] + q.shape[-2:-1] + v.shape[-1:]), out_align), lse.reshape(q.shape[:-1])
+
+
+def _k_attention_flash_grad(q, k, v, out, lse, dy, *, align, dy_align, back, causal: bool, scale):
+    """Gradients w.r.t. q, k, v through ``aten._scaled_dot_product_flash_attention_for_cpu_backward``,
+    from the forward's output and log-sum-exp (no recompute)."""
+    q, k, v = (aligned(t, a) for a, t in zip(align, (q, k, v), strict=True))
+    out, dy = aligned(out, dy_align), aligned(dy, dy_align)
+    q4 = _to4(q)
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _to4(dy), q4, _to4(k), _to4(v), _to4(out), lse.reshape(q4.shape[:-1]), 0.0, causal, scale=scale)
+    return tuple(aligned(g.reshape(t.shape), b) for g, t, b in zip((gq, gk, gv), (q, k, v), back, strict=True))
+
+
 def _k_attention_grad(*xs, n: int, **params):
     """Gradients w.r.t. the ``n`` inputs ``xs[:n]`` given ``dy = xs[n]``: the slice forward under autograd."""
     ins, dy = xs[:n], xs[n]
@@ -104,10 +140,21 @@ class AttentionOperation(Operation):
         self.spec = spec
         self.unsplittable_dims = (spec.length, spec.memory, spec.key, spec.value, spec.bias_mem)
         self.outputs = [Tensor(self, spec.out_shape, q.dtype)]
+        if spec.flash:  # second output: the softmax log-sum-exp, for the gradient
+            self.outputs.append(Tensor(self, spec.lse_shape, q.dtype, index=1))
 
     def lower(self, lw):
+        slots = [lw.get(t) for t in self.inputs]
+        if self.spec.flash:
+            s = self.spec
+            fwd = functools.partial(_k_attention_flash, align=tuple(s.align), out_align=s.out_align,
+                                    causal=bool(s.causal), scale=s.scale)
+            out, lse = lw.slicewise(fwd, *slots, num_outputs=2)
+            lw.set(self.outputs[0], out)
+            lw.set(self.outputs[1], lse)
+            return
         fwd = functools.partial(_k_attention, **self.spec.params())
-        lw.set(self.outputs[0], lw.slicewise(fwd, *[lw.get(t) for t in self.inputs]))
+        lw.set(self.outputs[0], lw.slicewise(fwd, *slots))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -121,7 +168,8 @@ class AttentionGradOperation(Operation):
     """Gradients of attention w.r.t. q, k, v (and bias): recomputes the slice forward under autograd."""
 
     def __init__(self, fwd: AttentionOperation, dy: Tensor):
-        super().__init__(list(fwd.inputs) + [dy], name=f"{fwd.name}_grad")
+        extra = list(fwd.outputs) if fwd.spec.flash else []
+        super().__init__(list(fwd.inputs) + extra + [dy], name=f"{fwd.name}_grad")
         self.fwd = fwd
         self.unsplittable_dims = fwd.unsplittable_dims
         self.outputs = [Tensor(self, t.shape, t.dtype, index=i) for i, t in enumerate(fwd.inputs)]
@@ -135,7 +183,12 @@ class AttentionGradOperation(Operation):
 
     def lower(self, lw):
         n = len(self.fwd.inputs)
-        back = functools.partial(_k_attention_grad, n=n, **self.fwd.spec.params())
+        s = self.fwd.spec
+        if s.flash:
+            back = functools.partial(_k_attention_flash_grad, align=tuple(s.align), dy_align=s.dy_align,
+                                     back=tuple(s.back), causal=bool(s.causal), scale=s.scale)
+        else:
+            back = functools.partial(_k_attention_grad, n=n, **s.params())
         slots = lw.slicewise(back, *[lw.get(t) for t in self.inputs], num_outputs=n)
         slots = slots if n > 1 else (slots,)
         # a bias lacking some batch-like dims is summed over them locally: partial over their mesh axes

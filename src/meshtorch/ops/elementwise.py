@@ -9,7 +9,6 @@ processors under any layout.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -118,11 +117,13 @@ def _k_rsqrt_grad(y, d):
 
 
 def _k_tanh_grad(y, d):
-    return d * (1 - y * y)
+    """dy * (1 - y**2) for y = tanh(x), through PyTorch's fused ``aten.tanh_backward``."""
+    return torch.ops.aten.tanh_backward(d, y)
 
 
 def _k_sigmoid_grad(y, d):
-    return d * y * (1 - y)
+    """dy * y * (1 - y) for y = sigmoid(x), through PyTorch's fused ``aten.sigmoid_backward``."""
+    return torch.ops.aten.sigmoid_backward(d, y)
 
 
 def _k_gelu(t, *, approximate: str):
@@ -186,7 +187,8 @@ def _k_pow_grad(a, d, *, c):
 
 
 def _relu_grad(x, dy):
-    return torch.where(x > 0, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
+    """dy where x > 0, else 0, through PyTorch's fused ``aten.threshold_backward`` (relu's own backward)."""
+    return torch.ops.aten.threshold_backward(dy, x, 0)
 
 
 def relu(x: Tensor, name: str | None = None) -> Tensor:
@@ -232,16 +234,13 @@ def sigmoid(x: Tensor, name: str | None = None) -> Tensor:
 
 
 def _gelu_grad_exact(x, dy):
-    cdf = 0.5 * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
-    pdf = torch.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
-    return dy * (cdf + x * pdf)
+    """GELU (erf form) gradient through PyTorch's fused ``aten.gelu_backward``."""
+    return torch.ops.aten.gelu_backward(dy, x, approximate="none")
 
 
 def _gelu_grad_tanh(x, dy):
-    k = math.sqrt(2.0 / math.pi)
-    inner = k * (x + 0.044715 * x * x * x)
-    t = torch.tanh(inner)
-    return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x))
+    """GELU (tanh form) gradient through PyTorch's fused ``aten.gelu_backward``."""
+    return torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
 
 
 def gelu(x: Tensor, approximate: str = "none", name: str | None = None) -> Tensor:
