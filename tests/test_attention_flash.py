@@ -30,18 +30,18 @@ def _ref(q, k, v, scale, causal=False):
 
 CASES = [
     OpCase("cross_attention_no_bias",
-           lambda m, q, k, v: mtf.layers.dot_product_attention(q, k, v, "l", "k", memory_length_dim="m", scale=0.5),
+           lambda m, q, k, v: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", memory_length_dim="m", scale=0.5),
            {"q": ("b:4,h:4,l:8,k:8", _Q), "k": ("b:4,h:4,m:12,k:8", _KM), "v": ("b:4,h:4,m:12,k:8", _VM)},
            lambda q, k, v: _ref(q, k, v, 0.5)),
     OpCase("causal_transposed_inputs",
-           lambda m, q, k, v: mtf.layers.dot_product_attention(q, k, v, "l", "k", causal=True),
+           lambda m, q, k, v: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", causal=True),
            {"q": ("l:8,b:4,k:8,h:4", _Q.permute(2, 0, 3, 1).contiguous()),
             "k": ("h:4,b:4,k:8,l:8", _KM[:, :, :8].permute(1, 0, 3, 2).contiguous()),
             "v": ("b:4,h:4,l:8,k:8", _VM[:, :, :8].contiguous())},
            lambda q, k, v: _ref(q.permute(1, 3, 0, 2), k.permute(1, 0, 3, 2), v, 1 / math.sqrt(8),
                                 causal=True).permute(2, 0, 3, 1)),
     OpCase("causal_float64",
-           lambda m, q, k, v: mtf.layers.dot_product_attention(q, k, v, "l", "k", causal=True),
+           lambda m, q, k, v: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", causal=True),
            {"q": ("b:4,h:2,l:8,k:4", _Q64), "k": ("b:4,h:2,l:8,k:4", _K64), "v": ("b:4,h:2,l:8,k:4", _V64)},
            lambda q, k, v: _ref(q, k, v, 0.5, causal=True)),
 ]
