@@ -30,7 +30,8 @@ def _ref(q, k, v, scale, causal=False):
 
 CASES = [
     OpCase("cross_attention_no_bias",
-           lambda m, q, k, v: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", memory_length_dim="m", scale=0.5),
+           lambda m, q, k, v: mtf.layers.scaled_dot_product_attention(q, k, v, "l", "k", memory_length_dim="m",
+                                                                       scale=0.5),
            {"q": ("b:4,h:4,l:8,k:8", _Q), "k": ("b:4,h:4,m:12,k:8", _KM), "v": ("b:4,h:4,m:12,k:8", _VM)},
            lambda q, k, v: _ref(q, k, v, 0.5)),
     OpCase("causal_transposed_inputs",
