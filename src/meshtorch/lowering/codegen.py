@@ -33,7 +33,6 @@ def generate(steps, frees, impls: dict, counters, reads, writes) -> Callable:
     lines = ["def run(env):"]
     names: dict[str, object] = {}
     width: dict[int, int] = {}  # slot -> processors unrolled (0: one laid-out value)
-    mesh_of_slot: dict[int, str] = {}
 
     def var(s, p=None):
         return f"s{s}" if p is None else f"s{s}_{p}"
@@ -62,8 +61,6 @@ def generate(steps, frees, impls: dict, counters, reads, writes) -> Callable:
     for i, (st, fr) in enumerate(zip(steps, frees, strict=True)):
         impl = impls[st.mesh]
         n = _unrolled(impl)
-        for s in st.outputs:
-            mesh_of_slot[s] = st.mesh
         if st.kind == "slicewise" and n:
             f = f"k{i}"
             names[f] = st.fn

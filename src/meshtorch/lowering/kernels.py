@@ -6,8 +6,8 @@ one whose bound arguments are plain data (None, bool, int, float, str, lists/tup
 torch functions). Because a kernel is named by ``module:qualname`` and its arguments are data, a
 program can be written to JSON and read back, by another process, with nothing else shared.
 
-:func:`to_data` / :func:`from_data` convert such values to and from JSON-compatible structures;
-:func:`kernel_problem` says why a callable is not a kernel (or returns None).
+:func:`to_data` / :func:`from_data` convert such values to and from JSON-compatible structures
+(``to_data`` raises :class:`NotDataError` saying why a callable is not a kernel).
 """
 
 from __future__ import annotations
@@ -51,15 +51,6 @@ def function_ref(fn) -> str | None:
                     return ref
             except (ImportError, AttributeError):
                 continue
-    return None
-
-
-def kernel_problem(fn) -> str | None:
-    """Why ``fn`` is not a kernel (a lambda, a closure, a partial with non-data arguments), or None."""
-    try:
-        to_data(fn)
-    except NotDataError as e:
-        return str(e)
     return None
 
 

@@ -173,11 +173,6 @@ class Program:
     slot_bytes: dict
     n_slots: int
 
-    def select(self, needed: set, keep: set = frozenset()) -> tuple[list, list]:
-        """The steps the ``needed`` slots depend on, in run order, and per step the slots to free."""
-        keep = set(keep) | set(needed) | set(self.constants)
-        return select_steps(self.steps, set(needed), keep)
-
     def to_json(self) -> str:
         """The program as JSON text.
 

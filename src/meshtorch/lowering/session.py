@@ -20,7 +20,7 @@ from meshtorch.lowering import codegen, executor
 from meshtorch.lowering.buckets import bucket_allreduces
 from meshtorch.lowering.counters import Counters
 from meshtorch.lowering.planner import mesh_record
-from meshtorch.lowering.program import Program, count, frees_after
+from meshtorch.lowering.program import Program, count, frees_after, select_steps
 from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
 
 
@@ -95,6 +95,8 @@ class Session:
         self.run_count = 0
         self._constants: dict | None = None
         self._plans: dict = {}
+        #: ``[(slot, mesh name)]`` of the run-counter constants, refilled at every run
+        self._run_counters = [(s, mesh) for s, (kind, mesh, _) in program.constants.items() if kind == "run_counter"]
 
     @property
     def constant_values(self) -> dict:
@@ -123,13 +125,14 @@ class Session:
             else:
                 fetch_slots.append((p.tensors[f[1]].slot, f[1]))
         needed = {s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments}
-        steps, frees = p.select(needed)
+        keep = needed | set(p.constants)  # results, new variable values and constants are never freed
+        steps, frees = select_steps(p.steps, needed, keep)
         needed |= {s for st in steps for s in st.inputs}
         c = count(steps)
         c.runs = 1
         if self.bucket_bytes:
             steps = bucket_allreduces(steps, self.bucket_bytes)
-            frees = frees_after(steps, needed_keep(p, fetch_slots, assignments))
+            frees = frees_after(steps, keep)
         return Plan(steps, frees,
                     [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
                     [(n, t.slot) for n, t in p.variables.items() if t.slot in needed],
@@ -153,7 +156,7 @@ class Session:
             reads = {s for st in plan.steps for s in st.inputs} - produced
             writes = {s for s, _ in plan.fetch_slots if s is not None} | {s for _, s in plan.assignments}
             plan.fn = codegen.generate(plan.steps, plan.frees, self.impls, self.counters, reads, writes)
-            counters_read = {s for s, c in self.program.constants.items() if c[0] == "run_counter"} & reads
+            counters_read = {s for s, _ in self._run_counters} & reads
             if self.mode == "compile" and not counters_read:
                 plan.fn = torch.compile(plan.fn, dynamic=False)
                 first_compile = True
@@ -175,9 +178,8 @@ class Session:
         for name, s in plan.var_reads:
             env[s] = self.store.values[name]
         count_now = self.run_count
-        for s, (kind, mesh, _) in p.constants.items():
-            if kind == "run_counter":
-                env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)
+        for s, mesh in self._run_counters:
+            env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)
         if self.mode == "interpret":
             executor.run_steps(plan.bound, env)
         elif first_compile:
@@ -223,11 +225,6 @@ class Session:
                                 f"{p} (layout {layout}), but was fed a slice of shape {list(v.shape)}.")
             out.append(v.to(device=impl.device(p), dtype=spec.dtype))
         return impl.from_local_slices(out)
-
-
-def needed_keep(program: Program, fetch_slots, assignments) -> set:
-    """Slots a plan must never free: its results, new variable values and the program's constants."""
-    return ({s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments} | set(program.constants))
 
 
 def _as_torch(value) -> torch.Tensor:

@@ -18,9 +18,5 @@ def align_fn(src: Shape, dst: Shape):
     return None if spec is None else functools.partial(aligned, spec=spec)
 
 
-def apply_align(fn, t):
-    return t if fn is None else fn(t)
-
-
 def dim_names(dims) -> list[str]:
     return [d if isinstance(d, str) else d.name for d in dims]

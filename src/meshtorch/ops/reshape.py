@@ -29,7 +29,6 @@ import functools
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
-from meshtorch.ops._relayout import relayout
 
 __all__ = ["reshape", "rename_dimension", "replace_dimensions", "transpose", "ReshapeOperation", "TransposeOperation"]
 
@@ -53,7 +52,7 @@ def _cumprods(shape: Shape) -> list[int]:
 def plan_reshape(impl, old: Shape, new: Shape, lo, ln):
     """Intermediate layouts ``(mid_old, mid_new)`` for a reshape from ``old`` (layout ``lo``) to ``new`` (``ln``).
 
-    The input goes ``lo -> mid_old`` (relayout on the old shape), is reshaped locally (``mid_old``
+    The input goes ``lo -> mid_old`` (redistributed on the old shape), is reshaped locally (``mid_old``
     and ``mid_new`` split every mesh axis at the same cumprod), then goes ``mid_new -> ln``.
     """
     co, cn = _cumprods(old), _cumprods(new)
@@ -107,7 +106,7 @@ class ReshapeOperation(Operation):
         after = impl.slice_shape(out.shape, mid_new)
         if before != after:
             slot = lw.slicewise(functools.partial(_k_reshape, shape=tuple(after)), slot)
-        slot = relayout(lw, slot, out, out.shape, mid_new, ln)
+        slot = lw.redistribute(slot, out, mid_new, ln)
         lw.set(out, slot, pending)
 
     def gradient(self, grad_ys):
