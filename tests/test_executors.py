@@ -61,6 +61,8 @@ def test_unknown_mode_is_refused_before_planning():
     g, mesh, *_ = mlp_step()
     with pytest.raises(ValueError, match="mode must be"):
         mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")}, mode="fast")
+    with pytest.raises(ValueError, match="bucket_bytes must be"):
+        mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")}, bucket_bytes=-1)
 
 
 def test_gradient_buckets_give_the_same_numbers_and_counters():

@@ -83,12 +83,15 @@ class Lowering:
         LayoutError: naming the tensor and dimension, if the layout rules are illegal for some
             tensor of the graph (size not divisible, two dims on one mesh axis, a dim an op needs
             whole is split).
+        ValueError: an unknown ``mode`` or a negative ``bucket_bytes``, before planning.
     """
 
     def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
                  materialize: bool = True, mode: str = "codegen", bucket_bytes: int = 0):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Lowering: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
+        if not (isinstance(bucket_bytes, int) and bucket_bytes >= 0):
+            raise ValueError(f"Lowering: bucket_bytes must be an int >= 0 (0: no buckets), got {bucket_bytes!r}.")
         self.graph = graph
         self.materialize = materialize
         self.planner = Planner(graph, dict(mesh_to_impl))
