@@ -90,15 +90,15 @@ def reset_peak() -> int:
     return rss_bytes()
 
 
-def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int) -> dict:
+def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int, async_collectives: bool = False) -> dict:
     lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
     fetches = [lm.loss] + lm.updates
     try:
         rep = check_memory_limit(lm.graph, lm.mesh, fetches, MESH, LAYOUT, storage, budget)
     except MemoryLimitError as e:
         return {"error": str(e), "predicted": e.report.total_bytes}
-    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(MESH, LAYOUT, storage=storage)})
-    impl = lw.mesh_impl(lm.loss)
+    impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=storage, async_collectives=async_collectives)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
     state = sum(s.numel() * s.element_size() for v in lw.variables.values() for s in impl.local_slices(v))
     losses, times = [], []
     for step in range(steps + 1):
@@ -111,13 +111,14 @@ def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int) -> dict:
             "predicted_model_state": rep.model_state_bytes, "predicted_act": rep.peak_activation_bytes}
 
 
-def meshtorch_worker(cfg_kw: dict, storage: str, budget: int | None, steps: int) -> dict:
+def meshtorch_worker(cfg_kw: dict, storage: str, budget: int | None, steps: int,
+                     async_collectives: bool = False) -> dict:
     """One gloo rank: a tiny warm-up run, then the big model (or its planner error) with peak RSS growth."""
     torch.manual_seed(0)
     cfg = config(**cfg_kw)
-    _meshtorch_run(tiny_config(cfg), storage, None, 1)
+    _meshtorch_run(tiny_config(cfg), storage, None, 1, async_collectives)
     base = reset_peak()
-    out = _meshtorch_run(cfg, storage, budget, steps)
+    out = _meshtorch_run(cfg, storage, budget, steps, async_collectives)
     out["growth"] = peak_rss_bytes() - base
     return out
 
@@ -179,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--skip-fsdp2", action="store_true")
+    ap.add_argument("--async", dest="async_collectives", action="store_true",
+                    help="meshtorch runs with asynchronous collectives (prefetched all-gathers overlap compute)")
     args = ap.parse_args(argv)
     cfg_kw = dict(vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_model // args.heads,
                   d_ff=args.d_ff, num_layers=args.layers, length=args.length, batch_size=args.batch)
@@ -198,11 +201,11 @@ def main(argv=None):
     dp_budget = job("meshtorch_worker", cfg_kw, "", budget, args.steps)
     print("\n1. replicated data parallel within the budget:")
     print("   " + (dp_budget[0]["error"] if "error" in dp_budget[0] else "trained (the budget is not exceeded)"))
-    fsdp = job("meshtorch_worker", cfg_kw, FSDP, budget, args.steps)
+    fsdp = job("meshtorch_worker", cfg_kw, FSDP, budget, args.steps, args.async_collectives)
     if "error" in fsdp[0]:
         print(f"\n2. FSDP within the budget failed too:\n   {fsdp[0]['error']}")
         return
-    dp = job("meshtorch_worker", cfg_kw, "", None, args.steps)
+    dp = job("meshtorch_worker", cfg_kw, "", None, args.steps, args.async_collectives)
     rows = [("meshtorch replicated DP", dp), (f"meshtorch FSDP {FSDP!r}", fsdp)]
     if not args.skip_fsdp2:
         rows.append(("torch FSDP2 fully_shard", job("fsdp2_worker", cfg_kw, args.steps)))

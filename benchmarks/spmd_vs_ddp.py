@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 
-def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async_allreduce: bool = False,
+def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async_collectives: bool = False,
            bucket_bytes: int = 0) -> dict:
     sys.path.insert(0, HERE)
     import mlp_model as M
@@ -38,7 +38,7 @@ def worker(hidden: int, batch: int, steps: int, blocks: int, threads: int, async
     torch.set_num_threads(threads)
     lr = 0.1
     g, mesh, images, labels, loss, update, w1, w2 = M.build(hidden, batch, lr=lr)
-    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:2", "batch:all", async_allreduce=async_allreduce)},
+    lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:2", "batch:all", async_collectives=async_collectives)},
                       bucket_bytes=bucket_bytes)
     fetches = [loss, *update]
     rank = dist.get_rank()
@@ -114,12 +114,13 @@ def main(argv=None):
     from meshtorch.testing.spmd import run_spmd
 
     res = run_spmd("spmd_vs_ddp:worker", args=(args.hidden, args.batch, args.steps, args.blocks, args.threads,
-                                                 args.async_allreduce, int(args.bucket_mb * 2**20)),
+                                                 args.async_collectives, int(args.bucket_mb * 2**20)),
                    nprocs=2, timeout_s=900, extra_path=[HERE]).check().results[0]
     m = statistics.median(res["times"]["meshtorch"])
     d = statistics.median(res["times"]["ddp"])
     print(f"MNIST MLP hidden {args.hidden}, global batch {args.batch}, 2 gloo processes x {args.threads} thread(s), "
-          f"{args.blocks} blocks of {args.steps} steps, {'async' if args.async_allreduce else 'blocking'} all-reduce, "
+          f"{args.blocks} blocks of {args.steps} steps, "
+          f"{'async' if args.async_collectives else 'blocking'} all-reduce, "
           f"buckets {args.bucket_mb:g} MiB")
     print("meshtorch steps/s per block:", ", ".join(f"{v:.1f}" for v in res["times"]["meshtorch"]))
     print("DDP       steps/s per block:", ", ".join(f"{v:.1f}" for v in res["times"]["ddp"]))

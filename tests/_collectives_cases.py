@@ -98,4 +98,4 @@ def slice_bounds(impl, layout: TensorLayout, pnum: int) -> tuple:
 
 def spmd_worker() -> dict:
     """In each of 4 gloo ranks: ``{mesh: run_all(SpmdMeshImpl(mesh))}`` (this rank's slices)."""
-    return {m: run_all(SpmdMeshImpl(m, "", async_allreduce=(m == "rows:2;cols:2")), m) for m in MESHES}
+    return {m: run_all(SpmdMeshImpl(m, "", async_collectives=(m == "rows:2;cols:2")), m) for m in MESHES}

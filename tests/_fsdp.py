@@ -23,6 +23,7 @@ LAYOUTS = {
 }
 OPTIMIZERS = ("adamw_clip", "adafactor")
 LR, WD, CLIP = 1e-2, 0.01, 1.0
+BUCKET_BYTES = 4096  # a few of the tiny LM's weights per bucket: several buckets per step
 
 
 def data(step: int):
@@ -47,10 +48,10 @@ def build(optimizer: str):
     return lm, variables, grads, updates
 
 
-def train(impl, optimizer: str, steps: int = STEPS):
+def train(impl, optimizer: str, steps: int = STEPS, bucket_bytes: int = 0):
     """``steps`` training steps on ``impl``: (losses, final parameter values, counters of all the steps)."""
     lm, variables, _, updates = build(optimizer)
-    lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, bucket_bytes=bucket_bytes)
     losses = []
     for s in range(steps):
         x, y = data(s)
@@ -63,11 +64,19 @@ def train(impl, optimizer: str, steps: int = STEPS):
 
 def spmd_worker():
     """Inside a gloo rank: every (layout, optimizer) run on an SpmdMeshImpl; {(layout, optimizer): train(...)},
+    ``(layout, "adamw_clip", "async")`` for the storage layouts with asynchronous collectives,
     plus ``("bf16", storage)``: the bfloat16-activation MLP (:func:`bf16_steps`)."""
     out = {}
     for name, (mesh_shape, layout, storage) in LAYOUTS.items():
         for opt in OPTIMIZERS:
             out[(name, opt)] = train(mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage), opt)
+        if storage:  # asynchronous all-gathers (prefetched one ahead) and reduce-scatters waited at first use;
+            # then also bucketed (one flat all-gather / reduce-scatter call per bucket of weights / gradients)
+            out[(name, "adamw_clip", "async")] = train(
+                mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage, async_collectives=True), "adamw_clip")
+            out[(name, "adamw_clip", "buckets")] = train(
+                mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage, async_collectives=True), "adamw_clip",
+                bucket_bytes=BUCKET_BYTES)
     for storage in BF16_STORAGE:
         out[("bf16", storage)] = bf16_steps(mtf.SpmdMeshImpl("all:4", "batch:all", storage=storage))
     return out

@@ -138,12 +138,12 @@ def assign_sum_graph():
 def async_worker():
     """Assign an all-reduce output directly (async and sync all-reduce); variable must be a plain tensor."""
     out = {}
-    for async_allreduce in (True, False):
+    for async_collectives in (True, False):
         g, mesh, x, v, op = assign_sum_graph()
-        lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all", async_allreduce=async_allreduce)})
+        lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all", async_collectives=async_collectives)})
         lw.run(op, feeds={x: example_rows(torch.arange(8))})
         stored = lw.variables[v.operation]
-        out[async_allreduce] = (type(stored).__name__, stored.clone(), lw.variable_value("v"))
+        out[async_collectives] = (type(stored).__name__, stored.clone(), lw.variable_value("v"))
     return out
 
 

@@ -103,7 +103,7 @@ def test_losses_equal_on_four_gloo_ranks(placement_runs, spmd_runs):
                 assert all(rel_error(run[1][n], same[1][n]) <= 2 ** -8 for n in p_values), (rank, key)
                 continue
             losses, values, counters = run
-            p_losses, p_values, p_counters = placement_runs[key]
+            p_losses, p_values, p_counters = placement_runs[key[:2]]  # async runs: same numbers
             assert _max_rel(losses, p_losses) <= RTOL, (rank, key)
             for n, v in values.items():
                 assert rel_error(v, p_values[n]) <= 1e-6, (rank, key, n)

@@ -25,9 +25,9 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 STEPS = 3
 
 
-def _plan(mesh_shape, layout, storage=None):
+def _plan(mesh_shape, layout, storage=None, prefetch=1):
     g, mesh, x, ws, loss, grads, updates = mlp_step()
-    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout, storage=storage)})
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout, storage=storage, prefetch=prefetch)})
     return lw, x, ws, loss, grads, updates
 
 
@@ -130,9 +130,15 @@ def test_without_reshard_after_forward_the_forward_gather_is_kept():
 
 
 def test_weight_gathers_are_not_hoisted_to_the_start():
-    """An FSDP weight is gathered where it is first used, not at the start of the program (which would
-    hold every gathered weight at once); the backward gather comes after the forward pass."""
-    lw, x, ws, loss, grads, updates = _plan("all:4", "batch:all", storage="io:all")
+    """Without prefetch an FSDP weight is gathered where it is first used, not at the start of the program
+    (which would hold every gathered weight at once); the backward gather comes after the forward pass.
+    With prefetch 1, w2's gather is issued before w1 is used, and no earlier than w1's gather."""
+    lw, x, ws, loss, grads, updates = _plan("all:4", "batch:all", storage="io:all", prefetch=1)
+    steps = lw.plan([loss] + updates).steps
+    g1, g2 = (next(i for i, st in enumerate(steps) if st.kind == "allgather" and st.collective.tensor == w)
+              for w in ("w1", "w2"))
+    assert g1 < g2 < {st.op: i for i, st in enumerate(steps)}["einsum"]
+    lw, x, ws, loss, grads, updates = _plan("all:4", "batch:all", storage="io:all", prefetch=0)
     plan = lw.plan([loss] + updates)
     steps = plan.steps
     gathers = [i for i, st in enumerate(steps) if st.kind == "allgather" and st.collective.tensor == "w2"]

@@ -119,8 +119,8 @@ def test_assigned_allreduce_output_is_materialized(job):
     want = lw.variable_value("v")
     assert want.abs().max() > 0
     for rec in (r[3] for r in job):
-        for async_allreduce in (True, False):
-            type_name, stored, full = rec[async_allreduce]
+        for async_collectives in (True, False):
+            type_name, stored, full = rec[async_collectives]
             assert type_name == "Tensor"
             assert rel_error(full, want) <= 1e-6 and torch.equal(stored, full)
         assert torch.equal(rec[True][1], rec[False][1])

@@ -25,6 +25,8 @@ _METHODS = {
     "reduce_scatter": "reduce_scatter",
     "receive": "receive",
     "allreduce_bucket": "allreduce_many",
+    "allgather_bucket": "allconcat_many",
+    "reduce_scatter_bucket": "reduce_scatter_many",
 }
 
 

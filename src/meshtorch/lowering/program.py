@@ -240,7 +240,8 @@ def program_str(steps) -> str:
 
 
 def select_steps(steps, needed: set, keep: set):
-    """The steps ``needed`` slots depend on (in order), and per step the slots to free after it."""
+    """The steps ``needed`` slots depend on (in order, reductions hoisted by :func:`hoist_collectives`),
+    and per step the slots to free after it."""
     needed = set(needed)
     chosen = []
     for st in reversed(steps):
@@ -289,3 +290,4 @@ def hoist_collectives(steps: list) -> list:
         made = {o: i for i, prev in enumerate(out) for o in prev.outputs}
         out.insert(max([-1] + [made.get(s, -1) for s in st.inputs]) + 1, st)
     return out
+

@@ -17,10 +17,10 @@ import torch
 from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering import codegen, executor
-from meshtorch.lowering.buckets import bucket_allreduces
 from meshtorch.lowering.counters import Counters
 from meshtorch.lowering.planner import mesh_record
 from meshtorch.lowering.program import Program, count, frees_after, select_steps
+from meshtorch.lowering.schedule import bucket_gathers, bucket_reductions, prefetch_gathers
 from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
 
 
@@ -51,8 +51,10 @@ class Plan:
 class Session:
     """Runs ``program`` on ``{mesh name: MeshImpl}`` with the variables in ``store``.
 
-    ``bucket_bytes`` > 0 merges SUM all-reduces over the same mesh axes into buckets of at most that
-    many bytes per processor, one collective call each (DDP's buckets; :mod:`meshtorch.lowering.buckets`).
+    ``bucket_bytes`` > 0 merges SUM all-reduces over the same mesh axes, reduce-scatters over the same
+    mesh axis, and consecutive weight all-gathers into buckets of at most that many bytes per
+    processor, one collective call each (DDP's and FSDP's buckets; :mod:`meshtorch.lowering.schedule`).
+    With storage rules, weight gathers are issued ``impl.prefetch`` gathers ahead (FSDP's prefetch).
 
     ``mode``: ``"codegen"`` (default) runs each plan as one generated straight-line Python function
     (:mod:`meshtorch.lowering.codegen`); ``"interpret"`` loops over the bound steps
@@ -126,13 +128,16 @@ class Session:
                 fetch_slots.append((p.tensors[f[1]].slot, f[1]))
         needed = {s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments}
         keep = needed | set(p.constants)  # results, new variable values and constants are never freed
-        steps, frees = select_steps(p.steps, needed, keep)
+        steps, _ = select_steps(p.steps, needed, keep)
         needed |= {s for st in steps for s in st.inputs}
         c = count(steps)
         c.runs = 1
-        if self.bucket_bytes:
-            steps = bucket_allreduces(steps, self.bucket_bytes)
-            frees = frees_after(steps, keep)
+        # scheduling passes (schedule.py): FSDP gather buckets, prefetch as deep as the storage-ruled
+        # meshes ask, DDP / FSDP gradient buckets
+        prefetch = max([impl.prefetch for impl in self.impls.values() if impl.storage_rules.pairs], default=0)
+        steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, self.bucket_bytes), prefetch),
+                                  self.bucket_bytes)
+        frees = frees_after(steps, keep)
         return Plan(steps, frees,
                     [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
                     [(n, t.slot) for n, t in p.variables.items() if t.slot in needed],

@@ -35,6 +35,9 @@ class MeshImpl:
         reshard_after_forward: with storage rules, a weight gathered for the forward pass is freed
             after its last forward use and gathered again for the backward pass (FSDP's default);
             False keeps the forward gather for the backward (one all-gather, more memory).
+        prefetch: with storage rules, how many weight all-gathers are issued ahead of their use
+            (FSDP's forward/backward prefetch; 0: each gather just before its first use). Costs
+            that many gathered weights of extra memory, which the planner's memory report includes.
 
     A rule naming a mesh axis the mesh lacks is ignored (as in Mesh TF), so one set of rules
     serves several meshes.
@@ -43,11 +46,14 @@ class MeshImpl:
         LayoutError: on a malformed rule.
     """
 
-    def __init__(self, shape, layout_rules, storage=None, reshard_after_forward: bool = True):
+    def __init__(self, shape, layout_rules, storage=None, reshard_after_forward: bool = True, prefetch: int = 1):
         self.shape: Shape = convert_to_shape(shape)
         self.layout_rules: LayoutRules = convert_to_layout_rules(layout_rules)
         self.storage_rules: LayoutRules = convert_to_layout_rules(storage or "")
         self.reshard_after_forward = bool(reshard_after_forward)
+        if int(prefetch) < 0:
+            raise ValueError(f"{type(self).__name__}: prefetch must be >= 0 (gathers issued ahead), got {prefetch}.")
+        self.prefetch = int(prefetch)
         self._storage_layout_rules = self.layout_rules.overridden_by(self.storage_rules)
         self._strides = []
         s = 1
@@ -164,6 +170,18 @@ class MeshImpl:
     def allconcat(self, x, mesh_axis: int, concat_axis: int):
         """All-gather: concatenate the group's slices along tensor axis ``concat_axis``."""
         raise NotImplementedError
+
+    def allconcat_many(self, *xs, mesh_axis: int, concat_axes: Sequence[int]):
+        """All-gather several laid-out values along one mesh axis in one collective call where the
+        implementation can (FSDP's flat-parameter gather of a bucket of weights); ``concat_axes[i]``
+        is value ``i``'s tensor axis. Returns a tuple. Default: one :meth:`allconcat` each."""
+        return tuple(self.allconcat(x, mesh_axis, a) for x, a in zip(xs, concat_axes, strict=True))
+
+    def reduce_scatter_many(self, *xs, mesh_axis: int, scatter_axes: Sequence[int]):
+        """Reduce-scatter several laid-out values along one mesh axis in one collective call where the
+        implementation can (a bucket of FSDP gradients). Returns a tuple. Default: one
+        :meth:`reduce_scatter` each."""
+        return tuple(self.reduce_scatter(x, mesh_axis, a) for x, a in zip(xs, scatter_axes, strict=True))
 
     def alltoall(self, x, mesh_axis: int, split_axis: int, concat_axis: int):
         """All-to-all along ``mesh_axis``: split on ``split_axis``, send piece j to member j, concat."""

@@ -34,8 +34,8 @@ class PlacementMeshImpl(MeshImpl):
     unrolled = True
 
     def __init__(self, shape, layout, devices: Sequence | None = None, storage=None,
-                 reshard_after_forward: bool = True):
-        super().__init__(shape, layout, storage, reshard_after_forward)
+                 reshard_after_forward: bool = True, prefetch: int = 1):
+        super().__init__(shape, layout, storage, reshard_after_forward, prefetch)
         if devices is None:
             devices = ["cpu"] * self.size
         if len(devices) != self.size:

@@ -16,6 +16,7 @@ rank tuple, so building several SpmdMeshImpls (several meshes or layouts) does n
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -58,12 +59,16 @@ class SpmdMeshImpl(MeshImpl):
         backend: used only if the default process group is not initialized yet (it is then
             initialized from torchrun's environment, see :func:`meshtorch.mesh.process.init_distributed`);
             default ``nccl`` for CUDA devices, ``gloo`` otherwise.
-        async_allreduce: start all-reduces asynchronously and wait at the first use of the result,
-            so that independent computation overlaps the communication. Default: on for CUDA
-            devices; off on CPU, where gloo's reduction competes with the computation for the same
-            cores (measured no faster on the 2-core test machine, see docs/distributed.md).
-        storage, reshard_after_forward: storage rules for variables (FSDP / ZeRO-3) and whether the
-            backward pass gathers weights again; see :class:`~meshtorch.mesh.base.MeshImpl`.
+        async_collectives: start all-reduces, all-gathers and reduce-scatters asynchronously
+            (``async_op=True``) and wait at the first use of the result, so that independent
+            computation overlaps the communication (DDP's overlapped buckets; with storage rules the
+            planner issues each weight's all-gather one gather early, FSDP's prefetch). Default: on
+            for CUDA devices; off on CPU, where gloo's reduction competes with the computation for
+            the same cores (measured on the 2-core test machine, see docs/distributed.md and
+            docs/fsdp.md). ``async_allreduce`` is its older name.
+        storage, reshard_after_forward, prefetch: storage rules for variables (FSDP / ZeRO-3), whether
+            the backward pass gathers weights again, and how many weight gathers are issued ahead;
+            see :class:`~meshtorch.mesh.base.MeshImpl`.
 
     Raises:
         MeshtorchError: if the mesh has a different number of processors than the world size.
@@ -72,15 +77,19 @@ class SpmdMeshImpl(MeshImpl):
     same fetches in the same order. Source: Mesh TF ``SimdMeshImpl``; PyTorch ``torch.distributed``.
     """
 
-    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_allreduce: bool | None = None,
-                 storage=None, reshard_after_forward: bool = True):
-        super().__init__(mesh_shape, layout_rules, storage, reshard_after_forward)
+    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_collectives: bool | None = None,
+                 storage=None, reshard_after_forward: bool = True, async_allreduce: bool | None = None,
+                 prefetch: int = 1):
+        super().__init__(mesh_shape, layout_rules, storage, reshard_after_forward, prefetch)
         if dist.is_initialized():  # the existing group's backend decides where slices live
             backend = dist.get_backend()
             if device is None and backend != "nccl":
                 device = "cpu"
         self._device, backend = default_device_and_backend(device, backend)
-        self.async_allreduce = self._device.type == "cuda" if async_allreduce is None else bool(async_allreduce)
+        if async_collectives is None:
+            async_collectives = async_allreduce
+        #: collectives return in-flight results waited for at first use (see ``async_collectives``)
+        self.async_collectives = self._device.type == "cuda" if async_collectives is None else bool(async_collectives)
         if not dist.is_initialized():
             init_distributed(backend=backend)
         self.rank = dist.get_rank()
@@ -156,10 +165,12 @@ class SpmdMeshImpl(MeshImpl):
         group, _ = self._group(mesh_axes)
         buf, back = _wire(x)
         buf = buf.clone()  # all_reduce works in place; never modify an input slot
-        if self.async_allreduce:
-            return _InFlight(dist.all_reduce(buf, op=_OPS[reduction], group=group, async_op=True), buf, back)
-        dist.all_reduce(buf, op=_OPS[reduction], group=group)
-        return back(buf)
+        work = dist.all_reduce(buf, op=_OPS[reduction], group=group, async_op=self.async_collectives)
+        return self._result(work, functools.partial(back, buf))
+
+    def _result(self, work, finish):
+        """``finish()`` now (blocking call: ``work`` is None) or an :class:`_InFlight` waited at first use."""
+        return finish() if work is None else _InFlight(work, finish)
 
     def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
         if reduction not in REDUCTIONS:
@@ -170,15 +181,14 @@ class SpmdMeshImpl(MeshImpl):
         group, _ = self._group(mesh_axes)
         wired = [_wire(x) for x in xs]
         out: list = [None] * len(xs)
-        by_dtype: dict = {}
-        for i, (buf, _) in enumerate(wired):
-            by_dtype.setdefault(buf.dtype, []).append(i)
-        for idx in by_dtype.values():  # one flat buffer (one call) per dtype
+        for idx in _by_dtype(wired):  # one flat buffer (one call) per dtype
             flat = torch.cat([wired[i][0].reshape(-1) for i in idx])
-            dist.all_reduce(flat, op=_OPS[reduction], group=group)
-            for i, piece in zip(idx, flat.split([wired[i][0].numel() for i in idx]), strict=True):
+            work = dist.all_reduce(flat, op=_OPS[reduction], group=group, async_op=self.async_collectives)
+            offset = 0
+            for i in idx:  # each piece waits on its bucket's one call (waiting twice is a no-op)
                 buf, back = wired[i]
-                out[i] = back(piece.view(buf.shape))
+                out[i] = self._result(work, functools.partial(_piece, flat, offset, tuple(buf.shape), back))
+                offset += buf.numel()
         return tuple(out)
 
     def _on_axis(self, x, mesh_axis):
@@ -196,11 +206,49 @@ class SpmdMeshImpl(MeshImpl):
         n, group, buf, back = on
         buf = buf.contiguous()
         out = torch.empty((n * buf.numel(),), dtype=buf.dtype, device=buf.device)
-        _all_gather(out, buf.reshape(-1), group=group)
-        out = out.view(n, *buf.shape).movedim(0, concat_axis)
-        shape = list(buf.shape)
-        shape[concat_axis] *= n
-        return back(out.reshape(shape))
+        work = _all_gather(out, buf.reshape(-1), group=group, async_op=self.async_collectives)
+        return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back))
+
+    def allconcat_many(self, *xs, mesh_axis, concat_axes):
+        on = self._on_axis(xs[0], mesh_axis) if xs else None
+        if on is None:
+            return tuple(xs)
+        n, group = on[0], on[1]
+        wired = [_wire(x) for x in xs]
+        out: list = [None] * len(xs)
+        for idx in _by_dtype(wired):  # one flat buffer (one call) per dtype, FSDP's flat parameter
+            flat = torch.cat([wired[i][0].reshape(-1) for i in idx])
+            gathered = torch.empty((n * flat.numel(),), dtype=flat.dtype, device=flat.device)
+            work = _all_gather(gathered, flat, group=group, async_op=self.async_collectives)
+            offset = 0
+            for i in idx:
+                buf, back = wired[i]
+                out[i] = self._result(work, functools.partial(
+                    _gathered_piece, gathered, n, offset, tuple(buf.shape), concat_axes[i], back))
+                offset += buf.numel()
+        return tuple(out)
+
+    def reduce_scatter_many(self, *xs, mesh_axis, scatter_axes):
+        on = self._on_axis(xs[0], mesh_axis) if xs else None
+        if on is None:
+            return tuple(xs)
+        n, group = on[0], on[1]
+        wired = [_wire(x) for x in xs]
+        out: list = [None] * len(xs)
+        for idx in _by_dtype(wired):
+            # row c of the bucket = piece c of every member, so one reduce-scatter hands member c its pieces
+            moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]
+            rows = torch.cat([m.reshape(n, -1) for m in moved], dim=1)
+            mine = torch.empty((rows.shape[1],), dtype=rows.dtype, device=rows.device)
+            work = dist.reduce_scatter_tensor(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=group,
+                                              async_op=self.async_collectives)
+            offset = 0
+            for i, m in zip(idx, moved, strict=True):
+                piece = (m.shape[0] // n, *m.shape[1:])
+                out[i] = self._result(work, functools.partial(
+                    _scattered_piece, mine, offset, piece, scatter_axes[i], wired[i][1]))
+                offset += m.numel() // n
+        return tuple(out)
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
         on = self._on_axis(x, mesh_axis)
@@ -220,8 +268,9 @@ class SpmdMeshImpl(MeshImpl):
         n, group, buf, back = on
         moved = buf.movedim(scatter_axis, 0).contiguous()  # piece c = rows [c*s, (c+1)*s)
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-        dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group)
-        return back(out.movedim(0, scatter_axis))
+        work = dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group,
+                                          async_op=self.async_collectives)
+        return self._result(work, functools.partial(_moved_back, out, scatter_axis, back))
 
     def receive(self, x, mesh_axis, source_pcoord):
         _, ranks = self._group([mesh_axis])
@@ -274,25 +323,72 @@ class SpmdMeshImpl(MeshImpl):
 
 
 class _InFlight:
-    """An all-reduce started asynchronously (``async_op=True``); its value is waited for on first use.
+    """A collective started asynchronously (``async_op=True``); its value is waited for on first use.
 
-    Lets computation that does not need the sum (e.g. the next layer's gradient) overlap with the
-    communication, as DistributedDataParallel's bucketed all-reduces do. Only this module sees
-    these objects: every primitive resolves its inputs, and the Lowering calls :meth:`materialize`
-    before storing a value beyond the run.
+    Lets computation that does not need the result (the next layer's gradient, the current layer's
+    forward while the next weight is gathered) overlap with the communication, as
+    DistributedDataParallel's bucketed all-reduces and FSDP's prefetched all-gathers do. Only this
+    module sees these objects: every primitive resolves its inputs, and the Lowering calls
+    :meth:`materialize` before storing a value beyond the run.
     """
 
-    __slots__ = ("work", "buf", "back", "value")
+    __slots__ = ("work", "finish", "value")
 
-    def __init__(self, work, buf, back):
-        self.work, self.buf, self.back, self.value = work, buf, back, None
+    def __init__(self, work, finish):
+        self.work, self.finish, self.value = work, finish, None
 
     def result(self) -> torch.Tensor:
         if self.value is None:
             self.work.wait()
-            self.value = self.back(self.buf)
-            self.work = self.buf = None
+            self.value = self.finish()
+            self.work = self.finish = None
         return self.value
+
+
+def _concat_pieces(out, shape, n, concat_axis, back):
+    """An all-gather's flat output ``[n * prod(shape)]`` as the pieces concatenated on ``concat_axis``."""
+    full = list(shape)
+    full[concat_axis] *= n
+    return back(out.view(n, *shape).movedim(0, concat_axis).reshape(full))
+
+
+def _by_dtype(wired) -> list[list[int]]:
+    """Indices of ``[(wire tensor, back)]`` grouped by dtype (a bucket moves one flat buffer per dtype)."""
+    groups: dict = {}
+    for i, (buf, _) in enumerate(wired):
+        groups.setdefault(buf.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _gathered_piece(gathered, n, offset, shape, concat_axis, back):
+    """Member ``offset..`` of a bucket gathered as ``[n, bucket elements]``, concatenated on ``concat_axis``."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    full = list(shape)
+    full[concat_axis] *= n
+    pieces = gathered.view(n, -1)[:, offset:offset + numel].reshape(n, *shape)
+    return back(pieces.movedim(0, concat_axis).reshape(full))
+
+
+def _scattered_piece(mine, offset, piece, scatter_axis, back):
+    """This processor's piece of one bucket member (scatter axis moved first as ``piece``), axis restored."""
+    numel = 1
+    for d in piece:
+        numel *= d
+    return back(mine[offset:offset + numel].view(piece).movedim(0, scatter_axis))
+
+
+def _piece(flat, offset, shape, back):
+    """Elements ``[offset, offset + prod(shape))`` of a bucket's flat buffer, as ``shape``."""
+    n = 1
+    for d in shape:
+        n *= d
+    return back(flat[offset:offset + n].view(shape))
+
+
+def _moved_back(out, axis, back):
+    return back(out.movedim(0, axis))
 
 
 def _ready(x):

@@ -160,7 +160,7 @@ def op_suite_worker(module_names, per_mesh: int = 2, rtol_vs_placement: float = 
 
 
 def _make_spmd(mesh_shape, layout):
-    return SpmdMeshImpl(mesh_shape, layout, async_allreduce=(mesh_shape == "rows:2;cols:2"))
+    return SpmdMeshImpl(mesh_shape, layout, async_collectives=(mesh_shape == "rows:2;cols:2"))
 
 
 def _same_on_all_ranks(inputs) -> bool:
