@@ -12,6 +12,7 @@ import torch
 
 import meshtorch as mtf
 from meshtorch.core.dims import convert_to_shape
+from meshtorch.optim.fused import FusedAdamUpdate
 from meshtorch.testing import rel_error
 
 LAYOUTS = [
@@ -242,9 +243,11 @@ def ref_adam(params, grads_seq, lr, b1, b2, eps, wd, decoupled, step0=0):
 ADAM_SHAPES = {"w": "a:16,b:32", "u": "b:32,c:8", "bias": "c:8"}
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_adam_matches_reference_and_torch(decoupled, steps):
+def test_adam_matches_reference_and_torch(decoupled, steps, fused):
+    """Graph-op (fused=False) and fused-kernel updates against the float64 formulas and torch.optim."""
     params = _params(shapes=ADAM_SHAPES)
     grads = _grads(params, steps)
     lr, b1, b2, eps, wd = 0.05, 0.8, 0.95, 1e-8, 0.1
@@ -259,8 +262,10 @@ def test_adam_matches_reference_and_torch(decoupled, steps):
         topt.step()
     ocls = mtf.optim.AdamWOptimizer if decoupled else mtf.optim.AdamOptimizer
     for mesh_shape, layout in LAYOUTS:
-        got, lw, g = run_optimizer(lambda mesh: (ocls(lr, b1, b2, eps, wd), {}), params, grads, mesh_shape, layout)
-        where = f"{ocls.__name__} steps={steps} {mesh_shape!r} {layout!r}"
+        got, lw, g = run_optimizer(lambda mesh: (ocls(lr, b1, b2, eps, wd, fused=fused), {}), params, grads,
+                                   mesh_shape, layout)
+        assert any(isinstance(op, FusedAdamUpdate) for op in g.operations) == fused
+        where = f"{ocls.__name__} fused={fused} steps={steps} {mesh_shape!r} {layout!r}"
         _compare(got, ref, list(ref), where)
         for n, p in leaves.items():
             err = rel_error(got[n], p.detach())
@@ -274,14 +279,15 @@ def test_adam_matches_reference_and_torch(decoupled, steps):
                 assert lw.tensor_layout(byname[f"{n}/{s}"].value) == lw.tensor_layout(byname[n].value)
 
 
-def test_adam_resumes_from_global_step_and_schedule_lr():
+@pytest.mark.parametrize("fused", [False, True])
+def test_adam_resumes_from_global_step_and_schedule_lr(fused):
     """Bias correction uses the checkpointed step (t = step + 1); lr from a schedule of the step."""
     params = _params(shapes={"w": "a:16,b:32"})
     grads = _grads(params, 2)
     sched = lambda s: mtf.optim.rsqrt_decay(s, warmup_steps=4, multiplier=0.1)  # noqa: E731
     for mesh_shape, layout in [("", ""), ("rows:2;cols:2", "a:rows;b:cols")]:
-        got, lw, _ = run_optimizer(lambda mesh: (mtf.optim.AdamWOptimizer(sched, weight_decay=0.0), {}), params,
-                                   grads, mesh_shape, layout, initial_step=7)
+        got, lw, _ = run_optimizer(lambda mesh: (mtf.optim.AdamWOptimizer(sched, weight_decay=0.0, fused=fused), {}),
+                                   params, grads, mesh_shape, layout, initial_step=7)
         # steps 7 and 8: lr = 0.1 / sqrt(max(step, 4))
         w = params["w"][1].double()
         m = v = torch.zeros_like(w)

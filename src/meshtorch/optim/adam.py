@@ -25,6 +25,7 @@ from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.base import Optimizer, check_grad
+from meshtorch.optim.fused import FusedAdamUpdate, fused_adam_available
 
 __all__ = ["AdamOptimizer", "AdamWOptimizer"]
 
@@ -47,6 +48,10 @@ class AdamOptimizer(Optimizer):
         beta1, beta2: moment decay rates in [0, 1).
         epsilon: added to ``sqrt(v_hat)`` (outside the square root, as torch).
         weight_decay: L2 coefficient.
+        fused: update each variable slice with one kernel (PyTorch's fused Adam, as
+            ``torch.optim.Adam(fused=True)``; :class:`~meshtorch.optim.fused.FusedAdamUpdate`) instead
+            of a chain of elementwise graph ops; equal to float32 rounding. Default: where this
+            PyTorch has the kernel.
 
     Shapes: ``grad`` has the variable's named shape; slots have it too. Parameters of any float
     dtype are updated in float32 and cast back on assignment.
@@ -58,8 +63,13 @@ class AdamOptimizer(Optimizer):
 
     decoupled = False
 
-    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.0):
+    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.0,
+                 fused: bool | None = None):
         super().__init__(learning_rate)
+        if fused and not fused_adam_available():
+            raise ValueError(f"{type(self).__name__}(fused=True): this PyTorch ({torch.__version__}) has no fused "
+                             "Adam kernel (torch._fused_adamw_, torch >= 2.4); pass fused=False.")
+        self.fused = fused_adam_available() if fused is None else bool(fused)
         for n, b in (("beta1", beta1), ("beta2", beta2)):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"{type(self).__name__}: {n} must be in [0, 1), got {b}.")
@@ -86,18 +96,23 @@ class AdamOptimizer(Optimizer):
         check_grad(grad, var, type(self).__name__)
         mesh = var.mesh
         lr = self.lr(mesh)
-        bc1, bc2_sqrt = self._corrections(mesh)
         f32 = torch.float32
+        m = get_variable(mesh, f"{var.name}/adam_m", var.shape, initializer=zeros_initializer(), dtype=f32,
+                         trainable=False)
+        v = get_variable(mesh, f"{var.name}/adam_v", var.shape, initializer=zeros_initializer(), dtype=f32,
+                         trainable=False)
+        if self.fused:
+            op = FusedAdamUpdate(var.value, grad, m, v, self.step_int(mesh), lr, beta1=self.beta1,
+                                 beta2=self.beta2, epsilon=self.epsilon, weight_decay=self.weight_decay,
+                                 decoupled=self.decoupled, name=f"{var.name}/fused_adam")
+            return [Assign([var, m.operation, v.operation], op.outputs, name=f"{var.name}/adam_update")]
+        bc1, bc2_sqrt = self._corrections(mesh)
         g = ew.cast(grad, f32)
         w = ew.cast(var.value, f32)
         if self.weight_decay and not self.decoupled:
             g = g + w * self.weight_decay
         if self.weight_decay and self.decoupled:
             w = w * (1.0 - lr * self.weight_decay)
-        m = get_variable(mesh, f"{var.name}/adam_m", var.shape, initializer=zeros_initializer(), dtype=f32,
-                         trainable=False)
-        v = get_variable(mesh, f"{var.name}/adam_v", var.shape, initializer=zeros_initializer(), dtype=f32,
-                         trainable=False)
         new_m = m * self.beta1 + g * (1.0 - self.beta1)
         new_v = v * self.beta2 + ew.square(g) * (1.0 - self.beta2)
         denom = ew.sqrt(new_v) / bc2_sqrt + self.epsilon
@@ -114,5 +129,6 @@ class AdamWOptimizer(AdamOptimizer):
 
     decoupled = True
 
-    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=1e-2):
-        super().__init__(learning_rate, beta1, beta2, epsilon, weight_decay)
+    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=1e-2,
+                 fused: bool | None = None):
+        super().__init__(learning_rate, beta1, beta2, epsilon, weight_decay, fused)

@@ -1,0 +1,85 @@
+"""Fused optimizer updates: one kernel per variable slice instead of a chain of elementwise ops.
+
+An optimizer's update is elementwise in the variable, its gradient and its slots, so it runs on each
+processor's slices under any layout (compute or storage) with no communication. Written as graph ops
+(:mod:`meshtorch.optim.adam`) it is about a dozen elementwise steps, each reading and writing the
+whole slice; :class:`FusedAdamUpdate` is one step whose kernel calls PyTorch's fused Adam/AdamW
+kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``, the kernels behind
+``torch.optim.AdamW(fused=True)``) on fresh copies of the variable and its moments (a run's
+assignments take effect at its end, so the old values are never modified in place).
+
+Source: PyTorch ``torch.optim.AdamW(fused=True)``; the graph-op formulas it replaces are those of
+:mod:`meshtorch.optim.adam`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from meshtorch.core.graph import Operation, Tensor
+from meshtorch.ops._kernels import align_spec, apply_aligned
+
+__all__ = ["FusedAdamUpdate", "fused_adam_available"]
+
+
+def fused_adam_available() -> bool:
+    """Does this PyTorch build have the fused Adam/AdamW kernels (``torch._fused_adamw_``, torch >= 2.4)?"""
+    return hasattr(torch, "_fused_adamw_") and hasattr(torch, "_fused_adam_")
+
+
+def _k_fused_adam(w, g, m, v, step, *lr_tensor, lr: float, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, decoupled: bool):
+    """New (w, m, v) in float32 of one slice: torch's fused Adam (``decoupled``: AdamW) on copies.
+
+    ``step``: the int number of completed updates (0-dim); the learning rate is ``lr_tensor[0]`` (a
+    0-dim scheduled rate) if given, else ``lr``.
+    """
+    f32 = torch.float32
+    w = w.to(f32, memory_format=torch.contiguous_format, copy=True)
+    m = m.to(f32, memory_format=torch.contiguous_format, copy=True)
+    v = v.to(f32, memory_format=torch.contiguous_format, copy=True)
+    g = g.to(f32).contiguous()
+    fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    rate = lr_tensor[0].to(f32).reshape(()) if lr_tensor else lr
+    fn([w], [g], [m], [v], [], [step.to(f32).reshape(()) + 1], lr=rate, beta1=beta1,
+       beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    return w, m, v
+
+
+class FusedAdamUpdate(Operation):
+    """The new value, first and second moment of one variable after an Adam/AdamW step, in one kernel.
+
+    Inputs: ``var`` (any float dtype, shape ``S``), ``grad`` (the same dims as ``var``, any order),
+    slots ``m``, ``v`` (float32, shape ``S``), the int step count (0-dim, updates before this one) and
+    the learning rate (a float, or a 0-dim Tensor from a schedule).
+    Outputs: new ``var`` value, ``m``, ``v``: float32, shape ``S``. Numerically PyTorch's fused kernel
+    (``torch.optim.AdamW(fused=True)``): equal to the graph-op formulas to float32 rounding.
+    Not differentiable (an update, as every optimizer op).
+    """
+
+    def __init__(self, var: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: Tensor, lr, *, beta1: float,
+                 beta2: float, epsilon: float, weight_decay: float, decoupled: bool, name: str | None = None):
+        scheduled = isinstance(lr, Tensor)
+        super().__init__([var, grad, m, v, step] + ([lr] if scheduled else []), name=name or "fused_adam_update")
+        self.params = {"lr": 0.0 if scheduled else float(lr), "beta1": float(beta1), "beta2": float(beta2),
+                       "eps": float(epsilon), "weight_decay": float(weight_decay), "decoupled": bool(decoupled)}
+        self.outputs = [Tensor(self, var.shape, torch.float32, index=i) for i in range(3)]
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return [None] * len(self.inputs)
+
+    def lower(self, lw):
+        shape = self.outputs[0].shape
+        aligns = tuple(align_spec(x.shape, shape) if x.shape.ndims else None for x in self.inputs)
+        kernel = functools.partial(_k_fused_adam, **self.params)
+        if any(a is not None for a in aligns):
+            kernel = functools.partial(apply_aligned, fn=kernel, aligns=aligns)
+        outs = lw.slicewise(kernel, *[lw.get(x) for x in self.inputs], num_outputs=3)
+        for t, s in zip(self.outputs, outs, strict=True):
+            lw.set(t, s)
