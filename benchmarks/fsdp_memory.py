@@ -29,6 +29,7 @@ Run: ``python benchmarks/fsdp_memory.py [--budget 100MiB] [--steps 4] [--d-model
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import re
@@ -46,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 import meshtorch as mtf  # noqa: E402
 from meshtorch.models.transformer import build_lm, preset  # noqa: E402
-from meshtorch.planning import MemoryLimitError, check_memory_limit  # noqa: E402
+from meshtorch.planning import MemoryLimitError, check_memory_limit, memory_report  # noqa: E402
 from meshtorch.planning.command import parse_bytes  # noqa: E402
 from meshtorch.testing.spmd import run_spmd  # noqa: E402
 from meshtorch.testing.torch_lm import TorchLM  # noqa: E402
@@ -90,15 +91,22 @@ def reset_peak() -> int:
     return rss_bytes()
 
 
-def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int, async_collectives: bool = False) -> dict:
+def _meshtorch_lowering(lm, storage: str, async_collectives: bool, bucket_bytes: int):
+    impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=storage, async_collectives=async_collectives)
+    return mtf.Lowering(lm.graph, {lm.mesh: impl}, bucket_bytes=bucket_bytes)
+
+
+def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int, async_collectives: bool = False,
+                   bucket_bytes: int = 0) -> dict:
     lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
     fetches = [lm.loss] + lm.updates
-    try:
-        rep = check_memory_limit(lm.graph, lm.mesh, fetches, MESH, LAYOUT, storage, budget)
+    try:  # the planner's check, before anything is allocated
+        check_memory_limit(lm.graph, lm.mesh, fetches, MESH, LAYOUT, storage, budget)
     except MemoryLimitError as e:
         return {"error": str(e), "predicted": e.report.total_bytes}
-    impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=storage, async_collectives=async_collectives)
-    lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
+    lw = _meshtorch_lowering(lm, storage, async_collectives, bucket_bytes)
+    rep = memory_report(lw, fetches)  # the prediction for this run's schedule (buckets, prefetch)
+    impl = lw.mesh_impl(lm.loss)
     state = sum(s.numel() * s.element_size() for v in lw.variables.values() for s in impl.local_slices(v))
     losses, times = [], []
     for step in range(steps + 1):
@@ -112,24 +120,25 @@ def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int, async_coll
 
 
 def meshtorch_worker(cfg_kw: dict, storage: str, budget: int | None, steps: int,
-                     async_collectives: bool = False) -> dict:
+                     async_collectives: bool = False, bucket_bytes: int = 0) -> dict:
     """One gloo rank: a tiny warm-up run, then the big model (or its planner error) with peak RSS growth."""
     torch.manual_seed(0)
     cfg = config(**cfg_kw)
-    _meshtorch_run(tiny_config(cfg), storage, None, 1, async_collectives)
+    _meshtorch_run(tiny_config(cfg), storage, None, 1, async_collectives, bucket_bytes)
     base = reset_peak()
-    out = _meshtorch_run(cfg, storage, budget, steps, async_collectives)
+    out = _meshtorch_run(cfg, storage, budget, steps, async_collectives, bucket_bytes)
     out["growth"] = peak_rss_bytes() - base
     return out
 
 
-def _fsdp2_run(cfg, steps: int) -> dict:
+def _fsdp2_model(cfg):
+    """TorchLM wrapped by ``fully_shard`` over the 4 ranks, materialised, and its AdamW; (model, optimizer)."""
     mesh = init_device_mesh("cpu", (4,))
     with torch.device("meta"):
         model = TorchLM(cfg)
     # TorchLM.forward reads each layer's parameters directly (its layer modules have no forward), so
     # per-layer FSDP units would never be gathered: one unit, the root (FSDP2 keeps the root's
-    # parameters unsharded between forward and backward, as meshtorch does)
+    # parameters unsharded between forward and backward)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -137,25 +146,65 @@ def _fsdp2_run(cfg, steps: int) -> dict:
         pad = torch.zeros(cfg.padded_vocab)
         pad[cfg.vocab_size:] = -1e9
         model.vocab_pad_mask.copy_(pad)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+
+def _fsdp2_step(cfg, model, opt, step: int) -> float:
     rank = torch.distributed.get_rank()
     per = cfg.batch_size // 4
+    x, y = batch(cfg, step)
+    opt.zero_grad(set_to_none=True)
+    # through __call__ (FSDP2's hooks gather the root's weights); TorchLM.loss's cross-entropy
+    logits = model(x[rank * per:(rank + 1) * per])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y[rank * per:(rank + 1) * per].flatten())
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _fsdp2_run(cfg, steps: int) -> dict:
+    model, opt = _fsdp2_model(cfg)
     losses, times = [], []
     for step in range(steps + 1):
-        x, y = batch(cfg, step)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        # through __call__ (FSDP2's hooks gather the root's weights); TorchLM.loss's cross-entropy
-        logits = model(x[rank * per:(rank + 1) * per])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y[rank * per:(rank + 1) * per].flatten())
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(_fsdp2_step(cfg, model, opt, step))
         times.append(time.perf_counter() - t0)
     state = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     state += sum(t.to_local().numel() * t.element_size() for s in opt.state.values() for t in s.values()
                  if hasattr(t, "to_local") and t.dim() > 0)
     return {"losses": losses, "step_s": statistics.median(times[1:]), "state": state}
+
+
+def timing_worker(cfg_kw: dict, steps: int, blocks: int, async_collectives: bool, bucket_bytes: int,
+                  fsdp2: bool) -> dict:
+    """Step times of meshtorch replicated DP, meshtorch FSDP and FSDP2 built in the same processes and run
+    interleaved: ``blocks`` rounds of ``steps`` steps of each (after one warm-up step each), so load
+    changes on the shared host hit all alike. {run: [seconds per step, ...]}."""
+    torch.manual_seed(0)
+    cfg = config(**cfg_kw)
+    runs = {}
+    for name, storage in (("dp", ""), ("fsdp", FSDP)):
+        lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
+        lw = _meshtorch_lowering(lm, storage, async_collectives, bucket_bytes)
+        fetches = [lm.loss] + lm.updates
+        runs[name] = functools.partial(_meshtorch_step, cfg, lm, lw, fetches)
+    if fsdp2:
+        runs["fsdp2"] = functools.partial(_fsdp2_step, cfg, *_fsdp2_model(cfg))
+    times = {k: [] for k in runs}
+    for fn in runs.values():
+        fn(0)
+    for b in range(blocks):
+        for k, fn in runs.items():
+            for i in range(steps):
+                t0 = time.perf_counter()
+                fn(1 + b * steps + i)
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def _meshtorch_step(cfg, lm, lw, fetches, step: int) -> float:
+    x, y = batch(cfg, step)
+    return float(lw.run(fetches, feeds={lm.inputs: x, lm.targets: y})[0])
 
 
 def fsdp2_worker(cfg_kw: dict, steps: int) -> dict:
@@ -182,7 +231,12 @@ def main(argv=None):
     ap.add_argument("--skip-fsdp2", action="store_true")
     ap.add_argument("--async", dest="async_collectives", action="store_true",
                     help="meshtorch runs with asynchronous collectives (prefetched all-gathers overlap compute)")
+    ap.add_argument("--bucket-mb", type=float, default=0.0,
+                    help="meshtorch's bucket_bytes in MiB: weight all-gathers, gradient reduce-scatters and "
+                         "all-reduces merged into calls of at most this size (FSDP's flat parameter, DDP's buckets)")
+    ap.add_argument("--blocks", type=int, default=5, help="interleaved timing: rounds of --steps steps per run")
     args = ap.parse_args(argv)
+    bucket = int(args.bucket_mb * MIB)
     cfg_kw = dict(vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_model // args.heads,
                   d_ff=args.d_ff, num_layers=args.layers, length=args.length, batch_size=args.batch)
     cfg = config(**cfg_kw)
@@ -201,16 +255,16 @@ def main(argv=None):
     dp_budget = job("meshtorch_worker", cfg_kw, "", budget, args.steps)
     print("\n1. replicated data parallel within the budget:")
     print("   " + (dp_budget[0]["error"] if "error" in dp_budget[0] else "trained (the budget is not exceeded)"))
-    fsdp = job("meshtorch_worker", cfg_kw, FSDP, budget, args.steps, args.async_collectives)
+    fsdp = job("meshtorch_worker", cfg_kw, FSDP, budget, args.steps, args.async_collectives, bucket)
     if "error" in fsdp[0]:
         print(f"\n2. FSDP within the budget failed too:\n   {fsdp[0]['error']}")
         return
-    dp = job("meshtorch_worker", cfg_kw, "", None, args.steps, args.async_collectives)
+    dp = job("meshtorch_worker", cfg_kw, "", None, args.steps, args.async_collectives, bucket)
     rows = [("meshtorch replicated DP", dp), (f"meshtorch FSDP {FSDP!r}", fsdp)]
     if not args.skip_fsdp2:
         rows.append(("torch FSDP2 fully_shard", job("fsdp2_worker", cfg_kw, args.steps)))
     print("\n2. per rank (MiB): state = parameters + optimizer state held (measured); predicted = planner total "
-          "(variables + peak activations); growth = measured peak RSS growth")
+          "(variables + peak activations) for this run's schedule; growth = measured peak RSS growth")
     print(f"   {'run':<30}{'rank':>5}{'state':>9}{'pred. state':>12}{'predicted':>11}{'growth':>9}"
           f"{'pred/growth':>12}{'step s':>9}  losses")
     for name, res in rows:
@@ -225,17 +279,27 @@ def main(argv=None):
     def worst(res, key):
         return max(s[key] for s in res)
 
-    print("\n3. ratios (worst rank):")
+    times = job("timing_worker", cfg_kw, args.steps, args.blocks, args.async_collectives, bucket, not args.skip_fsdp2)
+    # a step ends for everyone at the slowest rank: per step, the maximum over ranks
+    per_step = {k: [max(r[k][i] for r in times) for i in range(len(times[0][k]))] for k in times[0]}
+    med = {k: statistics.median(v) for k, v in per_step.items()}
+    print(f"\n3. step time, interleaved in one job ({args.blocks} rounds x {args.steps} steps of each run; "
+          f"slowest rank per step): median [min, max] s")
+    for k, v in per_step.items():
+        print(f"   {k:<6} {med[k]:.3f} [{min(v):.3f}, {max(v):.3f}]")
+
+    print("\n4. ratios (worst rank):")
     planned = worst(fsdp, "predicted_model_state") / worst(dp, "predicted_model_state")
-    step_ratio = statistics.median(s["step_s"] for s in fsdp) / statistics.median(s["step_s"] for s in dp)
     print(f"   FSDP / replicated DP: state held {worst(fsdp, 'state') / worst(dp, 'state'):.3f}, parameters + "
           f"gradients + optimizer state (planned) {planned:.3f}, "
-          f"peak RSS growth {worst(fsdp, 'growth') / worst(dp, 'growth'):.3f}, step time {step_ratio:.3f}")
+          f"peak RSS growth {worst(fsdp, 'growth') / worst(dp, 'growth'):.3f}, step time {med['fsdp'] / med['dp']:.3f}")
     if not args.skip_fsdp2:
         t = rows[2][1]
         print(f"   meshtorch FSDP / torch FSDP2: state held {worst(fsdp, 'state') / worst(t, 'state'):.3f}, "
               f"peak RSS growth {worst(fsdp, 'growth') / worst(t, 'growth'):.3f}, step time "
-              f"{statistics.median(s['step_s'] for s in fsdp) / statistics.median(s['step_s'] for s in t):.3f}")
+              f"{med['fsdp'] / med['fsdp2']:.3f}")
+    pred = [s["predicted"] / s["growth"] for s in fsdp]
+    print(f"   planner / measured peak growth, FSDP ranks: {min(pred):.3f}-{max(pred):.3f}")
     same = all(abs(a - b) <= 1e-5 * abs(b) for s in fsdp for a, b in zip(s["losses"], dp[0]["losses"], strict=True))
     print(f"   meshtorch FSDP losses equal replicated DP (1e-5 rel.): {same}")
 

@@ -16,7 +16,7 @@ import meshtorch as mtf
 from _fsdp import BUCKET_BYTES, LAYOUTS, build, data, train
 from meshtorch.lowering.program import Step
 from meshtorch.lowering.schedule import prefetch_gathers
-from meshtorch.planning.memory import memory_report
+from meshtorch.planning.memory import _walk, memory_report
 
 
 def _weight_gathers(steps):
@@ -125,3 +125,19 @@ def _members(bucket_step, lw):
     """The collective records of a bucket's members (the unbucketed plan's steps with the same outputs)."""
     plain = {o: st for st in lw.program.steps for o in st.outputs}
     return [plain[o].collective for o in bucket_step.outputs]
+
+
+def test_memory_walk_counts_the_buffers_collectives_pack():
+    """While a bucketed all-gather unpacks its members it holds its packed local slices and the gathered flat
+    buffer beside the members' outputs (SpmdMeshImpl.allconcat_many); a single gather on axis 0 holds nothing
+    more, one on another axis its flat buffer; a reduce-scatter off axis 0 its moved input."""
+    sizes = {1: 10, 2: 20, 3: 40, 4: 80}
+
+    def peak(st):
+        return _walk([st], [()], sizes.get, {}, live=30)[0]
+    bucket = Step("allgather_bucket", "b", (1, 2), (3, 4), "m", params={"mesh_axis": 0, "concat_axes": (0, 1)})
+    assert peak(bucket) == 30 + 120 + (30 + 120)
+    assert peak(Step("allgather", "g", (1,), (3,), "m", params={"mesh_axis": 0, "concat_axis": 0})) == 30 + 40
+    assert peak(Step("allgather", "g", (1,), (3,), "m", params={"mesh_axis": 0, "concat_axis": 1})) == 30 + 80
+    rs = Step("reduce_scatter", "r", (4,), (1,), "m", params={"mesh_axis": 0, "scatter_axis": 1})
+    assert peak(rs) == 30 + 10 + 80

@@ -208,6 +208,25 @@ class _Sizer:
         return max((self(i) for i in st.inputs), default=0)
 
 
+def _workspace(st, in_b: list[int], out_b: list[int]) -> int:
+    """Bytes a collective step holds beyond its outputs while it runs: the buffers
+    :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` packs and unpacks (flat buckets, copies that move the
+    gathered or scattered tensor axis to the front). Kernels' own temporaries are not modelled."""
+    p = st.params
+    if st.kind == "allgather":
+        return sum(out_b) if p.get("concat_axis") else 0  # the flat gather, then the reordered copy
+    if st.kind == "allgather_bucket":
+        return sum(in_b) + sum(out_b)  # the packed local slices and the gathered flat buffer
+    if st.kind == "reduce_scatter":
+        return sum(in_b) if p.get("scatter_axis") else 0  # the scatter axis moved to the front
+    if st.kind == "reduce_scatter_bucket":
+        moved = sum(b for b, a in zip(in_b, p.get("scatter_axes", ()), strict=False) if a)
+        return sum(in_b) + moved  # the packed rows (and the moved copies of members scattered off axis 0)
+    if st.kind == "alltoall":
+        return 2 * sum(in_b)  # the moved send buffer and the receive buffer
+    return 0
+
+
 def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int]:
     """(peak live bytes, index of the peak step, largest slot) of executing ``steps`` in order
     (freeing ``all_frees[i]`` after step ``i``), starting with ``live`` bytes (the feeds) live."""
@@ -222,6 +241,7 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
             sub_peak, _, sub_largest = _walk(sub.steps, sub.frees, size, records)
             transient = max(transient, sub_peak)
             largest = max(largest, sub_largest)
+        transient = max(transient, _workspace(st, [size(s) for s in st.inputs], out_b))
         if live + sum(out_b) + transient > peak:
             peak, peak_i = live + sum(out_b) + transient, i
         live += sum(out_b)
