@@ -13,6 +13,7 @@ import torch
 import meshtorch as mtf
 from meshtorch.core.dims import convert_to_shape
 from meshtorch.optim.fused import FusedAdamUpdate
+from meshtorch.optim.fused_adafactor import FusedAdafactorUpdate
 from meshtorch.testing import rel_error
 
 LAYOUTS = [
@@ -133,10 +134,13 @@ def _compare(got, ref, names, where, rtol=RTOL):
     return errs
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("beta1", [0.0, 0.9])
 @pytest.mark.parametrize("lr", [None, 0.05])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_adafactor_matches_reference(beta1, lr, steps):
+def test_adafactor_matches_reference(beta1, lr, steps, fused):
+    """Fused (FusedAdafactorUpdate: kernels + all-reduces of the statistics over split dims) and graph-op
+    updates against the float64 reference, on every layout (factored dims split or whole)."""
     params = _params()
     grads = _grads(params, steps)
     ref = ref_adafactor(params, grads, lr=lr, beta1=beta1)
@@ -145,10 +149,11 @@ def test_adafactor_matches_reference(beta1, lr, steps):
     assert ("w_slot_m" in slot_names) == bool(beta1)
     for mesh_shape, layout in LAYOUTS:
         def make(mesh):
-            if lr is None and not beta1:
+            if lr is None and not beta1 and fused:
                 return mtf.optim.AdafactorOptimizer(), {}  # Mesh TF defaults, no arguments
-            return mtf.optim.AdafactorOptimizer(learning_rate=lr, beta1=beta1), {}
-        got, lw, _ = run_optimizer(make, params, grads, mesh_shape, layout)
+            return mtf.optim.AdafactorOptimizer(learning_rate=lr, beta1=beta1, fused=fused), {}
+        got, lw, g = run_optimizer(make, params, grads, mesh_shape, layout)
+        assert any(isinstance(op, FusedAdafactorUpdate) for op in g.operations) == fused
         where = f"adafactor beta1={beta1} lr={lr} steps={steps} {mesh_shape!r} {layout!r}"
         _compare(got, ref, list(params) + slot_names, where)
         _check_update(got, ref, params, where, steps)

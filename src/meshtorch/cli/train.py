@@ -60,8 +60,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--compile", dest="executor", action="store_const", const="compile",
                    help="shorthand for --executor compile")
     p.add_argument("--bucket-mb", type=float, default=0.0,
-                   help="issue gradient all-reduces in buckets of at most this many MiB per processor, one "
-                        "collective call each (DDP's bucket_cap_mb; 0: one call per gradient)")
+                   help="issue gradient all-reduces (and, with --storage, weight all-gathers and gradient "
+                        "reduce-scatters) in buckets of at most this many MiB per processor, one collective call "
+                        "each (DDP's bucket_cap_mb, FSDP's flat parameters; 0: one call per variable)")
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
     p.add_argument("--log-dir", default="",
                    help="write TensorBoard event files and metrics.jsonl here ('' to skip)")
