@@ -104,12 +104,12 @@ def test_recompute_grad_runs_forward_twice_same_gradients(mesh_shape, layout):
         lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
         for name, val in (("x", X[1]), ("w", W[1]), ("v", V[1])):
             lw.set_variable_value(name, val)
-        n_procs = lw.mesh_impl(mesh).size
         results[recompute] = lw.run(fetches)
-        counts[recompute] = len(calls) // n_procs
+        # kernel calls: one per processor, or one for all when the inputs are replicated (shared tensors)
+        counts[recompute] = len(calls)
         # the program holds the counted forward op once, or twice with recomputation
         counts[recompute, "steps"] = sum(st.op == "counted_tanh" for st in lw.steps)
-    assert counts[False] == 1 and counts[True] == 2
+    assert counts[False] >= 1 and counts[True] == 2 * counts[False]
     assert counts[False, "steps"] == 1 and counts[True, "steps"] == 2
     for a, b in zip(results[False], results[True], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -5,8 +5,10 @@ source of one function ``run(env)``: each slot becomes a local variable, each st
 freed slot a ``del``. On a mesh implementation that holds every processor's slice in this process
 (``impl.unrolled``, the placement mesh) the processors are unrolled too: a slicewise step becomes one
 kernel call per processor on that processor's local variable, and only collectives see the list of
-slices. The function is data-equivalent to :func:`~meshtorch.lowering.executor.run_steps` over the
-same steps (the tests run both), costs no Python loop, list building or dispatch through
+slices; when every input is the same tensor on every processor (replicated values, e.g. after an
+all-reduce), the kernel runs once and the processors share its result (kernels are pure functions).
+The function is data-equivalent to :func:`~meshtorch.lowering.executor.run_steps` over the same steps
+(the tests run both), costs no Python loop, list building or dispatch through
 ``MeshImpl.slicewise`` per step, and is what ``torch.compile`` is given in compiled mode (dynamo
 traces straight-line code well).
 """
@@ -64,12 +66,28 @@ def generate(steps, frees, impls: dict, counters, reads, writes) -> Callable:
         if st.kind == "slicewise" and n:
             f = f"k{i}"
             names[f] = st.fn
-            for p in range(n):
-                args = ", ".join(var(s, p) if width[s] else f"{var(s)}[{p}]" for s in st.inputs)
-                if len(st.outputs) == 1:
-                    lines.append(f"    {var(st.outputs[0], p)} = {f}({args})")
-                else:
-                    lines.append(f"    {', '.join(var(o, p) for o in st.outputs)} = {f}({args})")
+
+            def arg(s, p):
+                return var(s, p) if width[s] else f"{var(s)}[{p}]"
+
+            def call(p, indent):
+                args = ", ".join(arg(s, p) for s in st.inputs)
+                lines.append(f"{indent}{', '.join(var(o, p) for o in st.outputs)}{',' if len(st.outputs) > 1 else ''}"
+                             f" = {f}({args})")
+            if n > 1 and st.inputs:
+                # replicated inputs (the same tensor on every processor, e.g. after an all-reduce): a kernel is
+                # a pure function of its inputs, so it runs once and every processor shares the result
+                same = " and ".join(f"{arg(s, 0)} is {arg(s, p)}" for s in st.inputs for p in range(1, n))
+                lines.append(f"    if {same}:")
+                call(0, "        ")
+                for o in st.outputs:
+                    lines.append(f"        {' = '.join(var(o, p) for p in range(1, n))} = {var(o, 0)}")
+                lines.append("    else:")
+                for p in range(n):
+                    call(p, "        ")
+            else:
+                for p in range(n):
+                    call(p, "    ")
             for o in st.outputs:
                 width[o] = n
         else:

@@ -92,8 +92,8 @@ def run_steps(steps, env) -> None:
 
 def evaluate_constant(kind: str, data, impl):
     """The laid-out value of one program constant on ``impl`` (see ``Program.constants``)."""
-    if kind == "pnum":
-        return impl.laid_out_constant(functools.partial(data, impl))
+    if kind == "pnum":  # equal per-processor values (e.g. a scalar every processor makes) share a tensor
+        return impl.share_replicas(impl.laid_out_constant(functools.partial(data, impl)))
     if kind == "import":
         full, layout = data
         return impl.import_full(full, TensorLayout(layout))

@@ -79,7 +79,8 @@ class VariableStore:
     def initialize(self, variable_ops: dict):
         """Draw initial values: ``variable_ops[name].initial_value(impl, layout)`` for every variable."""
         for name in self.specs:
-            self.values[name] = variable_ops[name].initial_value(self.impl(name), self.layout(name))
+            impl, layout = self.impl(name), self.layout(name)
+            self.values[name] = impl.share_replicas(variable_ops[name].initial_value(impl, layout), layout)
 
     def value(self, name: str) -> torch.Tensor:
         """The full value of variable ``name`` (gathered from its slices)."""
@@ -113,4 +114,4 @@ class VariableStore:
                                 f"{want} on processor {p}, got {list(t.shape)}.")
             return t.to(device=impl.device(p), dtype=spec.dtype)
 
-        self.values[name] = impl.laid_out_constant(make)
+        self.values[name] = impl.share_replicas(impl.laid_out_constant(make), layout)

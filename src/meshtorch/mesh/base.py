@@ -215,6 +215,13 @@ class MeshImpl:
         """The slices this process holds, in pnum order."""
         raise NotImplementedError
 
+    def share_replicas(self, x, layout: TensorLayout | None = None):
+        """``x`` with processors whose slices are equal sharing one tensor (implementations holding
+        several processors' slices; kernels then run once for all of them, see
+        :mod:`meshtorch.lowering.codegen`). ``layout``: only processors holding the same slice of it
+        are compared (None: all). Default: ``x`` unchanged."""
+        return x
+
     def materialize(self, x):
         """``x`` with any communication still in flight finished (the Lowering calls it before keeping
         a value beyond one run, e.g. a variable's new value). Identity unless collectives are asynchronous."""

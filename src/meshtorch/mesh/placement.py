@@ -56,6 +56,8 @@ class PlacementMeshImpl(MeshImpl):
     def slicewise(self, fn, *inputs, num_outputs: int = 1):
         if self.size == 1:
             out = [fn(*[x[0] for x in inputs])]
+        elif inputs and all(x[p] is x[0] for x in inputs for p in range(1, self.size)):
+            out = [fn(*[x[0] for x in inputs])] * self.size  # replicated inputs: one call, a shared result
         else:
             out = [fn(*[x[p] for x in inputs]) for p in range(self.size)]
         if num_outputs == 1:
@@ -71,9 +73,9 @@ class PlacementMeshImpl(MeshImpl):
         for group in self.processor_groups(mesh_axes):
             parts = [self._to(x[p], group[0]) for p in group]
             acc = parts[0]
-            for t in parts[1:]:
+            for j, t in enumerate(parts[1:]):
                 if reduction == "SUM":
-                    acc = acc + t
+                    acc = acc + t if j == 0 else acc.add_(t)  # accumulate into the first sum's new buffer
                 elif reduction == "MAX":
                     acc = torch.maximum(acc, t)
                 else:
@@ -121,16 +123,37 @@ class PlacementMeshImpl(MeshImpl):
         shape = full.shape
         out = []
         split = [i for i, a in enumerate(layout) if a is not None]
+        made: dict = {}  # processors with the same slice on the same device share one tensor
         for p in range(self.size):
-            t = full
-            if split:
-                coords = self.pnum_to_processor_coordinates(p)
+            coords = self.pnum_to_processor_coordinates(p)
+            key = (tuple(coords[layout[i]] for i in split), self.devices[p])
+            if key not in made:
+                t = full
                 for i in split:
                     a = layout[i]
                     n = self.shape[a].size
                     size = shape[i] // n
                     t = t.narrow(i, coords[a] * size, size)
-            out.append(self._to(t, p))
+                made[key] = self._to(t, p)
+            out.append(made[key])
+        return out
+
+    def share_replicas(self, x, layout: TensorLayout | None = None):
+        out = list(x)
+        if len(out) < 2 or not all(isinstance(t, torch.Tensor) for t in out):
+            return x
+        axes = None if layout is None else [a for a in layout if a is not None]
+        reps: dict = {}  # processors that may hold the same slice -> their distinct tensors so far
+        for p in range(self.size):
+            coords = self.pnum_to_processor_coordinates(p)
+            key = (None if axes is None else tuple(coords[a] for a in axes), self.devices[p])
+            b = out[p]
+            for a in reps.setdefault(key, []):
+                if a is b or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)):
+                    out[p] = a
+                    break
+            else:
+                reps[key].append(b)
         return out
 
     def export_full(self, x, layout: TensorLayout) -> torch.Tensor:
