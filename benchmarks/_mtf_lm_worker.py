@@ -5,7 +5,8 @@ Not importable from meshtorch's venv (it imports TensorFlow 2.12 and mesh-tensor
 JSON lines over stdin/stdout:
 
     parent -> {"cfg": {...}, "mesh_shape": "all:4", "layout": "batch:all", "threads": 1,
-               "inter_op": 1, "ids": [[...], ...]}           (ids: int [batch, length + 1])
+               "inter_op": 1, "ids": [[...], ...],           (ids: int [batch, length + 1])
+               "init": "/tmp/.../init.npz"}   (optional: initial values by variable name; else random)
     worker -> {"params": N, "build_s": s, "tf": "2.12.1", "mtf": "0.1.21"}
     parent -> {"steps": k}
     worker -> {"times": [s, ...], "losses": [nats, ...]}      (one session.run per step)
@@ -42,8 +43,17 @@ def _protocol_out():
     return out
 
 
+_INIT = {}  # variable name -> initial value (numpy), when the parent sent meshtorch's initial weights
+
+
+def _init(name, default):
+    """``tf.constant_initializer`` of the parent's value for ``name`` if one was sent, else ``default``."""
+    return tf.constant_initializer(_INIT[name]) if _INIT else default
+
+
 def _rms_norm(x, d_model, name):
-    scale = mtf.get_variable(x.mesh, name + "/scale", [d_model], initializer=tf.ones_initializer())
+    scale = mtf.get_variable(x.mesh, name + "/scale", [d_model],
+                             initializer=_init(name + "/scale", tf.ones_initializer()))
     ms = mtf.reduce_mean(mtf.square(x), reduced_dim=d_model)
     return x * mtf.rsqrt(ms + 1e-6) * scale
 
@@ -52,9 +62,10 @@ def _attention(x, d, name):
     """Causal multi-head self-attention with meshtorch's variable shapes (no biases)."""
     d_model, heads, d_kv = d["d_model"], d["heads"], d["d_kv"]
     init = tf.random_normal_initializer(stddev=d_model.size ** -0.5)
-    wq, wk, wv = (mtf.get_variable(x.mesh, f"{name}/{p}", [d_model, heads, d_kv], initializer=init) for p in "qkv")
-    wo = mtf.get_variable(x.mesh, f"{name}/o", [heads, d_kv, d_model],
-                          initializer=tf.random_normal_initializer(stddev=(heads.size * d_kv.size) ** -0.5))
+    wq, wk, wv = (mtf.get_variable(x.mesh, f"{name}/{p}", [d_model, heads, d_kv],
+                                   initializer=_init(f"{name}/{p}", init)) for p in "qkv")
+    wo = mtf.get_variable(x.mesh, f"{name}/o", [heads, d_kv, d_model], initializer=_init(
+        f"{name}/o", tf.random_normal_initializer(stddev=(heads.size * d_kv.size) ** -0.5)))
     qkv_shape = [d["batch"], d["length"], heads, d_kv]
     mem_shape = [d["batch"], d["memory_length"], heads, d_kv]
     q = mtf.einsum([x, wq], output_shape=qkv_shape)
@@ -80,28 +91,36 @@ def build(msg):
         ("batch", "batch_size"), ("length", "length"), ("memory_length", "length"), ("d_model", "d_model"),
         ("heads", "num_heads"), ("d_kv", "d_kv"), ("d_ff", "d_ff"), ("vocab", "vocab"))}
     ids = np.asarray(msg["ids"], dtype=np.int32)
+    _INIT.clear()
+    if msg.get("init"):
+        with np.load(msg["init"]) as z:
+            _INIT.update({k: z[k] for k in z.files})
     tf_in = tf.placeholder(tf.int32, [c["batch_size"], c["length"]], name="inputs")
     tf_tg = tf.placeholder(tf.int32, [c["batch_size"], c["length"]], name="targets")
     inputs = mtf.import_tf_tensor(mesh, tf_in, mtf.Shape([d["batch"], d["length"]]))
     targets = mtf.import_tf_tensor(mesh, tf_tg, mtf.Shape([d["batch"], d["length"]]))
     emb = mtf.get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
-                           initializer=tf.random_normal_initializer(stddev=1.0))
+                           initializer=_init("embedding", tf.random_normal_initializer(stddev=1.0)))
     pos = mtf.get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
-                           initializer=tf.random_normal_initializer(stddev=0.02))
+                           initializer=_init("pos_embedding", tf.random_normal_initializer(stddev=0.02)))
     x = mtf.gather(emb, inputs, d["vocab"]) + pos
     for i in range(c["num_layers"]):
         h = _rms_norm(x, d["d_model"], f"layer_{i}/attention_norm")
         x = x + _attention(h, d, f"layer_{i}/attention")
         h = _rms_norm(x, d["d_model"], f"layer_{i}/ffn_norm")
         h = mtf.layers.dense(h, d["d_ff"], reduced_dims=[d["d_model"]], use_bias=False, activation=mtf.relu,
-                             name=f"layer_{i}/ffn/wi")
+                             kernel_initializer=_init(f"layer_{i}/ffn/wi/kernel", None), name=f"layer_{i}/ffn/wi")
         x = x + mtf.layers.dense(h, d["d_model"], reduced_dims=[d["d_ff"]], use_bias=False,
-                                 name=f"layer_{i}/ffn/wo")
+                                 kernel_initializer=_init(f"layer_{i}/ffn/wo/kernel", None), name=f"layer_{i}/ffn/wo")
     x = _rms_norm(x, d["d_model"], "final_norm")
-    logits = mtf.layers.dense(x, d["vocab"], reduced_dims=[d["d_model"]], use_bias=False, name="logits")
+    logits = mtf.layers.dense(x, d["vocab"], reduced_dims=[d["d_model"]], use_bias=False,
+                              kernel_initializer=_init("logits/kernel", None), name="logits")
     soft = mtf.one_hot(targets, d["vocab"], dtype=logits.dtype)
     loss = mtf.reduce_mean(mtf.layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"]))
     variables = graph.trainable_variables
+    if _INIT and sorted(_INIT) != sorted(v.name for v in variables):
+        raise ValueError(f"initial values for {sorted(set(_INIT) ^ {v.name for v in variables})} do not match "
+                         "the Mesh TF model's variables")
     params = int(sum(v.outputs[0].shape.size for v in variables))
     grads = mtf.gradients([loss], [v.outputs[0] for v in variables])
     update_ops = mtf.optimize.AdafactorOptimizer().apply_grads(grads, variables)

@@ -5,8 +5,10 @@
 #
 # Installs exactly tensorflow-cpu 2.12.1, tensorflow-estimator 2.12.0 and mesh-tensorflow 0.1.21
 # into its own venv (python3.11). It is never a test or runtime dependency of meshtorch.
-# No extra pin is needed: tensorflow-cpu 2.12.1 itself pins numpy>=1.22,<=1.24.3 (pip picks 1.24.3); mesh-tensorflow 0.1.21 needs gin-config, six, future, absl-py
-# (pulled in by pip). Re-running on an existing venv re-checks the pins and is quick.
+# No extra pin is needed: tensorflow-cpu 2.12.1 itself pins numpy>=1.22,<=1.24.3 (pip picks 1.24.3);
+# mesh-tensorflow 0.1.21 needs gin-config, six, future, absl-py (pulled in by pip). Its transformer
+# package needs tensorflow-datasets too, which the benchmark does not use (hand-written mtf LM).
+# Re-running on an existing venv re-checks the pins and is quick.
 set -euo pipefail
 VENV="${1:-${MTF_VENV:-/work/mtf-venv}}"
 PY="${PYTHON:-python3.11}"
