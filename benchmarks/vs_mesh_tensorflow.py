@@ -199,8 +199,9 @@ def report(cfg, threads, configs, res, args) -> list[str]:
                                 "weights: the two models are not the same computation")
         per_block = [x / y for x, y in zip(a["block_medians"], b["block_medians"], strict=True)]
         goal = "; issue 13 goal <= 0.8" if not mesh_shape else ""
-        print(f"   ratio meshtorch / Mesh TF, {name}: {a['median'] / b['median']:.3f} (medians; per-block "
-              f"{min(per_block):.2f}-{max(per_block):.2f}{goal})")
+        print(f"   ratio meshtorch / Mesh TF, {name}: {a['median'] / b['median']:.3f} (of the medians; per-block "
+              f"ratios: median {statistics.median(per_block):.3f}, range {min(per_block):.2f}-{max(per_block):.2f}"
+              f"{goal})")
     one = _config_name("", "")
     for mesh_shape, layout in configs:
         name = _config_name(mesh_shape, layout)
