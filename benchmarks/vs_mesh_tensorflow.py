@@ -18,7 +18,9 @@ then times steps on command over stdin/stdout JSON lines); the meshtorch side ru
 rounds, each running ``--block-steps`` steps of every (side, configuration) in turn, the starting
 side rotating every round, so machine load falls on both alike. Reported: median seconds/step with
 the min-max over all timed steps, the ratio of medians meshtorch / Mesh TF with the range of the
-per-round ratios (of the round's medians), model GFLOP/s (``flops_per_token`` x tokens / median),
+per-round ratios (of the round's medians), the same ratios over the "quiet" rounds only (no step
+slower than ``--quiet-factor`` x its series' fastest: other jobs' load bursts hit PyTorch's 2-thread
+OpenMP steps far harder than TF's thread pool), model GFLOP/s (``flops_per_token`` x tokens / median),
 parameter counts (must be equal: the script stops otherwise) and the first/last timed loss of each side (must go down).
 By default the Mesh TF variables start from meshtorch's initial values (passed as an ``.npz``), so
 the loss before the first update must agree (relative 1e-4, else the script stops: the two models
@@ -209,7 +211,33 @@ def report(cfg, threads, configs, res, args) -> list[str]:
             print(f"   {name} / 1 processor: meshtorch "
                   f"{res[('meshtorch', name)]['median'] / res[('meshtorch', one)]['median']:.2f}, Mesh TF "
                   f"{res[('Mesh TF', name)]['median'] / res[('Mesh TF', one)]['median']:.2f}")
+    _report_quiet(threads, configs, res, args)
     return problems
+
+
+def _report_quiet(threads, configs, res, args):
+    """The same ratios over the quiet rounds only: rounds in which no step of any series took more than
+    ``--quiet-factor`` times that series' fastest step (another job's load burst slows PyTorch's 2-thread
+    OpenMP steps far more than TF's, so a burst in one side's turn skews the round)."""
+    k, f = args.block_steps, args.quiet_factor
+    quiet = [r for r in range(args.blocks)
+             if all(max(v["times"][r * k:(r + 1) * k]) <= f * min(v["times"]) for v in res.values())]
+    print(f"   quiet rounds (no step over {f}x its series' fastest): {len(quiet)} of {args.blocks}"
+          + (f" (rounds {', '.join(str(r + 1) for r in quiet)})" if quiet else ""))
+    if not quiet:
+        return
+    med = {key: statistics.median([t for r in quiet for t in v["times"][r * k:(r + 1) * k]])
+           for key, v in res.items()}
+    one = _config_name("", "")
+    for mesh_shape, layout in configs:
+        name = _config_name(mesh_shape, layout)
+        a, b = med[("meshtorch", name)], med[("Mesh TF", name)]
+        line = (f"   quiet rounds, {name}: meshtorch {1e3 * a:.1f} ms, Mesh TF {1e3 * b:.1f} ms, "
+                f"ratio {a / b:.3f}")
+        if name != one:
+            line += (f"; / 1 processor: meshtorch {a / med[('meshtorch', one)]:.2f}, "
+                     f"Mesh TF {b / med[('Mesh TF', one)]:.2f}")
+        print(line)
 
 
 def main():
@@ -227,6 +255,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side and configuration first")
     ap.add_argument("--layouts", action="store_true",
                     help="also the 4-processor placement meshes: all:4 batch:all and all:4 heads:all;d_ff:all")
+    ap.add_argument("--quiet-factor", type=float, default=1.5,
+                    help="a round is quiet if no step took more than this times its series' fastest step")
     ap.add_argument("--tf-inter-op", type=int, default=0, help="TF inter_op_parallelism_threads (0: --threads)")
     ap.add_argument("--mtf-venv", default=os.environ.get("MTF_VENV", DEFAULT_VENV),
                     help=f"the Mesh TF venv from benchmarks/mtf_venv.sh (default $MTF_VENV or {DEFAULT_VENV})")
