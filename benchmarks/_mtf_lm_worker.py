@@ -10,6 +10,8 @@ JSON lines over stdin/stdout:
     worker -> {"params": N, "build_s": s, "tf": "2.12.1", "mtf": "0.1.21"}
     parent -> {"steps": k}
     worker -> {"times": [s, ...], "losses": [nats, ...]}      (one session.run per step)
+    parent -> {"gemm": [[m, k, n], ...], "repeats": 10}     (optional: tf.matmul float32 GEMM rates)
+    worker -> {"flops": [median FLOP/s per shape]}            (same thread settings as the LM's session)
     parent -> {"quit": true}   (or EOF)
 
 The model is a hand-written Mesh TF LM with the same structure, parameters and FLOPs as meshtorch's
@@ -145,10 +147,33 @@ def build(msg):
     return sess, [tf_loss, train_op], feed, params
 
 
+def gemm_rates(shapes, repeats, threads, inter_op):
+    """Median float32 ``tf.matmul`` FLOP/s of each ``[m, k, n]`` (operands in variables; the product's op
+    is run, not fetched, so no copy to numpy is timed)."""
+    rates = []
+    rng = np.random.default_rng(0)
+    for m, k, n in shapes:
+        with tf.Graph().as_default():
+            a = tf.Variable(rng.standard_normal((m, k), dtype=np.float32))
+            b = tf.Variable(rng.standard_normal((k, n), dtype=np.float32))
+            prod = tf.matmul(a, b).op
+            config = tf.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=inter_op)
+            with tf.Session(config=config) as sess:
+                sess.run(tf.global_variables_initializer())
+                sess.run(prod)
+                ts = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    sess.run(prod)
+                    ts.append(time.perf_counter() - t0)
+        rates.append(2.0 * m * k * n / float(np.median(ts)))
+    return rates
+
+
 def main():
     out = _protocol_out()
     tf.disable_v2_behavior()
-    sess = None
+    sess, threads = None, (1, 1)
     for line in sys.stdin:
         msg = json.loads(line)
         if msg.get("quit"):
@@ -156,8 +181,11 @@ def main():
         if "cfg" in msg:
             t0 = time.perf_counter()
             sess, fetches, feed, params = build(msg)
+            threads = (msg["threads"], msg["inter_op"])
             reply = {"params": params, "build_s": time.perf_counter() - t0, "tf": version("tensorflow-cpu"),
                      "mtf": version("mesh-tensorflow")}
+        elif "gemm" in msg:
+            reply = {"flops": gemm_rates(msg["gemm"], int(msg.get("repeats", 10)), *threads)}
         else:
             times, losses = [], []
             for _ in range(int(msg["steps"])):

@@ -95,6 +95,9 @@ class MtfWorker:
         r = self._ask({"steps": k})
         return r["times"], r["losses"]
 
+    def gemm_rates(self, shapes, repeats):
+        return self._ask({"gemm": shapes, "repeats": repeats})["flops"]
+
     def close(self):
         if self.proc.poll() is None:
             self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
@@ -132,6 +135,29 @@ class MeshtorchLM:
         pass
 
 
+def gemm_shapes(cfg: LMConfig):
+    """The LM's GEMM shapes [m, k, n]: tokens x d_model x d_ff and back, the attention projections, a
+    weight gradient (as ``benchmarks/lm_step.py``)."""
+    t = cfg.batch_size * cfg.length
+    return [[t, cfg.d_model, cfg.d_ff], [t, cfg.d_ff, cfg.d_model], [t, cfg.d_model, cfg.d_model],
+            [cfg.d_model, t, cfg.d_ff]]
+
+
+def torch_gemm_rates(shapes, repeats):
+    """Median float32 ``torch.mm`` FLOP/s of each ``[m, k, n]`` at the current torch thread count."""
+    rates = []
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        ts = []
+        for _ in range(repeats):
+            t0 = perf_counter()
+            torch.mm(a, b)
+            ts.append(perf_counter() - t0)
+        rates.append(2.0 * m * k * n / statistics.median(ts))
+    return rates
+
+
 def _config_name(mesh_shape, layout):
     return "1 processor" if not mesh_shape else f"{mesh_shape} {layout}"
 
@@ -162,6 +188,10 @@ def measure(cfg, ids, threads, configs, args, python):
                 res[key]["times"] += times
                 res[key]["losses"] += losses
                 res[key]["block_medians"].append(statistics.median(times))
+        if args.gemm_peak:
+            one = _config_name("", "")
+            res[("meshtorch", one)]["gemm"] = torch_gemm_rates(gemm_shapes(cfg), 10)
+            res[("Mesh TF", one)]["gemm"] = runners[("Mesh TF", one)].gemm_rates(gemm_shapes(cfg), 10)
         return res
     finally:
         for r in runners.values():
@@ -188,8 +218,9 @@ def report(cfg, threads, configs, res, args) -> list[str]:
             print(f"{side:<10} {name:<28} {1e3 * med:9.1f} {f'({1e3 * min(t):.0f}-{1e3 * max(t):.0f})':>15} "
                   f"{flops / med / 1e9:8.2f} {r['params']:9d} {r['build_s']:7.1f}  "
                   f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
-            if not r["losses"][-1] < r["losses"][0]:
-                problems.append(f"threads {threads}, {side} {name}: loss did not go down ({r['losses']})")
+            every = r["warmup_losses"] + r["losses"]  # from before the first update to the last step
+            if not every[-1] < every[0]:
+                problems.append(f"threads {threads}, {side} {name}: loss did not go down ({every})")
         a, b = res[("meshtorch", name)], res[("Mesh TF", name)]
         if a["params"] != b["params"]:
             problems.append(f"{name}: parameter counts differ: meshtorch {a['params']}, Mesh TF {b['params']}")
@@ -212,6 +243,17 @@ def report(cfg, threads, configs, res, args) -> list[str]:
                   f"{res[('meshtorch', name)]['median'] / res[('meshtorch', one)]['median']:.2f}, Mesh TF "
                   f"{res[('Mesh TF', name)]['median'] / res[('Mesh TF', one)]['median']:.2f}")
     _report_quiet(threads, configs, res, args)
+    if args.gemm_peak:
+        a, b = res[("meshtorch", one)], res[("Mesh TF", one)]
+        pa, pb = max(a["gemm"]), max(b["gemm"])
+        best = max(pa, pb)
+        ra, rb = flops / a["median"], flops / b["median"]
+        print(f"   float32 GEMM on the LM's shapes {gemm_shapes(cfg)}, median GFLOP/s: torch.mm "
+              f"{', '.join(f'{r / 1e9:.0f}' for r in a['gemm'])}; "
+              f"tf.matmul {', '.join(f'{r / 1e9:.0f}' for r in b['gemm'])}")
+        print(f"   1 processor, model FLOP rate / best GEMM rate: meshtorch {100 * ra / pa:.1f}% of torch.mm's "
+              f"{pa / 1e9:.0f}; Mesh TF {100 * rb / pb:.1f}% of tf.matmul's {pb / 1e9:.0f}; of the machine's "
+              f"best ({best / 1e9:.0f}): meshtorch {100 * ra / best:.1f}%, Mesh TF {100 * rb / best:.1f}%")
     return problems
 
 
@@ -255,6 +297,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side and configuration first")
     ap.add_argument("--layouts", action="store_true",
                     help="also the 4-processor placement meshes: all:4 batch:all and all:4 heads:all;d_ff:all")
+    ap.add_argument("--gemm-peak", action="store_true",
+                    help="after the rounds, measure float32 GEMM rates on the LM's shapes on both sides "
+                         "(torch.mm here, tf.matmul in the worker) and report the FLOP rate over that peak")
     ap.add_argument("--quiet-factor", type=float, default=1.5,
                     help="a round is quiet if no step took more than this times its series' fastest step")
     ap.add_argument("--tf-inter-op", type=int, default=0, help="TF inter_op_parallelism_threads (0: --threads)")
