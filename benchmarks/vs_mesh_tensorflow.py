@@ -7,6 +7,7 @@ forward + backward + optimizer update (+ global step increment), loss fetched ea
     bash benchmarks/mtf_venv.sh                 # once: the Mesh TF venv (default /work/mtf-venv)
     python benchmarks/vs_mesh_tensorflow.py --threads 1 2 --blocks 5 --block-steps 3
     python benchmarks/vs_mesh_tensorflow.py --threads 1 2 --layouts   # + 4-processor placement meshes
+    python benchmarks/vs_mesh_tensorflow.py --threads 1 --gemm-peak   # + GEMM peak, FLOP rate over it
 
 Run it with meshtorch's python. The Mesh TF side is a subprocess under the Mesh TF venv's python
 (``benchmarks/_mtf_lm_worker.py``: builds the mtf graph, lowering and tf.compat.v1 Session once,
@@ -21,7 +22,9 @@ the min-max over all timed steps, the ratio of medians meshtorch / Mesh TF with 
 per-round ratios (of the round's medians), the same ratios over the "quiet" rounds only (no step
 slower than ``--quiet-factor`` x its series' fastest: other jobs' load bursts hit PyTorch's 2-thread
 OpenMP steps far harder than TF's thread pool), model GFLOP/s (``flops_per_token`` x tokens / median),
-parameter counts (must be equal: the script stops otherwise) and the first/last timed loss of each side (must go down).
+parameter counts (must be equal: the script stops otherwise) and the first/last timed loss of each
+side (must go down). ``--gemm-peak`` adds float32 GEMM rates on the LM's shapes (``torch.mm`` here,
+``tf.matmul`` in the worker, same threads) and each side's model FLOP rate over them.
 By default the Mesh TF variables start from meshtorch's initial values (passed as an ``.npz``), so
 the loss before the first update must agree (relative 1e-4, else the script stops: the two models
 would not be the same computation) and the losses then track each other step by step.
