@@ -91,20 +91,21 @@ def reset_peak() -> int:
     return rss_bytes()
 
 
-def _meshtorch_lowering(lm, storage: str, async_collectives: bool, bucket_bytes: int):
-    impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=storage, async_collectives=async_collectives)
+def _meshtorch_lowering(lm, storage: str, async_collectives: bool, bucket_bytes: int, reshard: bool = True):
+    impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=storage, async_collectives=async_collectives,
+                            reshard_after_forward=reshard)
     return mtf.Lowering(lm.graph, {lm.mesh: impl}, bucket_bytes=bucket_bytes)
 
 
 def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int, async_collectives: bool = False,
-                   bucket_bytes: int = 0) -> dict:
+                   bucket_bytes: int = 0, reshard: bool = True) -> dict:
     lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
     fetches = [lm.loss] + lm.updates
     try:  # the planner's check, before anything is allocated
         check_memory_limit(lm.graph, lm.mesh, fetches, MESH, LAYOUT, storage, budget)
     except MemoryLimitError as e:
         return {"error": str(e), "predicted": e.report.total_bytes}
-    lw = _meshtorch_lowering(lm, storage, async_collectives, bucket_bytes)
+    lw = _meshtorch_lowering(lm, storage, async_collectives, bucket_bytes, reshard)
     rep = memory_report(lw, fetches)  # the prediction for this run's schedule (buckets, prefetch)
     impl = lw.mesh_impl(lm.loss)
     state = sum(s.numel() * s.element_size() for v in lw.variables.values() for s in impl.local_slices(v))
@@ -120,13 +121,13 @@ def _meshtorch_run(cfg, storage: str, budget: int | None, steps: int, async_coll
 
 
 def meshtorch_worker(cfg_kw: dict, storage: str, budget: int | None, steps: int,
-                     async_collectives: bool = False, bucket_bytes: int = 0) -> dict:
+                     async_collectives: bool = False, bucket_bytes: int = 0, reshard: bool = True) -> dict:
     """One gloo rank: a tiny warm-up run, then the big model (or its planner error) with peak RSS growth."""
     torch.manual_seed(0)
     cfg = config(**cfg_kw)
-    _meshtorch_run(tiny_config(cfg), storage, None, 1, async_collectives, bucket_bytes)
+    _meshtorch_run(tiny_config(cfg), storage, None, 1, async_collectives, bucket_bytes, reshard)
     base = reset_peak()
-    out = _meshtorch_run(cfg, storage, budget, steps, async_collectives, bucket_bytes)
+    out = _meshtorch_run(cfg, storage, budget, steps, async_collectives, bucket_bytes, reshard)
     out["growth"] = peak_rss_bytes() - base
     return out
 
@@ -176,7 +177,7 @@ def _fsdp2_run(cfg, steps: int) -> dict:
 
 
 def timing_worker(cfg_kw: dict, steps: int, blocks: int, async_collectives: bool, bucket_bytes: int,
-                  fsdp2: bool) -> dict:
+                  fsdp2: bool, reshard: bool = True) -> dict:
     """Step times of meshtorch replicated DP, meshtorch FSDP and FSDP2 built in the same processes and run
     interleaved: ``blocks`` rounds of ``steps`` steps of each (after one warm-up step each), so load
     changes on the shared host hit all alike. {run: [seconds per step, ...]}."""
@@ -185,7 +186,7 @@ def timing_worker(cfg_kw: dict, steps: int, blocks: int, async_collectives: bool
     runs = {}
     for name, storage in (("dp", ""), ("fsdp", FSDP)):
         lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
-        lw = _meshtorch_lowering(lm, storage, async_collectives, bucket_bytes)
+        lw = _meshtorch_lowering(lm, storage, async_collectives, bucket_bytes, reshard)
         fetches = [lm.loss] + lm.updates
         runs[name] = functools.partial(_meshtorch_step, cfg, lm, lw, fetches)
     if fsdp2:
@@ -234,6 +235,9 @@ def main(argv=None):
     ap.add_argument("--bucket-mb", type=float, default=0.0,
                     help="meshtorch's bucket_bytes in MiB: weight all-gathers, gradient reduce-scatters and "
                          "all-reduces merged into calls of at most this size (FSDP's flat parameter, DDP's buckets)")
+    ap.add_argument("--keep-gathered", action="store_true",
+                    help="meshtorch FSDP keeps each forward gather for the backward pass (reshard_after_forward="
+                         "False: one all-gather per weight, as FSDP2 does for its root unit)")
     ap.add_argument("--blocks", type=int, default=5, help="interleaved timing: rounds of --steps steps per run")
     args = ap.parse_args(argv)
     bucket = int(args.bucket_mb * MIB)
@@ -255,11 +259,13 @@ def main(argv=None):
     dp_budget = job("meshtorch_worker", cfg_kw, "", budget, args.steps)
     print("\n1. replicated data parallel within the budget:")
     print("   " + (dp_budget[0]["error"] if "error" in dp_budget[0] else "trained (the budget is not exceeded)"))
-    fsdp = job("meshtorch_worker", cfg_kw, FSDP, budget, args.steps, args.async_collectives, bucket)
+    fsdp = job("meshtorch_worker", cfg_kw, FSDP, budget, args.steps, args.async_collectives, bucket,
+               not args.keep_gathered)
     if "error" in fsdp[0]:
         print(f"\n2. FSDP within the budget failed too:\n   {fsdp[0]['error']}")
         return
-    dp = job("meshtorch_worker", cfg_kw, "", None, args.steps, args.async_collectives, bucket)
+    dp = job("meshtorch_worker", cfg_kw, "", None, args.steps, args.async_collectives, bucket,
+               not args.keep_gathered)
     rows = [("meshtorch replicated DP", dp), (f"meshtorch FSDP {FSDP!r}", fsdp)]
     if not args.skip_fsdp2:
         rows.append(("torch FSDP2 fully_shard", job("fsdp2_worker", cfg_kw, args.steps)))
@@ -279,7 +285,8 @@ def main(argv=None):
     def worst(res, key):
         return max(s[key] for s in res)
 
-    times = job("timing_worker", cfg_kw, args.steps, args.blocks, args.async_collectives, bucket, not args.skip_fsdp2)
+    times = job("timing_worker", cfg_kw, args.steps, args.blocks, args.async_collectives, bucket, not args.skip_fsdp2,
+                not args.keep_gathered)
     # a step ends for everyone at the slowest rank: per step, the maximum over ranks
     per_step = {k: [max(r[k][i] for r in times) for i in range(len(times[0][k]))] for k in times[0]}
     med = {k: statistics.median(v) for k, v in per_step.items()}
