@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from lm_common import meshtorch_lm
 
+import meshtorch as mtf
 from meshtorch.models.transformer import LMConfig, flops_per_token
 
 HERE = Path(__file__).resolve().parent
@@ -112,9 +113,11 @@ class MtfWorker:
 class MeshtorchLM:
     """meshtorch's LM (``lm_common.meshtorch_lm``, Adafactor, no clipping) lowered on a placement mesh."""
 
-    def __init__(self, cfg: LMConfig, ids, mesh_shape, layout):
+    def __init__(self, cfg: LMConfig, ids, mesh_shape, layout, executor="codegen"):
         t0 = perf_counter()
         self.lm, self.lw = meshtorch_lm(cfg, 0, None, 0, 0, None, mesh_shape, layout, optimizer="adafactor")
+        if executor != "codegen":  # same initial values (counter-based), another executor; compiles at warm-up
+            self.lw = mtf.Lowering(self.lm.graph, {self.lm.mesh: self.lw.mesh_impl(self.lm.loss)}, mode=executor)
         self.fetches = [self.lm.loss] + self.lm.updates
         self.feeds = {self.lm.inputs: ids[:, :-1], self.lm.targets: ids[:, 1:]}
         self.info = {"params": sum(v.outputs[0].shape.size for v in self.lm.graph.trainable_variables),
@@ -175,7 +178,7 @@ def measure(cfg, ids, threads, configs, args, python):
     try:
         for mesh_shape, layout in configs:
             name = _config_name(mesh_shape, layout)
-            runners[("meshtorch", name)] = mt = MeshtorchLM(cfg, ids, mesh_shape, layout)
+            runners[("meshtorch", name)] = mt = MeshtorchLM(cfg, ids, mesh_shape, layout, args.executor)
             if init and not os.path.exists(init):
                 mt.save_initial_values(init)
             runners[("Mesh TF", name)] = MtfWorker(python, cfg, ids, mesh_shape, layout, threads, inter_op, init)
@@ -296,6 +299,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts, each measured in turn")
     ap.add_argument("--blocks", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("--executor", choices=("codegen", "interpret", "compile"), default="codegen",
+                    help="meshtorch's executor (compile: torch.compile of the generated step, during warm-up)")
     ap.add_argument("--block-steps", type=int, default=3, help="steps per side and configuration in a round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side and configuration first")
     ap.add_argument("--layouts", action="store_true",
