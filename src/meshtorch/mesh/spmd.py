@@ -367,7 +367,7 @@ def _gathered_piece(gathered, n, offset, shape, concat_axis, back):
         numel *= d
     full = list(shape)
     full[concat_axis] *= n
-    pieces = gathered.view(n, -1)[:, offset:offset + numel].reshape(n, *shape)
+    pieces = gathered.view(n, -1)[:, offset:offset + numel].view(n, *shape)  # a view: one copy below
     return back(pieces.movedim(0, concat_axis).reshape(full))
 
 
