@@ -54,7 +54,7 @@ def _batches(cfg, n: int):
 
 
 def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucket_bytes: int,
-           check_steps: int) -> dict:
+           check_steps: int, async_collectives: bool = False) -> dict:
     """One gloo rank: build both sides, compare the first losses, then time interleaved blocks."""
     sys.path.insert(0, HERE)
     import torch.distributed as dist
@@ -68,7 +68,8 @@ def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucke
     rank, world = dist.get_rank(), dist.get_world_size()
     lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
     layout = TP_LAYOUT if mode == "tp" else DP_LAYOUT
-    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(f"all:{world}", layout)}, bucket_bytes=bucket_bytes)
+    impl = mtf.SpmdMeshImpl(f"all:{world}", layout, async_collectives=async_collectives)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, bucket_bytes=bucket_bytes)
     weights = {n: lw.variable_value(n) for n in lw.variable_names
                if n != "global_step" and "/adam_" not in n and "_slot_" not in n}
     if mode == "tp":
@@ -153,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--bucket-mb", type=float, default=0.0,
                     help="dp: meshtorch gradient buckets of this many MiB (0: one all-reduce per gradient)")
+    ap.add_argument("--async", dest="async_collectives", action="store_true",
+                    help="meshtorch's collectives asynchronous (waited at first use; overlap with compute)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=2)
@@ -173,7 +176,8 @@ def main(argv=None):
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(args.threads)}
     for mode in (("tp", "dp") if args.mode == "both" else (args.mode,)):
         res = run_spmd("vs_dtensor:worker", args=(mode, cfg_kw, args.steps, args.blocks, args.threads,
-                                                  int(args.bucket_mb * MIB) if mode == "dp" else 0, args.check_steps),
+                                                  int(args.bucket_mb * MIB) if mode == "dp" else 0, args.check_steps,
+                                                  args.async_collectives),
                        nprocs=args.procs, timeout_s=1800, dist_timeout_s=600, extra_path=[HERE], env=env).check()
         report(mode, args.procs, res.results, args.bucket_mb)
 
