@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import os
-import re
 import statistics
 import sys
 import time
@@ -44,6 +42,8 @@ from torch.distributed.fsdp import fully_shard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+from rss import peak_rss_bytes, reset_peak  # noqa: E402
 
 import meshtorch as mtf  # noqa: E402
 from meshtorch.models.transformer import build_lm, preset  # noqa: E402
@@ -73,22 +73,6 @@ def batch(cfg, step: int):
     return ids[:, :-1], ids[:, 1:]
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) * 1024
-
-
-def reset_peak() -> int:
-    """Collect garbage, reset the peak RSS to the current RSS (Linux clear_refs 5); returns the current RSS."""
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return rss_bytes()
 
 
 def _meshtorch_lowering(lm, storage: str, async_collectives: bool, bucket_bytes: int, reshard: bool = True):

@@ -57,6 +57,7 @@ def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucke
            check_steps: int, async_collectives: bool = False) -> dict:
     """One gloo rank: build both sides, compare the first losses, then time interleaved blocks."""
     sys.path.insert(0, HERE)
+    import rss as R
     import torch.distributed as dist
     import vs_dtensor_peers as P
 
@@ -104,12 +105,12 @@ def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucke
     for _ in range(blocks):
         for name, fn in (("meshtorch", mtf_steps), ("peer", peer_steps)):
             dist.barrier()
-            base = P.reset_peak()
+            base = R.reset_peak()
             t0 = time.perf_counter()
             fn(steps)
             dist.barrier()
             times[name].append((time.perf_counter() - t0) / steps)
-            growth[name].append(P.peak_rss_bytes() - base)
+            growth[name].append(R.peak_rss_bytes() - base)
     return dict(rank=rank, times=times, growth=growth, state=state, mtf_losses=mtf_losses, peer_losses=peer_losses)
 
 

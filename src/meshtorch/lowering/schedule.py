@@ -108,6 +108,17 @@ def bucket_reductions(steps: list, cap_bytes: int) -> list:
     return out
 
 
+def _pull(steps, made: dict, key: list, i: int, k: float) -> None:
+    """Give step ``i`` sort key ``k`` (if earlier than its own) and its input steps keys just below it,
+    so a stable sort by key moves it up with everything it needs and keeps the order valid."""
+    if k >= key[i]:
+        return
+    key[i] = k
+    for s in steps[i].inputs:
+        if s in made:
+            _pull(steps, made, key, made[s], k - 1e-3)
+
+
 def weight_gathers(steps: list) -> list[int]:
     """Indices of the all-gathers (single or bucketed) whose inputs depend on no computed activation,
     only on values a run starts with (variables, constants) through steps that do the same."""
@@ -143,14 +154,6 @@ def bucket_gathers(steps: list, cap_bytes: int) -> list:
     drop: set[int] = set()
     merged_at: dict[int, Step] = {}
 
-    def pull(i: int, k: float) -> None:  # move step i (and the steps making its inputs) to key k
-        if k >= key[i]:
-            return
-        key[i] = k
-        for s in steps[i].inputs:
-            if s in made:
-                pull(made[s], k - 1e-3)
-
     for b in buckets:
         if len(b) < 2:
             continue
@@ -159,7 +162,7 @@ def bucket_gathers(steps: list, cap_bytes: int) -> list:
             drop.add(i)
             for s in steps[i].inputs:
                 if s in made:
-                    pull(made[s], first - 0.5)
+                    _pull(steps, made, key, made[s], first - 0.5)
         merged_at[first] = _merge([steps[i] for i in b])
     order = sorted((i for i in range(len(steps)) if i not in drop), key=lambda i: (key[i], i))
     return [merged_at.get(i, steps[i]) for i in order]
@@ -185,18 +188,10 @@ def prefetch_gathers(steps: list, depth: int = 1) -> list:
     first_use = _first_use(steps)
     key = [float(i) for i in range(len(steps))]
 
-    def pull(i: int, k: float) -> None:  # move step i (and its static producers) to key k
-        if k >= key[i]:
-            return
-        key[i] = k
-        for s in steps[i].inputs:
-            if s in made:
-                pull(made[s], k - 1e-3)
-
     for g, ahead in zip(gathers, gathers[depth:], strict=False):
         use = min((first_use[o] for o in steps[g].outputs if o in first_use), default=None)
         if use is not None:
-            pull(ahead, use - 0.5)
+            _pull(steps, made, key, ahead, use - 0.5)
     order = sorted(range(len(steps)), key=lambda i: (key[i], i))
     return [steps[i] for i in order]
 

@@ -21,7 +21,7 @@ import torch
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._kernels import align_spec, apply_aligned
 
-__all__ = ["FusedAdamUpdate", "fused_adam_available"]
+__all__ = ["FusedAdamUpdate", "UpdateOperation", "fused_adam_available"]
 
 
 def fused_adam_available() -> bool:
@@ -48,7 +48,18 @@ def _k_fused_adam(w, g, m, v, step, *lr_tensor, lr: float, beta1: float, beta2: 
     return w, m, v
 
 
-class FusedAdamUpdate(Operation):
+class UpdateOperation(Operation):
+    """Base of the fused optimizer updates: an update is not differentiated (no gradient flows back)."""
+
+    @property
+    def has_gradient(self):
+        return False
+
+    def gradient(self, grad_ys):
+        return [None] * len(self.inputs)
+
+
+class FusedAdamUpdate(UpdateOperation):
     """The new value, first and second moment of one variable after an Adam/AdamW step, in one kernel.
 
     Inputs: ``var`` (any float dtype, shape ``S``), ``grad`` (the same dims as ``var``, any order),
@@ -66,13 +77,6 @@ class FusedAdamUpdate(Operation):
         self.params = {"lr": 0.0 if scheduled else float(lr), "beta1": float(beta1), "beta2": float(beta2),
                        "eps": float(epsilon), "weight_decay": float(weight_decay), "decoupled": bool(decoupled)}
         self.outputs = [Tensor(self, var.shape, torch.float32, index=i) for i in range(3)]
-
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return [None] * len(self.inputs)
 
     def lower(self, lw):
         shape = self.outputs[0].shape

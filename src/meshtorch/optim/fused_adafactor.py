@@ -18,9 +18,10 @@ import functools
 
 import torch
 
-from meshtorch.core.graph import Operation, Tensor
+from meshtorch.core.graph import Tensor
 from meshtorch.lowering.layout import slice_nbytes
 from meshtorch.ops._kernels import align_spec, apply_aligned
+from meshtorch.optim.fused import UpdateOperation
 
 __all__ = ["FusedAdafactorUpdate"]
 
@@ -69,7 +70,7 @@ def _k_apply(w, x, xs, ws, lr, *m, n_all: int, n_w: int, clip: float, param_scal
     return w.to(_F32) - sub
 
 
-class FusedAdafactorUpdate(Operation):
+class FusedAdafactorUpdate(UpdateOperation):
     """New value and slots of one variable after an Adafactor step (Mesh TF's formulas), fused.
 
     Inputs: ``var`` (float, shape ``S``), ``grad`` (``S``'s dims in any order), ``decay`` and ``lr``
@@ -92,13 +93,6 @@ class FusedAdafactorUpdate(Operation):
         self.eps1, self.eps2, self.param_scale = float(epsilon1), float(epsilon2), bool(param_scale)
         self.outputs = [Tensor(self, var.shape, _F32, index=0)] + [
             Tensor(self, s.shape, _F32, index=i + 1) for i, s in enumerate(slots)]
-
-    @property
-    def has_gradient(self):
-        return False
-
-    def gradient(self, grad_ys):
-        return [None] * len(self.inputs)
 
     def lower(self, lw):
         w_t, g_t = self.inputs[0], self.inputs[1]
