@@ -24,10 +24,14 @@ class PlacementMeshImpl(MeshImpl):
         devices: one torch device per processor (may repeat); default ``"cpu"`` for all; ``""`` (Mesh TF's
             default device, as its examples pass ``[""] * mesh_size``) is the CPU.
         storage: storage rules for variables (FSDP / ZeRO-3), e.g. ``"d_model:data"``; see
-            :class:`~meshtorch.mesh.base.MeshImpl` (also ``reshard_after_forward``).
+            :class:`~meshtorch.mesh.base.MeshImpl` (also ``reshard_after_forward`` and ``prefetch``).
+
+    Processors that hold the same slice on the same device share one tensor (replicated values), and a
+    kernel whose inputs are all shared runs once for all of them: simulating a mesh does not repeat
+    replicated work. Results are the same either way (kernels are pure functions of their inputs).
 
     Raises:
-        ValueError: if ``len(devices)`` differs from the number of processors.
+        ValueError: if ``len(devices)`` differs from the number of processors, or ``prefetch`` < 0.
     """
 
     #: every processor's slice lives in this process: executors may unroll the processors
