@@ -94,8 +94,10 @@ def train_worker(checkpoint_dir: str):
     import io
 
     buf = io.StringIO()
-    args = train_args(["--checkpoint-dir", checkpoint_dir])
+    # asynchronous collectives and gradient buckets on the ranks: the same numbers as the placement run
+    args = train_args(["--checkpoint-dir", checkpoint_dir, "--async-collectives", "--bucket-mb", "1"])
     with contextlib.redirect_stdout(buf):
         out = args.func(args)
+    assert out["lowering"].mesh_impl(out["lm"].loss).async_collectives
     h = out["history"]
     return h["loss"], h["val_loss"], out["sample_ids"], buf.getvalue()

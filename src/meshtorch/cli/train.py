@@ -63,6 +63,10 @@ def add_train_subcommand(subparsers) -> None:
                    help="issue gradient all-reduces (and, with --storage, weight all-gathers and gradient "
                         "reduce-scatters) in buckets of at most this many MiB per processor, one collective call "
                         "each (DDP's bucket_cap_mb, FSDP's flat parameters; 0: one call per variable)")
+    p.add_argument("--async-collectives", action="store_true", default=None,
+                   help="under torchrun: start collectives asynchronously and wait at first use, so they overlap "
+                        "compute (DDP's / FSDP's overlap; the default on CUDA, off on CPU where gloo competes with "
+                        "compute for the cores)")
     p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
     p.add_argument("--log-dir", default="",
                    help="write TensorBoard event files and metrics.jsonl here ('' to skip)")

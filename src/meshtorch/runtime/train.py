@@ -222,7 +222,8 @@ def main_train(args) -> dict:
         torch.set_num_threads(args.threads)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
         init_distributed()
-    impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None)
+    impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None,
+                          async_collectives=getattr(args, "async_collectives", None))
     main_process = impl.is_leader()
 
     def say(*a):
