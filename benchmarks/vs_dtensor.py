@@ -24,6 +24,7 @@ high-water mark before each block; ``MALLOC_MMAP_THRESHOLD_`` makes freed large 
 
     python benchmarks/vs_dtensor.py --procs 2 --mode both --steps 5 --blocks 5
     python benchmarks/vs_dtensor.py --procs 4 --mode dp --bucket-mb 25
+    python benchmarks/vs_dtensor.py --procs 2 --mode both --bucket-mb 25 --executor compile
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _batches(cfg, n: int):
 
 
 def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucket_bytes: int,
-           check_steps: int, async_collectives: bool = False) -> dict:
+           check_steps: int, async_collectives: bool = False, executor: str = "codegen") -> dict:
     """One gloo rank: build both sides, compare the first losses, then time interleaved blocks."""
     sys.path.insert(0, HERE)
     import rss as R
@@ -70,7 +71,7 @@ def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucke
     lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
     layout = TP_LAYOUT if mode == "tp" else DP_LAYOUT
     impl = mtf.SpmdMeshImpl(f"all:{world}", layout, async_collectives=async_collectives)
-    lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, bucket_bytes=bucket_bytes)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, bucket_bytes=bucket_bytes, mode=executor)
     weights = {n: lw.variable_value(n) for n in lw.variable_names
                if n != "global_step" and "/adam_" not in n and "_slot_" not in n}
     if mode == "tp":
@@ -95,6 +96,9 @@ def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucke
 
     mtf_losses, peer_losses = [], []
     mtf_steps(check_steps, mtf_losses)
+    t0 = time.perf_counter()
+    mtf_steps(1)  # the timed plan (update operations only): compiled here with --executor compile
+    first_step = time.perf_counter() - t0
     peer_steps(check_steps, peer_losses)
     impl = lw.mesh_impl(lm.loss)
     state = {"meshtorch": sum(s.numel() * s.element_size() for v in lw.variables.values()
@@ -111,20 +115,24 @@ def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucke
             dist.barrier()
             times[name].append((time.perf_counter() - t0) / steps)
             growth[name].append(R.peak_rss_bytes() - base)
-    return dict(rank=rank, times=times, growth=growth, state=state, mtf_losses=mtf_losses, peer_losses=peer_losses)
+    return dict(rank=rank, times=times, growth=growth, state=state, mtf_losses=mtf_losses, peer_losses=peer_losses,
+                first_step=first_step, compile_seconds=sorted(v for v in lw.session.compile_seconds.values() if v))
 
 
 def _spread(v):
     return f"{1e3 * statistics.median(v):7.1f} ms ({1e3 * min(v):.1f}-{1e3 * max(v):.1f})"
 
 
-def report(mode: str, procs: int, res: list, bucket_mb: float) -> None:
+def report(mode: str, procs: int, res: list, bucket_mb: float, executor: str = "codegen") -> None:
     peer = "DTensor TP" if mode == "tp" else "DDP"
     layout = TP_LAYOUT if mode == "tp" else DP_LAYOUT
     r0 = res[0]
     m, p = r0["times"]["meshtorch"], r0["times"]["peer"]
     print(f"\n== {mode}: meshtorch SpmdMeshImpl('all:{procs}', {layout!r})"
           f"{f', buckets {bucket_mb:g} MiB' if mode == 'dp' else ''} vs {peer}, {procs} gloo processes")
+    if executor == "compile":
+        print(f"   meshtorch executor compile: first timed-plan step {r0['first_step']:.1f} s; compile seconds per "
+              f"plan {', '.join(f'{v:.1f}' for v in r0['compile_seconds'])} (rank 0)")
     print(f"   step time per block, rank 0: meshtorch  {', '.join(f'{1e3 * v:.0f}' for v in m)} ms")
     print(f"                                {peer:<10} {', '.join(f'{1e3 * v:.0f}' for v in p)} ms")
     print(f"   median (min-max): meshtorch {_spread(m)}, {peer} {_spread(p)}")
@@ -157,6 +165,9 @@ def main(argv=None):
                     help="dp: meshtorch gradient buckets of this many MiB (0: one all-reduce per gradient)")
     ap.add_argument("--async", dest="async_collectives", action="store_true",
                     help="meshtorch's collectives asynchronous (waited at first use; overlap with compute)")
+    ap.add_argument("--executor", choices=("codegen", "interpret", "compile"), default="codegen",
+                    help="meshtorch's executor (compile: the step through torch.compile, collectives as functional "
+                         "collectives inside the graph; the peers run eagerly)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=2)
@@ -178,9 +189,9 @@ def main(argv=None):
     for mode in (("tp", "dp") if args.mode == "both" else (args.mode,)):
         res = run_spmd("vs_dtensor:worker", args=(mode, cfg_kw, args.steps, args.blocks, args.threads,
                                                   int(args.bucket_mb * MIB) if mode == "dp" else 0, args.check_steps,
-                                                  args.async_collectives),
+                                                  args.async_collectives, args.executor),
                        nprocs=args.procs, timeout_s=1800, dist_timeout_s=600, extra_path=[HERE], env=env).check()
-        report(mode, args.procs, res.results, args.bucket_mb)
+        report(mode, args.procs, res.results, args.bucket_mb, args.executor)
 
 
 if __name__ == "__main__":

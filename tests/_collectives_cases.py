@@ -97,5 +97,9 @@ def slice_bounds(impl, layout: TensorLayout, pnum: int) -> tuple:
 
 
 def spmd_worker() -> dict:
-    """In each of 4 gloo ranks: ``{mesh: run_all(SpmdMeshImpl(mesh))}`` (this rank's slices)."""
-    return {m: run_all(SpmdMeshImpl(m, "", async_collectives=(m == "rows:2;cols:2")), m) for m in MESHES}
+    """In each of 4 gloo ranks: ``{mesh: run_all(SpmdMeshImpl(mesh))}`` (this rank's slices), and under
+    ``("functional", mesh)`` the same calls on its functional-collective view (``traceable()``, what a
+    compiled program runs), eagerly."""
+    out = {m: run_all(SpmdMeshImpl(m, "", async_collectives=(m == "rows:2;cols:2")), m) for m in MESHES}
+    out.update({("functional", m): run_all(SpmdMeshImpl(m, "").traceable(), m) for m in MESHES})
+    return out

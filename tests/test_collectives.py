@@ -175,12 +175,15 @@ def spmd_results():
     return run.results
 
 
-def test_spmd_primitives_equal_placement(spmd_results):
+@pytest.mark.parametrize("functional", [False, True], ids=["c10d", "functional"])
+def test_spmd_primitives_equal_placement(spmd_results, functional):
+    """Every primitive on 4 gloo ranks equals the placement mesh; ``functional``: the functional
+    collectives (``SpmdMeshImpl.traceable()``) a compiled program uses."""
     n = 0
     for mesh_shape in C.MESHES:
         placement = C.run_all(mtf.PlacementMeshImpl(mesh_shape, ""), mesh_shape)
         for rank, res in enumerate(spmd_results):
-            got_all = res[mesh_shape]
+            got_all = res[("functional", mesh_shape) if functional else mesh_shape]
             assert set(got_all) == set(placement)
             for key, want in placement.items():
                 (got,) = got_all[key]

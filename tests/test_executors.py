@@ -57,6 +57,23 @@ def test_compiled_equals_interpreted(mesh_shape, layout, storage):
     assert len(lwa.session.compile_seconds) == 1 and next(iter(lwa.session.compile_seconds.values())) > 0
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20], ids=["single", "buckets"])
+def test_compiled_spmd_program_is_one_graph_with_functional_collectives(bucket_bytes):
+    """On 4 gloo ranks a compiled step (FSDP storage over ``rows``, tensor parallel over ``cols``:
+    all-gathers, reduce-scatters and all-reduces, single or in buckets) is one dynamo graph per rank,
+    no graph break, and gives the placement mesh's numbers (interpreter) to 1e-5."""
+    mesh_shape, layout, storage = "rows:2;cols:2", "batch:rows;hidden:cols", "io:rows"
+    want, want_vars, _ = _train(mesh_shape, layout, "interpret", steps=3, storage=storage)
+    job = run_spmd("_program_data:spmd_compiled_worker", args=(3, mesh_shape, layout, storage, bucket_bytes),
+                   nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
+    for losses, values, kinds, breaks, graphs in job.results:
+        assert breaks == {} and graphs == 1, (breaks, graphs)
+        assert {"allgather", "reduce_scatter", "allreduce"} <= {k.removesuffix("_bucket") for k in kinds}
+        assert any(k.endswith("_bucket") for k in kinds) == bool(bucket_bytes), kinds
+        assert all(rel_error(a, w[0]) <= 1e-5 for a, w in zip(losses, want, strict=True))
+        assert all(rel_error(values[n], want_vars[n]) <= 1e-5 for n in values)
+
+
 def test_unknown_mode_is_refused_before_planning():
     g, mesh, *_ = mlp_step()
     with pytest.raises(ValueError, match="mode must be"):

@@ -59,9 +59,11 @@ class Session:
     ``mode``: ``"codegen"`` (default) runs each plan as one generated straight-line Python function
     (:mod:`meshtorch.lowering.codegen`); ``"interpret"`` loops over the bound steps
     (:func:`~meshtorch.lowering.executor.run_steps`); both give bitwise-equal results.
-    ``"compile"`` hands the generated function to ``torch.compile`` (inductor fuses the kernels;
-    collectives of an SPMD mesh are graph breaks): the first run of each fetch set compiles (tens of
-    seconds on a CPU), :attr:`compile_seconds` records it; results agree to float rounding. A plan
+    ``"compile"`` hands the generated function to ``torch.compile`` (inductor fuses the kernels; an
+    SPMD mesh's collectives become functional collectives, nodes of the same graph, see
+    :meth:`~meshtorch.mesh.base.MeshImpl.traceable`; only ``receive`` breaks the graph): the first
+    run of each fetch set compiles (tens of seconds on a CPU), :attr:`compile_seconds` records it;
+    results agree to float rounding. A plan
     with random ops (dropout) is not compiled (``compile_seconds`` None): their key includes the run
     number, which ``torch.compile`` would specialise on.
 
@@ -160,9 +162,12 @@ class Session:
             produced = {o for st in plan.steps for o in st.outputs}
             reads = {s for st in plan.steps for s in st.inputs} - produced
             writes = {s for s, _ in plan.fetch_slots if s is not None} | {s for _, s in plan.assignments}
-            plan.fn = codegen.generate(plan.steps, plan.frees, self.impls, self.counters, reads, writes)
             counters_read = {s for s, _ in self._run_counters} & reads
-            if self.mode == "compile" and not counters_read:
+            compiled = self.mode == "compile" and not counters_read
+            # compiled: collectives as functional collectives, so one graph holds the whole step
+            impls = {m: impl.traceable() for m, impl in self.impls.items()} if compiled else self.impls
+            plan.fn = codegen.generate(plan.steps, plan.frees, impls, self.counters, reads, writes)
+            if compiled:
                 plan.fn = torch.compile(plan.fn, dynamic=False)
                 first_compile = True
             elif self.mode == "compile":

@@ -227,6 +227,13 @@ class MeshImpl:
         a value beyond one run, e.g. a variable's new value). Identity unless collectives are asynchronous."""
         return x
 
+    def traceable(self) -> MeshImpl:
+        """This mesh with collectives ``torch.compile`` can hold inside one graph (a
+        :class:`~meshtorch.lowering.session.Session` in ``"compile"`` mode binds its steps to it).
+        Default: ``self`` (a mesh held in one process has only tensor ops to trace); the SPMD mesh
+        returns a :class:`~meshtorch.mesh.spmd_functional.FunctionalSpmdMeshImpl`."""
+        return self
+
     def local_pnums(self) -> list[int]:
         """Processor numbers whose slices this process holds (default: all, as in placement)."""
         return list(range(self.size))

@@ -145,6 +145,10 @@ class SpmdMeshImpl(MeshImpl):
     def barrier(self) -> None:
         dist.barrier()
 
+    def traceable(self):
+        from meshtorch.mesh.spmd_functional import FunctionalSpmdMeshImpl  # it subclasses this class
+        return FunctionalSpmdMeshImpl.of(self)
+
     def is_leader(self) -> bool:
         return self.rank == 0
 

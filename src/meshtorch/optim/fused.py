@@ -37,6 +37,9 @@ def _k_fused_adam(w, g, m, v, step, *lr_tensor, lr: float, beta1: float, beta2: 
     0-dim scheduled rate) if given, else ``lr``.
     """
     f32 = torch.float32
+    if torch.compiler.is_compiling():  # inductor cannot functionalize the in-place kernel; it fuses this instead
+        return _adam_formula(w.to(f32), g.to(f32), m, v, step, *lr_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                             weight_decay=weight_decay, decoupled=decoupled)
     w = w.to(f32, memory_format=torch.contiguous_format, copy=True)
     m = m.to(f32, memory_format=torch.contiguous_format, copy=True)
     v = v.to(f32, memory_format=torch.contiguous_format, copy=True)
@@ -46,6 +49,26 @@ def _k_fused_adam(w, g, m, v, step, *lr_tensor, lr: float, beta1: float, beta2: 
     fn([w], [g], [m], [v], [], [step.to(f32).reshape(()) + 1], lr=rate, beta1=beta1,
        beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     return w, m, v
+
+
+def _adam_formula(w, g, m, v, step, *lr_tensor, lr, beta1, beta2, eps, weight_decay, decoupled):
+    """The fused kernel's arithmetic as elementwise torch ops (what ``torch.compile`` fuses into one loop).
+
+    PyTorch's ``_fused_adam_utils``: ``m = lerp(m, g, 1 - beta1)``, ``v = beta2 v + (1 - beta2) g^2``,
+    ``w -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, weight decay decoupled (AdamW:
+    ``w *= 1 - lr * wd``) or added to the gradient (Adam).
+    """
+    t = step.to(torch.float32).reshape(()) + 1
+    rate = lr_tensor[0].to(torch.float32).reshape(()) if lr_tensor else lr
+    if weight_decay:
+        if decoupled:
+            w = w * (1 - rate * weight_decay)
+        else:
+            g = g + weight_decay * w
+    m = torch.lerp(m, g, 1 - beta1)
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = v.sqrt() / (1 - beta2 ** t).sqrt() + eps
+    return w - (rate / (1 - beta1 ** t)) * m / denom, m, v
 
 
 class UpdateOperation(Operation):

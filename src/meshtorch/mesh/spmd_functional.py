@@ -1,0 +1,145 @@
+"""The SPMD mesh's collectives as functional collectives, so a compiled program holds them.
+
+``torch.compile`` cannot trace ``torch.distributed.all_reduce`` and friends (they mutate a buffer
+and return a work handle): each one splits the compiled program into separately compiled pieces
+with the collective run eagerly between them. PyTorch's *functional collectives*
+(``torch.distributed._functional_collectives``, the ops DTensor and TorchTitan's compiled models
+use) are pure functions ``tensor -> tensor`` that dynamo records as graph nodes
+(``_c10d_functional.all_reduce`` + ``wait_tensor``); inductor then schedules the wait as late as the
+graph allows, which is what the eager mesh's ``async_collectives`` does by hand.
+
+:class:`FunctionalSpmdMeshImpl` is an :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` with the same mesh,
+rank, process groups and storage rules whose all-reduce, all-gather, reduce-scatter, all-to-all and
+their buckets are functional collectives; :meth:`SpmdMeshImpl.traceable` makes one, and a
+:class:`~meshtorch.lowering.session.Session` in ``"compile"`` mode binds its SPMD steps to it, so the
+whole step (forward, backward, collectives and optimizer update) is one graph per rank. Results are
+the same as the eager mesh's (the same reduction over the same group; tests compare both with the
+placement mesh). ``receive`` (the shift ops' point-to-point exchange) stays the eager one (a graph
+break). Source: PyTorch ``torch.distributed._functional_collectives`` (RFC pytorch/pytorch#93173).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from meshtorch.mesh.base import REDUCTIONS
+from meshtorch.mesh.spmd import SpmdMeshImpl, _by_dtype, _gathered_piece, _piece, _scattered_piece, _wire
+
+# torch >= 2.5 names; the older ones warn about deprecation from 2.6 on
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+class FunctionalSpmdMeshImpl(SpmdMeshImpl):
+    """:class:`~meshtorch.mesh.spmd.SpmdMeshImpl` whose collectives ``torch.compile`` can trace.
+
+    Built with :meth:`of` (or ``SpmdMeshImpl.traceable()``) from an existing SPMD mesh, never
+    directly: it shares that mesh's process groups, rank and rules. Every collective returns a plain
+    tensor (outside a compiled graph an ``AsyncCollectiveTensor`` waited for at first use); buffers
+    are never modified in place, so no input is copied first.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("FunctionalSpmdMeshImpl is made from an SpmdMeshImpl: use spmd_impl.traceable().")
+
+    @classmethod
+    def of(cls, impl: SpmdMeshImpl) -> FunctionalSpmdMeshImpl:
+        """A functional-collective view of ``impl`` (same state; ``impl`` is left unchanged)."""
+        view = object.__new__(cls)
+        view.__dict__.update(impl.__dict__)
+        view.async_collectives = False  # the compiler places the waits
+        return view
+
+    def traceable(self) -> FunctionalSpmdMeshImpl:
+        return self
+
+    def allreduce(self, x, mesh_axes, reduction="SUM"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"allreduce: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
+        if not mesh_axes:
+            return x
+        group, _ = self._group(mesh_axes)
+        buf, back = _wire(x)
+        return back(funcol.all_reduce(buf, reduction.lower(), group))
+
+    def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"allreduce_many: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
+        if not mesh_axes:
+            return tuple(xs)
+        group, _ = self._group(mesh_axes)
+        wired = [_wire(x) for x in xs]
+        out: list = [None] * len(xs)
+        for idx in _by_dtype(wired):  # one flat buffer (one call) per dtype, as on the eager mesh
+            flat = funcol.all_reduce(torch.cat([wired[i][0].reshape(-1) for i in idx]), reduction.lower(), group)
+            offset = 0
+            for i in idx:
+                buf, back = wired[i]
+                out[i] = _piece(flat, offset, tuple(buf.shape), back)
+                offset += buf.numel()
+        return tuple(out)
+
+    def allconcat(self, x, mesh_axis, concat_axis):
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
+            return x
+        _, group, buf, back = on
+        return back(_all_gather(buf.contiguous(), concat_axis, group))
+
+    def allconcat_many(self, *xs, mesh_axis, concat_axes):
+        on = self._on_axis(xs[0], mesh_axis) if xs else None
+        if on is None:
+            return tuple(xs)
+        n, group = on[0], on[1]
+        wired = [_wire(x) for x in xs]
+        out: list = [None] * len(xs)
+        for idx in _by_dtype(wired):  # FSDP's flat parameter: one gather per dtype
+            gathered = _all_gather(torch.cat([wired[i][0].reshape(-1) for i in idx]), 0, group)
+            offset = 0
+            for i in idx:
+                buf, back = wired[i]
+                out[i] = _gathered_piece(gathered, n, offset, tuple(buf.shape), concat_axes[i], back)
+                offset += buf.numel()
+        return tuple(out)
+
+    def reduce_scatter(self, x, mesh_axis, scatter_axis):
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
+            return x
+        _, group, buf, back = on
+        return back(_reduce_scatter(buf.contiguous(), "sum", scatter_axis, group))
+
+    def reduce_scatter_many(self, *xs, mesh_axis, scatter_axes):
+        on = self._on_axis(xs[0], mesh_axis) if xs else None
+        if on is None:
+            return tuple(xs)
+        n, group = on[0], on[1]
+        wired = [_wire(x) for x in xs]
+        out: list = [None] * len(xs)
+        for idx in _by_dtype(wired):
+            # row c of the bucket = piece c of every member (see SpmdMeshImpl.reduce_scatter_many)
+            moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]
+            rows = torch.cat([m.reshape(n, -1) for m in moved], dim=1)
+            mine = _reduce_scatter(rows.reshape(-1), "sum", 0, group)
+            offset = 0
+            for i, m in zip(idx, moved, strict=True):
+                piece = (m.shape[0] // n, *m.shape[1:])
+                out[i] = _scattered_piece(mine, offset, piece, scatter_axes[i], wired[i][1])
+                offset += m.numel() // n
+        return tuple(out)
+
+    def alltoall(self, x, mesh_axis, split_axis, concat_axis):
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
+            return x
+        n, group, buf, back = on
+        moved = buf.movedim(split_axis, 0).contiguous()  # piece j = rows [j*s, (j+1)*s)
+        out = funcol.all_to_all_single(moved, None, None, group)
+        pieces = out.view(n, moved.shape[0] // n, *moved.shape[1:]).unbind(0)
+        return back(torch.cat([p.movedim(0, split_axis) for p in pieces], dim=concat_axis))
+
+
+__all__ = ["FunctionalSpmdMeshImpl"]
