@@ -55,7 +55,8 @@ def _batches(cfg, n: int):
 
 
 def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucket_bytes: int,
-           check_steps: int, async_collectives: bool = False, executor: str = "codegen") -> dict:
+           check_steps: int, async_collectives: bool = False, executor: str = "codegen",
+           peer_compile: bool = False) -> dict:
     """One gloo rank: build both sides, compare the first losses, then time interleaved blocks."""
     sys.path.insert(0, HERE)
     import rss as R
@@ -75,9 +76,9 @@ def worker(mode: str, cfg_kw: dict, steps: int, blocks: int, threads: int, bucke
     weights = {n: lw.variable_value(n) for n in lw.variable_names
                if n != "global_step" and "/adam_" not in n and "_slot_" not in n}
     if mode == "tp":
-        peer, peer_step = P.dtensor_tp(cfg, weights, world)
+        peer, peer_step = P.dtensor_tp(cfg, weights, world, compiled=peer_compile)
     else:
-        peer, peer_step = P.ddp(cfg, weights, rank, world)
+        peer, peer_step = P.ddp(cfg, weights, rank, world, compiled=peer_compile)
     data = _batches(cfg, 4)
 
     def mtf_steps(n, record=None):
@@ -123,8 +124,9 @@ def _spread(v):
     return f"{1e3 * statistics.median(v):7.1f} ms ({1e3 * min(v):.1f}-{1e3 * max(v):.1f})"
 
 
-def report(mode: str, procs: int, res: list, bucket_mb: float, executor: str = "codegen") -> None:
-    peer = "DTensor TP" if mode == "tp" else "DDP"
+def report(mode: str, procs: int, res: list, bucket_mb: float, executor: str = "codegen",
+           peer_compile: bool = False) -> None:
+    peer = ("DTensor TP" if mode == "tp" else "DDP") + (" compiled" if peer_compile else "")
     layout = TP_LAYOUT if mode == "tp" else DP_LAYOUT
     r0 = res[0]
     m, p = r0["times"]["meshtorch"], r0["times"]["peer"]
@@ -167,7 +169,9 @@ def main(argv=None):
                     help="meshtorch's collectives asynchronous (waited at first use; overlap with compute)")
     ap.add_argument("--executor", choices=("codegen", "interpret", "compile"), default="codegen",
                     help="meshtorch's executor (compile: the step through torch.compile, collectives as functional "
-                         "collectives inside the graph; the peers run eagerly)")
+                         "collectives inside the graph; the peers run eagerly unless --peer-compile)")
+    ap.add_argument("--peer-compile", action="store_true",
+                    help="the peer's module through torch.compile too (forward + backward; its AdamW stays eager)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=2)
@@ -189,9 +193,9 @@ def main(argv=None):
     for mode in (("tp", "dp") if args.mode == "both" else (args.mode,)):
         res = run_spmd("vs_dtensor:worker", args=(mode, cfg_kw, args.steps, args.blocks, args.threads,
                                                   int(args.bucket_mb * MIB) if mode == "dp" else 0, args.check_steps,
-                                                  args.async_collectives, args.executor),
+                                                  args.async_collectives, args.executor, args.peer_compile),
                        nprocs=args.procs, timeout_s=1800, dist_timeout_s=600, extra_path=[HERE], env=env).check()
-        report(mode, args.procs, res.results, args.bucket_mb, args.executor)
+        report(mode, args.procs, res.results, args.bucket_mb, args.executor, args.peer_compile)
 
 
 if __name__ == "__main__":

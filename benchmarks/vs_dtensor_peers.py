@@ -100,13 +100,15 @@ class LinearLM(nn.Module):
         return self.logits(_rms(x, self.final_norm))
 
 
-def dtensor_tp(cfg, weights: dict, world: int):
+def dtensor_tp(cfg, weights: dict, world: int, compiled: bool = False):
     """LinearLM with Megatron tensor parallelism over a 1-D gloo DeviceMesh of ``world`` ranks.
 
     q, k, v, ffn.wi: ColwiseParallel (heads / d_ff split); o, ffn.wo: RowwiseParallel (partial sums
     all-reduced); embedding: RowwiseParallel (vocab rows split, output all-reduced); logits: ColwiseParallel
     with vocab-sharded DTensor output and ``loss_parallel`` cross entropy. Norm scales and the position
     embedding are plain replicated tensors (their gradients come out identical on every rank).
+    ``compiled``: the parallelized module through ``torch.compile`` (forward and backward; the loss and
+    AdamW stay eager).
     """
     if cfg.padded_vocab != cfg.vocab_size:
         raise ValueError("vs_dtensor: use a vocab the mesh divides (no padding mask in LinearLM)")
@@ -122,10 +124,11 @@ def dtensor_tp(cfg, weights: dict, world: int):
                      p + "ffn.wi": ColwiseParallel(), p + "ffn.wo": RowwiseParallel()})
     parallelize_module(model, mesh, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    forward = torch.compile(model) if compiled else model
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        logits = model(x)
+        logits = forward(x)
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
@@ -144,12 +147,15 @@ class _LossOf(nn.Module):
         return self.lm.loss(x, y)
 
 
-def ddp(cfg, weights: dict, rank: int, world: int):
+def ddp(cfg, weights: dict, rank: int, world: int, compiled: bool = False):
     """DistributedDataParallel (default 25 MiB buckets, no buffer broadcast) around TorchLM; rank r trains
-    on rows ``[r * batch / world, (r + 1) * batch / world)`` of each batch."""
+    on rows ``[r * batch / world, (r + 1) * batch / world)`` of each batch. ``compiled``: the DDP module
+    through ``torch.compile`` (DDPOptimizer splits the graph at bucket boundaries; AdamW stays eager)."""
     model = TorchLM(cfg)
     model.load_state_dict({n.replace("/", "."): v for n, v in weights.items()})
     wrapped = DistributedDataParallel(_LossOf(model), broadcast_buffers=False)
+    if compiled:
+        wrapped = torch.compile(wrapped)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     per = cfg.batch_size // world
 
