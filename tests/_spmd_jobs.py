@@ -88,6 +88,23 @@ def train_args(extra=()):
     return p.parse_args([*TRAIN_ARGV, *extra])
 
 
+def train_compile_worker():
+    """``meshtorch train --compile`` (no dropout, asynchronous collectives, 1 MiB buckets) on a gloo rank:
+    (train losses, validation losses, compile seconds per plan, dynamo's graph breaks)."""
+    import contextlib
+    import io
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    args = train_args(["--dropout", "0", "--sample", "0", "--compile", "--async-collectives", "--bucket-mb", "1"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        out = args.func(args)
+    h = out["history"]
+    return h["loss"], h["val_loss"], list(out["lowering"].session.compile_seconds.values()), \
+        dict(counters["graph_break"])
+
+
 def train_worker(checkpoint_dir: str):
     """``meshtorch train`` for 5 steps with a checkpoint: (train losses, validation losses, sample ids, stdout)."""
     import contextlib

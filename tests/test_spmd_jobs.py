@@ -56,6 +56,25 @@ def test_mnist_conv_spmd_equals_placement():
         assert acc == ref.epochs[0].test_accuracy, (rank, acc)
 
 
+def test_train_compile_spmd_equals_placement(capsys):
+    """``meshtorch train --compile`` on 4 gloo ranks (data:2,model:2, collectives inside the compiled step,
+    asynchronous, bucketed) gives the placement run's losses (generated function, not compiled) to 1e-5."""
+    run = run_spmd("_spmd_jobs:train_compile_worker", nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
+    args = J.train_args(["--dropout", "0", "--sample", "0"])
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        h = args.func(args)["history"]
+    finally:
+        torch.set_num_threads(n)
+    capsys.readouterr()
+    for rank, (losses, val, compile_seconds, breaks) in enumerate(run.results):
+        assert compile_seconds and all(compile_seconds), (rank, compile_seconds)  # every plan was compiled
+        assert breaks == {}, (rank, breaks)
+        assert _rel(losses, h["loss"]) <= 1e-5, (rank, losses, h["loss"])
+        assert _rel(val, h["val_loss"]) <= 1e-5, (rank, val, h["val_loss"])
+
+
 def test_train_spmd_equals_placement(tmp_path, capsys):
     run = run_spmd("_spmd_jobs:train_worker", args=(str(tmp_path / "spmd"),), nprocs=4, timeout_s=150,
                    extra_path=[TESTS_DIR]).check()
