@@ -143,6 +143,8 @@ def main():
     if not args.no_layouts:
         for mesh_shape, layout in LAYOUTS:
             lm4, lw4 = meshtorch_lm(cfg, 0, 1e-3, 10, 1000, clip, mesh_shape, layout, args.optimizer)
+            if args.executor != "codegen":  # the same executor as the 1-processor run
+                lw4 = mtf.Lowering(lm4.graph, {lm4.mesh: lw4.mesh_impl(lm4.loss)}, mode=args.executor)
             f4 = {lm4.inputs: x, lm4.targets: y}
             t4 = _median_time(lambda: lw4.run([lm4.loss] + lm4.updates, feeds=f4), args.steps)  # noqa: B023
             print(f"placement {mesh_shape:<15} {layout:<45}: {1e3 * t4:8.1f} ms/step, "
