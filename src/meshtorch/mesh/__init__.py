@@ -7,6 +7,7 @@ from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.mesh.process import init_distributed, is_main_process, shutdown_distributed
 from meshtorch.mesh.spmd import SpmdMeshImpl
+from meshtorch.mesh.spmd_functional import FunctionalSpmdMeshImpl
 
-__all__ = ["MeshImpl", "PlacementMeshImpl", "SpmdMeshImpl", "init_distributed", "is_main_process", "make_mesh_impl",
-           "shutdown_distributed"]
+__all__ = ["FunctionalSpmdMeshImpl", "MeshImpl", "PlacementMeshImpl", "SpmdMeshImpl", "init_distributed",
+           "is_main_process", "make_mesh_impl", "shutdown_distributed"]

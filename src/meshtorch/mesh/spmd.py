@@ -145,9 +145,12 @@ class SpmdMeshImpl(MeshImpl):
     def barrier(self) -> None:
         dist.barrier()
 
+    #: The class :meth:`traceable` returns a view of: :class:`~meshtorch.mesh.spmd_functional.FunctionalSpmdMeshImpl`,
+    #: which subclasses this one and registers itself here when :mod:`meshtorch.mesh` is imported.
+    functional_view: type | None = None
+
     def traceable(self):
-        from meshtorch.mesh.spmd_functional import FunctionalSpmdMeshImpl  # it subclasses this class
-        return FunctionalSpmdMeshImpl.of(self)
+        return self.functional_view.of(self)
 
     def is_leader(self) -> bool:
         return self.rank == 0

@@ -143,3 +143,6 @@ class FunctionalSpmdMeshImpl(SpmdMeshImpl):
 
 
 __all__ = ["FunctionalSpmdMeshImpl"]
+
+
+SpmdMeshImpl.functional_view = FunctionalSpmdMeshImpl
