@@ -164,38 +164,35 @@ class SpmdMeshImpl(MeshImpl):
         return out if num_outputs == 1 else tuple(out)
 
     def allreduce(self, x, mesh_axes, reduction="SUM"):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"allreduce: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
-        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
-        if not mesh_axes:
+        group = self._reduction_group("allreduce", mesh_axes, reduction)
+        if group is None:
             return x
-        group, _ = self._group(mesh_axes)
         buf, back = _wire(x)
         buf = buf.clone()  # all_reduce works in place; never modify an input slot
         work = dist.all_reduce(buf, op=_OPS[reduction], group=group, async_op=self.async_collectives)
         return self._result(work, functools.partial(back, buf))
+
+    def _reduction_group(self, op, mesh_axes, reduction):
+        """The process group over the axes of ``mesh_axes`` with more than one processor (None: no
+        communication needed). Raises ValueError naming ``op`` for a reduction not in REDUCTIONS."""
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
+        return self._group(mesh_axes)[0] if mesh_axes else None
 
     def _result(self, work, finish):
         """``finish()`` now (blocking call: ``work`` is None) or an :class:`_InFlight` waited at first use."""
         return finish() if work is None else _InFlight(work, finish)
 
     def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"allreduce_many: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
-        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
-        if not mesh_axes:
+        group = self._reduction_group("allreduce_many", mesh_axes, reduction)
+        if group is None:
             return tuple(xs)
-        group, _ = self._group(mesh_axes)
-        wired = [_wire(x) for x in xs]
         out: list = [None] * len(xs)
-        for idx in _by_dtype(wired):  # one flat buffer (one call) per dtype
-            flat = torch.cat([wired[i][0].reshape(-1) for i in idx])
+        for flat, members in _flat_buckets(xs):  # one flat buffer (one call) per dtype
             work = dist.all_reduce(flat, op=_OPS[reduction], group=group, async_op=self.async_collectives)
-            offset = 0
-            for i in idx:  # each piece waits on its bucket's one call (waiting twice is a no-op)
-                buf, back = wired[i]
-                out[i] = self._result(work, functools.partial(_piece, flat, offset, tuple(buf.shape), back))
-                offset += buf.numel()
+            for i, offset, shape, back in members:  # each piece waits on its bucket's one call
+                out[i] = self._result(work, functools.partial(_piece, flat, offset, shape, back))
         return tuple(out)
 
     def _on_axis(self, x, mesh_axis):
@@ -221,18 +218,13 @@ class SpmdMeshImpl(MeshImpl):
         if on is None:
             return tuple(xs)
         n, group = on[0], on[1]
-        wired = [_wire(x) for x in xs]
         out: list = [None] * len(xs)
-        for idx in _by_dtype(wired):  # one flat buffer (one call) per dtype, FSDP's flat parameter
-            flat = torch.cat([wired[i][0].reshape(-1) for i in idx])
+        for flat, members in _flat_buckets(xs):  # one flat buffer (one call) per dtype, FSDP's flat parameter
             gathered = torch.empty((n * flat.numel(),), dtype=flat.dtype, device=flat.device)
             work = _all_gather(gathered, flat, group=group, async_op=self.async_collectives)
-            offset = 0
-            for i in idx:
-                buf, back = wired[i]
+            for i, offset, shape, back in members:
                 out[i] = self._result(work, functools.partial(
-                    _gathered_piece, gathered, n, offset, tuple(buf.shape), concat_axes[i], back))
-                offset += buf.numel()
+                    _gathered_piece, gathered, n, offset, shape, concat_axes[i], back))
         return tuple(out)
 
     def reduce_scatter_many(self, *xs, mesh_axis, scatter_axes):
@@ -240,21 +232,14 @@ class SpmdMeshImpl(MeshImpl):
         if on is None:
             return tuple(xs)
         n, group = on[0], on[1]
-        wired = [_wire(x) for x in xs]
         out: list = [None] * len(xs)
-        for idx in _by_dtype(wired):
-            # row c of the bucket = piece c of every member, so one reduce-scatter hands member c its pieces
-            moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]
-            rows = torch.cat([m.reshape(n, -1) for m in moved], dim=1)
+        for rows, members in _row_buckets(xs, n, scatter_axes):
             mine = torch.empty((rows.shape[1],), dtype=rows.dtype, device=rows.device)
             work = dist.reduce_scatter_tensor(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=group,
                                               async_op=self.async_collectives)
-            offset = 0
-            for i, m in zip(idx, moved, strict=True):
-                piece = (m.shape[0] // n, *m.shape[1:])
+            for i, offset, piece, back in members:
                 out[i] = self._result(work, functools.partial(
-                    _scattered_piece, mine, offset, piece, scatter_axes[i], wired[i][1]))
-                offset += m.numel() // n
+                    _scattered_piece, mine, offset, piece, scatter_axes[i], back))
         return tuple(out)
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
@@ -265,8 +250,7 @@ class SpmdMeshImpl(MeshImpl):
         moved = buf.movedim(split_axis, 0).contiguous()  # piece j = rows [j*s, (j+1)*s)
         out = torch.empty_like(moved)
         dist.all_to_all_single(out, moved, group=group)
-        pieces = out.view(n, moved.shape[0] // n, *moved.shape[1:]).unbind(0)
-        return back(torch.cat([p.movedim(0, split_axis) for p in pieces], dim=concat_axis))
+        return _exchanged(out, n, split_axis, concat_axis, back)
 
     def reduce_scatter(self, x, mesh_axis, scatter_axis):
         on = self._on_axis(x, mesh_axis)
@@ -367,6 +351,35 @@ def _by_dtype(wired) -> list[list[int]]:
     return list(groups.values())
 
 
+def _flat_buckets(xs):
+    """One bucket per dtype of ``xs`` (a collective moves one flat buffer per dtype): yields
+    ``(flat, members)``, ``flat`` the members' elements concatenated, ``members`` a list of
+    ``(index in xs, offset in flat, shape, back)`` for :func:`_piece` / :func:`_gathered_piece`."""
+    wired = [_wire(x) for x in xs]
+    for idx in _by_dtype(wired):
+        members, offset = [], 0
+        for i in idx:
+            buf, back = wired[i]
+            members.append((i, offset, tuple(buf.shape), back))
+            offset += buf.numel()
+        yield torch.cat([wired[i][0].reshape(-1) for i in idx]), members
+
+
+def _row_buckets(xs, n, scatter_axes):
+    """Reduce-scatter buckets, one per dtype: yields ``(rows, members)`` where row ``c`` of ``rows``
+    ``[n, elements / n]`` holds piece ``c`` (along its ``scatter_axes[i]``) of every member, so one
+    reduce-scatter hands processor ``c`` its pieces; ``members`` is ``(index, offset in the row, piece
+    shape with the scatter axis first, back)`` for :func:`_scattered_piece`."""
+    wired = [_wire(x) for x in xs]
+    for idx in _by_dtype(wired):
+        moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]
+        members, offset = [], 0
+        for i, m in zip(idx, moved, strict=True):
+            members.append((i, offset, (m.shape[0] // n, *m.shape[1:]), wired[i][1]))
+            offset += m.numel() // n
+        yield torch.cat([m.reshape(n, -1) for m in moved], dim=1), members
+
+
 def _gathered_piece(gathered, n, offset, shape, concat_axis, back):
     """Member ``offset..`` of a bucket gathered as ``[n, bucket elements]``, concatenated on ``concat_axis``."""
     numel = 1
@@ -392,6 +405,13 @@ def _piece(flat, offset, shape, back):
     for d in shape:
         n *= d
     return back(flat[offset:offset + n].view(shape))
+
+
+def _exchanged(out, n, split_axis, concat_axis, back):
+    """An all-to-all's output (``n`` received pieces stacked on the moved ``split_axis``) concatenated on
+    ``concat_axis``, ``split_axis`` restored."""
+    pieces = out.view(n, out.shape[0] // n, *out.shape[1:]).unbind(0)
+    return back(torch.cat([p.movedim(0, split_axis) for p in pieces], dim=concat_axis))
 
 
 def _moved_back(out, axis, back):

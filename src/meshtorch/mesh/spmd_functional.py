@@ -20,11 +20,18 @@ break). Source: PyTorch ``torch.distributed._functional_collectives`` (RFC pytor
 
 from __future__ import annotations
 
-import torch
 import torch.distributed._functional_collectives as funcol
 
-from meshtorch.mesh.base import REDUCTIONS
-from meshtorch.mesh.spmd import SpmdMeshImpl, _by_dtype, _gathered_piece, _piece, _scattered_piece, _wire
+from meshtorch.mesh.spmd import (
+    SpmdMeshImpl,
+    _exchanged,
+    _flat_buckets,
+    _gathered_piece,
+    _piece,
+    _row_buckets,
+    _scattered_piece,
+    _wire,
+)
 
 # torch >= 2.5 names; the older ones warn about deprecation from 2.6 on
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -55,31 +62,21 @@ class FunctionalSpmdMeshImpl(SpmdMeshImpl):
         return self
 
     def allreduce(self, x, mesh_axes, reduction="SUM"):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"allreduce: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
-        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
-        if not mesh_axes:
+        group = self._reduction_group("allreduce", mesh_axes, reduction)
+        if group is None:
             return x
-        group, _ = self._group(mesh_axes)
         buf, back = _wire(x)
         return back(funcol.all_reduce(buf, reduction.lower(), group))
 
     def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"allreduce_many: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
-        mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
-        if not mesh_axes:
+        group = self._reduction_group("allreduce_many", mesh_axes, reduction)
+        if group is None:
             return tuple(xs)
-        group, _ = self._group(mesh_axes)
-        wired = [_wire(x) for x in xs]
         out: list = [None] * len(xs)
-        for idx in _by_dtype(wired):  # one flat buffer (one call) per dtype, as on the eager mesh
-            flat = funcol.all_reduce(torch.cat([wired[i][0].reshape(-1) for i in idx]), reduction.lower(), group)
-            offset = 0
-            for i in idx:
-                buf, back = wired[i]
-                out[i] = _piece(flat, offset, tuple(buf.shape), back)
-                offset += buf.numel()
+        for flat, members in _flat_buckets(xs):  # one flat buffer (one call) per dtype, as on the eager mesh
+            flat = funcol.all_reduce(flat, reduction.lower(), group)
+            for i, offset, shape, back in members:
+                out[i] = _piece(flat, offset, shape, back)
         return tuple(out)
 
     def allconcat(self, x, mesh_axis, concat_axis):
@@ -94,15 +91,11 @@ class FunctionalSpmdMeshImpl(SpmdMeshImpl):
         if on is None:
             return tuple(xs)
         n, group = on[0], on[1]
-        wired = [_wire(x) for x in xs]
         out: list = [None] * len(xs)
-        for idx in _by_dtype(wired):  # FSDP's flat parameter: one gather per dtype
-            gathered = _all_gather(torch.cat([wired[i][0].reshape(-1) for i in idx]), 0, group)
-            offset = 0
-            for i in idx:
-                buf, back = wired[i]
-                out[i] = _gathered_piece(gathered, n, offset, tuple(buf.shape), concat_axes[i], back)
-                offset += buf.numel()
+        for flat, members in _flat_buckets(xs):  # FSDP's flat parameter: one gather per dtype
+            gathered = _all_gather(flat, 0, group)
+            for i, offset, shape, back in members:
+                out[i] = _gathered_piece(gathered, n, offset, shape, concat_axes[i], back)
         return tuple(out)
 
     def reduce_scatter(self, x, mesh_axis, scatter_axis):
@@ -117,18 +110,11 @@ class FunctionalSpmdMeshImpl(SpmdMeshImpl):
         if on is None:
             return tuple(xs)
         n, group = on[0], on[1]
-        wired = [_wire(x) for x in xs]
         out: list = [None] * len(xs)
-        for idx in _by_dtype(wired):
-            # row c of the bucket = piece c of every member (see SpmdMeshImpl.reduce_scatter_many)
-            moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]
-            rows = torch.cat([m.reshape(n, -1) for m in moved], dim=1)
+        for rows, members in _row_buckets(xs, n, scatter_axes):
             mine = _reduce_scatter(rows.reshape(-1), "sum", 0, group)
-            offset = 0
-            for i, m in zip(idx, moved, strict=True):
-                piece = (m.shape[0] // n, *m.shape[1:])
-                out[i] = _scattered_piece(mine, offset, piece, scatter_axes[i], wired[i][1])
-                offset += m.numel() // n
+            for i, offset, piece, back in members:
+                out[i] = _scattered_piece(mine, offset, piece, scatter_axes[i], back)
         return tuple(out)
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
@@ -138,8 +124,7 @@ class FunctionalSpmdMeshImpl(SpmdMeshImpl):
         n, group, buf, back = on
         moved = buf.movedim(split_axis, 0).contiguous()  # piece j = rows [j*s, (j+1)*s)
         out = funcol.all_to_all_single(moved, None, None, group)
-        pieces = out.view(n, moved.shape[0] // n, *moved.shape[1:]).unbind(0)
-        return back(torch.cat([p.movedim(0, split_axis) for p in pieces], dim=concat_axis))
+        return _exchanged(out, n, split_axis, concat_axis, back)
 
 
 __all__ = ["FunctionalSpmdMeshImpl"]
