@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from host import describe
 
 # batch 16 x length 128 = 2048 tokens; d_model 256, d_ff 1024, heads*d_kv 256, vocab 256.
 SHAPES = [(2048, 256, 1024), (2048, 1024, 256), (2048, 256, 256),   # forward: ff in, ff out, q/k/v/o/logits
@@ -43,6 +44,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(describe())
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; GFLOP/s median (min-max)")
     print(f"{'M x K x N':<18}" + "".join(f"{name:>24}" for name, _ in PATHS))
     g = torch.Generator().manual_seed(0)

@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from host import describe
 from lm_common import meshtorch_lm, torch_twin
 
 import meshtorch as mtf
@@ -127,6 +128,7 @@ def main():
 
     (t_mtf, mtf_lo, mtf_hi), (t_torch, torch_lo, torch_hi) = _interleaved(
         [lambda: lw.run(fetches, feeds=feeds), torch_step], args.steps)
+    print(describe())
     print(f"config: {cfg.num_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.num_heads} heads, "
           f"batch {cfg.batch_size} x length {cfg.length}, vocab {cfg.padded_vocab}; "
           f"{flops / 1e9:.2f} GFLOP per step; torch threads {torch.get_num_threads()}")

@@ -49,6 +49,7 @@ from time import perf_counter
 
 import numpy as np
 import torch
+from host import describe
 from lm_common import meshtorch_lm
 
 import meshtorch as mtf
@@ -324,6 +325,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.length + 1), generator=g)
     configs = [("", "")] + (LAYOUTS if args.layouts else [])
+    print(describe())
     print(f"config: {cfg.num_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.num_heads} heads x "
           f"d_kv {cfg.d_kv}, vocab {cfg.padded_vocab}, batch {cfg.batch_size} x length {cfg.length}; relu, "
           f"no dropout, no clipping, Adafactor (Mesh TF defaults); torch {torch.__version__}; "
