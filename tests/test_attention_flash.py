@@ -51,3 +51,16 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_flash_attention_layouts(case):
     case.check()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_device_generic_path_layouts(case, monkeypatch):
+    """The path taken on devices without the CPU flash kernel (CUDA): F.scaled_dot_product_attention forward,
+    gradient by recompute under autograd. Forced on the CPU here; values and gradients vs plain softmax
+    attention under every layout, as for the CPU kernel."""
+    from meshtorch.layers import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "_cpu_flash", lambda t: calls.append(t.device) or False)
+    case.check()
+    assert calls  # the generic path ran

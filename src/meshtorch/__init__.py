@@ -23,6 +23,7 @@ from meshtorch.core import (
     LayoutError,
     LayoutRules,
     Mesh,
+    MeshSpec,
     MeshtorchError,
     Operation,
     Shape,

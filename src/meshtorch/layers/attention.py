@@ -100,13 +100,24 @@ def _to4(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _cpu_flash(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device has ``aten._scaled_dot_product_flash_attention_for_cpu`` (the CPU only)."""
+    return t.device.type == "cpu"
+
+
 def _k_attention_flash(q, k, v, *, align, out_align, causal: bool, scale):
     """Attention on slices through ``aten._scaled_dot_product_flash_attention_for_cpu``: (out, logsumexp).
 
     Same numbers as :func:`_k_attention` without bias (``F.scaled_dot_product_attention`` dispatches
     to this kernel on CPU); the log-sum-exp ``[batch..., length]`` feeds :func:`_k_attention_flash_grad`.
+    That kernel exists on the CPU only: on another device (CUDA) the output comes from
+    ``F.scaled_dot_product_attention`` (the device's fused kernel) and the log-sum-exp slot holds zeros,
+    which the gradient then does not read (it recomputes the forward under autograd).
     """
     q, k, v = (aligned(t, a) for a, t in zip(align, (q, k, v), strict=True))
+    if not _cpu_flash(q):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return aligned(out, out_align), q.new_zeros(q.shape[:-1])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         _to4(q), _to4(k), _to4(v), 0.0, causal, scale=scale)
     return aligned(out.reshape(v.shape[:-2] + q.shape[-2:-1] + v.shape[-1:]), out_align), lse.reshape(q.shape[:-1])
@@ -114,7 +125,14 @@ def _k_attention_flash(q, k, v, *, align, out_align, causal: bool, scale):
 
 def _k_attention_flash_grad(q, k, v, out, lse, dy, *, align, dy_align, back, causal: bool, scale):
     """Gradients w.r.t. q, k, v through ``aten._scaled_dot_product_flash_attention_for_cpu_backward``,
-    from the forward's output and log-sum-exp (no recompute)."""
+    from the forward's output and log-sum-exp (no recompute). On a device other than the CPU: the
+    forward recomputed under autograd (``F.scaled_dot_product_attention``'s own backward)."""
+    if not _cpu_flash(q):
+        with torch.enable_grad():  # leaves in the inputs' own dim order: the gradients come back in it
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            qa, ka, va = (aligned(t, x) for x, t in zip(align, leaves, strict=True))
+            o = F.scaled_dot_product_attention(qa, ka, va, is_causal=causal, scale=scale)
+            return torch.autograd.grad(o, leaves, aligned(dy, dy_align))
     q, k, v = (aligned(t, a) for a, t in zip(align, (q, k, v), strict=True))
     out, dy = aligned(out, dy_align), aligned(dy, dy_align)
     q4 = _to4(q)

@@ -21,16 +21,32 @@ from collections.abc import Callable, MutableMapping
 
 import torch
 
-from meshtorch.core.graph import Graph, Operation, Tensor
+from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
 from meshtorch.core.layout import TensorLayout
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.planner import Planner
 from meshtorch.lowering.program import Program, Step, SubProgram, program_str
 from meshtorch.lowering.session import Session
 from meshtorch.lowering.variables import VariableStore
+from meshtorch.mesh.base import MeshImpl
+from meshtorch.mesh.placement import PlacementMeshImpl
 
 __all__ = ["Lowering", "Program", "Session", "Step", "SubProgram", "VariableStore", "Collective", "Counters",
            "Planner"]
+
+
+def _backend(x) -> MeshImpl:
+    """A mesh implementation as given, or a :class:`PlacementMeshImpl` running a :class:`MeshSpec`.
+
+    Raises:
+        TypeError: for anything else, naming its type.
+    """
+    if isinstance(x, MeshImpl):
+        return x
+    if isinstance(x, MeshSpec):
+        return PlacementMeshImpl(x)
+    raise TypeError(f"Lowering: expected a MeshImpl or a MeshSpec per mesh, got {type(x).__name__}.")
 
 
 class _VariablesByOp(MutableMapping):
@@ -63,7 +79,8 @@ class Lowering:
 
     Args:
         graph: the Graph (operations added after this call are not part of the program).
-        mesh_to_impl: ``{Mesh: MeshImpl}``.
+        mesh_to_impl: ``{Mesh: MeshImpl}`` (Mesh TF's argument), or ``{Mesh: MeshSpec}``: a spec runs on a
+            :class:`~meshtorch.mesh.placement.PlacementMeshImpl` (the mesh simulated in this process).
         autostack, log_file: Mesh TF's; accepted and unused (see ``memory_report`` for sizes).
         materialize: ``False`` plans without computing variables' initial values (a dry run:
             ``lowering.variables[v]`` is ``None``; the program, ``plan_counters`` and
@@ -94,9 +111,11 @@ class Lowering:
             raise ValueError(f"Lowering: bucket_bytes must be an int >= 0 (0: no buckets), got {bucket_bytes!r}.")
         self.graph = graph
         self.materialize = materialize
-        self.planner = Planner(graph, dict(mesh_to_impl))
+        impls_by_mesh = {m: _backend(v) for m, v in mesh_to_impl.items()}
+        self.planner = Planner(graph, {m: i.spec for m, i in impls_by_mesh.items()})
         self.program = self.planner.program
-        impls = {m.name: i for m, i in mesh_to_impl.items()}
+        self._mesh_to_impl = impls_by_mesh
+        impls = {m.name: i for m, i in impls_by_mesh.items()}
         self.store = VariableStore(self.program, impls)
         if materialize:
             self.store.initialize(self.planner.variable_ops)
@@ -105,18 +124,23 @@ class Lowering:
 
     @property
     def mesh_to_impl(self) -> dict:
-        """``{Mesh: MeshImpl}``. Assigning implementations of the same mesh shapes and rules re-binds
-        the program, the session and the variable store to them (variable values are kept as they are)."""
-        return self.planner.mesh_to_impl
+        """``{Mesh: MeshImpl}`` (the backends the program runs on). Assigning backends with the same specs
+        re-binds the session and the variable store to them (variable values are kept as they are)."""
+        return dict(self._mesh_to_impl)
 
     @mesh_to_impl.setter
     def mesh_to_impl(self, mesh_to_impl: dict):
-        self.planner.mesh_to_impl = dict(mesh_to_impl)
-        impls = {m.name: i for m, i in mesh_to_impl.items()}
+        self._mesh_to_impl = {m: _backend(v) for m, v in mesh_to_impl.items()}
+        impls = {m.name: i for m, i in self._mesh_to_impl.items()}
         self.store.impls = impls
         old = self.session
         self.session = Session(self.program, impls, self.store, old.mode, old.bucket_bytes)
         self.session.counters, self.session.run_count = old.counters, old.run_count
+
+    @property
+    def mesh_to_spec(self) -> dict:
+        """``{Mesh: MeshSpec}``: what the program was planned for."""
+        return dict(self.planner.mesh_to_spec)
 
     # ---- Mesh TF-era attributes
     @property
@@ -140,8 +164,14 @@ class Lowering:
     def run_count(self, value: int):
         self.session.run_count = int(value)
 
-    def mesh_impl(self, x):
-        return self.planner.mesh_impl(x)
+    def mesh_impl(self, x) -> MeshImpl:
+        """The backend of ``x``'s mesh (``x``: a Mesh, tensor or operation)."""
+        self.planner.mesh_spec(x)  # a clear error for a mesh the lowering was not given
+        return self._mesh_to_impl[x if isinstance(x, Mesh) else x.mesh]
+
+    def mesh_spec(self, x) -> MeshSpec:
+        """The :class:`~meshtorch.core.mesh_spec.MeshSpec` of ``x``'s mesh."""
+        return self.planner.mesh_spec(x)
 
     def tensor_layout(self, t: Tensor) -> TensorLayout:
         """The layout ``t``'s value is produced (and, for a variable, stored) in."""

@@ -71,7 +71,7 @@ def redistribute(lw, slot: int, t, src: Layout, dst: Layout) -> int:
         ValueError: if ``dst`` is partial over an axis ``src`` is not (a replicated value cannot
             become a partial sum without choosing how to divide it).
     """
-    impl = lw.mesh_impl(t)
+    impl = lw.mesh_spec(t)
     sizes = [d.size for d in t.shape]
     nax = {a: impl.shape[a].size for a in range(impl.ndims)}
     if dst.partial - src.partial:

@@ -5,9 +5,9 @@ layout it works on (:meth:`Planner.get`; :meth:`Planner.get_lazy` where the op i
 take partial sums), emits steps (:meth:`Planner.slicewise` with a kernel, or collectives), and
 records its outputs' slots and layouts (:meth:`Planner.set`). Whenever a value is needed in another
 layout than the one it was produced in, :func:`~meshtorch.lowering.layout.redistribute` inserts the
-collectives. Nothing is executed and no mesh implementation is bound: the MeshImpl objects given
-here are used for slice arithmetic only, so the program can run on any implementation of the same
-mesh shape and rules.
+collectives. Nothing is executed and no mesh implementation is bound: the planner reads each mesh's
+:class:`~meshtorch.core.mesh_spec.MeshSpec` (shape, rules, slice arithmetic) only, so the program can
+run on any implementation of the same spec.
 
 Layout views: a tensor's compute layout follows the mesh's layout rules on its dimension names;
 variables (and ops built inside :func:`meshtorch.core.graph.Graph.storage_scope`, such as optimizer
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
 from meshtorch.core.layout import TensorLayout
+from meshtorch.core.mesh_spec import MeshSpec, convert_to_mesh_spec
 from meshtorch.lowering.counters import Collective
 from meshtorch.lowering.layout import Layout, redistribute, slice_nbytes
 from meshtorch.lowering.program import Program, Step, SubProgram, TensorSlot, count, select_steps
-from meshtorch.mesh.base import MeshImpl
 
 
 @dataclass
@@ -38,10 +38,10 @@ class _Lowered:
     home: list | None = None  # the step list (main program or a sub-program) that computes it
 
 
-def mesh_record(impl: MeshImpl) -> dict:
-    """What a program records of a mesh implementation (a session checks its implementation matches)."""
-    return {"shape": str(impl.shape), "layout": str(impl.layout_rules), "storage": str(impl.storage_rules),
-            "reshard_after_forward": impl.reshard_after_forward}
+def mesh_record(spec) -> dict:
+    """What a program records of a mesh (a :class:`~meshtorch.core.mesh_spec.MeshSpec` or a backend holding
+    one): a session checks that its backend's spec matches."""
+    return convert_to_mesh_spec(spec).record()
 
 
 def storage_side(op: Operation | None) -> bool:
@@ -50,7 +50,11 @@ def storage_side(op: Operation | None) -> bool:
 
 
 class Planner:
-    """Plans ``graph`` for ``{Mesh: MeshImpl}``; the result is :attr:`program`.
+    """Plans ``graph`` for ``{Mesh: MeshSpec}``; the result is :attr:`program`.
+
+    The planner reads only specs (mesh shape, layout and storage rules, slice arithmetic); a mesh
+    implementation may be given instead of a spec and its ``spec`` is read. Ops ask for their mesh's
+    spec with :meth:`mesh_spec`.
 
     Raises:
         LayoutError: naming the tensor and dimension, if the layout rules are illegal for some
@@ -58,9 +62,9 @@ class Planner:
             whole is split).
     """
 
-    def __init__(self, graph: Graph, mesh_to_impl: dict[Mesh, MeshImpl]):
+    def __init__(self, graph: Graph, mesh_to_spec: dict[Mesh, MeshSpec]):
         self.graph = graph
-        self.mesh_to_impl = dict(mesh_to_impl)
+        self.mesh_to_spec = {m: convert_to_mesh_spec(v) for m, v in mesh_to_spec.items()}
         self.steps: list[Step] = []
         self.slot_bytes: dict[int, int] = {}
         self._n_slots = 0
@@ -79,7 +83,7 @@ class Planner:
         for op in graph.operations:
             self._lower_op(op)
         self._current_op = None
-        meshes = {m.name: mesh_record(i) for m, i in self.mesh_to_impl.items()}
+        meshes = {m.name: spec.record() for m, spec in self.mesh_to_spec.items()}
         self.program = Program(
             meshes=meshes, steps=self.steps, constants=self.constants, placeholders={}, variables={},
             trainable=[v.name for v in self.var_reads if v.trainable], tensors={}, assignments={},
@@ -112,25 +116,30 @@ class Planner:
 
     def _lower_op(self, op: Operation):
         self._current_op = op
-        self.mesh_impl(op)
+        self.mesh_spec(op)
         for t in list(op.inputs) + list(op.outputs):
             self.tensor_layout(t, op)
         op.lower(self)
 
     # ================================================================= layouts
-    def mesh_impl(self, x) -> MeshImpl:
+    def mesh_spec(self, x) -> MeshSpec:
+        """The :class:`~meshtorch.core.mesh_spec.MeshSpec` of ``x``'s mesh (``x``: a Mesh, tensor or operation).
+
+        Raises:
+            ValueError: if no spec was given for that mesh, naming it and ``x``.
+        """
         mesh = x if isinstance(x, Mesh) else x.mesh
         try:
-            return self.mesh_to_impl[mesh]
+            return self.mesh_to_spec[mesh]
         except KeyError:
-            raise ValueError(f"Lowering: no MeshImpl given for mesh {mesh.name!r} "
+            raise ValueError(f"Lowering: no MeshImpl or MeshSpec given for mesh {mesh.name!r} "
                              f"(used by {getattr(x, 'name', x)!r}).") from None
 
     def _view(self, t: Tensor, storage: bool, unsplit=()) -> TensorLayout:
         key = (t, storage)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self.mesh_impl(t).tensor_layout(t.shape, t.name, unsplit, storage=storage)
+            lay = self.mesh_spec(t).tensor_layout(t.shape, t.name, unsplit, storage=storage)
             self._layouts[key] = lay
         return lay
 
@@ -143,7 +152,7 @@ class Planner:
         unsplit = tuple(op.unsplittable_dims) if op is not None else ()
         lay = self._view(t, storage_side(viewer), unsplit)
         if op is not None and op.unsplittable_dims:
-            impl = self.mesh_impl(t)
+            impl = self.mesh_spec(t)
             for d, a in zip(t.shape, lay, strict=True):
                 if a is not None and d.name in op.unsplittable_dims:
                     raise LayoutError(
@@ -160,7 +169,7 @@ class Planner:
         return Layout(tuple(self._view(t, storage_side(t.operation))))
 
     def slice_shape(self, t: Tensor) -> list[int]:
-        return self.mesh_impl(t).slice_shape(t.shape, self.tensor_layout(t))
+        return self.mesh_spec(t).slice_shape(t.shape, self.tensor_layout(t))
 
     def tensor_mesh_axes(self, t: Tensor, dims=None) -> list[int]:
         """Mesh axes that split ``t`` (restricted to ``dims`` names if given)."""
@@ -182,7 +191,7 @@ class Planner:
         """A slot holding ``fn(mesh_impl, pnum)`` on each processor; ``fn`` a kernel
         (see :mod:`meshtorch.ops._kernels`), evaluated when the program is bound to an implementation."""
         mesh = t if isinstance(t, Mesh) else t.mesh
-        self.mesh_impl(mesh)
+        self.mesh_spec(mesh)
         return self._constant("pnum", mesh, fn)
 
     def import_constant(self, t: Tensor, full) -> int:
@@ -197,7 +206,7 @@ class Planner:
         values that are still a pure function of (graph seed, op key, run, index)."""
         slot = self._run_counter_slots.get(mesh)
         if slot is None:
-            self.mesh_impl(mesh)
+            self.mesh_spec(mesh)
             slot = self._run_counter_slots[mesh] = self._constant("run_counter", mesh, None)
         return slot
 
@@ -257,7 +266,7 @@ class Planner:
                     slot = redistribute(self, lowered.slot, t, lowered.layout, want)
                 self._forced[key] = slot
                 if slot not in self.slot_bytes:
-                    impl = self.mesh_impl(t)
+                    impl = self.mesh_spec(t)
                     self.slot_bytes[slot] = slice_nbytes(impl.slice_shape(t.shape, TensorLayout(want.axes)), t.dtype)
             finally:
                 self._current_op = saved
@@ -270,7 +279,7 @@ class Planner:
         again for the backward pass instead of keeping the forward one alive (FSDP)."""
         op = self._current_op
         return bool(op is not None and op.backward and storage_side(t.operation)
-                    and self.mesh_impl(t).reshard_after_forward)
+                    and self.mesh_spec(t).reshard_after_forward)
 
     def inputs(self, op: Operation, allow: bool = True, blocked=frozenset()) -> tuple[list[int], frozenset]:
         """Slots of ``op``'s inputs and the mesh axes over which its output stays a partial sum, as the
@@ -316,7 +325,7 @@ class Planner:
         ``params`` are the MeshImpl primitive's arguments. The record's bytes are
         ``slice_nbytes(local_shape, t.dtype)``: the one place bytes are counted.
         """
-        impl = self.mesh_impl(t)
+        impl = self.mesh_spec(t)
         op = self._current_op.name if self._current_op is not None else "<fetch>"
         c = Collective(kind, tuple(impl.shape[a].name for a in over), op, t.name,
                        slice_nbytes(local_shape, t.dtype), impl.size, params.get("reduction", ""))

@@ -10,140 +10,86 @@ Processor numbers ("pnum") are row-major over the mesh shape, as in Mesh TensorF
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 
-from meshtorch.core.dims import Shape, convert_to_shape
-from meshtorch.core.errors import LayoutError
-from meshtorch.core.layout import LayoutRules, TensorLayout, convert_to_layout_rules
+from meshtorch.core.layout import TensorLayout
+from meshtorch.core.mesh_spec import MeshSpec
 
 REDUCTIONS = ("SUM", "MAX", "MIN")
 
 
 class MeshImpl:
-    """Base class: a mesh shape (named axes) plus layout rules.
+    """Base class of the backends: a :class:`~meshtorch.core.mesh_spec.MeshSpec` (``self.spec``: mesh shape,
+    layout rules, storage rules, slice arithmetic) plus the tensors and collectives that run it.
 
     Args:
-        shape: the mesh shape, e.g. ``"rows:2;cols:2"`` or ``[("all", 4)]``; ``""`` or ``[]`` is
-            a single processor.
-        layout_rules: layout rules (Mesh TF's name), e.g. ``"batch:rows;hidden:cols"`` (the compute layout).
-        storage: storage rules, e.g. ``"d_model:data"``: how variables, their optimizer slots and
-            the update math are laid out (ZeRO-3 / FSDP). A storage rule overrides the compute
-            rules for the dimension it names; default none (variables stored as computed).
-        reshard_after_forward: with storage rules, a weight gathered for the forward pass is freed
-            after its last forward use and gathered again for the backward pass (FSDP's default);
-            False keeps the forward gather for the backward (one all-gather, more memory).
-        prefetch: with storage rules, how many weight all-gathers are issued ahead of their use
-            (FSDP's forward/backward prefetch; 0: each gather just before its first use). Costs
-            that many gathered weights of extra memory, which the planner's memory report includes.
+        shape: a :class:`~meshtorch.core.mesh_spec.MeshSpec` (then the other arguments must be left out),
+            or the mesh shape, e.g. ``"rows:2;cols:2"`` or ``[("all", 4)]``; ``""`` or ``[]`` is a single
+            processor.
+        layout_rules, storage, reshard_after_forward, prefetch: the spec's fields when ``shape`` is not
+            a spec (see :class:`~meshtorch.core.mesh_spec.MeshSpec`).
 
-    A rule naming a mesh axis the mesh lacks is ignored (as in Mesh TF), so one set of rules
-    serves several meshes.
+    The spec's fields and slice arithmetic are readable on the backend too (``impl.shape``,
+    ``impl.tensor_layout(...)``, ...), as in Mesh TF's ``MeshImpl``.
 
     Raises:
         LayoutError: on a malformed rule.
+        ValueError: ``prefetch`` < 0, or a spec given together with rules.
     """
 
-    def __init__(self, shape, layout_rules, storage=None, reshard_after_forward: bool = True, prefetch: int = 1):
-        self.shape: Shape = convert_to_shape(shape)
-        self.layout_rules: LayoutRules = convert_to_layout_rules(layout_rules)
-        self.storage_rules: LayoutRules = convert_to_layout_rules(storage or "")
-        self.reshard_after_forward = bool(reshard_after_forward)
-        if int(prefetch) < 0:
-            raise ValueError(f"{type(self).__name__}: prefetch must be >= 0 (gathers issued ahead), got {prefetch}.")
-        self.prefetch = int(prefetch)
-        self._storage_layout_rules = self.layout_rules.overridden_by(self.storage_rules)
-        self._strides = []
-        s = 1
-        for d in reversed(self.shape.dims):
-            self._strides.insert(0, s)
-            s *= d.size
-        self._group_cache: dict = {}
+    def __init__(self, shape, layout_rules=None, storage=None, reshard_after_forward: bool = True, prefetch: int = 1):
+        if isinstance(shape, MeshSpec):
+            if layout_rules is not None or storage is not None or not reshard_after_forward or prefetch != 1:
+                raise ValueError(f"{type(self).__name__}: give either a MeshSpec or a mesh shape with rules, "
+                                 "not both (use spec.replace(...) to change a spec).")
+            self.spec = shape
+        else:
+            try:
+                self.spec = MeshSpec(shape, layout_rules or "", storage, reshard_after_forward, prefetch)
+            except ValueError as e:
+                raise ValueError(str(e).replace("MeshSpec", type(self).__name__)) from None
 
-    # ------------------------------------------------------------------ mesh facts
-    @property
-    def size(self) -> int:
-        """Number of processors."""
-        return self.shape.size
-
-    @property
-    def ndims(self) -> int:
-        return self.shape.ndims
+    # ------------------------------------------------------------------ the spec's facts, read through
+    shape = property(lambda self: self.spec.shape, doc="The mesh shape (:class:`~meshtorch.core.dims.Shape`).")
+    layout_rules = property(lambda self: self.spec.layout_rules, doc="The compute layout rules.")
+    storage_rules = property(lambda self: self.spec.storage_rules, doc="The storage layout rules.")
+    reshard_after_forward = property(lambda self: self.spec.reshard_after_forward,
+                                     doc="See :class:`~meshtorch.core.mesh_spec.MeshSpec`.")
+    prefetch = property(lambda self: self.spec.prefetch, doc="See :class:`~meshtorch.core.mesh_spec.MeshSpec`.")
+    size = property(lambda self: self.spec.size, doc="Number of processors.")
+    ndims = property(lambda self: self.spec.ndims, doc="Number of mesh axes.")
 
     def mesh_axis_index(self, name: str) -> int:
-        if name not in self.shape:
-            raise LayoutError(f"Mesh {self.shape} has no axis {name!r}.")
-        return self.shape.get_dim_index(name)
+        return self.spec.mesh_axis_index(name)
 
     def pnum_to_processor_coordinates(self, pnum: int) -> tuple[int, ...]:
-        return tuple((pnum // st) % d.size for st, d in zip(self._strides, self.shape.dims, strict=True))
+        return self.spec.pnum_to_processor_coordinates(pnum)
 
     def processor_coordinates_to_pnum(self, coords: Sequence[int]) -> int:
-        return sum(c * st for c, st in zip(coords, self._strides, strict=True))
+        return self.spec.processor_coordinates_to_pnum(coords)
 
     def processor_groups(self, mesh_axes: Sequence[int]) -> list[list[int]]:
-        """Groups of processors that differ only in their coordinates on ``mesh_axes``.
+        return self.spec.processor_groups(mesh_axes)
 
-        Each group is ordered row-major over the ``mesh_axes`` coordinates; groups are ordered
-        row-major over the other coordinates.
-        """
-        key = tuple(sorted(mesh_axes))
-        if key in self._group_cache:
-            return self._group_cache[key]
-        other = [a for a in range(self.ndims) if a not in key]
-        groups = []
-        for oc in itertools.product(*[range(self.shape[a].size) for a in other]):
-            group = []
-            for ic in itertools.product(*[range(self.shape[a].size) for a in key]):
-                coords = [0] * self.ndims
-                for a, c in zip(other, oc, strict=True):
-                    coords[a] = c
-                for a, c in zip(key, ic, strict=True):
-                    coords[a] = c
-                group.append(self.processor_coordinates_to_pnum(coords))
-            groups.append(group)
-        self._group_cache[key] = groups
-        return groups
-
-    # ------------------------------------------------------------------ layouts and slices
     def tensor_layout(self, shape, tensor_name: str = "tensor", unsplittable=(), storage: bool = False) -> TensorLayout:
-        """Layout of a tensor of ``shape`` under the compute rules, or the storage rules if ``storage``.
-
-        Raises:
-            LayoutError: naming ``tensor_name`` and the dimension (see :meth:`LayoutRules.tensor_layout`).
-        """
-        rules = self._storage_layout_rules if storage else self.layout_rules
-        return rules.tensor_layout(shape, self.shape, tensor_name, unsplittable)
+        return self.spec.tensor_layout(shape, tensor_name, unsplittable, storage)
 
     def tensor_dimension_to_mesh_axis(self, dim_name: str) -> int | None:
-        return self.layout_rules.tensor_dimension_to_mesh_axis(dim_name, self.shape)
+        return self.spec.tensor_dimension_to_mesh_axis(dim_name)
 
     def slice_shape(self, shape, layout: TensorLayout | None = None) -> list[int]:
-        """Per-processor slice sizes of a tensor of ``shape`` (all processors hold equal slices)."""
-        shape = convert_to_shape(shape)
-        layout = layout if layout is not None else self.tensor_layout(shape)
-        return [d.size // (self.shape[a].size if a is not None else 1) for d, a in zip(shape, layout, strict=True)]
+        return self.spec.slice_shape(shape, layout)
 
     def slice_begin(self, shape, pnum: int, layout: TensorLayout | None = None) -> list[int]:
-        """Global index of the first element of processor ``pnum``'s slice, per tensor dim."""
-        shape = convert_to_shape(shape)
-        layout = layout if layout is not None else self.tensor_layout(shape)
-        coords = self.pnum_to_processor_coordinates(pnum)
-        sizes = self.slice_shape(shape, layout)
-        return [0 if a is None else coords[a] * s for a, s in zip(layout, sizes, strict=True)]
+        return self.spec.slice_begin(shape, pnum, layout)
 
     def slice_bounds(self, shape, pnum: int, layout: TensorLayout | None = None) -> tuple[slice, ...]:
-        begins = self.slice_begin(shape, pnum, layout)
-        sizes = self.slice_shape(shape, layout)
-        return tuple(slice(b, b + s) for b, s in zip(begins, sizes, strict=True))
+        return self.spec.slice_bounds(shape, pnum, layout)
 
     def owner_pnums(self, layout: TensorLayout) -> list[int]:
-        """One processor per distinct slice: those with coordinate 0 on axes the layout leaves unused."""
-        used = {a for a in layout if a is not None}
-        return [p for p in range(self.size)
-                if all(c == 0 for a, c in enumerate(self.pnum_to_processor_coordinates(p)) if a not in used)]
+        return self.spec.owner_pnums(layout)
 
     def device(self, pnum: int) -> torch.device:
         """The torch device that holds processor ``pnum``'s slices."""

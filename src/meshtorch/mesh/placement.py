@@ -19,8 +19,8 @@ class PlacementMeshImpl(MeshImpl):
     """Simulated (or single-process multi-device) mesh.
 
     Args:
-        shape: mesh shape, e.g. ``"rows:2;cols:2"``.
-        layout: layout rules, e.g. ``"batch:rows;hidden:cols"``.
+        shape: a :class:`~meshtorch.core.mesh_spec.MeshSpec`, or the mesh shape, e.g. ``"rows:2;cols:2"``.
+        layout: layout rules, e.g. ``"batch:rows;hidden:cols"`` (with a mesh shape; None with a spec).
         devices: one torch device per processor (may repeat); default ``"cpu"`` for all; ``""`` (Mesh TF's
             default device, as its examples pass ``[""] * mesh_size``) is the CPU.
         storage: storage rules for variables (FSDP / ZeRO-3), e.g. ``"d_model:data"``; see
@@ -37,7 +37,7 @@ class PlacementMeshImpl(MeshImpl):
     #: every processor's slice lives in this process: executors may unroll the processors
     unrolled = True
 
-    def __init__(self, shape, layout, devices: Sequence | None = None, storage=None,
+    def __init__(self, shape, layout=None, devices: Sequence | None = None, storage=None,
                  reshard_after_forward: bool = True, prefetch: int = 1):
         super().__init__(shape, layout, storage, reshard_after_forward, prefetch)
         if devices is None:

@@ -52,8 +52,9 @@ class SpmdMeshImpl(MeshImpl):
     """A mesh whose processors are the ranks of the default ``torch.distributed`` process group.
 
     Args:
-        mesh_shape: e.g. ``"rows:2;cols:2"``; its size must equal the world size.
-        layout_rules: e.g. ``"batch:rows;hidden:cols"``.
+        mesh_shape: a :class:`~meshtorch.core.mesh_spec.MeshSpec`, or the mesh shape, e.g. ``"rows:2;cols:2"``;
+            its size must equal the world size.
+        layout_rules: e.g. ``"batch:rows;hidden:cols"`` (with a mesh shape; None with a spec).
         device: torch device of this rank's slices; default ``cuda:LOCAL_RANK`` if CUDA is
             available, else ``cpu``.
         backend: used only if the default process group is not initialized yet (it is then
@@ -77,7 +78,7 @@ class SpmdMeshImpl(MeshImpl):
     same fetches in the same order. Source: Mesh TF ``SimdMeshImpl``; PyTorch ``torch.distributed``.
     """
 
-    def __init__(self, mesh_shape, layout_rules, device=None, backend=None, async_collectives: bool | None = None,
+    def __init__(self, mesh_shape, layout_rules=None, device=None, backend=None, async_collectives: bool | None = None,
                  storage=None, reshard_after_forward: bool = True, async_allreduce: bool | None = None,
                  prefetch: int = 1):
         super().__init__(mesh_shape, layout_rules, storage, reshard_after_forward, prefetch)

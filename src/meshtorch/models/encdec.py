@@ -30,8 +30,8 @@ from meshtorch import layers
 from meshtorch.autodiff import gradients
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.ops.binary import divide, equal, not_equal
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import gather, one_hot
@@ -91,8 +91,9 @@ class EncDecGraph:
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
         """As :meth:`meshtorch.models.transformer.LMGraph.lowering`: on ``mesh_impl``, else on a
-        ``PlacementMeshImpl(mesh_shape, layout)``; LayoutError if the layout is illegal for this model."""
-        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
+        ``MeshSpec(mesh_shape, layout)`` simulated in this process; LayoutError if the layout is illegal for
+        this model."""
+        impl = mesh_impl if mesh_impl is not None else MeshSpec(mesh_shape, layout)
         return Lowering(self.graph, {self.mesh: impl})
 
 

@@ -27,9 +27,9 @@ import torch
 from meshtorch.autodiff import gradients
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.layers.core import softmax_cross_entropy_with_logits
 from meshtorch.lowering import Lowering
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast, relu
 from meshtorch.ops.indexing import one_hot
@@ -42,6 +42,18 @@ from meshtorch.optim.sgd import SgdOptimizer
 IMAGE_ROWS = 28
 IMAGE_COLS = 28
 NUM_CLASSES = 10
+
+
+def simulated_spec(mesh_shape, layout, devices) -> MeshSpec:
+    """``MeshSpec(mesh_shape, layout)``, for the models' ``make_lowering`` conveniences.
+
+    Raises:
+        ValueError: if ``devices`` is given (a backend's argument, not a spec's).
+    """
+    if devices is not None:
+        raise ValueError("make_lowering(devices=...): pass mesh_impl=mtf.PlacementMeshImpl(mesh_shape, layout, "
+                         "devices) instead (models plan on mesh specs; devices belong to a backend).")
+    return MeshSpec(mesh_shape, layout)
 
 
 @dataclass
@@ -79,20 +91,21 @@ class MnistModel:
 
     def make_lowering(self, mesh_shape="", layout="", devices=None, mesh_impl=None) -> Lowering:
         """Lower the graph on ``mesh_impl`` (any :class:`~meshtorch.mesh.base.MeshImpl`, e.g. from
-        :func:`meshtorch.mesh.make_mesh_impl`), or, for convenience, on a :class:`PlacementMeshImpl`
-        of ``mesh_shape`` with ``layout`` rules.
+        :func:`meshtorch.mesh.make_mesh_impl`, or a :class:`~meshtorch.core.mesh_spec.MeshSpec`), or, for
+        convenience, on ``MeshSpec(mesh_shape, layout)`` simulated in this process.
 
         Args:
             mesh_shape: e.g. ``"rows:2;cols:2"``; ``""`` is one processor.
             layout: e.g. ``"batch:rows;hidden:cols"``.
-            devices: optional torch devices, one per processor (default all ``"cpu"``).
+            devices: no longer taken here: pass ``mesh_impl=PlacementMeshImpl(mesh_shape, layout, devices)``.
             mesh_impl: the mesh implementation to use instead of the three arguments above.
 
         Raises:
             LayoutError: naming the tensor and dimension if the layout is illegal for this model
                 (e.g. ``batch`` size not divisible by the mesh axis).
+            ValueError: if ``devices`` is given.
         """
-        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout, devices)
+        impl = mesh_impl if mesh_impl is not None else simulated_spec(mesh_shape, layout, devices)
         return Lowering(self.graph, {self.mesh: impl})
 
     def train_fetches(self) -> list:

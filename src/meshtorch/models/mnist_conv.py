@@ -36,7 +36,7 @@ from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
 from meshtorch.layers.conv import conv2d_with_blocks
 from meshtorch.layers.core import dense, softmax_cross_entropy_with_logits
 from meshtorch.lowering import Lowering
-from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.models.mnist import simulated_spec
 from meshtorch.ops.elementwise import gelu, relu
 from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer
@@ -130,14 +130,15 @@ class ConvMnistModel:
     activation: str = "relu"
 
     def make_lowering(self, mesh_shape=DEFAULT_MESH, layout=DEFAULT_LAYOUT, devices=None, mesh_impl=None) -> Lowering:
-        """Lower on ``mesh_impl`` (any :class:`~meshtorch.mesh.base.MeshImpl`) or, for convenience, on a
-        :class:`PlacementMeshImpl` of ``mesh_shape`` / ``layout`` (default Mesh TF's ``b1:2;b2:2``
-        spatial partitioning).
+        """Lower on ``mesh_impl`` (any :class:`~meshtorch.mesh.base.MeshImpl` or
+        :class:`~meshtorch.core.mesh_spec.MeshSpec`) or, for convenience, on ``MeshSpec(mesh_shape, layout)``
+        (default Mesh TF's ``b1:2;b2:2`` spatial partitioning).
 
         Raises:
             LayoutError: naming the tensor and dimension if the layout is illegal for this model.
+            ValueError: if ``devices`` is given (pass ``mesh_impl=PlacementMeshImpl(..., devices=...)``).
         """
-        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout, devices)
+        impl = mesh_impl if mesh_impl is not None else simulated_spec(mesh_shape, layout, devices)
         return Lowering(self.graph, {self.mesh: impl})
 
     def train_fetches(self) -> list:

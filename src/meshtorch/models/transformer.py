@@ -21,8 +21,8 @@ from meshtorch import layers, optim
 from meshtorch.autodiff import gradients
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.ops.indexing import gather, one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal_initializer
 from meshtorch.ops.random import dropout
@@ -101,13 +101,14 @@ class LMGraph:
     task_loss: Tensor | None = None  # ``loss`` without the MoE auxiliary term (what evaluation reports)
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
-        """Lower the graph on ``mesh_impl`` (any ``MeshImpl``, e.g. from :func:`meshtorch.mesh.make_mesh_impl`)
-        or, for convenience, on a ``PlacementMeshImpl(mesh_shape, layout)``.
+        """Lower the graph on ``mesh_impl`` (any ``MeshImpl``, e.g. from :func:`meshtorch.mesh.make_mesh_impl`,
+        or a :class:`~meshtorch.core.mesh_spec.MeshSpec`) or, for convenience, on ``MeshSpec(mesh_shape, layout)``
+        simulated in this process (a :class:`~meshtorch.mesh.placement.PlacementMeshImpl`).
 
         Raises:
             LayoutError: naming the tensor and dimension if the layout is illegal for this model.
         """
-        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
+        impl = mesh_impl if mesh_impl is not None else MeshSpec(mesh_shape, layout)
         return Lowering(self.graph, {self.mesh: impl})
 
 

@@ -88,7 +88,7 @@ def _hops(lw, x: Tensor, blocks: Dimension | None, size: Dimension, halo: int):
         axis = axes[0] if axes else None
     if axis is None:
         return None, 1, 0, []
-    n = lw.mesh_impl(x).shape[axis].size
+    n = lw.mesh_spec(x).shape[axis].size
     local = blocks.size // n * size.size
     hops, left = [], halo
     while left > 0 and len(hops) < n - 1:

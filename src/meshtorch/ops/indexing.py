@@ -177,7 +177,7 @@ class GatherOperation(Operation):
         return [scatter_add(dy, idx, self.dim, w.shape, name=f"{self.name}_grad"), None]
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
+        impl = lw.mesh_spec(self)
         w, ind = self.inputs
         out = self.outputs[0]
         vpos = w.shape.get_dim_index(self.dim.name)
@@ -269,7 +269,7 @@ class ScatterAddOperation(Operation):
             islot = lw.allconcat(islot, v_axis, ind.shape.get_dim_index(name), ind)
         n = lw.slice_shape(out)[vpos]
         begins = _dim_begin_constant(lw, out, vpos) if v_axis is not None else lw.pnum_constant(
-            out, functools.partial(value_of, values=(0,) * lw.mesh_impl(out).size))
+            out, functools.partial(value_of, values=(0,) * lw.mesh_spec(out).size))
         f = functools.partial(_k_scatter_add, u_perm=tuple(plan.perm_from(upd.shape.dimension_names)),
                               i_perm=tuple(plan.i_perm), nb=len(plan.shared), n=n, w_inv=tuple(plan.w_inv))
         slot = lw.slicewise(f, uslot, islot, begins)

@@ -93,7 +93,7 @@ class ReshapeOperation(Operation):
 
     def lower(self, lw):
         x, out = self.inputs[0], self.outputs[0]
-        impl = lw.mesh_impl(self)
+        impl = lw.mesh_spec(self)
         lo, ln = tuple(lw.tensor_layout(x)), tuple(lw.tensor_layout(out))
         mid_old, mid_new = plan_reshape(impl, x.shape, out.shape, lo, ln)
         slot, partial = lw.get_lazy(x)

@@ -104,7 +104,7 @@ class ShiftOperation(Operation):
         ax, wrap = self.axis, self.wrap
         (slot,), pending = lw.inputs(self)
         a = lw.tensor_layout(x)[ax]
-        impl = lw.mesh_impl(self)
+        impl = lw.mesh_spec(self)
         n = impl.shape[a].size if a is not None else 1
         size = x.shape[ax].size
         offset = self.offset % size if wrap else self.offset
@@ -184,7 +184,7 @@ class CumsumOperation(Operation):
         (slot,), pending = lw.inputs(self)
         res = lw.slicewise(functools.partial(_k_cumsum_local, axis=ax, exclusive=excl, reverse=rev), slot)
         a = lw.tensor_layout(x)[ax]
-        impl = lw.mesh_impl(self)
+        impl = lw.mesh_spec(self)
         if a is None or impl.shape[a].size == 1:
             lw.set(out, res, pending)
             return

@@ -367,7 +367,7 @@ class ImportLaidOutTensorOperation(Operation):
 
     def lower(self, lw):
         out = self.outputs[0]
-        impl, layout = lw.mesh_impl(self), lw.tensor_layout(out)
+        impl, layout = lw.mesh_spec(self), lw.tensor_layout(out)
         if len(self.slices) != impl.size:
             raise ShapeError(f"import_laid_out_tensor {self.name!r}: {len(self.slices)} slices for a mesh of "
                              f"{impl.size} processors; give one slice per processor number.")

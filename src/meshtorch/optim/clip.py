@@ -59,7 +59,7 @@ class GlobalSumOfSquares(Operation):
     differentiable = False
 
     def lower(self, lw):
-        impl = lw.mesh_impl(self)
+        impl = lw.mesh_spec(self)
         axes = [frozenset(lw.tensor_mesh_axes(x)) for x in self.inputs]
         union = frozenset().union(*axes)
         # contribute[p][i]: does processor p add tensor i's local sum (once per distinct slice)?

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshtorch.core.errors import LayoutError, MeshtorchError
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 from meshtorch.planning.search import storage_candidates
@@ -47,7 +47,7 @@ def plan_memory(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str
     Raises:
         LayoutError: naming the tensor and dimension, if the rules are illegal for the graph.
     """
-    lw = Lowering(graph, {mesh: PlacementMeshImpl(mesh_shape, layout, storage=storage)}, materialize=False)
+    lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage)}, materialize=False)
     rep = memory_report(lw, fetches)
     rep.layout, rep.storage = layout, storage
     rep.estimated_time = estimate_time(rep, cost or CostModel())

@@ -18,9 +18,9 @@ import torch
 
 from meshtorch.core.errors import LayoutError, ShapeError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
@@ -81,7 +81,7 @@ def check_args(args) -> None:
     if storage == "auto" and not args.search:
         raise UsageError("--storage auto needs --search (it searches storage rules).")
     try:
-        mesh = PlacementMeshImpl(args.mesh, "").shape
+        mesh = MeshSpec(args.mesh).shape
     except ShapeError as e:
         raise UsageError(f"--mesh {args.mesh!r}: {e} Mesh axis sizes must be positive integers.") from None
     cfg = _config(args, 1)
@@ -139,11 +139,10 @@ def main_plan(args) -> list:
     storage = getattr(args, "storage", "") or ""
     limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
     if not args.search:  # an illegal layout is refused before anything is printed
-        impl = PlacementMeshImpl(args.mesh, args.layout, storage=storage or None)
-        a = impl.tensor_dimension_to_mesh_axis("vocab")
-        lm = build_lm(_config(args, 1 if a is None else impl.shape[a].size), optimizer=AdamWOptimizer(1e-3))
+        spec = MeshSpec(args.mesh, args.layout, storage=storage or None)
+        lm = build_lm(_config(args, spec.axis_size_for("vocab")), optimizer=AdamWOptimizer(1e-3))
         try:
-            Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+            Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
         except LayoutError as e:
             raise LayoutError(f"--layout {args.layout!r} is illegal for this model: {e}") from None
     try:
@@ -166,11 +165,10 @@ def your_layout_line(args, ranked, cost) -> str:
         return (f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked)}, "
                 f"{t['total_s'] * 1e3:.3f} ms")
     # not among the candidates tried: lower it and place it by its estimated time
-    impl = PlacementMeshImpl(args.mesh, args.layout)
-    a = impl.tensor_dimension_to_mesh_axis("vocab")
-    lm = build_lm(_config(args, 1 if a is None else impl.shape[a].size), optimizer=AdamWOptimizer(1e-3))
+    spec = MeshSpec(args.mesh, args.layout)
+    lm = build_lm(_config(args, spec.axis_size_for("vocab")), optimizer=AdamWOptimizer(1e-3))
     try:
-        lw = Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+        lw = Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
     except LayoutError as e:
         return f"--layout {args.layout!r} (yours, or train's default): illegal on this model ({e})"
     rep = memory_report(lw, [lm.loss] + lm.updates)
@@ -207,12 +205,11 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         SystemExit: naming the layout, if it is illegal, or if no layout fits ``memory_limit`` in a search.
     """
     cost = cost or CostModel()
-    impl = PlacementMeshImpl(mesh_shape, "" if search else layout)
+    spec = MeshSpec(mesh_shape, "" if search else layout)
     if search:  # the vocab must be divisible by whichever axis the search puts it on
-        multiple = math.lcm(*[d.size for d in impl.shape]) if impl.shape.ndims else 1
+        multiple = math.lcm(*[d.size for d in spec.shape]) if spec.shape.ndims else 1
     else:
-        a = impl.tensor_dimension_to_mesh_axis("vocab")
-        multiple = 1 if a is None else impl.shape[a].size
+        multiple = spec.axis_size_for("vocab")
     cfg = config(multiple) if callable(config) else config
     lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)

@@ -7,7 +7,7 @@ multiply-adds, global and per processor) and every collective with its bytes. It
 program (:class:`~meshtorch.lowering.Lowering`), never runs it, so it works on a dry-run lowering
 (``Lowering(graph, impls, materialize=False)``) that allocates no variable storage.
 
-Under storage rules (FSDP / ZeRO-3, ``PlacementMeshImpl(..., storage="d_model:data")``) variables and
+Under storage rules (FSDP / ZeRO-3, ``MeshSpec(..., storage="d_model:data")``) variables and
 optimizer slots are counted as the shards they are stored as; the gathered full weights and the
 unreduced (partial-sum) gradients are intermediate values, counted in the peak activations.
 """
@@ -180,7 +180,7 @@ class _Sizer:
         self.records = _step_records(lowering.steps, {})
         prog = lowering.program
         self.free = {v.slot for v in prog.variables.values()} | set(prog.constants)  # counted elsewhere
-        self.axis_sizes = {d.name: d.size for impl in lowering.mesh_to_impl.values() for d in impl.shape}
+        self.axis_sizes = {d.name: d.size for spec in lowering.mesh_to_spec.values() for d in spec.shape}
         self.cache: dict[int, int] = {}
         self.estimated = 0
 
@@ -253,9 +253,9 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
 def _split_factor(lowering: Lowering, op: Operation) -> int:
     """Product of the mesh-axis sizes splitting any input or output of ``op`` (an einsum splits
     its computation over each of them; operands split differently are all-gathered first)."""
-    impl = lowering.mesh_impl(op)
+    spec = lowering.mesh_spec(op)
     axes = {a for t in [*op.inputs, *op.outputs] for a in lowering.tensor_layout(t) if a is not None}
-    return math.prod(impl.shape[a].size for a in axes)
+    return math.prod(spec.shape[a].size for a in axes)
 
 
 def memory_report(lowering: Lowering, fetches) -> MemoryReport:
@@ -297,7 +297,7 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
         if st.flops:
             op = ops.get(st.op)
             local_flops += st.flops // (_split_factor(lowering, op) if op is not None else 1)
-    impls = list(lowering.mesh_to_impl.values())
+    impls = list(lowering.mesh_to_spec.values())
     return MemoryReport(
         num_processors=max((i.size for i in impls), default=1), variables=variables, trainable_bytes=trainable,
         non_trainable_bytes=other, constant_bytes=constants, peak_activation_bytes=peak,

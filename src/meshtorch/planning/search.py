@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Mesh
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 
@@ -68,7 +68,7 @@ def storage_candidates(graph, mesh_shape, layout: str = "") -> list[str]:
     in every weight of a Transformer, so ``d_model:<data axis>`` shards all of them), then in the order
     the dims first appear in the variables. Levanter's parameter axis mapping vs compute mapping.
     """
-    sizes = {d.name: d.size for d in PlacementMeshImpl(mesh_shape, "").shape if d.size > 1}
+    sizes = {d.name: d.size for d in MeshSpec(mesh_shape).shape if d.size > 1}
     compute = set(_rule_pairs(layout))
     dims: dict[str, set] = {}
     for v in graph.trainable_variables:
@@ -150,8 +150,7 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
         raise TypeError(f"search_layouts: build_fn must give a Mesh, got {mesh!r}.")
     fetches = fetches_fn(built) if fetches_fn is not None else _default_fetches(built)
     cost = cost or CostModel()
-    probe = PlacementMeshImpl(mesh_shape, "")
-    axis_sizes = {d.name: d.size for d in probe.shape}
+    axis_sizes = {d.name: d.size for d in MeshSpec(mesh_shape).shape}
     default_candidates = candidate_rules is None
     if default_candidates:
         if len(axis_sizes) > 3:
@@ -172,8 +171,7 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
         key = (rules, storage)
         if key not in scored:
             try:
-                impl = PlacementMeshImpl(mesh_shape, rules, storage=storage)
-                lw = Lowering(graph, {mesh: impl}, materialize=False)
+                lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, rules, storage=storage)}, materialize=False)
             except LayoutError:
                 scored[key] = None
                 return None

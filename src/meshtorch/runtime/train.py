@@ -23,11 +23,11 @@ import torch
 
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore, save
 from meshtorch.core.errors import CheckpointError, RunFailure, UsageError
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.mesh.process import init_distributed
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
 from meshtorch.optim import (
@@ -52,9 +52,7 @@ DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
 
 def vocab_multiple(mesh_shape: str, layout: str) -> int:
     """The mesh-axis size that splits ``vocab`` under ``layout`` (1 if none)."""
-    impl = PlacementMeshImpl(mesh_shape, layout)
-    a = impl.tensor_dimension_to_mesh_axis("vocab")
-    return 1 if a is None else impl.shape[a].size
+    return MeshSpec(mesh_shape, layout).axis_size_for("vocab")
 
 
 def make_optimizer(args):
