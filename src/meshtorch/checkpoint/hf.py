@@ -24,7 +24,6 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from meshtorch.checkpoint.format import _local_pnums
 from meshtorch.core.errors import CheckpointError
 from meshtorch.models.hf import HFGraph, build_hf_lm
 from meshtorch.models.hf_config import (
@@ -138,10 +137,12 @@ def check_files(path: str, config: HFModelConfig, files: _Files | None = None) -
                 raise CheckpointError(f"hf: tensor {key!r} in {os.path.join(path, files.map[key])!r} has shape "
                                       f"{got}, but {CONFIG} implies {list(shape)}.")
         ignore = set(tied_keys(config))
-        unknown = sorted(k for k in files.map if k not in needed and k not in ignore and not k.endswith(BUFFER_SUFFIXES))
+        unknown = sorted(k for k in files.map
+                         if k not in needed and k not in ignore and not k.endswith(BUFFER_SUFFIXES))
         if unknown:
-            raise CheckpointError(f"hf: {path!r} holds tensor(s) {unknown[:6]}{'...' if len(unknown) > 6 else ''} that a "
-                                  f"{config.family} model of this config does not use; refusing to drop them.")
+            more = "..." if len(unknown) > 6 else ""
+            raise CheckpointError(f"hf: {path!r} holds tensor(s) {unknown[:6]}{more} that a {config.family} model of "
+                                  "this config does not use; refusing to drop them.")
     finally:
         if own:
             files.close()
