@@ -6,6 +6,7 @@
 from meshtorch import beam_search, layers, optim, optimize, placement_mesh_impl
 from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch._version import __version__
+from meshtorch.checkpoint import hf
 from meshtorch.checkpoint import (
     CheckpointError,
     from_torch_state_dict,
