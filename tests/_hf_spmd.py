@@ -1,0 +1,61 @@
+"""Run inside the 4 gloo processes of tests/test_hf_spmd.py: import a Hugging Face directory onto
+SpmdMeshImpl (FSDP storage layout), count the elements each rank reads from the safetensors files,
+compute logits, and export back to a Hugging Face directory."""
+
+from __future__ import annotations
+
+MESH = "data:2;model:2"
+LAYOUT = "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"
+STORAGE = "d_model:data"
+
+
+class _Counting:
+    """A safetensors handle whose get_slice(...)[...] reads are counted (elements)."""
+
+    def __init__(self, h, counter):
+        self.h, self.counter = h, counter
+
+    def get_slice(self, key):
+        sl = self.h.get_slice(key)
+        outer = self
+
+        class _S:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def __getitem__(self, idx):
+                t = sl[idx]
+                outer.counter[0] += t.numel()
+                return t
+
+        return _S()
+
+
+def worker(jobs, ids):
+    return [_one(path, ids, out_dir) for path, out_dir in jobs]
+
+
+def _one(path: str, ids, out_dir: str):
+    import meshtorch as mtf
+    from meshtorch.checkpoint import hf
+
+    counter = [0]
+    orig = hf._Files.handle
+    hf._Files.handle = lambda self, key: _Counting(orig(self, key), counter)
+    try:
+        impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=STORAGE)
+        model, lw = hf.load(path, impl, batch_size=ids.shape[0], length=ids.shape[1])
+    finally:
+        hf._Files.handle = orig
+    held = 0
+    for v in lw.variables:
+        out = v.outputs[0]
+        shape = impl.slice_shape(out.shape, lw.tensor_layout(out))
+        n = 1
+        for s in shape:
+            n *= s
+        held += n
+    total = sum(v.outputs[0].shape.size for v in lw.variables)
+    logits = lw.run(model.logits, feeds={model.inputs: ids, model.targets: ids}).clone()
+    written = hf.export(lw, model, out_dir)
+    return {"read": counter[0], "held": held, "total": total, "logits": logits, "written": written}
