@@ -9,13 +9,10 @@ Dimension names are the CLI LM's (``batch``, ``length``, ``d_model``, ``heads``,
 ``batch:data;heads:model;d_ff:model;vocab:model`` (Llama: ``kv_heads:model`` too) and storage rules
 ``d_model:data`` apply. Variable names and their safetensors tensors: :func:`hf_tensor_map`.
 
-Grouped-query attention (Ainslie et al. 2023; ``num_key_value_heads < num_attention_heads``): the
-query and output weights, stored ``[d_model, heads, d_kv]`` / ``[heads, d_kv, d_model]``, are
-reshaped to ``heads -> (kv_heads, kv_group)`` (query head ``h = kv * group + r`` reads key/value
-head ``kv``, ``transformers``' ``repeat_kv``) and keys/values ``[batch, length, kv_heads, d_kv]`` are
-broadcast over ``kv_group``. Attention then runs per ``kv_heads`` x ``kv_group``: split ``kv_heads``
-(``heads:model;kv_heads:model``) for Megatron-style model parallelism; with ``heads`` and
-``kv_heads`` split on the same axis the weight reshape is local. A multi-head Llama
+Grouped-query attention (``num_key_value_heads < num_attention_heads``):
+:func:`meshtorch.layers.grouped_query_attention` (queries ``[batch, length, heads, d_kv]``, keys and
+values ``[batch, length, kv_heads, d_kv]``); split ``kv_heads`` with ``heads``
+(``heads:model;kv_heads:model``) for Megatron-style model parallelism. A multi-head Llama
 (``kv_heads == heads``) uses ``heads`` for keys and values too.
 """
 
@@ -39,9 +36,7 @@ from meshtorch.ops.einsum import einsum
 from meshtorch.ops.indexing import gather, one_hot
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.reduce import reduce_mean
-from meshtorch.ops.reshape import reshape
 from meshtorch.ops.rotary import rotary
-from meshtorch.ops.shape import broadcast
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
 __all__ = ["HFGraph", "build_hf_lm", "hf_tensor_map"]
@@ -117,23 +112,19 @@ def _gpt2_block(x, v, d, c, i):
 def _llama_attention(h, v, d, c, p):
     """Llama self-attention with rotary q/k; grouped-query attention when ``kv_heads < heads``."""
     kv = "heads" if c.num_kv_heads == c.num_heads else "kv_heads"
-    wq, wo = v(f"{p}attn/q", ["d_model", "heads", "d_kv"]), v(f"{p}attn/o", ["heads", "d_kv", "d_model"])
-    wk, wv = v(f"{p}attn/k", ["d_model", kv, "d_kv"]), v(f"{p}attn/v", ["d_model", kv, "d_kv"])
-    heads = [d["heads"]]
-    if kv != "heads":  # query head h = kv * group + r: heads -> (kv_heads, kv_group), a free reshape
-        heads = [d["kv_heads"], d["kv_group"]]
-        wq = reshape(wq, [d["d_model"], *heads, d["d_kv"]], name=f"{p}attn/q_group")
-        wo = reshape(wo, [*heads, d["d_kv"], d["d_model"]], name=f"{p}attn/o_group")
-    q = rotary(_proj(h, wq, [*heads, d["d_kv"]], f"{p}attn/q_proj"), "length", "d_kv", theta=c.rope_theta,
-               name=f"{p}attn/q_rope")
-    k = rotary(_proj(h, wk, [d[kv], d["d_kv"]], f"{p}attn/k_proj"), "length", "d_kv", theta=c.rope_theta,
-               name=f"{p}attn/k_rope")
-    val = _proj(h, wv, [d[kv], d["d_kv"]], f"{p}attn/v_proj")
-    if kv != "heads":  # transformers' repeat_kv: every query head of a group reads its kv head
-        k, val = (broadcast(t, q.shape, name=f"{p}attn/{n}_repeat") for t, n in ((k, "k"), (val, "v")))
-    o = layers.scaled_dot_product_attention(q, k, val, "length", "d_kv", causal=True,
-                                            scale=1.0 / math.sqrt(c.d_kv), name=f"{p}attn/sdpa")
-    return einsum([o, wo], output_shape=h.shape, name=f"{p}attn/o_proj")
+    q = rotary(_proj(h, v(f"{p}attn/q", ["d_model", "heads", "d_kv"]), [d["heads"], d["d_kv"]], f"{p}attn/q_proj"),
+               "length", "d_kv", theta=c.rope_theta, name=f"{p}attn/q_rope")
+    k = rotary(_proj(h, v(f"{p}attn/k", ["d_model", kv, "d_kv"]), [d[kv], d["d_kv"]], f"{p}attn/k_proj"),
+               "length", "d_kv", theta=c.rope_theta, name=f"{p}attn/k_rope")
+    val = _proj(h, v(f"{p}attn/v", ["d_model", kv, "d_kv"]), [d[kv], d["d_kv"]], f"{p}attn/v_proj")
+    scale = 1.0 / math.sqrt(c.d_kv)
+    if kv == "heads":
+        o = layers.scaled_dot_product_attention(q, k, val, "length", "d_kv", causal=True, scale=scale,
+                                                name=f"{p}attn/sdpa")
+    else:
+        o = layers.grouped_query_attention(q, k, val, "length", "d_kv", "heads", "kv_heads", causal=True, scale=scale,
+                                           name=f"{p}attn/gqa")
+    return einsum([o, v(f"{p}attn/o", ["heads", "d_kv", "d_model"])], output_shape=h.shape, name=f"{p}attn/o_proj")
 
 
 def _llama_block(x, v, d, c, i):
