@@ -47,3 +47,39 @@ def save(model, path: str, max_shard_size=None) -> str:
 
 def token_batch(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def make_t5(seed: int = 0):
+    """A T5 v1.1-shaped ``T5ForConditionalGeneration`` (gated-gelu, untied head, shared input embedding, no
+    output scaling), 2+2 layers, d_model 64, 4 heads x d_kv 16, 32 relative buckets; float32, eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=D, d_kv=16, d_ff=96, num_layers=LAYERS, num_heads=HEADS,
+                                feed_forward_proj="gated-gelu", dropout_rate=0.0, decoder_start_token_id=0,
+                                pad_token_id=0, eos_token_id=1, scale_decoder_outputs=False)
+    m = transformers.T5ForConditionalGeneration(cfg).float()
+    with torch.no_grad():  # transformers v5 ignores tie_word_embeddings=False here: untie the head by hand
+        m.lm_head.weight = torch.nn.Parameter(0.05 * torch.randn(VOCAB, D, generator=torch.Generator().manual_seed(7)))
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    m.config.tie_word_embeddings = False
+    return m.eval()
+
+
+def save_t5(model, path: str) -> str:
+    """``save_pretrained`` with ``tie_word_embeddings: false`` in config.json, as T5 v1.1 checkpoints have it."""
+    import json
+
+    save(model, path)
+    cfile = os.path.join(path, "config.json")
+    cfg = json.load(open(cfile))
+    cfg["tie_word_embeddings"] = False
+    json.dump(cfg, open(cfile, "w"))
+    return path
+
+
+def t5_batch(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    """Ids in [2, VOCAB): no padding (0) and no EOS (1), so no attention mask is needed on either side."""
+    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -30,17 +30,36 @@ from meshtorch.models.hf_config import (
     BUFFER_SUFFIXES,
     HFModelConfig,
     HFTensor,
+    export_aliases,
     hf_tensor_map,
     parse_hf_config,
     tied_keys,
 )
+from meshtorch.transformer.t5 import build_hf_t5
 
-__all__ = ["read_config", "load", "load_hf_weights", "export", "check_files"]
+__all__ = ["read_config", "load", "load_hf_weights", "export", "check_files", "build"]
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-_ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+_ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "t5": "T5ForConditionalGeneration"}
+
+
+def build(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None,
+          decode_length: int = 0) -> HFGraph:
+    """The graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (GPT-2, Llama) or
+    :func:`~meshtorch.transformer.t5.build_hf_t5` (T5; ``decode_length`` > 0: its greedy decoding graph).
+
+    Raises:
+        ValueError: ``decode_length`` for a decoder-only family (decode those with
+            :func:`meshtorch.runtime.generate.sample`).
+    """
+    if config.family == "t5":
+        return build_hf_t5(config, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
+    if decode_length:
+        raise ValueError(f"hf.build: decode_length is for T5; decode a {config.family} model with "
+                         "meshtorch.runtime.generate.sample.")
+    return build_hf_lm(config, seed=seed, optimizer=optimizer, clip_norm=clip_norm)
 
 
 def read_config(path: str) -> HFModelConfig:
@@ -205,7 +224,6 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
     """
     c = model.config
     files = _Files(path)
-    sizes = {d.name: d.size for v in lowering.variables for d in v.outputs[0].shape}
     by_name = {v.name: v for v in lowering.variables}
     try:
         if check:
@@ -219,9 +237,10 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
             out = var.outputs[0]
             impl, layout = lowering.mesh_impl(out), lowering.tensor_layout(out)
             names = [d.name for d in out.shape]
+            sizes = {d.name: d.size for d in out.shape}
             cache: dict = {}
 
-            def fn(p, t=t, out=out, impl=impl, layout=layout, names=names, cache=cache):
+            def fn(p, t=t, out=out, impl=impl, layout=layout, names=names, sizes=sizes, cache=cache):
                 b = impl.slice_bounds(out.shape, p, layout)
                 key = tuple((s.start, s.stop) for s in b)
                 if key not in cache:
@@ -236,8 +255,8 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
 
 
 def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None = None, mesh_shape: str = "",
-         layout: str = "", optimizer=None, clip_norm: float | None = None, seed: int = 0):
-    """Import a Hugging Face GPT-2 / Llama directory onto a mesh: ``(HFGraph, Lowering)``.
+         layout: str = "", optimizer=None, clip_norm: float | None = None, seed: int = 0, decode_length: int = 0):
+    """Import a Hugging Face GPT-2 / Llama / T5 v1.1 directory onto a mesh: ``(HFGraph, Lowering)``.
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or shards + index).
@@ -246,6 +265,7 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
         batch_size, length: the graph's ``batch`` and ``length`` (default length: the model's positions,
             capped at 1024).
         optimizer, clip_norm: for fine-tuning (see :func:`~meshtorch.models.hf.build_hf_lm`).
+        decode_length: T5 only: build the greedy decoding graph (see :func:`build`).
 
     The config and every tensor header are checked before the graph is built or anything allocated.
 
@@ -256,7 +276,7 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
     cfg = read_config(path)
     check_files(path, cfg)
     cfg = cfg.with_shape(batch_size, length or min(cfg.max_positions, 1024))
-    model = build_hf_lm(cfg, seed=seed, optimizer=optimizer, clip_norm=clip_norm)
+    model = build(cfg, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
     lw = model.lowering(mesh_shape, layout, mesh_impl=mesh_impl)
     load_hf_weights(lowering=lw, model=model, path=path, check=False)
     return model, lw
@@ -304,8 +324,8 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
             raise CheckpointError(f"hf export: {out_dir!r} exists and is not an empty directory.")
         os.makedirs(out_dir, exist_ok=True)
     c = model.config
-    sizes = {d.name: d.size for v in lowering.variables for d in v.outputs[0].shape}
     by_name = {v.name: v for v in lowering.variables}
+    aliases = export_aliases(c)
     entries: dict[str, list[HFTensor]] = {}
     for t in hf_tensor_map(c):
         entries.setdefault(t.key, []).append(t)
@@ -316,8 +336,8 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
             full = lowering.variable_value(t.var).detach().to("cpu")
             if not leader:
                 continue
-            names = [d.name for d in by_name[t.var].outputs[0].shape]
-            idx, x = _region(t, full, names, sizes)
+            shape = by_name[t.var].outputs[0].shape
+            idx, x = _region(t, full, [d.name for d in shape], {d.name: d.size for d in shape})
             if tensor is None:
                 tensor = torch.empty(t.full_shape, dtype=x.dtype)
             tensor[idx] = x
@@ -329,6 +349,9 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
             cur, cur_bytes = {}, 0
         cur[key] = tensor.contiguous()
         cur_bytes += nbytes
+        for alias in aliases.get(key, ()):  # written as copies: safetensors refuses shared storage
+            cur[alias] = tensor.clone()
+            cur_bytes += nbytes
     if leader:
         if cur or not shards:
             shards.append(_write_shard(out_dir, len(shards), cur))

@@ -57,6 +57,8 @@ class HFGraph:
     updates: list
     task_loss: Tensor | None = None
     aux_loss: Tensor | None = None
+    bitransformer: object | None = None  # T5: the mtf.transformer.Bitransformer
+    decoded: Tensor | None = None  # T5 decode graphs: int32 [batch, decode length] greedy ids (logits, loss None)
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
         """Lower on ``mesh_impl`` or on ``PlacementMeshImpl(mesh_shape, layout)`` (see ``LMGraph.lowering``)."""

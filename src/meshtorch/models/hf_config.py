@@ -15,7 +15,7 @@ from meshtorch.core.errors import CheckpointError
 
 __all__ = ["HFModelConfig", "HFTensor", "parse_hf_config", "hf_tensor_map", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "t5")
 
 _GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -42,6 +42,9 @@ class HFModelConfig:
     tied: bool
     activation: str = "tanh"  # GPT-2: gelu approximate ("tanh" = gelu_new, "none" = erf gelu)
     rope_theta: float = 10000.0
+    num_decoder_layers: int = 0  # T5
+    relative_buckets: int = 32  # T5
+    gated: bool = True  # T5: gated-gelu (v1.1) or relu (the original T5)
     batch_size: int = 1
     length: int = 0
     hf_config: dict = field(default_factory=dict, compare=False, hash=False)
@@ -93,6 +96,8 @@ def parse_hf_config(cfg: dict, where: str = "config.json") -> HFModelConfig:
                               f"{list(SUPPORTED_MODEL_TYPES)}.")
     if mt == "gpt2":
         return _gpt2(cfg, where)
+    if mt == "t5":
+        return _t5(cfg, where)
     return _llama(cfg, where)
 
 
@@ -152,6 +157,32 @@ def _llama(cfg: dict, where: str) -> HFModelConfig:
                          tied=bool(cfg.get("tie_word_embeddings", False)), rope_theta=theta, hf_config=dict(cfg))
 
 
+def _t5(cfg: dict, where: str) -> HFModelConfig:
+    ff = cfg.get("feed_forward_proj", "relu")
+    if ff not in ("gated-gelu", "relu"):
+        _refuse(where, "feed_forward_proj", ff, "meshtorch implements 'gated-gelu' (T5 v1.1) and 'relu'")
+    for key, ok in (("relative_attention_max_distance", 128), ("layer_norm_epsilon", 1e-6)):
+        if cfg.get(key, ok) != ok:
+            _refuse(where, key, cfg[key], f"Mesh TF's T5 layers use {ok}")
+    if cfg.get("tie_word_embeddings", True):
+        _refuse(where, "tie_word_embeddings", cfg.get("tie_word_embeddings", True),
+                "only T5 v1.1's untied output layer is implemented")
+    if cfg.get("scale_decoder_outputs", False):  # transformers v5: d_model^-0.5 before the untied head
+        _refuse(where, "scale_decoder_outputs", cfg["scale_decoder_outputs"],
+                "T5 v1.1 does not scale the decoder output before its untied head")
+    if not cfg.get("is_encoder_decoder", True):
+        _refuse(where, "is_encoder_decoder", False, "only the encoder-decoder T5 is implemented")
+    h = int(_need(cfg, "num_heads", where))
+    layers = int(_need(cfg, "num_layers", where))
+    return HFModelConfig(family="t5", vocab_size=int(_need(cfg, "vocab_size", where)),
+                         d_model=int(_need(cfg, "d_model", where)), num_heads=h, num_kv_heads=h,
+                         d_kv=int(_need(cfg, "d_kv", where)), d_ff=int(_need(cfg, "d_ff", where)), num_layers=layers,
+                         max_positions=int(cfg.get("n_positions") or 512), norm_eps=1e-6, tied=False,
+                         num_decoder_layers=int(cfg.get("num_decoder_layers") or layers),
+                         relative_buckets=int(cfg.get("relative_attention_num_buckets", 32)), gated=ff == "gated-gelu",
+                         hf_config=dict(cfg))
+
+
 @dataclass(frozen=True)
 class HFTensor:
     """Where a meshtorch variable lives in a safetensors tensor.
@@ -189,8 +220,39 @@ def hf_dim_sizes(c: HFModelConfig) -> dict[str, int]:
             "kv_group": c.num_heads // c.num_kv_heads, "d_kv": c.d_kv, "d_ff": c.d_ff, "positions": c.max_positions}
 
 
+def _t5_map(c: HFModelConfig) -> list[HFTensor]:
+    """T5: Mesh TF's variable names (:func:`meshtorch.transformer.t5.t5_bitransformer`; ``heads`` is the combined
+    ``heads x d_kv`` dim of the projections, and the number of heads in ``relative_attention_bias``)."""
+    hk, D, F = c.num_heads * c.d_kv, c.d_model, c.d_ff
+    out = [HFTensor("shared/embedding", "shared.weight", (c.vocab_size, D), (("vocab",), ("d_model",)))]
+    ffs = ("wi_0", "wi_1") if c.gated else ("wi",)
+    for stack, n, kinds in (("encoder", c.num_layers, ("SelfAttention", "DenseReluDense")),
+                            ("decoder", c.num_decoder_layers, ("SelfAttention", "EncDecAttention", "DenseReluDense"))):
+        for i in range(n):
+            for j, kind in enumerate(kinds):
+                v, k = f"{stack}/block_{i:03d}/layer_{j:03d}/", f"{stack}.block.{i}.layer.{j}."
+                out.append(HFTensor(f"{v}rms_norm/scale", f"{k}layer_norm.weight", (D,), (("d_model",),)))
+                if kind == "DenseReluDense":
+                    fd, df = (("d_ff",), ("d_model",)), (("d_model",), ("d_ff",))
+                    out += [HFTensor(f"{v}{kind}/{w}/kernel", f"{k}{kind}.{w}.weight", (F, D), fd) for w in ffs]
+                    out.append(HFTensor(f"{v}{kind}/wo/kernel", f"{k}{kind}.wo.weight", (D, F), df))
+                    continue
+                out += [HFTensor(f"{v}{kind}/{w}", f"{k}{kind}.{w}.weight", (hk, D), (("heads",), ("d_model",)))
+                        for w in "qkv"]
+                out.append(HFTensor(f"{v}{kind}/o", f"{k}{kind}.o.weight", (D, hk), (("d_model",), ("heads",))))
+                if i == 0 and kind == "SelfAttention":
+                    out.append(HFTensor(f"{v}{kind}/relative_attention_bias",
+                                        f"{k}{kind}.relative_attention_bias.weight", (c.relative_buckets, c.num_heads),
+                                        (("buckets",), ("heads",))))
+        out.append(HFTensor(f"{stack}/rms_norm/scale", f"{stack}.final_layer_norm.weight", (D,), (("d_model",),)))
+    out.append(HFTensor("decoder/logits/kernel", "lm_head.weight", (c.vocab_size, D), (("vocab",), ("d_model",))))
+    return out
+
+
 def hf_tensor_map(c: HFModelConfig) -> list[HFTensor]:
-    """Every weight variable of :func:`~meshtorch.models.hf.build_hf_lm`'s graph and its safetensors tensor."""
+    """Every weight variable of the imported graph and its safetensors tensor."""
+    if c.family == "t5":
+        return _t5_map(c)
     s = hf_dim_sizes(c)
     out = []
     if c.family == "gpt2":
@@ -234,8 +296,19 @@ def hf_tensor_map(c: HFModelConfig) -> list[HFTensor]:
     return out
 
 
+def export_aliases(c: HFModelConfig) -> dict[str, tuple[str, ...]]:
+    """Tensors written again under other names on export: T5's input embeddings (``transformers`` v5 loads an
+    untied T5's ``{encoder,decoder}.embed_tokens.weight`` as tensors of their own; v4 ties them to ``shared``)."""
+    if c.family == "t5":
+        return {"shared.weight": ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}
+    return {}
+
+
 def tied_keys(c: HFModelConfig) -> tuple[str, ...]:
-    """Keys a checkpoint of a tied model may also hold (``lm_head.weight``, equal to the embedding): ignored."""
+    """Keys a checkpoint may also hold, equal to a mapped tensor (a tied ``lm_head.weight``; T5's
+    ``{encoder,decoder}.embed_tokens.weight``): ignored on import."""
+    if c.family == "t5":  # the encoder's and decoder's views of ``shared.weight``
+        return ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
     return ("lm_head.weight",) if c.tied else ()
 
 
