@@ -111,3 +111,6 @@ def test_init_from_refusals(model_dir, tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
     assert main(["export", "--checkpoint-dir", d, "--hf", str(tmp_path / "x")]) == 2
     assert "already a Hugging Face directory" in capsys.readouterr().err
+    t5 = F.save_t5(F.make_t5(), str(tmp_path / "t5"))
+    assert main(["train", "--init-from", t5, "--data", data, "--plot", ""]) == 2
+    assert "--init-from: T5 is an encoder-decoder" in capsys.readouterr().err

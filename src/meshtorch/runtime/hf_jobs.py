@@ -25,7 +25,6 @@ from meshtorch.data.hf_tokenizer import HFTokenizer
 from meshtorch.data.text import ByteTokenizer, PackedDataset, load_documents
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.process import init_distributed
-from meshtorch.models.hf import build_hf_lm
 from meshtorch.models.hf_config import HFModelConfig, parse_hf_config
 from meshtorch.runtime import checks
 from meshtorch.runtime.generate import beam_search, sample
@@ -59,6 +58,12 @@ def _hf_manifest(checkpoint_dir: str):
         return None
     m = load_manifest(path)
     return m if "hf_config" in (m.get("extra") or {}) else None
+
+
+def _decoder_only(cfg: HFModelConfig, flag: str) -> None:
+    if cfg.family == "t5":
+        raise UsageError(f"{flag}: T5 is an encoder-decoder; the command line fine-tunes and samples decoder-only "
+                         "models (GPT-2, Llama). Use meshtorch.hf.load from Python (docs/huggingface.md).")
 
 
 def tokenizer_for(dirs, config: HFModelConfig, flag: str):
@@ -112,13 +117,14 @@ def check_finetune_args(args) -> HFModelConfig:
     args.data = checks.input_files("--data", args.data)
     checks.writable_dir("--checkpoint-dir", args.checkpoint_dir)
     cfg = hf.read_config(args.init_from)
+    _decoder_only(cfg, "--init-from")
     hf.check_files(args.init_from, cfg)
     length = args.length or min(cfg.max_positions, 128)
     try:
         cfg = cfg.with_shape(args.batch_size or 8, length)
     except ValueError as e:
         raise UsageError(f"--length: {e}") from None
-    small = build_hf_lm(HFModelConfig(**{**cfg.to_dict(), "num_layers": 1}))
+    small = hf.build(HFModelConfig(**{**cfg.to_dict(), "num_layers": 1}))
     names = checks.graph_dim_names(small.graph)
     checks.layout_rules("--layout", args.layout, names, mesh)
     checks.layout_rules("--storage", getattr(args, "storage", ""), names, mesh)
@@ -233,6 +239,7 @@ def main_hf_sample(args):
     for flag in ("temperature", "top_k", "beam"):
         checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
     cfg, ckpt, tok_dirs = _hf_source(args.checkpoint_dir)
+    _decoder_only(cfg, "--checkpoint-dir")
     tok = tokenizer_for(tok_dirs, cfg, "--checkpoint-dir")
     prompt = tok.encode(args.prompt)
     if len(prompt) == 0 or len(prompt) >= cfg.max_positions:
@@ -246,7 +253,7 @@ def main_hf_sample(args):
     if ckpt is None:
         lm, lw = hf.load(args.checkpoint_dir, impl, batch_size=cfg.batch_size, length=cfg.length)
     else:
-        lm = build_hf_lm(cfg)
+        lm = hf.build(cfg)
         lw = lm.lowering(mesh_impl=impl)
         restore(lw, ckpt)
     if args.beam:
@@ -280,7 +287,7 @@ def main_export(args) -> list[str]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed()
     impl = make_mesh_impl(args.mesh, args.layout, storage=args.storage or None)
-    lm = build_hf_lm(cfg.with_shape(1, 1))
+    lm = hf.build(cfg.with_shape(1, 1))
     lw = lm.lowering(mesh_impl=impl)
     meta = restore(lw, ckpt)
     written = hf.export(lw, lm, args.hf, max_shard_size=int(args.max_shard_mb * 2**20))
