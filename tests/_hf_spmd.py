@@ -9,44 +9,28 @@ LAYOUT = "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"
 STORAGE = "d_model:data"
 
 
-class _Counting:
-    """A safetensors handle whose get_slice(...)[...] reads are counted (elements)."""
-
-    def __init__(self, h, counter):
-        self.h, self.counter = h, counter
-
-    def get_slice(self, key):
-        sl = self.h.get_slice(key)
-        outer = self
-
-        class _S:
-            def get_shape(self):
-                return sl.get_shape()
-
-            def __getitem__(self, idx):
-                t = sl[idx]
-                outer.counter[0] += t.numel()
-                return t
-
-        return _S()
-
-
 def worker(jobs, ids):
     return [_one(path, ids, out_dir) for path, out_dir in jobs]
 
 
 def _one(path: str, ids, out_dir: str):
     import meshtorch as mtf
-    from meshtorch.checkpoint import hf
+    from meshtorch.checkpoint import hf, hf_read
 
     counter = [0]
-    orig = hf._Files.handle
-    hf._Files.handle = lambda self, key: _Counting(orig(self, key), counter)
+    orig = hf_read.BoxReader.read
+
+    def counting(self, key, ranges):
+        t = orig(self, key, ranges)
+        counter[0] += t.numel()
+        return t
+
+    hf_read.BoxReader.read = counting
     try:
         impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=STORAGE)
         model, lw = hf.load(path, impl, batch_size=ids.shape[0], length=ids.shape[1])
     finally:
-        hf._Files.handle = orig
+        hf_read.BoxReader.read = orig
     held = 0
     for v in lw.variables:
         out = v.outputs[0]

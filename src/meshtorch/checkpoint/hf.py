@@ -24,7 +24,10 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
+from meshtorch.checkpoint.hf_read import BoxReader
 from meshtorch.core.errors import CheckpointError
+from meshtorch.lowering import Lowering
+from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.hf import HFGraph, build_hf_lm
 from meshtorch.models.hf_config import (
     BUFFER_SUFFIXES,
@@ -107,6 +110,7 @@ class _Files:
         self.path = path
         self.map = _weight_map(path)
         self.handles: dict = {}
+        self.readers: dict = {}
 
     def handle(self, key: str):
         fname = self.map[key]
@@ -121,6 +125,14 @@ class _Files:
                 raise CheckpointError(f"hf: {fpath!r} is not a readable safetensors file ({e}).") from e
         return h
 
+    def reader(self, key: str) -> BoxReader:
+        fname = self.map[key]
+        r = self.readers.get(fname)
+        if r is None:
+            self.handle(key)  # the file exists and is a safetensors file
+            r = self.readers[fname] = BoxReader(os.path.join(self.path, fname))
+        return r
+
     def shape(self, key: str) -> list[int]:
         try:
             return list(self.handle(key).get_slice(key).get_shape())
@@ -132,6 +144,9 @@ class _Files:
 
     def close(self):
         self.handles.clear()
+        for r in self.readers.values():
+            r.close()
+        self.readers.clear()
 
 
 def check_files(path: str, config: HFModelConfig, files: _Files | None = None) -> None:
@@ -187,14 +202,14 @@ def _read_box(files: _Files, t: HFTensor, names: list[str], bounds, sizes: dict,
         off = t.offset[1] if t.offset is not None and t.offset[0] == a else 0
         lo = off + sum(box[n].start * s for n, s in zip(g, st, strict=True))
         hi = off + sum((box[n].stop - 1) * s for n, s in zip(g, st, strict=True)) + 1
-        index.append(slice(lo, hi))
+        index.append((lo, hi))
         flat = torch.zeros((), dtype=torch.int64)
         for n, s in zip(g, st, strict=True):
             flat = flat[..., None] + torch.arange(box[n].start, box[n].stop) * s
         flat = flat.reshape(-1) + off - lo
         picks.append(None if flat.numel() == hi - lo else flat)
     try:
-        x = files.handle(t.key).get_slice(t.key)[tuple(index)]
+        x = files.reader(t.key).read(t.key, index)
     except CheckpointError:
         raise
     except Exception as e:
@@ -267,7 +282,9 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
         optimizer, clip_norm: for fine-tuning (see :func:`~meshtorch.models.hf.build_hf_lm`).
         decode_length: T5 only: build the greedy decoding graph (see :func:`build`).
 
-    The config and every tensor header are checked before the graph is built or anything allocated.
+    The config and every tensor header are checked before the graph is built or anything allocated. The
+    imported variables get no initial values: each processor's slice is read straight into place (the
+    others, e.g. optimizer slots, are initialised as usual).
 
     Raises:
         CheckpointError: naming the file, field or tensor (see :func:`read_config`, :func:`check_files`).
@@ -277,8 +294,11 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
     check_files(path, cfg)
     cfg = cfg.with_shape(batch_size, length or min(cfg.max_positions, 1024))
     model = build(cfg, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
-    lw = model.lowering(mesh_shape, layout, mesh_impl=mesh_impl)
-    load_hf_weights(lowering=lw, model=model, path=path, check=False)
+    impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
+    lw = Lowering(model.graph, {model.mesh: impl}, materialize=False)  # no initial values drawn yet
+    done = set(load_hf_weights(lowering=lw, model=model, path=path, check=False))
+    lw.store.initialize({v.name: v for v in lw.variables if v.name not in done})
+    lw.materialize = True
     return model, lw
 
 
