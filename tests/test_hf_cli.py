@@ -114,3 +114,21 @@ def test_init_from_refusals(model_dir, tmp_path, capsys):
     t5 = F.save_t5(F.make_t5(), str(tmp_path / "t5"))
     assert main(["train", "--init-from", t5, "--data", data, "--plot", ""]) == 2
     assert "--init-from: T5 is an encoder-decoder" in capsys.readouterr().err
+
+
+def test_resume_on_another_layout(model_dir, tmp_path):
+    """3 steps on a 2x2 FSDP layout, then --resume to step 5 on data:4 == 5 uninterrupted steps."""
+    _, d, data = model_dir
+    common = ["train", "--init-from", d, "--data", data, "--batch-size", "4", "--length", "16", "--lr", "3e-3",
+              "--schedule", "constant", "--clip-norm", "0", "--eval-every", "100", "--eval-batches", "1",
+              "--plot", "", "--sample", "0"]
+    ck = str(tmp_path / "ck")
+    _run(common + ["--steps", "3", "--checkpoint-dir", ck, "--mesh", "data:2,model:2", "--layout", MP,
+                   "--storage", "d_model:data"])
+    resumed = _run(common + ["--steps", "5", "--checkpoint-dir", ck, "--resume", "--mesh", "data:4",
+                             "--layout", "batch:data"])["history"]
+    straight = _run(common + ["--steps", "5", "--checkpoint-dir", str(tmp_path / "ck2"), "--mesh", "",
+                              "--layout", ""])["history"]
+    assert resumed["step"] == [3, 4]
+    for a, b in zip(resumed["loss"], straight["loss"][3:], strict=True):
+        assert abs(a - b) <= 1e-5 * b, (resumed["loss"], straight["loss"])
