@@ -12,7 +12,9 @@ Run: ``python benchmarks/hf_load_memory.py [--dir /tmp/gpt2-124m] [--nprocs 4]``
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,16 +82,13 @@ def main():
 
     from meshtorch.testing.spmd import run_spmd
 
-    print(host.describe() if hasattr(host, "describe") else "")
+    print(host.describe())
     tiny, big = make_checkpoints(a.dir)
-    import subprocess
-
-    code = ("import sys, json; sys.path[:0] = [%r, %r]; import hf_load_memory as B; "
-            "print(json.dumps(B.measure(%r, %r, False)))" % (os.path.join(ROOT, "src"), HERE, tiny, big))
+    src = os.path.join(ROOT, "src")
+    code = (f"import sys, json; sys.path[:0] = [{src!r}, {HERE!r}]; import hf_load_memory as B; "
+            f"print(json.dumps(B.measure({tiny!r}, {big!r}, False)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip().splitlines()[-1]
-    import json
-
     r = json.loads(out)
     print(f"replicated (1 process): model {r['total'] / MIB:.1f} MiB, slices held {r['held'] / MIB:.1f} MiB, "
           f"peak RSS growth {r['growth'] / MIB:.1f} MiB = {r['growth'] / r['held']:.2f}x the bytes held "
