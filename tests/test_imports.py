@@ -12,7 +12,7 @@ import meshtorch
 
 SRC = pathlib.Path(meshtorch.__file__).parent
 #: optional packages (extras) imported lazily on purpose, with an error naming the extra
-OPTIONAL = {"sentencepiece"}
+OPTIONAL = {"sentencepiece", "tokenizers"}
 
 
 def _imports_in_functions(tree: ast.Module):

@@ -6,6 +6,7 @@
 from meshtorch import beam_search, layers, optim, optimize, placement_mesh_impl
 from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch._version import __version__
+from meshtorch.checkpoint import hf
 from meshtorch.checkpoint import (
     CheckpointError,
     from_torch_state_dict,
@@ -113,6 +114,7 @@ from meshtorch.ops.activations import *  # noqa: F403
 from meshtorch.ops.reduce_more import *  # noqa: F403
 from meshtorch.ops.sequence_more import *  # noqa: F403
 from meshtorch.ops.graph_helpers import *  # noqa: F403
+from meshtorch.ops.rotary import *  # noqa: F403
 from meshtorch.core.processors import *  # noqa: F403
 from meshtorch.core import convert_to_layout_rules
 from meshtorch.layers.conv_backprop import *  # noqa: F403  (built with autodiff: above it)

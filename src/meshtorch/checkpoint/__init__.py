@@ -5,6 +5,8 @@ plain PyTorch state dicts.
 - :mod:`~meshtorch.checkpoint.restore`: :func:`restore` onto any mesh and layout.
 - :mod:`~meshtorch.checkpoint.format`: constants, manifests, :func:`latest_checkpoint`.
 - :mod:`~meshtorch.checkpoint.interchange`: :func:`to_torch_state_dict` / :func:`from_torch_state_dict`.
+- :mod:`~meshtorch.checkpoint.hf`: Hugging Face GPT-2 / Llama directories in (:func:`hf.load`) and out
+  (:func:`hf.export`), read and written slice by slice.
 
 Checkpoints talk to a mesh implementation only through the ``MeshImpl`` interface
 (``local_pnums``, ``local_slices``, ``owner_pnums``, ``barrier``, ``is_leader``). Format and

@@ -11,11 +11,11 @@ import argparse
 import os
 import sys
 
-from meshtorch.cli import launch, mnist, plan, sample, train
+from meshtorch.cli import export, launch, mnist, plan, sample, train
 from meshtorch.core.errors import MeshtorchError, RunFailure
 from meshtorch.runtime.failures import PEER_FAILED_STATUS, describe_failure, failed_first
 
-_COMMANDS = [train, sample, mnist, plan, launch]
+_COMMANDS = [train, sample, export, mnist, plan, launch]
 
 
 def build_parser() -> argparse.ArgumentParser:

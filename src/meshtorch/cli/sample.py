@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshtorch.cli._help import HelpFormatter
-from meshtorch.runtime.sample import main_sample
+from meshtorch.runtime.hf_jobs import run_sample
 
 
 def add_sample_subcommand(subparsers) -> None:
@@ -11,7 +11,9 @@ def add_sample_subcommand(subparsers) -> None:
     p = subparsers.add_parser("sample", help="generate text from a trained LM checkpoint",
                               formatter_class=HelpFormatter)
     p.add_argument("--checkpoint-dir", required=True,
-                   help="a --checkpoint-dir of meshtorch train (its newest checkpoint) or one ckpt-<step> directory")
+                   help="a --checkpoint-dir of meshtorch train (its newest checkpoint) or one ckpt-<step> directory; "
+                        "or a Hugging Face GPT-2 / Llama directory (config.json + safetensors, decoded with its "
+                        "tokenizer.json)")
     p.add_argument("--prompt", default="The ", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to generate; past the model's context the window slides (the oldest tokens drop)")
@@ -23,7 +25,7 @@ def add_sample_subcommand(subparsers) -> None:
     p.add_argument("--mesh", default="", help="mesh to decode on (default: 1 processor)")
     p.add_argument("--layout", default="", help="layout rules tensor_dim:mesh_axis;... (default: replicated)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=main_sample)
+    p.set_defaults(func=run_sample)
 
 
 add_parser = add_sample_subcommand  # the cli's module protocol

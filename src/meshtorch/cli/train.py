@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS
-from meshtorch.runtime.train import DEFAULT_LAYOUT, DEFAULT_MESH, main_train
+from meshtorch.runtime.hf_jobs import run_train
+from meshtorch.runtime.train import DEFAULT_LAYOUT, DEFAULT_MESH
 
 _OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model width"),
               ("heads", int, "attention heads"), ("d-kv", int, "size of each head"),
@@ -83,7 +84,11 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--prompt", default="The ", help="prompt of the sample")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens (0: all)")
-    p.set_defaults(func=main_train)
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="fine-tune the Hugging Face GPT-2 / Llama model in DIR (config.json + safetensors; its "
+                        "tokenizer.json tokenizes --data). The model's sizes come from DIR: no --preset/--layers/... "
+                        "(see docs/huggingface.md)")
+    p.set_defaults(func=run_train)
 
 
 add_parser = add_train_subcommand  # the cli's module protocol

@@ -1,7 +1,12 @@
 """Neural-network layers on named dimensions (Mesh TF ``mtf.layers``)."""
 
 from meshtorch.layers import dense_extra, local_attention, misc, mtf_attention
-from meshtorch.layers.attention import AttentionOperation, multihead_attention_layer, scaled_dot_product_attention
+from meshtorch.layers.attention import (
+    AttentionOperation,
+    grouped_query_attention,
+    multihead_attention_layer,
+    scaled_dot_product_attention,
+)
 from meshtorch.layers.conv import (
     conv1d,
     conv2d,
@@ -31,7 +36,8 @@ from meshtorch.layers.mtf_attention import *  # noqa: F403
 from meshtorch.layers.norms import layer_norm, rms_norm
 
 __all__ = ["dense", "get_dense_kernel_weights", "softmax_cross_entropy_with_logits", "layer_norm", "rms_norm",
-           "scaled_dot_product_attention", "multihead_attention_layer", "AttentionOperation", "dense_act_dense",
+           "scaled_dot_product_attention", "grouped_query_attention", "multihead_attention_layer", "AttentionOperation",
+           "dense_act_dense",
            "dense_relu_dense", "moe_ffn", "moe_apply", "expert_capacity", "top_k_gating", "conv1d", "conv2d", "conv3d",
            "conv2d_with_blocks", "conv3d_with_blocks", "conv2d_transpose", "conv3d_transpose",
            "conv2d_transpose_with_blocks", "conv3d_transpose_with_blocks", "embedding", "embedding_weights",

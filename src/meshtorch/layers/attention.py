@@ -16,12 +16,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from meshtorch.core.dims import Shape, convert_to_dimension
+from meshtorch.core.dims import Dimension, Shape, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._kernels import align_spec, aligned
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.initializers import VarianceScalingInitializer
+from meshtorch.ops.reshape import reshape
+from meshtorch.ops.shape import broadcast
 from meshtorch.ops.variables import get_variable
 
 
@@ -292,3 +294,47 @@ def multihead_attention_layer(x: Tensor, heads_dim, kv_dim, length_dim, memory: 
     o = scaled_dot_product_attention(q, k, v, length_dim, d_kv, memory_length_dim=memory_length_dim, causal=causal,
                               bias=bias, scale=scale, name=f"{name}/sdpa")
     return einsum([o, wo], output_shape=x.shape, name=f"{name}/o_proj")
+
+
+def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, key_dim, heads_dim, kv_heads_dim,
+                            value_dim=None, causal: bool = False, scale: float | None = None, name=None) -> Tensor:
+    """Grouped-query attention (Ainslie et al. 2023, "GQA"): ``heads`` query heads share ``kv_heads`` key/value
+    heads, query head ``h`` reading key/value head ``h // (heads / kv_heads)`` (``transformers``' ``repeat_kv``).
+
+    The query's ``heads`` dim is reshaped to ``(kv_heads, kv_group)`` (row-major, so a split of ``heads`` and of
+    ``kv_heads`` over the same mesh axis is the same split: no communication), keys and values are broadcast
+    over ``kv_group`` and :func:`scaled_dot_product_attention` runs per ``kv_heads`` x ``kv_group``; the output
+    is reshaped back. Split ``kv_heads`` (with ``heads``) for Megatron-style model parallelism.
+
+    Args:
+        q: ``[batch..., length, heads, key]``; k: ``[batch..., length, kv_heads, key]``;
+            v: ``[batch..., length, kv_heads, value]`` (self-attention: one ``length`` dim).
+        heads_dim / kv_heads_dim: the query-head and key/value-head dims (names or Dimensions).
+        value_dim: v's feature dim (default: ``key_dim``). causal / scale: as :func:`scaled_dot_product_attention`.
+
+    Returns:
+        q's shape with ``key_dim`` replaced by ``value_dim``.
+
+    Raises:
+        ShapeError: if ``heads`` is not a multiple of ``kv_heads``, or a dim is missing.
+    """
+    heads, kv, key = _name(heads_dim), _name(kv_heads_dim), _name(key_dim)
+    value = _name(value_dim) if value_dim is not None else key
+    for t, dims, what in ((q, (heads, key), "query"), (k, (kv, key), "key"), (v, (kv, value), "value")):
+        for n in dims:
+            if n not in t.shape:
+                raise ShapeError(f"grouped_query_attention: {what} tensor {t.name!r} {t.shape} has no dimension "
+                                 f"{n!r}.")
+    h, g = q.shape.get_dim_by_name(heads), k.shape.get_dim_by_name(kv)
+    if h.size % g.size:
+        raise ShapeError(f"grouped_query_attention: {heads!r} ({h.size}) is not a multiple of {kv!r} ({g.size}).")
+    name = name or "gqa"
+    i = q.shape.dims.index(h)
+    grouped = Shape(q.shape.dims[:i] + [g, Dimension("kv_group", h.size // g.size)] + q.shape.dims[i + 1:])
+    vd = v.shape.get_dim_by_name(value)
+    v_shape = Shape([vd if d.name == key else d for d in grouped])
+    o = scaled_dot_product_attention(reshape(q, grouped, name=f"{name}/q_group"),
+                                     broadcast(k, grouped, name=f"{name}/k_repeat"),
+                                     broadcast(v, v_shape, name=f"{name}/v_repeat"), length_dim, key,
+                                     value_dim=value, causal=causal, scale=scale, name=f"{name}/sdpa")
+    return reshape(o, Shape([vd if d.name == key else d for d in q.shape]), name=f"{name}/heads")

@@ -77,8 +77,12 @@ class VariableStore:
         return spec_shape(self._spec(name))
 
     def initialize(self, variable_ops: dict):
-        """Draw initial values: ``variable_ops[name].initial_value(impl, layout)`` for every variable."""
+        """Draw initial values: ``variable_ops[name].initial_value(impl, layout)`` for every variable that
+        ``variable_ops`` names (all of them from :class:`~meshtorch.Lowering`; a subset when the others are
+        set slice by slice, e.g. by :func:`meshtorch.checkpoint.hf.load`)."""
         for name in self.specs:
+            if name not in variable_ops:
+                continue
             impl, layout = self.impl(name), self.layout(name)
             self.values[name] = impl.share_replicas(variable_ops[name].initial_value(impl, layout), layout)
 

@@ -1,0 +1,85 @@
+"""Tiny fixed-seed ``transformers`` models saved as Hugging Face directories (test fixtures, made at test time)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB, D, HEADS, LAYERS, POSITIONS = 128, 64, 4, 2, 64
+FAMILIES = ("gpt2", "llama_gqa", "llama_tied")
+
+
+def hf_config(family: str):
+    import transformers
+
+    if family == "gpt2":
+        return transformers.GPT2Config(n_layer=LAYERS, n_embd=D, n_head=HEADS, vocab_size=VOCAB, n_positions=POSITIONS,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                       eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS,
+                                    num_key_value_heads=2, intermediate_size=96, vocab_size=VOCAB,
+                                    max_position_embeddings=POSITIONS, tie_word_embeddings=family == "llama_tied",
+                                    rope_theta=500.0 if family == "llama_gqa" else 10000.0, bos_token_id=0,
+                                    eos_token_id=None, pad_token_id=None)
+
+
+def make_model(family: str, seed: int = 0):
+    """A randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (seeded), float32, eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
+    m = cls(hf_config(family)).float().eval()
+    with torch.no_grad():  # norm weights / biases away from their 1 / 0 init, so a wrong map shows
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    return m
+
+
+def save(model, path: str, max_shard_size=None) -> str:
+    os.makedirs(path, exist_ok=True)
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    return path
+
+
+def token_batch(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def make_t5(seed: int = 0):
+    """A T5 v1.1-shaped ``T5ForConditionalGeneration`` (gated-gelu, untied head, shared input embedding, no
+    output scaling), 2+2 layers, d_model 64, 4 heads x d_kv 16, 32 relative buckets; float32, eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=D, d_kv=16, d_ff=96, num_layers=LAYERS, num_heads=HEADS,
+                                feed_forward_proj="gated-gelu", dropout_rate=0.0, decoder_start_token_id=0,
+                                pad_token_id=0, eos_token_id=1, scale_decoder_outputs=False)
+    m = transformers.T5ForConditionalGeneration(cfg).float()
+    with torch.no_grad():  # transformers v5 ignores tie_word_embeddings=False here: untie the head by hand
+        m.lm_head.weight = torch.nn.Parameter(0.05 * torch.randn(VOCAB, D, generator=torch.Generator().manual_seed(7)))
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    m.config.tie_word_embeddings = False
+    return m.eval()
+
+
+def save_t5(model, path: str) -> str:
+    """``save_pretrained`` with ``tie_word_embeddings: false`` in config.json, as T5 v1.1 checkpoints have it."""
+    import json
+
+    save(model, path)
+    cfile = os.path.join(path, "config.json")
+    cfg = json.load(open(cfile))
+    cfg["tie_word_embeddings"] = False
+    json.dump(cfg, open(cfile, "w"))
+    return path
+
+
+def t5_batch(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    """Ids in [2, VOCAB): no padding (0) and no EOS (1), so no attention mask is needed on either side."""
+    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -1,0 +1,45 @@
+"""Run inside the 4 gloo processes of tests/test_hf_spmd.py: import a Hugging Face directory onto
+SpmdMeshImpl (FSDP storage layout), count the elements each rank reads from the safetensors files,
+compute logits, and export back to a Hugging Face directory."""
+
+from __future__ import annotations
+
+MESH = "data:2;model:2"
+LAYOUT = "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"
+STORAGE = "d_model:data"
+
+
+def worker(jobs, ids):
+    return [_one(path, ids, out_dir) for path, out_dir in jobs]
+
+
+def _one(path: str, ids, out_dir: str):
+    import meshtorch as mtf
+    from meshtorch.checkpoint import hf, hf_read
+
+    counter = [0]
+    orig = hf_read.BoxReader.read
+
+    def counting(self, key, ranges):
+        t = orig(self, key, ranges)
+        counter[0] += t.numel()
+        return t
+
+    hf_read.BoxReader.read = counting
+    try:
+        impl = mtf.SpmdMeshImpl(MESH, LAYOUT, storage=STORAGE)
+        model, lw = hf.load(path, impl, batch_size=ids.shape[0], length=ids.shape[1])
+    finally:
+        hf_read.BoxReader.read = orig
+    held = 0
+    for v in lw.variables:
+        out = v.outputs[0]
+        shape = impl.slice_shape(out.shape, lw.tensor_layout(out))
+        n = 1
+        for s in shape:
+            n *= s
+        held += n
+    total = sum(v.outputs[0].shape.size for v in lw.variables)
+    logits = lw.run(model.logits, feeds={model.inputs: ids, model.targets: ids}).clone()
+    written = hf.export(lw, model, out_dir)
+    return {"read": counter[0], "held": held, "total": total, "logits": logits, "written": written}
