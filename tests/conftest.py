@@ -9,3 +9,10 @@ import torch  # noqa: E402
 # The suite's tensors are small: one intra-op thread avoids oversubscribing the 2 CPU cores (and
 # the gloo worker processes some tests start), which made steps 10-20x slower under load.
 torch.set_num_threads(1)
+
+# `meshtorch plan` reads a cached calibration of this machine (meshtorch.runtime.calibrate) when one exists: the
+# suite uses its own empty cache, so a developer's calibration never changes what a test sees.
+if "MESHTORCH_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["MESHTORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtorch-test-cache-")

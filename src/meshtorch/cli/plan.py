@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS
-from meshtorch.planning.command import DEFAULT_LAYOUT, DEFAULT_MESH, main_plan
+from meshtorch.planning.command import DEFAULT_LAYOUT, DEFAULT_MESH
+from meshtorch.runtime.calibrate import run_plan
 
 
 def add_plan_subcommand(subparsers) -> None:
@@ -23,13 +24,23 @@ def add_plan_subcommand(subparsers) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts to print with --search")
     p.add_argument("--memory-limit", default=None, help="with --search: drop layouts needing more per processor "
                                                         "(e.g. 16GiB)")
-    p.add_argument("--hardware", default="auto", choices=["auto", "gpu", "cpu"],
-                   help="cost-model defaults: auto = the hardware this runs on (gpu if CUDA is available, else cpu), "
-                        "gpu = CostModel() (1e14 FLOP/s, 1e11 B/s, 1e-5 s), cpu = CostModel.cpu() (1e11, 1e10, 5e-5)")
+    p.add_argument("--hardware", default="auto", choices=["auto", "calibrated", "gpu", "cpu"],
+                   help="cost model: calibrated = measured on this machine for --backend and --threads (measured "
+                        "once, tens of seconds, then cached); auto = the calibration if one is cached, else the "
+                        "fixed constants of this machine's kind; gpu = CostModel() (1e14 FLOP/s, 1e11 B/s, 1e-5 s); "
+                        "cpu = CostModel.cpu() (1e11, 1e10, 5e-5)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine now (GEMM rate, kernel-call overhead, collectives of --backend), "
+                        "replace the cached calibration, print what was measured, and plan with it")
+    p.add_argument("--backend", default="placement", choices=["placement", "gloo", "nccl"],
+                   help="what the plan's times model: placement = one process simulating the mesh (meshtorch "
+                        "train without torchrun), gloo / nccl = one process per processor")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process the times model (meshtorch train's --threads default: 1)")
     p.add_argument("--flop-rate", type=float, default=None, help="cost model: FLOP/s per processor")
     p.add_argument("--bandwidth", type=float, default=None, help="cost model: link bytes/s")
     p.add_argument("--latency", type=float, default=None, help="cost model: seconds per collective")
-    p.set_defaults(func=main_plan)
+    p.set_defaults(func=run_plan)
 
 
 add_parser = add_plan_subcommand  # the cli's module protocol

@@ -27,8 +27,8 @@ from meshtorch import layers, optim
 from meshtorch.autodiff import gradients
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
-from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes, hf_tensor_map
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
@@ -61,8 +61,9 @@ class HFGraph:
     decoded: Tensor | None = None  # T5 decode graphs: int32 [batch, decode length] greedy ids (logits, loss None)
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
-        """Lower on ``mesh_impl`` or on ``PlacementMeshImpl(mesh_shape, layout)`` (see ``LMGraph.lowering``)."""
-        impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
+        """Lower on ``mesh_impl`` (a backend or a MeshSpec) or on ``MeshSpec(mesh_shape, layout)`` simulated in
+        this process (see ``LMGraph.lowering``)."""
+        impl = mesh_impl if mesh_impl is not None else MeshSpec(mesh_shape, layout)
         return Lowering(self.graph, {self.mesh: impl})
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import torch
 
@@ -97,14 +98,21 @@ def check_args(args) -> None:
 
 
 def hardware_cost_model(args) -> tuple[CostModel, str]:
-    """The cost model of ``--hardware`` (``auto``: GPU if CUDA is available, else CPU) with the
-    ``--flop-rate``/``--bandwidth``/``--latency`` overrides, and the hardware's name."""
-    hw = args.hardware
-    if hw == "auto":
-        hw = "gpu" if torch.cuda.is_available() else "cpu"
-    base = CostModel.cpu() if hw == "cpu" else CostModel()
-    return CostModel(args.flop_rate or base.flop_rate, args.bandwidth or base.bandwidth,
-                     args.latency if args.latency is not None else base.latency), hw
+    """The cost model of ``--hardware`` with the ``--flop-rate``/``--bandwidth``/``--latency`` overrides, and
+    the hardware's name. ``args.cost_model`` (a measured model, set by ``meshtorch plan`` from the calibration
+    cache, :mod:`meshtorch.runtime.calibrate`) wins over the fixed constants of ``auto``/``gpu``/``cpu``
+    (``auto``: GPU if CUDA is available, else CPU)."""
+    measured = getattr(args, "cost_model", None)
+    if measured is not None:
+        base, hw = measured, measured.name or "calibrated"
+    else:
+        hw = args.hardware
+        if hw in ("auto", "calibrated"):
+            hw = "gpu" if torch.cuda.is_available() else "cpu"
+        base = CostModel.cpu() if hw == "cpu" else CostModel()
+        hw = f"{hw} (fixed constants, not measured: run 'meshtorch plan --calibrate' to measure this machine)"
+    return replace(base, flop_rate=args.flop_rate or base.flop_rate, bandwidth=args.bandwidth or base.bandwidth,
+                   latency=args.latency if args.latency is not None else base.latency), hw
 
 
 def why_line(ranked) -> str:
@@ -217,8 +225,12 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
              f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size} "
              f"x length {cfg.length}; AdamW training step; mesh {mesh_shape!r}")
     hw = f" ({hardware})" if hardware else ""
+    extra = f", {cost.kernel_overhead * 1e6:.1f} us per kernel call" if cost.kernel_overhead else ""
+    how = ("processors simulated one after another in one process (placement mesh): step time = the sum over "
+           "processors" if cost.serial else "processors run in parallel (one process per processor, or real "
+           "hardware): step time = one processor's work plus the collectives")
     print_fn(f"cost model{hw}: {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
-             "collective (dry run: nothing allocated or executed)")
+             f"collective{extra}; {how} (dry run: nothing allocated or executed)")
     fetches = [lm.loss] + lm.updates
     if not search:
         st = "" if storage == "auto" else storage

@@ -1,4 +1,11 @@
-"""An alpha-beta model of one step's time (:class:`CostModel`, :func:`estimate_time`)."""
+"""An alpha-beta model of one step's time (:class:`CostModel`, :func:`estimate_time`).
+
+The constants are either fixed orders of magnitude (:meth:`CostModel.cpu`, the GPU default) or measured on
+the machine the plan is for (:mod:`meshtorch.runtime.calibrate`: GEMM rate, seconds per kernel call, each
+collective's latency and bandwidth on the backend). Two execution models: an SPMD mesh runs its processors
+in parallel (one step = one processor's work plus the collectives), a placement mesh simulates them in one
+process one after another (``serial``: the sum over processors).
+"""
 
 from __future__ import annotations
 
@@ -29,11 +36,29 @@ class CostModel:
     1e14 FLOP/s, ``bandwidth`` 1e11 B/s, ``latency`` 1e-5 s per collective.
     :meth:`cpu` gives a multi-core CPU with a 10 GB/s interconnect (1e11, 1e10, 5e-5).
     Overlap of compute and communication, elementwise FLOPs and memory bandwidth are ignored.
+
+    Measured models (:func:`meshtorch.runtime.calibrate.calibrate`) add:
+
+    * ``kernel_overhead``: seconds per kernel call of a step (the executor's dispatch and the small
+      kernels between the einsums), charged once per slicewise step per processor;
+    * ``memory_bandwidth``: bytes/s of elementwise kernels (counted as 3x the bytes each step writes:
+      two operands read, one result written), 0 to ignore them;
+    * ``collectives``: ``((kind, latency_s, seconds_per_wire_byte), ...)`` measured per kind, which
+      override ``latency``/``bandwidth`` for that kind;
+    * ``serial``: the processors run one after another in this process (a placement mesh): compute is the
+      einsums' global FLOPs (replicated slices are computed once, :meth:`PlacementMeshImpl.share_replicas`)
+      plus one kernel call per distinct slice of every step, and each collective's time is paid by every
+      processor group of the mesh in turn.
     """
 
     flop_rate: float = 1e14
     bandwidth: float = 1e11
     latency: float = 1e-5
+    kernel_overhead: float = 0.0
+    memory_bandwidth: float = 0.0
+    serial: bool = False
+    collectives: tuple = ()
+    name: str = ""
 
     @classmethod
     def cpu(cls) -> CostModel:
@@ -44,17 +69,37 @@ class CostModel:
         b = c.bytes_per_processor
         if group <= 1:
             return 0.0
-        wire = {"allreduce": 2 * (group - 1) / group * b, "allgather": (group - 1) * b,
-                "alltoall": (group - 1) / group * b, "reduce_scatter": (group - 1) / group * b}.get(c.kind, b)
-        return self.latency + wire / self.bandwidth
+        for kind, alpha, per_byte in self.collectives:
+            if kind == c.kind:
+                return alpha + _wire(c.kind, b, group) * per_byte
+        return self.latency + _wire(c.kind, b, group) / self.bandwidth
+
+
+def _wire(kind: str, b: int, group: int) -> float:
+    """Bytes each processor sends in a ring collective of ``kind`` over ``group`` processors that each hold ``b``."""
+    return {"allreduce": 2 * (group - 1) / group * b, "allgather": (group - 1) * b,
+            "alltoall": (group - 1) / group * b, "reduce_scatter": (group - 1) / group * b}.get(kind, b)
 
 
 def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
-    """``{"compute_s", "comm_s", "total_s"}`` of one run under ``cost`` (default :class:`CostModel`)."""
+    """``{"compute_s", "comm_s", "total_s"}`` of one run under ``cost`` (default :class:`CostModel`).
+
+    SPMD (``cost.serial`` False): one processor's einsum FLOPs over the FLOP rate, plus its kernel calls
+    times ``kernel_overhead``, plus each collective once. Placement (``serial``): the einsums' global FLOPs,
+    plus every distinct slice's kernel call, plus each collective once per processor group (the groups of
+    a mesh axis run one after another in one process).
+    """
     cost = cost or CostModel()
-    compute = report.flops_per_processor / cost.flop_rate
+    if cost.serial:
+        flops, calls, written = report.einsum_flops, report.kernel_calls_serial, report.kernel_bytes_serial
+    else:
+        flops, calls, written = report.flops_per_processor, report.kernel_steps, report.kernel_bytes
+    compute = flops / cost.flop_rate + calls * cost.kernel_overhead
+    if cost.memory_bandwidth:
+        compute += 3 * written / cost.memory_bandwidth
     comm = 0.0
     for c, n in report.counters.records.items():
         group = math.prod(report.mesh_axis_sizes.get(a, 1) for a in c.mesh_axes)
-        comm += n * cost.collective_time(c, group)
+        groups = max(1, report.num_processors // max(group, 1)) if cost.serial else 1
+        comm += n * groups * cost.collective_time(c, group)
     return {"compute_s": compute, "comm_s": comm, "total_s": compute + comm}

@@ -63,6 +63,12 @@ class MemoryReport:
         layout: the layout rules, as text (for reports).
         storage: the storage rules, as text ("" when variables are stored in the compute layout).
         estimated_time: seconds under a :class:`CostModel`, filled in by :func:`search_layouts`.
+        kernel_steps: slicewise steps of the run (kernel calls of one processor).
+        kernel_calls_serial: kernel calls of a one-process simulation of the mesh: per slicewise step, the
+            number of distinct slices (the sizes of the mesh axes splitting its op's tensors; replicated
+            slices share one call).
+        kernel_bytes / kernel_bytes_serial: bytes the slicewise steps write per processor / in a one-process
+            simulation (the memory traffic of the elementwise work between the einsums).
     """
 
     num_processors: int
@@ -82,6 +88,10 @@ class MemoryReport:
     estimated_time: dict | None = None
     gradient_bytes: int = 0
     storage: str = ""
+    kernel_steps: int = 0
+    kernel_calls_serial: int = 0
+    kernel_bytes: int = 0
+    kernel_bytes_serial: int = 0
 
     @property
     def parameter_bytes(self) -> int:
@@ -292,11 +302,18 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
     largest = max([largest, *(size(s) for _, s in prog.placeholders)])
     peak_op = "<feeds>" if peak_i < 0 else prog.steps[peak_i].op
     ops = {op.name: op for op in lowering.graph.operations}
-    local_flops = 0
+    local_flops = kernel_steps = serial_calls = kernel_bytes = serial_bytes = 0
     for st in prog.steps:
+        op = ops.get(st.op)
+        split = _split_factor(lowering, op) if op is not None else 1
         if st.flops:
-            op = ops.get(st.op)
-            local_flops += st.flops // (_split_factor(lowering, op) if op is not None else 1)
+            local_flops += st.flops // split
+        if st.kind == "slicewise":
+            kernel_steps += 1
+            serial_calls += split
+            written = sum(size(s) for s in st.outputs)
+            kernel_bytes += written
+            serial_bytes += written * split
     impls = list(lowering.mesh_to_spec.values())
     return MemoryReport(
         num_processors=max((i.size for i in impls), default=1), variables=variables, trainable_bytes=trainable,
@@ -305,4 +322,6 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
         einsum_flops=prog.counters.einsum_flops, flops_per_processor=local_flops,
         counters=lowering.plan_counters(fetches), mesh_axis_sizes=dict(size.axis_sizes),
         layout="; ".join(str(i.layout_rules) for i in impls if str(i.layout_rules)),
-        gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)))
+        gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)),
+        kernel_steps=kernel_steps, kernel_calls_serial=serial_calls, kernel_bytes=kernel_bytes,
+        kernel_bytes_serial=serial_bytes)

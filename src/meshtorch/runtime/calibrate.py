@@ -1,0 +1,295 @@
+"""Calibration: measure what the cost model needs on the machine a plan is for, and cache it.
+
+:func:`calibrate` measures, with the real kernels and the real collectives of a backend,
+
+* the float32 GEMM rate (``torch.mm`` on the shape classes of a Transformer step, median of the classes'
+  best rates) with the given torch thread count;
+* the seconds per kernel call of a planned step (a chain of small elementwise ops run by the default
+  codegen executor: dispatch, slot handling and the kernel itself);
+* each collective's latency and seconds per wire byte (all-reduce, all-gather, reduce-scatter,
+  all-to-all over 2 processors, at 4 KiB and 4 MiB per processor): on the ``placement`` backend
+  (one process) or ``gloo`` (2 spawned processes over loopback; ``nccl`` the same way on 2 GPUs);
+
+and returns a :class:`Calibration` whose :meth:`Calibration.cost_model` feeds
+:func:`meshtorch.planning.cost.estimate_time` (``serial`` for the placement backend, whose processors run
+one after another). Results are cached as JSON per host, backend and thread count under
+``$MESHTORCH_CACHE_DIR`` (default ``~/.cache/meshtorch``), so the measurement runs once (tens of
+seconds on 2 cores). Source: the alpha-beta model of collectives (Thakur et al. 2005) fitted per
+backend, as Alpa and Galvatron profile their clusters before searching.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshtorch.core.dims import Dimension
+from meshtorch.core.errors import UsageError
+from meshtorch.core.graph import Graph, Mesh
+from meshtorch.lowering import Lowering
+from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.mesh.spmd import SpmdMeshImpl
+from meshtorch.ops.variables import placeholder
+from meshtorch.planning.command import main_plan
+from meshtorch.planning.cost import CostModel, _wire
+
+BACKENDS = ("placement", "gloo", "nccl")
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")
+_SIZES = (1024, 1024 * 1024)  # float32 elements per processor: 4 KiB and 4 MiB
+_GEMMS = ((2048, 128, 512), (2048, 512, 128), (2048, 128, 128), (512, 512, 512), (2048, 128, 1024))
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` measured (seconds, FLOP/s, seconds per byte).
+
+    Attributes:
+        host, backend, threads: what it was measured on (the cache key).
+        gemm_flop_rate: median over the GEMM shape classes of each class's best float32 rate, FLOP/s.
+        gemm_rates: ``{"m x k x n": FLOP/s}`` per class.
+        kernel_overhead: seconds per kernel call of a planned step.
+        memory_bandwidth: bytes/s of a large elementwise multiply (2 operands read, 1 result written).
+        collectives: ``{kind: [latency_s, seconds_per_wire_byte]}`` over 2 processors.
+        measured_s: how long the measurement took; ``when``: its UTC time.
+    """
+
+    host: str
+    backend: str
+    threads: int
+    gemm_flop_rate: float
+    kernel_overhead: float
+    collectives: dict = field(default_factory=dict)
+    memory_bandwidth: float = 0.0
+    gemm_rates: dict = field(default_factory=dict)
+    measured_s: float = 0.0
+    when: str = ""
+
+    def cost_model(self) -> CostModel:
+        """The :class:`~meshtorch.planning.cost.CostModel` of these measurements (``serial`` on placement)."""
+        coll = tuple((k, float(a), float(b)) for k, (a, b) in sorted(self.collectives.items()))
+        ar = self.collectives.get("allreduce", (5e-5, 1e-10))
+        return CostModel(flop_rate=self.gemm_flop_rate, bandwidth=1.0 / max(ar[1], 1e-15), latency=ar[0],
+                         kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
+                         serial=self.backend == "placement",
+                         collectives=coll, name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host}")
+
+    def summary(self) -> str:
+        """What was measured, a few lines for a person."""
+        lines = [f"calibration of {self.host}, backend {self.backend}, {self.threads} torch thread(s) "
+                 f"({self.when}, {self.measured_s:.1f} s):",
+                 f"  float32 GEMM {self.gemm_flop_rate / 1e9:.1f} GFLOP/s (median of "
+                 + ", ".join(f"{k}: {v / 1e9:.0f}" for k, v in self.gemm_rates.items()) + ")",
+                 f"  {self.kernel_overhead * 1e6:.1f} us per kernel call of a planned step, elementwise "
+                 f"{self.memory_bandwidth / 1e9:.1f} GB/s"]
+        for k, (a, b) in self.collectives.items():
+            lines.append(f"  {k:<15} latency {a * 1e6:8.1f} us, {1 / max(b, 1e-15) / 1e9:6.2f} GB/s on the wire")
+        return "\n".join(lines)
+
+
+def cache_path(backend: str, threads: int) -> str:
+    """The JSON file a calibration of ``backend`` with ``threads`` torch threads on this host is cached in."""
+    root = os.environ.get("MESHTORCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "meshtorch")
+    return os.path.join(root, "calibration", f"{_host_key()}-{backend}-t{threads}.json")
+
+
+def cached(backend: str = "placement", threads: int | None = None) -> Calibration | None:
+    """The cached calibration for this host, ``backend`` and thread count, or None."""
+    threads = threads or torch.get_num_threads()
+    try:
+        with open(cache_path(backend, threads)) as f:
+            return Calibration(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def calibrate(backend: str = "placement", threads: int | None = None, force: bool = False) -> Calibration:
+    """Measure (or read from the cache) what the cost model needs on this machine.
+
+    Args:
+        backend: ``"placement"`` (one process), ``"gloo"`` or ``"nccl"`` (2 spawned processes).
+        threads: torch intra-op threads to measure with (default: this process's).
+        force: measure even if a cached calibration exists (and replace it).
+
+    Raises:
+        UsageError: an unknown backend, or ``nccl`` without 2 CUDA devices.
+    """
+    if backend not in BACKENDS:
+        raise UsageError(f"calibrate: backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        raise UsageError("calibrate: backend 'nccl' needs 2 CUDA devices; this machine has "
+                         f"{torch.cuda.device_count()}.")
+    threads = threads or torch.get_num_threads()
+    if not force:
+        hit = cached(backend, threads)
+        if hit is not None:
+            return hit
+    t0 = time.perf_counter()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rates = {f"{m}x{k}x{n}": _gemm_rate(m, k, n) for m, k, n in _GEMMS}
+        overhead = _kernel_overhead()
+        big = [torch.randn(1 << 22), torch.randn(1 << 22)]
+        bandwidth = 3 * 4 * (1 << 22) / _best_seconds(lambda: big[0] * big[1], reps=5, min_s=0.05)
+        coll = _placement_collectives() if backend == "placement" else _spawned_collectives(backend, threads)
+    finally:
+        torch.set_num_threads(old)
+    cal = Calibration(host=_host_key(), backend=backend, threads=threads,
+                      gemm_flop_rate=statistics.median(rates.values()), kernel_overhead=overhead,
+                      collectives=coll, gemm_rates=rates, memory_bandwidth=bandwidth,
+                      measured_s=time.perf_counter() - t0,
+                      when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    path = cache_path(backend, threads)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(asdict(cal), f, indent=1)
+    os.replace(tmp, path)
+    return cal
+
+
+def _host_key() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    key = f"{socket.gethostname()}-{cpu}-{os.cpu_count()}cores"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:120]
+
+
+def _best_seconds(fn, reps: int = 5, min_s: float = 0.02, calls: int | None = None) -> float:
+    """Best per-call seconds of ``fn`` over ``reps`` rounds of at least ``min_s`` each (after a warm-up);
+    ``calls``: a fixed number of calls per round instead (every rank of a collective must call alike)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if (calls is not None and n >= calls) or (calls is None and dt >= min_s):
+                break
+        best = min(best, dt / n)
+    return best
+
+
+def _gemm_rate(m: int, k: int, n: int) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return 2 * m * k * n / _best_seconds(lambda: a @ b)
+
+
+def _kernel_overhead(n_ops: int = 200) -> float:
+    """Seconds per step of a planned chain of ``n_ops`` elementwise ops on 16-element slices (codegen)."""
+    graph = Graph(seed=0)
+    mesh = Mesh(graph, "calibration")
+    x = placeholder(mesh, "x", [Dimension("d", 16)])
+    y = x
+    for _ in range(n_ops):
+        y = y * 1.0001
+    lw = Lowering(graph, {mesh: PlacementMeshImpl("", "")})
+    feed = {x: torch.ones(16)}
+    return _best_seconds(lambda: lw.run(y, feeds=feed), reps=5, min_s=0.05) / n_ops
+
+
+def _fit(times: dict, kind: str) -> list:
+    """``[latency_s, seconds_per_wire_byte]`` through the two measured sizes (group of 2)."""
+    (b0, t0), (b1, t1) = sorted(times.items())
+    w0, w1 = _wire(kind, b0, 2), _wire(kind, b1, 2)
+    per_byte = max((t1 - t0) / (w1 - w0), 1e-15)
+    return [max(t0 - per_byte * w0, 0.0), per_byte]
+
+
+def _run_collective(impl, kind: str, x):
+    if kind == "allreduce":
+        return impl.allreduce(x, [0])
+    if kind == "allgather":
+        return impl.allconcat(x, 0, 0)
+    if kind == "reduce_scatter":
+        return impl.reduce_scatter(x, 0, 0)
+    return impl.alltoall(x, 0, 0, 0)
+
+
+def _placement_collectives() -> dict:
+    impl = PlacementMeshImpl("all:2", "")
+    out = {}
+    for kind in KINDS:
+        times = {}
+        for n in _SIZES:
+            x = [torch.randn(n), torch.randn(n)]
+            times[4 * n] = _best_seconds(lambda x=x: _run_collective(impl, kind, x))
+        out[kind] = _fit(times, kind)
+    return out
+
+
+def _spmd_worker(rank: int, port: int, backend: str, threads: int, path: str):
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        impl = SpmdMeshImpl("all:2", "", device=f"cuda:{rank}" if backend == "nccl" else "cpu",
+                            async_collectives=False)
+        out = {}
+        for kind in KINDS:
+            times = {}
+            for n in _SIZES:
+                x = torch.randn(n, device=impl.device(rank))
+
+                def once(x=x, kind=kind):
+                    dist.barrier()
+                    r = _run_collective(impl, kind, x)
+                    if backend == "nccl":
+                        torch.cuda.synchronize()
+                    return r
+                barrier = _best_seconds(dist.barrier, reps=3, calls=10)
+                times[4 * n] = max(_best_seconds(once, reps=3, calls=10) - barrier, 1e-7)
+            out[kind] = _fit(times, kind)
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned_collectives(backend: str, threads: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.path.join(os.path.dirname(cache_path(backend, threads)), f"spawn-{os.getpid()}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    mp.start_processes(_spmd_worker, args=(port, backend, threads, path), nprocs=2, start_method="spawn")
+    with open(path) as f:
+        out = json.load(f)
+    os.remove(path)
+    return out
+
+
+def run_plan(args):
+    """``meshtorch plan``: with ``--calibrate`` measure this machine first (and cache it); with ``--hardware
+    calibrated`` use the cached calibration of ``--backend``/``--threads`` (measuring it if there is none),
+    with ``auto`` use it only if cached; then :func:`meshtorch.planning.command.main_plan`.
+
+    Raises:
+        UsageError: ``--threads`` < 1, or a backend this machine cannot measure (``nccl`` without 2 GPUs).
+    """
+    if args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}.")
+    cal = None
+    if args.calibrate or args.hardware == "calibrated":
+        cal = calibrate(args.backend, args.threads, force=args.calibrate)
+        print(cal.summary())
+    elif args.hardware == "auto":
+        cal = cached(args.backend, args.threads)
+    if cal is not None:
+        args.cost_model = cal.cost_model()
+    return main_plan(args)

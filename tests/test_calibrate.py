@@ -1,0 +1,81 @@
+"""Calibration of the cost model (issue 23): measured once per host/backend/threads, then read from the cache;
+the placement model sums its processors, the SPMD model takes one processor's share."""
+
+import time
+
+import pytest
+
+import meshtorch as mtf
+from meshtorch.models.transformer import build_lm, preset
+from meshtorch.planning import memory_report
+from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.runtime import calibrate as cal_mod
+
+
+def test_calibration_is_measured_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path))
+    assert cal_mod.cached("placement", 1) is None
+    t0 = time.perf_counter()
+    first = cal_mod.calibrate("placement", threads=1)
+    assert time.perf_counter() - t0 < 60
+    assert first.gemm_flop_rate > 1e8 and 0 < first.kernel_overhead < 1e-2 and first.memory_bandwidth > 1e7
+    assert set(first.collectives) == set(cal_mod.KINDS)
+    assert all(a >= 0 and b > 0 for a, b in first.collectives.values())
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again although a calibration is cached")
+
+    monkeypatch.setattr(cal_mod, "_gemm_rate", no_measuring)
+    monkeypatch.setattr(cal_mod, "_kernel_overhead", no_measuring)
+    again = cal_mod.calibrate("placement", threads=1)
+    assert again == first
+    cost = again.cost_model()
+    assert cost.serial and cost.flop_rate == first.gemm_flop_rate and cost.kernel_overhead == first.kernel_overhead
+    with pytest.raises(AssertionError, match="measured again"):
+        cal_mod.calibrate("placement", threads=1, force=True)
+    with pytest.raises(mtf.MeshtorchError, match="backend must be one of"):
+        cal_mod.calibrate("mpi")
+
+
+def _report(mesh, layout):
+    cfg = preset("tiny", vocab_size=256)
+    lm = build_lm(cfg, optimizer=mtf.optim.AdamWOptimizer(1e-3))
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec(mesh, layout)}, materialize=False)
+    return memory_report(lw, [lm.loss] + lm.updates)
+
+
+def test_serial_and_parallel_models():
+    """Placement (serial): a batch-split layout costs the same einsum FLOPs as one processor and more kernel calls;
+    SPMD: each processor does 1/n of the FLOPs. Counted from the plan, checked against the plain definitions."""
+    one, split = _report("", ""), _report("all:4", "batch:all")
+    assert split.einsum_flops == one.einsum_flops and split.flops_per_processor * 4 == one.flops_per_processor
+    assert split.kernel_steps >= one.kernel_steps and split.kernel_calls_serial > split.kernel_steps
+    flops_only = CostModel(flop_rate=1e9, bandwidth=1e30, latency=0.0)
+    serial = CostModel(flop_rate=1e9, bandwidth=1e30, latency=0.0, serial=True)
+    assert estimate_time(split, serial)["compute_s"] == pytest.approx(one.einsum_flops / 1e9)
+    assert estimate_time(split, flops_only)["compute_s"] == pytest.approx(one.einsum_flops / 4 / 1e9)
+    overhead = CostModel(flop_rate=1e30, bandwidth=1e30, latency=0.0, kernel_overhead=1e-5, serial=True)
+    assert estimate_time(split, overhead)["compute_s"] == pytest.approx(split.kernel_calls_serial * 1e-5)
+    # every all-reduce group of the mesh runs in turn on a placement mesh: 2 groups of 2 on a 2x2 mesh
+    dm = _report("data:2,model:2", "batch:data")
+    coll = CostModel(flop_rate=1e30, bandwidth=1e30, latency=1e-3)
+    n = sum(dm.counters.records.values())
+    assert estimate_time(dm, coll)["comm_s"] == pytest.approx(n * 1e-3)
+    assert estimate_time(dm, CostModel(flop_rate=1e30, bandwidth=1e30, latency=1e-3, serial=True))["comm_s"] == \
+        pytest.approx(2 * n * 1e-3)
+
+
+def test_plan_uses_the_cached_calibration(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path))
+    from meshtorch.cli import main
+
+    main(["plan", "--preset", "tiny", "--hardware", "cpu"])
+    assert "fixed constants" in capsys.readouterr().out
+    main(["plan", "--preset", "tiny", "--calibrate"])
+    out = capsys.readouterr().out
+    assert "calibration of" in out and "calibrated placement" in out and "one after another" in out
+    monkeypatch.setattr(cal_mod, "_gemm_rate", lambda *a: (_ for _ in ()).throw(AssertionError("measured")))
+    main(["plan", "--preset", "tiny"])  # auto: the cached calibration, no measurement
+    assert "calibrated placement" in capsys.readouterr().out
+    assert main(["plan", "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
