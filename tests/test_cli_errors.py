@@ -252,6 +252,10 @@ def test_killed_rank_is_named_by_every_survivor_and_the_launcher(tmp_path):
     assert "Traceback" not in out, out
     survivors = [ln for ln in out.splitlines() if "stopping because" in ln]
     assert len(survivors) >= 2 and all("because rank 2: stopped responding" in ln for ln in survivors), out
+    # each survivor prints its flight recorder: the data-parallel all-reduces it ran last, with their ranks
+    dumps = [ln for ln in out.splitlines() if ln.startswith("meshtorch flight recorder: last ")]
+    assert len(dumps) >= 2, out
+    assert any(" allreduce over all " in ln and ln.lstrip().startswith("#") for ln in out.splitlines()), out
     assert not any(os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
                    for c in ranks.values())
 

@@ -43,6 +43,8 @@ class Step:
         collective: its :class:`~meshtorch.lowering.counters.Collective` record, for collectives.
         flops: global multiply-add FLOPs (einsums), for planning.
         subprograms: ``(label, SubProgram)`` pairs a ``call`` step runs (a while loop's cond and body).
+        members: a bucket step's (:mod:`~meshtorch.lowering.schedule`) merged Collective records, one per
+            input, in input order (the planned side of the flight recorder's tags).
     """
 
     kind: str
@@ -55,6 +57,12 @@ class Step:
     collective: Collective | None = None
     flops: int = 0
     subprograms: tuple = ()
+    members: tuple = ()
+
+    @property
+    def planned(self) -> tuple:
+        """The planned Collective records of a collective step (one, or a bucket's members); ``()`` else."""
+        return self.members or ((self.collective,) if self.collective is not None else ())
 
     def to_data(self) -> dict:
         """JSON-compatible record. Raises NotDataError naming the op if its kernel is a closure."""

@@ -52,7 +52,8 @@ def _merge(sts: list) -> Step:
     else:
         params = {"mesh_axis": p["mesh_axis"], "concat_axes": tuple(st.params["concat_axis"] for st in sts)}
     return Step(BUCKET_KINDS[kind], sts[0].op, tuple(s for st in sts for s in st.inputs),
-                tuple(o for st in sts for o in st.outputs), sts[0].mesh, None, params)
+                tuple(o for st in sts for o in st.outputs), sts[0].mesh, None, params,
+                members=tuple(c for st in sts for c in st.planned))
 
 
 def _group_key(st):

@@ -18,6 +18,7 @@ import torch
 from meshtorch.core.dims import Shape, convert_to_shape
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.layout import LayoutRules, TensorLayout, convert_to_layout_rules
+from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
 
 REDUCTIONS = ("SUM", "MAX", "MIN")
 
@@ -61,6 +62,11 @@ class MeshImpl:
             self._strides.insert(0, s)
             s *= d.size
         self._group_cache: dict = {}
+        self._axis_names: dict = {}  # mesh axis indices -> names, for the flight recorder
+        #: the process's :class:`~meshtorch.mesh.recorder.FlightRecorder` (every collective call is recorded)
+        self.recorder = flight_recorder()
+        #: the rank the flight recorder writes (0: one process holds every processor)
+        self.recorder_rank = 0
 
     # ------------------------------------------------------------------ mesh facts
     @property
@@ -148,6 +154,20 @@ class MeshImpl:
     def device(self, pnum: int) -> torch.device:
         """The torch device that holds processor ``pnum``'s slices."""
         return torch.device("cpu")
+
+    def _record(self, kind: str, mesh_axes, parts, dtype, reduction: str = "", members=None,
+                asynchronous: bool = False) -> CollectiveRecord | None:
+        """Record a collective call starting now in the flight recorder (see :mod:`meshtorch.mesh.recorder`);
+        ``mesh_axes``: indices; ``parts``: bytes per processor of each value moved. Call ``finish()`` on the
+        returned record (None when recording is off) when the call ends."""
+        if not self.recorder.enabled or torch.compiler.is_compiling():
+            return None  # nothing to record (tracing executes no collective; a compiled graph calls no method)
+        key = tuple(mesh_axes)
+        names = self._axis_names.get(key)
+        if names is None:
+            names = self._axis_names[key] = tuple(self.shape.dims[a].name for a in key)
+        return self.recorder.record(kind, names, tuple(parts), dtype, reduction, self.size, self.recorder_rank,
+                                    members, asynchronous)
 
     # ------------------------------------------------------------------ primitives (abstract)
     def laid_out_constant(self, fn: Callable[[int], object]):
