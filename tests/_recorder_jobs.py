@@ -78,6 +78,22 @@ def allreduce_then_slice_many(self, *xs, mesh_axis, scatter_axes):
     return tuple(allreduce_then_slice(self, x, mesh_axis, a) for x, a in zip(xs, scatter_axes, strict=True))
 
 
+def primitive_records(impl) -> dict:
+    """``{kind: (recorded kind, mesh axes, parts)}`` of one call of each primitive on ``impl`` along
+    axis 0 (8x4 float32 slices, rank-dependent values)."""
+    n = impl.shape[0].size
+    x = impl.from_local_slices([torch.full((8, 4), float(p)) for p in impl.local_pnums()])
+    calls = {"allreduce": lambda: impl.allreduce(x, [0]), "allgather": lambda: impl.allconcat(x, 0, 1),
+             "reduce_scatter": lambda: impl.reduce_scatter(x, 0, 0), "alltoall": lambda: impl.alltoall(x, 0, 0, 1),
+             "receive": lambda: impl.receive(x, 0, [(c + 1) % n for c in range(n)])}
+    out = {}
+    for kind, call in calls.items():
+        impl.local_slices(call())  # wait for it
+        r = flight_recorder().records(last=1)[0]
+        out[kind] = (r.kind, r.mesh_axes, r.parts, r.seconds is not None)
+    return out
+
+
 def spmd_worker(names, mutate: bool = False):
     """Inside a gloo rank: ``{name: run_case(name, SpmdMeshImpl)}`` (asynchronous collectives for the
     FSDP cases); with ``mutate``, ``SpmdMeshImpl.reduce_scatter`` is the all-reduce-then-slice mutation."""
@@ -87,4 +103,6 @@ def spmd_worker(names, mutate: bool = False):
     def make(mesh_shape, rules, storage, prefetch):
         return mtf.SpmdMeshImpl(mesh_shape, rules, storage=storage, prefetch=prefetch,
                                 async_collectives=bool(storage))
-    return {name: run_case(name, make) for name in names}
+    out = {name: run_case(name, make) for name in names}
+    out["primitives"] = primitive_records(mtf.SpmdMeshImpl("all:4", "", async_collectives=True))
+    return out

@@ -17,6 +17,7 @@ import torch
 
 import meshtorch as mtf
 from _recorder_jobs import CASES, allreduce_then_slice, allreduce_then_slice_many, run_case
+from meshtorch.lowering.collectives import KINDS
 from meshtorch.mesh.recorder import FlightRecorder, collective_report, flight_recorder
 from meshtorch.testing.collectives import assert_executed_as_planned, executed_vs_planned
 from meshtorch.testing.spmd import run_spmd
@@ -135,6 +136,13 @@ def test_gloo_ranks_execute_the_planned_collectives(gloo):
             if name in placement:
                 torch.testing.assert_close(got["losses"], placement[name]["losses"], rtol=1e-5, atol=0)
                 assert got["kinds"] == placement[name]["kinds"]
+
+
+def test_gloo_primitives_record_their_declared_kind(gloo):
+    _, results = gloo
+    want = {kind: (kind, ("all",), (8 * 4 * 4,), True) for kind in KINDS}
+    for res in results:
+        assert res["primitives"] == want
 
 
 def test_mutation_reduce_scatter_as_allreduce_is_caught_on_gloo():

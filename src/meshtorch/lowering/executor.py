@@ -19,19 +19,9 @@ import functools
 from dataclasses import dataclass
 
 from meshtorch.core.layout import TensorLayout
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Counters
 from meshtorch.lowering.program import SubProgram
-
-_METHODS = {
-    "allreduce": "allreduce",
-    "allgather": "allconcat",
-    "alltoall": "alltoall",
-    "reduce_scatter": "reduce_scatter",
-    "receive": "receive",
-    "allreduce_bucket": "allreduce_many",
-    "allgather_bucket": "allconcat_many",
-    "reduce_scatter_bucket": "reduce_scatter_many",
-}
 
 
 @dataclass
@@ -64,10 +54,11 @@ def bind_step(st, impls: dict, counters: Counters, tagged: bool = True):
     if kind == "call":
         subs = {label: bind_subprogram(sub, impls, counters, tagged) for label, sub in st.subprograms}
         return functools.partial(st.fn, CallContext(impl, subs, dict(st.subprograms), counters))
-    method = _METHODS.get(kind)
-    if method is None:
-        raise ValueError(f"executor: unknown step kind {kind!r} (op {st.op!r}).")
-    call = functools.partial(getattr(impl, method), **st.params)
+    try:
+        c, bucket = kind_of(kind)  # the MeshImpl primitive is declared with the kind
+    except ValueError as e:
+        raise ValueError(f"executor: step of op {st.op!r}: {e}") from None
+    call = functools.partial(getattr(impl, c.bucket_method if bucket else c.method), **st.params)
     recorder = getattr(impl, "recorder", None)
     if not tagged or recorder is None:
         return call

@@ -22,10 +22,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from meshtorch.lowering.collectives import KINDS
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.kernels import NotDataError, from_data, to_data
 
-COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "reduce_scatter", "receive")
+#: the collective step kinds (declared in :mod:`meshtorch.lowering.collectives`)
+COLLECTIVE_KINDS = tuple(KINDS)
 
 
 @dataclass
@@ -274,14 +276,10 @@ def frees_after(chosen: list, keep: set) -> list:
     return [tuple(f) for f in frees]
 
 
-#: collectives moved up to just after their input's producer: the reductions (gradient sums). Gathers
-#: stay where their consumer needs them: hoisting an FSDP weight's all-gather to the start of the program
-#: would hold every gathered weight at once.
-HOISTED = ("allreduce", "reduce_scatter")
-
-
 def hoist_collectives(steps: list) -> list:
-    """Move each reduction (all-reduce, reduce-scatter) to just after the step producing its input.
+    """Move each reduction (the kinds declared ``hoisted``: all-reduce, reduce-scatter) to just after the
+    step producing its input. Gathers stay where their consumer needs them: hoisting an FSDP weight's
+    all-gather to the start of the program would hold every gathered weight at once.
 
     The order stays valid (a collective's inputs exist where it lands; its outputs are used no earlier
     than before) and is a deterministic function of the program, so every SPMD process issues the
@@ -292,7 +290,8 @@ def hoist_collectives(steps: list) -> list:
     """
     out: list = []
     for st in steps:
-        if st.kind not in HOISTED:
+        c = KINDS.get(st.kind)
+        if c is None or not c.hoisted:
             out.append(st)
             continue
         made = {o: i for i, prev in enumerate(out) for o in prev.outputs}

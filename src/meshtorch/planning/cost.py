@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective
 from meshtorch.planning.memory import MemoryReport
 
@@ -40,12 +41,17 @@ class CostModel:
         return cls(flop_rate=1e11, bandwidth=1e10, latency=5e-5)
 
     def collective_time(self, c: Collective, group: int) -> float:
-        """Seconds of one collective ``c`` over a group of ``group`` processors."""
+        """Seconds of one collective ``c`` over a group of ``group`` processors: latency plus the bytes each
+        processor sends (the kind's declared ``wire_bytes``, ring algorithms) over the bandwidth.
+
+        Raises:
+            ValueError: ``c.kind`` is no declared collective (:mod:`meshtorch.lowering.collectives`).
+        """
         b = c.bytes_per_processor
+        wire_bytes = kind_of(c.kind)[0].wire_bytes
         if group <= 1:
             return 0.0
-        wire = {"allreduce": 2 * (group - 1) / group * b, "allgather": (group - 1) * b,
-                "alltoall": (group - 1) / group * b, "reduce_scatter": (group - 1) / group * b}.get(c.kind, b)
+        wire = wire_bytes(b, group)
         return self.latency + wire / self.bandwidth
 
 
