@@ -86,8 +86,12 @@ class Counters:
                 turn[id(tag)] = k + 1
                 pairs = [(tag[k % len(tag)], b) for b in r.parts]
             for planned, b in pairs:
-                c.records[Collective(r.kind, tuple(r.mesh_axes), planned.op, planned.tensor, b, r.num_processors,
-                                     r.reduction)] += 1
+                if (planned.kind == r.kind and planned.bytes_per_processor == b and planned.mesh_axes == r.mesh_axes
+                        and planned.reduction == r.reduction and planned.num_processors == r.num_processors):
+                    c.records[planned] += 1  # executed as planned: the same record (no new object per call)
+                else:
+                    c.records[Collective(r.kind, tuple(r.mesh_axes), planned.op, planned.tensor, b,
+                                         r.num_processors, r.reduction)] += 1
         return c
 
     def diff(self, other: Counters, names: tuple[str, str] = ("planned", "executed")) -> list[str]:

@@ -166,8 +166,8 @@ class MeshImpl:
         names = self._axis_names.get(key)
         if names is None:
             names = self._axis_names[key] = tuple(self.shape.dims[a].name for a in key)
-        return self.recorder.record(kind, names, tuple(parts), dtype, reduction, self.size, self.recorder_rank,
-                                    members, asynchronous)
+        return self.recorder.new(kind, names, tuple(parts), dtype, reduction, self.size, self.recorder_rank,
+                                 members, asynchronous)
 
     # ------------------------------------------------------------------ primitives (abstract)
     def laid_out_constant(self, fn: Callable[[int], object]):

@@ -41,6 +41,7 @@ import torch
 DEFAULT_CAPACITY = 4096
 #: records per rank printed on a failure
 DUMP_RECORDS = 8
+_DTYPES: dict = {}  # torch dtype -> its name ("float32"), made once
 
 
 @dataclass(slots=True, eq=False)
@@ -132,8 +133,16 @@ class FlightRecorder:
         it ends), or None when disabled or while ``torch.compile`` traces (nothing executes then)."""
         if not self.enabled or torch.compiler.is_compiling():
             return None
-        rec = CollectiveRecord(self._seq, kind, mesh_axes, parts, members, str(dtype).removeprefix("torch."),
-                               reduction, num_processors, rank, time.perf_counter(), None, asynchronous, self.tag)
+        return self.new(kind, mesh_axes, parts, dtype, reduction, num_processors, rank, members, asynchronous)
+
+    def new(self, kind, mesh_axes, parts, dtype, reduction, num_processors, rank, members=None,
+            asynchronous=False) -> CollectiveRecord:
+        """:meth:`record` without its checks (the caller made them: a mesh implementation's ``_record``)."""
+        name = _DTYPES.get(dtype)
+        if name is None:
+            name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
+        rec = CollectiveRecord(self._seq, kind, mesh_axes, parts, members, name, reduction, num_processors, rank,
+                               time.perf_counter(), None, asynchronous, self.tag)
         self._seq += 1
         self._ring.append(rec)
         if self.sink is not None:
