@@ -57,6 +57,7 @@ def run_case(name: str, make_impl) -> dict:
     return {"diff": diff, "losses": [float(r[0]) for r in results], "calls": len(records),
             "bucket_calls": sum(r.members is not None for r in records),
             "planned": lw.plan_counters(fetches).count() * RUNS, "executed": lw.counters.count(),
+            "runs_from_plan": lw.counters.runs_from_plan, "summary": lw.counters.summary(),
             "kinds": sorted({r.kind for r in records}), "timed": all(r.seconds is not None for r in records
                                                                      if r.source == "backend"),
             "sources": sorted({r.source for r in records}), "ranks": sorted({r.rank for r in records})}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import meshtorch as mtf
-from _recorder_jobs import CASES, allreduce_then_slice, allreduce_then_slice_many, run_case
+from _recorder_jobs import CASES, RUNS, allreduce_then_slice, allreduce_then_slice_many, run_case
 from meshtorch.lowering.collectives import KINDS
 from meshtorch.mesh.recorder import FlightRecorder, collective_report, flight_recorder
 from meshtorch.testing.collectives import assert_executed_as_planned, executed_vs_planned
@@ -127,9 +127,11 @@ def test_gloo_ranks_execute_the_planned_collectives(gloo):
             assert got["diff"] == [], (rank, name, got["diff"])
             assert got["executed"] == got["planned"] > 0, (rank, name)
             assert got["ranks"] == [rank]
-            if name == "fsdp_tp_compiled":  # counted from the plan: documented, untimed
-                assert got["sources"] == ["plan"], got
+            if name == "fsdp_tp_compiled":  # counted from the plan: documented, untimed, and the summary says so
+                assert got["sources"] == ["plan"] and got["runs_from_plan"] == RUNS, got
+                assert f"over {RUNS} run(s) ({RUNS} compiled, counted from their plan):" in got["summary"]
                 continue
+            assert got["runs_from_plan"] == 0
             assert got["sources"] == ["backend"] and got["timed"], (rank, name)
             if CASES[name][4]:
                 assert 0 < got["bucket_calls"] and got["calls"] < got["planned"], (rank, name, got)

@@ -52,12 +52,15 @@ class Counters:
 
     ``records`` maps each distinct :class:`Collective` to the number of times it ran.
     ``einsum_flops`` counts global (whole-mesh) multiply-add FLOPs (2 per multiply-add).
+    ``runs_from_plan``: how many of the ``runs`` were ``torch.compile`` d runs, whose collectives are
+    counted from their plan (nothing observes them; see :class:`~meshtorch.lowering.session.Session`).
     """
 
     def __init__(self):
         self.records: dict[Collective, int] = defaultdict(int)
         self.einsum_flops = 0
         self.runs = 0
+        self.runs_from_plan = 0
 
     @classmethod
     def from_records(cls, records, einsum_flops: int = 0, runs: int = 0) -> Counters:
@@ -111,11 +114,13 @@ class Counters:
             self.records[k] += v * times
         self.einsum_flops += other.einsum_flops * times
         self.runs += other.runs * times
+        self.runs_from_plan += other.runs_from_plan * times
 
     def reset(self):
         self.records.clear()
         self.einsum_flops = 0
         self.runs = 0
+        self.runs_from_plan = 0
 
     def collectives(self, kind: str | None = None, mesh_axes=None, op: str | None = None):
         """``[(Collective, count)]`` filtered by kind, mesh axes (tuple of names) and op name."""
@@ -138,7 +143,8 @@ class Counters:
 
     def summary(self) -> str:
         """A readable table: one row per (kind, mesh axes), then per causing op."""
-        lines = [f"communication over {self.runs} run(s):"]
+        compiled = f" ({self.runs_from_plan} compiled, counted from their plan)" if self.runs_from_plan else ""
+        lines = [f"communication over {self.runs} run(s){compiled}:"]
         if not self.records:
             lines.append("  no collectives (everything local)")
         by_kind: dict = defaultdict(lambda: [0, 0])

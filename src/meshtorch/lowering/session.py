@@ -246,6 +246,7 @@ class Session:
         if plan.compiled:  # the loops' planned collectives: a compiled run's are not recorded
             for c, n in self._loops.records.items():
                 self.counters.records[c] += n
+            self.counters.runs_from_plan += 1
         self.run_count += 1
         return results
 
