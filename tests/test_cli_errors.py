@@ -136,6 +136,15 @@ def test_bad_input_is_refused_before_training(argv, words, tmp_path, capsys, req
     assert elapsed < 20, elapsed  # refused up front, not after a run (generous: a loaded 2-core machine)
 
 
+@pytest.mark.parametrize("argv", [["launch", "-n", "0", "--", "train"], ["launch", "-n", "2"],
+                                  ["launch", "-n", "2", "--timeout", "0", "--", "train", "--steps", "1"]])
+def test_launch_errors_name_the_launch_command(argv, capsys):
+    """The error line names the subcommand (`meshtorch launch: error: ...`), not the launched command's words."""
+    rc, out, _ = run_cli(argv, capsys)
+    assert rc == 2, out
+    assert out.startswith("meshtorch launch: error: ") and "['" not in out and out.count("\n") == 1, out
+
+
 def test_launch_reports_one_input_error_with_status_2():
     """Under `meshtorch launch` every rank refuses the bad flag; the job exits 2 and says it once."""
     env = dict(os.environ, PYTHONPATH=SRC)
@@ -252,6 +261,10 @@ def test_killed_rank_is_named_by_every_survivor_and_the_launcher(tmp_path):
     assert "Traceback" not in out, out
     survivors = [ln for ln in out.splitlines() if "stopping because" in ln]
     assert len(survivors) >= 2 and all("because rank 2: stopped responding" in ln for ln in survivors), out
+    # each survivor prints its flight recorder: the data-parallel all-reduces it ran last, with their ranks
+    dumps = [ln for ln in out.splitlines() if ln.startswith("meshtorch flight recorder: last ")]
+    assert len(dumps) >= 2, out
+    assert any(" allreduce over all " in ln and ln.lstrip().startswith("#") for ln in out.splitlines()), out
     assert not any(os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
                    for c in ranks.values())
 

@@ -224,11 +224,18 @@ def test_cli_mnist_on_synthetic_data(tmp_path, capsys):
     _write_split(tmp_path, "train", images, labels, True)
     _write_split(tmp_path, "t10k", test_images, test_labels, False)
     rc = cli_main(["mnist", "--mesh", "rows:2;cols:2", "--layout", "batch:rows;hidden:cols", "--epochs", "2",
-                   "--batch-size", "10", "--hidden", "8", "--data-dir", str(tmp_path), "--no-progress"])
+                   "--batch-size", "10", "--hidden", "8", "--data-dir", str(tmp_path), "--no-progress",
+                   "--trace-collectives"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "epoch 1/2: train loss" in out and "epoch 2/2: train loss" in out and "examples/s" in out
     assert "allreduce" in out and "communication over" in out
+    # --trace-collectives: time per kind and mesh axes; its call counts are the executed counters' (no buckets)
+    table = out[out.index("collective time by kind and mesh axes"):out.index("slowest")]
+    rows = {tuple(ln.split()[:2]): int(ln.split()[2]) for ln in table.splitlines()[2:] if len(ln.split()) > 2}
+    summary = out[out.index("communication over"):out.index("  by op:")]
+    counted = {tuple(ln.split()[:2]): int(ln.split()[2]) for ln in summary.splitlines()[2:]}
+    assert rows == counted and rows[("allreduce", "rows")] > 0, (rows, counted)
     rc = cli_main(["mnist", "--data-dir", str(tmp_path / "nowhere"), "--no-progress"])
     assert rc == 2 and "train-images-idx3-ubyte" in capsys.readouterr().err
 

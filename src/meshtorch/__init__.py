@@ -38,7 +38,7 @@ from meshtorch.core.scopes import AUTO_REUSE, VariableScope, get_variable_scope,
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering import Lowering, Program, Session, VariableStore
 from meshtorch.lowering.kernels import NotDataError
-from meshtorch.mesh import MeshImpl, PlacementMeshImpl
+from meshtorch.mesh import MeshImpl, PlacementMeshImpl, collective_report, flight_recorder
 from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.planning import CostModel, MemoryReport, memory_report, search_layouts
 from meshtorch.ops.binary import (

@@ -22,20 +22,22 @@ def add_launch_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds the other ranks get to exit after one fails before they are terminated "
                         "(default: %(default)s)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after `--`")
+    # dest "launched", not "command": the top-level parser keeps the subcommand's name ("launch") in
+    # args.command, which error messages print
+    p.add_argument("launched", nargs=argparse.REMAINDER, metavar="command", help="the command, after `--`")
     p.set_defaults(func=main_launch_args)
     return p
 
 
 def main_launch_args(args) -> int:
     """Run parsed ``meshtorch launch`` arguments; returns the job's exit status."""
-    return launch_command(args.command, args.nproc, timeout_s=args.timeout, grace_s=args.grace)
+    return launch_command(args.launched, args.nproc, timeout_s=args.timeout, grace_s=args.grace)
 
 
 def main_launch(argv=None) -> int:
     """``meshtorch launch -n N -- <command...>`` as a function (argv without the word ``launch``)."""
     parser = argparse.ArgumentParser(prog="meshtorch")
-    add_launch_subcommand(parser.add_subparsers(dest="cmd", required=True))
+    add_launch_subcommand(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["launch", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)
 

@@ -40,5 +40,8 @@ def add_parser(subparsers):
     p.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
     p.add_argument("--activation-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype; weights stay float32 (mtf.VariableDType) (default: %(default)s)")
+    p.add_argument("--trace-collectives", action="store_true",
+                   help="after training, print the time per collective kind and mesh axis and the slowest "
+                        "collectives this process executed (the flight recorder; rank 0's under torchrun)")
     p.set_defaults(func=main_mnist)
     return p

@@ -153,6 +153,11 @@ class Lowering:
 
     @property
     def counters(self) -> Counters:
+        """The collectives the runs so far *executed* (as the mesh implementations recorded them in the
+        flight recorder, :mod:`meshtorch.mesh.recorder`; counted per op in the planned format) and their
+        einsum FLOPs; :meth:`plan_counters` gives the *planned* ones, ``plan_counters(f).diff(counters)``
+        where they differ. Runs of a ``torch.compile`` d plan count their plan (see
+        :class:`~meshtorch.lowering.session.Session`)."""
         return self.session.counters
 
     @property

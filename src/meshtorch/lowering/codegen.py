@@ -26,8 +26,11 @@ def _unrolled(impl) -> int:
     return impl.size if getattr(impl, "unrolled", False) else 0
 
 
-def generate(steps, frees, impls: dict, counters, reads, writes) -> Callable:
+def generate(steps, frees, impls: dict, counters, reads, writes, tagged: bool = True) -> Callable:
     """``run(env)`` executing ``steps`` (freeing ``frees[i]`` after step ``i``).
+
+    ``counters`` and ``tagged``: see :func:`~meshtorch.lowering.executor.bind_step` (a function to be
+    compiled is generated untagged).
 
     ``reads``: slots whose laid-out values the function takes from ``env`` (constants, feeds,
     variable reads); ``writes``: slots it stores back into ``env`` (fetches, new variable values).
@@ -92,7 +95,7 @@ def generate(steps, frees, impls: dict, counters, reads, writes) -> Callable:
                 width[o] = n
         else:
             f = f"f{i}"
-            names[f] = bind_step(st, impls, counters)
+            names[f] = bind_step(st, impls, counters, tagged)
             args = ", ".join(whole(s) for s in st.inputs)
             if len(st.outputs) == 1:
                 unpack_into(st.outputs[0], n, f"{f}({args})")

@@ -3,8 +3,14 @@
 Every collective step the lowering emits carries a :class:`Collective` record: its kind, the
 mesh axes it runs over, the bytes each processor contributes, and the op that caused it. The
 same records are known from shapes and layout rules alone, so the cost of a run is available
-*before* running (``Lowering.plan_counters``) and is accumulated as runs execute
-(``Lowering.counters``).
+*before* running (``Lowering.plan_counters``: the *planned* collectives).
+
+``Lowering.counters`` holds the *executed* ones: the mesh implementations record every collective
+call they make in the flight recorder (:mod:`meshtorch.mesh.recorder`), tagged with the step that
+asked for it, and :meth:`Counters.from_records` turns a run's records back into this format (kind,
+axes and bytes as executed; op and tensor from the step). When a run executes what was planned the
+two are equal; :meth:`Counters.diff` lists where they are not (a backend that ran an all-reduce for
+a planned reduce-scatter, a bucket that lost a member, a collective that moved other bytes).
 """
 
 from __future__ import annotations
@@ -46,23 +52,75 @@ class Counters:
 
     ``records`` maps each distinct :class:`Collective` to the number of times it ran.
     ``einsum_flops`` counts global (whole-mesh) multiply-add FLOPs (2 per multiply-add).
+    ``runs_from_plan``: how many of the ``runs`` were ``torch.compile`` d runs, whose collectives are
+    counted from their plan (nothing observes them; see :class:`~meshtorch.lowering.session.Session`).
     """
 
     def __init__(self):
         self.records: dict[Collective, int] = defaultdict(int)
         self.einsum_flops = 0
         self.runs = 0
+        self.runs_from_plan = 0
+
+    @classmethod
+    def from_records(cls, records, einsum_flops: int = 0, runs: int = 0) -> Counters:
+        """Counters of executed collective calls (flight-recorder records, in call order).
+
+        A record's kind, mesh axes, reduction and bytes are what the mesh implementation ran; its op and
+        tensor come from its tag (the planned :class:`Collective` records of the step that made the
+        call). A bucket call counts once per value it moved (its ``members``); a single call made under
+        a bucket's tag (an implementation without bucket calls) counts for the bucket's members in turn.
+        Records without a tag (an export's gather, outside any program step) are not counted.
+        ``einsum_flops`` and ``runs`` are taken as given (FLOPs are not measured).
+        """
+        c = cls()
+        c.einsum_flops, c.runs = einsum_flops, runs
+        turn: dict = {}
+        for r in records:
+            tag = r.tag
+            if not tag:
+                continue
+            if r.members is not None:
+                pairs = [(tag[i] if i < len(tag) else tag[-1], b) for i, b in zip(r.members, r.parts, strict=True)]
+            elif len(tag) == 1:
+                pairs = [(tag[0], r.parts[0])]
+            else:
+                k = turn.get(id(tag), 0)
+                turn[id(tag)] = k + 1
+                pairs = [(tag[k % len(tag)], b) for b in r.parts]
+            for planned, b in pairs:
+                if (planned.kind == r.kind and planned.bytes_per_processor == b and planned.mesh_axes == r.mesh_axes
+                        and planned.reduction == r.reduction and planned.num_processors == r.num_processors):
+                    c.records[planned] += 1  # executed as planned: the same record (no new object per call)
+                else:
+                    c.records[Collective(r.kind, tuple(r.mesh_axes), planned.op, planned.tensor, b,
+                                         r.num_processors, r.reduction)] += 1
+        return c
+
+    def diff(self, other: Counters, names: tuple[str, str] = ("planned", "executed")) -> list[str]:
+        """Where the collectives of ``self`` and ``other`` differ: one line per record whose count
+        differs (``names`` label the two sides); ``[]`` when they are equal. FLOPs are not compared."""
+        out = []
+        for k in sorted(set(self.records) | set(other.records), key=repr):
+            a, b = self.records.get(k, 0), other.records.get(k, 0)
+            if a != b:
+                red = f"[{k.reduction.lower()}]" if k.reduction else ""
+                out.append(f"{k.kind}{red} over {','.join(k.mesh_axes)} of {k.tensor!r} (op {k.op!r}, "
+                           f"{k.bytes_per_processor} B/processor): {names[0]} {a}, {names[1]} {b}")
+        return out
 
     def add(self, other: Counters, times: int = 1):
         for k, v in other.records.items():
             self.records[k] += v * times
         self.einsum_flops += other.einsum_flops * times
         self.runs += other.runs * times
+        self.runs_from_plan += other.runs_from_plan * times
 
     def reset(self):
         self.records.clear()
         self.einsum_flops = 0
         self.runs = 0
+        self.runs_from_plan = 0
 
     def collectives(self, kind: str | None = None, mesh_axes=None, op: str | None = None):
         """``[(Collective, count)]`` filtered by kind, mesh axes (tuple of names) and op name."""
@@ -85,7 +143,8 @@ class Counters:
 
     def summary(self) -> str:
         """A readable table: one row per (kind, mesh axes), then per causing op."""
-        lines = [f"communication over {self.runs} run(s):"]
+        compiled = f" ({self.runs_from_plan} compiled, counted from their plan)" if self.runs_from_plan else ""
+        lines = [f"communication over {self.runs} run(s){compiled}:"]
         if not self.records:
             lines.append("  no collectives (everything local)")
         by_kind: dict = defaultdict(lambda: [0, 0])

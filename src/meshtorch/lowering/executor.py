@@ -7,6 +7,10 @@ program and fetch set, and :func:`run_steps` runs the bound list. Constants are 
 implementation by :func:`evaluate_constants`. The same program therefore runs on a
 :class:`~meshtorch.mesh.placement.PlacementMeshImpl` (every processor's slice in one process) and
 on :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` ranks (one slice per process).
+
+A collective step's call is tagged in the flight recorder (:mod:`meshtorch.mesh.recorder`) with the
+step's planned :class:`~meshtorch.lowering.counters.Collective` records, so that the records of what
+the implementation executed can be counted per op (``lowering.counters``) and compared with the plan.
 """
 
 from __future__ import annotations
@@ -15,26 +19,18 @@ import functools
 from dataclasses import dataclass
 
 from meshtorch.core.layout import TensorLayout
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Counters
 from meshtorch.lowering.program import SubProgram
-
-_METHODS = {
-    "allreduce": "allreduce",
-    "allgather": "allconcat",
-    "alltoall": "alltoall",
-    "reduce_scatter": "reduce_scatter",
-    "receive": "receive",
-    "allreduce_bucket": "allreduce_many",
-    "allgather_bucket": "allconcat_many",
-    "reduce_scatter_bucket": "reduce_scatter_many",
-}
 
 
 @dataclass
 class CallContext:
     """What a ``call`` step's kernel receives first: the mesh implementation, its bound
     sub-programs (``{label: fn(input values, external values) -> output values}``) with their
-    records, and the session's counters (loops add each executed iteration's collectives)."""
+    records, and ``counters``, where a loop adds the *planned* counters of each iteration it executes
+    (the session keeps their FLOPs, and their collectives only for a compiled run, whose collectives
+    the implementation cannot record)."""
 
     impl: object
     subprograms: dict
@@ -42,8 +38,13 @@ class CallContext:
     counters: Counters
 
 
-def bind_step(st, impls: dict, counters: Counters):
-    """A callable ``f(*input values) -> output value (or tuple)`` executing step ``st``."""
+def bind_step(st, impls: dict, counters: Counters, tagged: bool = True):
+    """A callable ``f(*input values) -> output value (or tuple)`` executing step ``st``.
+
+    ``counters``: see :class:`CallContext`. ``tagged``: collective calls set the flight recorder's tag
+    to the step's planned records (False for a function ``torch.compile`` traces, which must not write
+    Python state).
+    """
     impl = impls[st.mesh]
     kind = st.kind
     if kind == "slicewise":
@@ -51,23 +52,38 @@ def bind_step(st, impls: dict, counters: Counters):
         return functools.partial(impl.slicewise, st.fn) if n == 1 else functools.partial(
             impl.slicewise, st.fn, num_outputs=n)
     if kind == "call":
-        subs = {label: bind_subprogram(sub, impls, counters) for label, sub in st.subprograms}
+        subs = {label: bind_subprogram(sub, impls, counters, tagged) for label, sub in st.subprograms}
         return functools.partial(st.fn, CallContext(impl, subs, dict(st.subprograms), counters))
-    method = _METHODS.get(kind)
-    if method is None:
-        raise ValueError(f"executor: unknown step kind {kind!r} (op {st.op!r}).")
-    return functools.partial(getattr(impl, method), **st.params)
+    try:
+        c, bucket = kind_of(kind)  # the MeshImpl primitive is declared with the kind
+    except ValueError as e:
+        raise ValueError(f"executor: step of op {st.op!r}: {e}") from None
+    call = functools.partial(getattr(impl, c.bucket_method if bucket else c.method), **st.params)
+    recorder = getattr(impl, "recorder", None)
+    if not tagged or recorder is None:
+        return call
+    return functools.partial(_tagged, recorder, st.planned, call)
 
 
-def bind(steps, frees, impls: dict, counters: Counters) -> list:
-    """``[(callable, inputs, outputs, frees)]`` for :func:`run_steps`."""
-    return [(bind_step(st, impls, counters), st.inputs, st.outputs, tuple(f))
+def _tagged(recorder, tag, call, *values):
+    """``call(*values)`` with the flight recorder's tag set to ``tag`` (the step's planned records)."""
+    recorder.tag = tag
+    try:
+        return call(*values)
+    finally:
+        recorder.tag = None
+
+
+def bind(steps, frees, impls: dict, counters: Counters, tagged: bool = True) -> list:
+    """``[(callable, inputs, outputs, frees)]`` for :func:`run_steps` (``counters``, ``tagged``: see
+    :func:`bind_step`)."""
+    return [(bind_step(st, impls, counters, tagged), st.inputs, st.outputs, tuple(f))
             for st, f in zip(steps, frees, strict=True)]
 
 
-def bind_subprogram(sub: SubProgram, impls: dict, counters: Counters):
+def bind_subprogram(sub: SubProgram, impls: dict, counters: Counters, tagged: bool = True):
     """``fn(input values, external values) -> output values`` running ``sub``'s steps."""
-    bound = bind(sub.steps, sub.frees, impls, counters)
+    bound = bind(sub.steps, sub.frees, impls, counters, tagged)
     ins, ext, outs = sub.input_slots, sub.external_slots, sub.output_slots
 
     def run(inputs, externals):

@@ -25,6 +25,7 @@ from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
 from meshtorch.core.layout import TensorLayout
 from meshtorch.core.mesh_spec import MeshSpec, convert_to_mesh_spec
+from meshtorch.lowering.collectives import KINDS
 from meshtorch.lowering.counters import Collective
 from meshtorch.lowering.layout import Layout, redistribute, slice_nbytes
 from meshtorch.lowering.program import Program, Step, SubProgram, TensorSlot, count, select_steps
@@ -324,7 +325,13 @@ class Planner:
 
         ``params`` are the MeshImpl primitive's arguments. The record's bytes are
         ``slice_nbytes(local_shape, t.dtype)``: the one place bytes are counted.
+
+        Raises:
+            ValueError: ``kind`` is not declared in :mod:`meshtorch.lowering.collectives`.
         """
+        if kind not in KINDS:
+            raise ValueError(f"Planner.collective: unknown collective kind {kind!r}; declared: {sorted(KINDS)} "
+                             "(meshtorch.lowering.collectives).")
         impl = self.mesh_spec(t)
         op = self._current_op.name if self._current_op is not None else "<fetch>"
         c = Collective(kind, tuple(impl.shape[a].name for a in over), op, t.name,

@@ -22,10 +22,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from meshtorch.lowering.collectives import KINDS
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.kernels import NotDataError, from_data, to_data
 
-COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall", "reduce_scatter", "receive")
+#: the collective step kinds (declared in :mod:`meshtorch.lowering.collectives`)
+COLLECTIVE_KINDS = tuple(KINDS)
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Step:
         collective: its :class:`~meshtorch.lowering.counters.Collective` record, for collectives.
         flops: global multiply-add FLOPs (einsums), for planning.
         subprograms: ``(label, SubProgram)`` pairs a ``call`` step runs (a while loop's cond and body).
+        members: a bucket step's (:mod:`~meshtorch.lowering.schedule`) merged Collective records, one per
+            input, in input order (the planned side of the flight recorder's tags).
     """
 
     kind: str
@@ -55,6 +59,12 @@ class Step:
     collective: Collective | None = None
     flops: int = 0
     subprograms: tuple = ()
+    members: tuple = ()
+
+    @property
+    def planned(self) -> tuple:
+        """The planned Collective records of a collective step (one, or a bucket's members); ``()`` else."""
+        return self.members or ((self.collective,) if self.collective is not None else ())
 
     def to_data(self) -> dict:
         """JSON-compatible record. Raises NotDataError naming the op if its kernel is a closure."""
@@ -266,14 +276,10 @@ def frees_after(chosen: list, keep: set) -> list:
     return [tuple(f) for f in frees]
 
 
-#: collectives moved up to just after their input's producer: the reductions (gradient sums). Gathers
-#: stay where their consumer needs them: hoisting an FSDP weight's all-gather to the start of the program
-#: would hold every gathered weight at once.
-HOISTED = ("allreduce", "reduce_scatter")
-
-
 def hoist_collectives(steps: list) -> list:
-    """Move each reduction (all-reduce, reduce-scatter) to just after the step producing its input.
+    """Move each reduction (the kinds declared ``hoisted``: all-reduce, reduce-scatter) to just after the
+    step producing its input. Gathers stay where their consumer needs them: hoisting an FSDP weight's
+    all-gather to the start of the program would hold every gathered weight at once.
 
     The order stays valid (a collective's inputs exist where it lands; its outputs are used no earlier
     than before) and is a deterministic function of the program, so every SPMD process issues the
@@ -284,7 +290,8 @@ def hoist_collectives(steps: list) -> list:
     """
     out: list = []
     for st in steps:
-        if st.kind not in HOISTED:
+        c = KINDS.get(st.kind)
+        if c is None or not c.hoisted:
             out.append(st)
             continue
         made = {o: i for i, prev in enumerate(out) for o in prev.outputs}

@@ -26,11 +26,11 @@ collectives in the same order.
 
 from __future__ import annotations
 
+from meshtorch.lowering.collectives import BUCKETS, KINDS
 from meshtorch.lowering.program import Step
 
-#: the merged step kind of each collective kind that buckets
-BUCKET_KINDS = {"allreduce": "allreduce_bucket", "reduce_scatter": "reduce_scatter_bucket",
-                "allgather": "allgather_bucket"}
+#: the merged step kind of each collective kind that buckets (declared in :mod:`meshtorch.lowering.collectives`)
+BUCKET_KINDS = {c.name: c.bucket for c in KINDS.values() if c.bucket}
 
 
 def _first_use(steps) -> dict:
@@ -43,24 +43,21 @@ def _first_use(steps) -> dict:
 
 def _merge(sts: list) -> Step:
     """One bucket step of collectives ``sts`` of the same kind, mesh and mesh axes."""
-    kind = sts[0].kind
-    p = sts[0].params
-    if kind == "allreduce":
-        params = {"mesh_axes": tuple(p["mesh_axes"]), "reduction": "SUM"}
-    elif kind == "reduce_scatter":
-        params = {"mesh_axis": p["mesh_axis"], "scatter_axes": tuple(st.params["scatter_axis"] for st in sts)}
-    else:
-        params = {"mesh_axis": p["mesh_axis"], "concat_axes": tuple(st.params["concat_axis"] for st in sts)}
-    return Step(BUCKET_KINDS[kind], sts[0].op, tuple(s for st in sts for s in st.inputs),
-                tuple(o for st in sts for o in st.outputs), sts[0].mesh, None, params)
+    c = KINDS[sts[0].kind]
+    return Step(c.bucket, sts[0].op, tuple(s for st in sts for s in st.inputs),
+                tuple(o for st in sts for o in st.outputs), sts[0].mesh, None, c.bucket_params(sts),
+                members=tuple(c for st in sts for c in st.planned))
 
 
 def _group_key(st):
-    if st.kind == "allreduce" and st.params.get("reduction") == "SUM":
-        return (st.mesh, "allreduce", tuple(st.params["mesh_axes"]))
-    if st.kind == "reduce_scatter":
-        return (st.mesh, "reduce_scatter", st.params["mesh_axis"])
-    return None
+    """Steps with the same key may share a reduction bucket (None: never bucketed here)."""
+    c = KINDS.get(st.kind)
+    return c.bucket_key(st) if c is not None and c.bucket_key is not None else None
+
+
+def _gathers_weights(kind: str) -> bool:
+    c = KINDS.get(kind) or BUCKETS.get(kind)
+    return c is not None and c.weight_gather
 
 
 def bucket_reductions(steps: list, cap_bytes: int) -> list:
@@ -125,9 +122,9 @@ def weight_gathers(steps: list) -> list[int]:
     made = {o: i for i, st in enumerate(steps) for o in st.outputs}
     static = [False] * len(steps)
     for i, st in enumerate(steps):
-        static[i] = st.kind in ("slicewise", "allgather", "allgather_bucket") and all(
+        static[i] = (st.kind == "slicewise" or _gathers_weights(st.kind)) and all(
             s not in made or static[made[s]] for s in st.inputs)
-    return [i for i, st in enumerate(steps) if static[i] and st.kind in ("allgather", "allgather_bucket")]
+    return [i for i, st in enumerate(steps) if static[i] and _gathers_weights(st.kind)]
 
 
 def bucket_gathers(steps: list, cap_bytes: int) -> list:

@@ -22,6 +22,7 @@ from meshtorch.lowering.planner import mesh_record
 from meshtorch.lowering.program import Program, count, frees_after, select_steps
 from meshtorch.lowering.schedule import bucket_gathers, bucket_reductions, prefetch_gathers
 from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
+from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
 
 
 @dataclass
@@ -34,7 +35,9 @@ class Plan:
         placeholders / var_reads: ``[(name, slot)]`` the steps read.
         assignments: ``[(variable name, slot)]`` committed at the end of the run.
         fetch_slots: per fetch, ``(slot, tensor name)`` or ``(None, None)`` (assign ops).
-        counters: collectives and FLOPs of one run (loop bodies not counted).
+        counters: the *planned* collectives and FLOPs of one run (loop bodies not counted).
+        compiled: the plan runs as a ``torch.compile`` d function (mode ``"compile"``), whose collectives
+            are counted from the plan (see :class:`Session`).
     """
 
     steps: list
@@ -46,6 +49,7 @@ class Plan:
     counters: Counters
     bound: list = field(default_factory=list)
     fn: object = None  # the generated straight-line function (codegen mode)
+    compiled: bool = False
 
 
 class Session:
@@ -67,6 +71,17 @@ class Session:
     with random ops (dropout) is not compiled (``compile_seconds`` None): their key includes the run
     number, which ``torch.compile`` would specialise on.
 
+    :attr:`counters` (``lowering.counters``) are the *executed* collectives: the mesh implementations
+    record each collective call they make in the flight recorder (:mod:`meshtorch.mesh.recorder`), and
+    each run's records are counted (:meth:`~meshtorch.lowering.counters.Counters.from_records`; FLOPs
+    are the plan's). A ``torch.compile`` d plan is the exception: once compiled, the graph runs without
+    calling the implementation's Python methods, so nothing can time or observe its individual
+    collectives; each run of a compiled plan adds one record per collective *of its plan* to the flight
+    recorder (``source="plan"``, no time; a while loop's iterations add their planned counters), so
+    for compiled runs ``counters`` equal ``plan_counters`` by construction. Compare executed with
+    planned collectives in an uncompiled mode (``"codegen"``, ``"interpret"``). With the flight recorder
+    off (``flight_recorder().enabled = False``) uncompiled runs count no collectives.
+
     Raises:
         ValueError: an unknown ``mode``, or an implementation whose mesh shape or rules differ from
             the program's.
@@ -78,7 +93,7 @@ class Session:
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Session: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
         self.mode = mode
-        #: gradient bucket size in bytes per processor (0: one all-reduce call per value; see buckets.py)
+        #: gradient bucket size in bytes per processor (0: one all-reduce call per value; see schedule.py)
         self.bucket_bytes = int(bucket_bytes)
         #: seconds spent compiling, per fetch set (mode "compile"): the first run of each
         self.compile_seconds: dict = {}
@@ -94,7 +109,10 @@ class Session:
         self.program = program
         self.impls = impls
         self.store = store
+        #: the executed collectives (flight-recorder records of every run, counted) and the plans' FLOPs
         self.counters = Counters()
+        #: the planned counters of the loop iterations of the current run (while loops add them)
+        self._loops = Counters()
         #: number of completed runs; random ops mix it into their keys (fresh draws each run)
         self.run_count = 0
         self._constants: dict | None = None
@@ -156,7 +174,7 @@ class Session:
         """
         plan = self.plan(fetches)
         if self.mode == "interpret" and not plan.bound and plan.steps:
-            plan.bound = executor.bind(plan.steps, plan.frees, self.impls, self.counters)
+            plan.bound = executor.bind(plan.steps, plan.frees, self.impls, self._loops)
         first_compile = False
         if self.mode != "interpret" and plan.fn is None:
             produced = {o for st in plan.steps for o in st.outputs}
@@ -166,7 +184,8 @@ class Session:
             compiled = self.mode == "compile" and not counters_read
             # compiled: collectives as functional collectives, so one graph holds the whole step
             impls = {m: impl.traceable() for m, impl in self.impls.items()} if compiled else self.impls
-            plan.fn = codegen.generate(plan.steps, plan.frees, impls, self.counters, reads, writes)
+            plan.fn = codegen.generate(plan.steps, plan.frees, impls, self._loops, reads, writes, tagged=not compiled)
+            plan.compiled = compiled
             if compiled:
                 plan.fn = torch.compile(plan.fn, dynamic=False)
                 first_compile = True
@@ -190,14 +209,25 @@ class Session:
         count_now = self.run_count
         for s, mesh in self._run_counters:
             env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)
-        if self.mode == "interpret":
-            executor.run_steps(plan.bound, env)
-        elif first_compile:
-            t0 = time.perf_counter()
-            plan.fn(env)
-            self.compile_seconds[fetches] = time.perf_counter() - t0
-        else:
-            plan.fn(env)
+        recorder = flight_recorder()
+        executed, outer = [], recorder.sink
+        recorder.sink = executed  # this run's collective calls, counted below
+        self._loops.reset()
+        try:
+            if self.mode == "interpret":
+                executor.run_steps(plan.bound, env)
+            elif first_compile:
+                t0 = time.perf_counter()
+                plan.fn(env)
+                self.compile_seconds[fetches] = time.perf_counter() - t0
+            else:
+                plan.fn(env)
+            if plan.compiled:
+                self._record_planned(plan, recorder)
+        finally:
+            recorder.sink = outer
+        if outer is not None:
+            outer.extend(executed)
         results = []
         for s, name in plan.fetch_slots:
             if s is None:
@@ -212,9 +242,23 @@ class Session:
                 results.append(impl.export_full(env[s], TensorLayout(spec.layout)))
         for name, s in plan.assignments:
             self.store.values[name] = self.store.impl(name).materialize(env[s])
-        self.counters.add(plan.counters)
+        self.counters.add(Counters.from_records(executed, plan.counters.einsum_flops + self._loops.einsum_flops, 1))
+        if plan.compiled:  # the loops' planned collectives: a compiled run's are not recorded
+            for c, n in self._loops.records.items():
+                self.counters.records[c] += n
+            self.counters.runs_from_plan += 1
         self.run_count += 1
         return results
+
+    def _record_planned(self, plan: Plan, recorder) -> None:
+        """A compiled run's collectives, from its plan, into the flight recorder (``source="plan"``, untimed)."""
+        now = time.perf_counter()
+        for st in plan.steps:
+            impl = self.impls[st.mesh]
+            rank = getattr(impl, "recorder_rank", 0)
+            for c in st.planned:
+                recorder.add(CollectiveRecord(0, c.kind, c.mesh_axes, (c.bytes_per_processor,), None, "",
+                                              c.reduction, c.num_processors, rank, now, None, False, (c,), "plan"))
 
     def import_slices(self, name: str, value):
         """A placeholder's laid-out value from this process's slices (one per local processor)."""

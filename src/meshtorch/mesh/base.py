@@ -16,6 +16,7 @@ import torch
 
 from meshtorch.core.layout import TensorLayout
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
 
 REDUCTIONS = ("SUM", "MAX", "MIN")
 
@@ -50,6 +51,11 @@ class MeshImpl:
                 self.spec = MeshSpec(shape, layout_rules or "", storage, reshard_after_forward, prefetch)
             except ValueError as e:
                 raise ValueError(str(e).replace("MeshSpec", type(self).__name__)) from None
+        self._axis_names: dict = {}  # mesh axis indices -> names, for the flight recorder
+        #: the process's :class:`~meshtorch.mesh.recorder.FlightRecorder` (every collective call is recorded)
+        self.recorder = flight_recorder()
+        #: the rank the flight recorder writes (0: one process holds every processor)
+        self.recorder_rank = 0
 
     # ------------------------------------------------------------------ the spec's facts, read through
     shape = property(lambda self: self.spec.shape, doc="The mesh shape (:class:`~meshtorch.core.dims.Shape`).")
@@ -94,6 +100,20 @@ class MeshImpl:
     def device(self, pnum: int) -> torch.device:
         """The torch device that holds processor ``pnum``'s slices."""
         return torch.device("cpu")
+
+    def _record(self, kind: str, mesh_axes, parts, dtype, reduction: str = "", members=None,
+                asynchronous: bool = False) -> CollectiveRecord | None:
+        """Record a collective call starting now in the flight recorder (see :mod:`meshtorch.mesh.recorder`);
+        ``mesh_axes``: indices; ``parts``: bytes per processor of each value moved. Call ``finish()`` on the
+        returned record (None when recording is off) when the call ends."""
+        if not self.recorder.enabled or torch.compiler.is_compiling():
+            return None  # nothing to record (tracing executes no collective; a compiled graph calls no method)
+        key = tuple(mesh_axes)
+        names = self._axis_names.get(key)
+        if names is None:
+            names = self._axis_names[key] = tuple(self.shape.dims[a].name for a in key)
+        return self.recorder.new(kind, names, tuple(parts), dtype, reduction, self.size, self.recorder_rank,
+                                 members, asynchronous)
 
     # ------------------------------------------------------------------ primitives (abstract)
     def laid_out_constant(self, fn: Callable[[int], object]):

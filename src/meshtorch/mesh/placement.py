@@ -73,6 +73,22 @@ class PlacementMeshImpl(MeshImpl):
             raise ValueError(f"allreduce: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
         if not mesh_axes:
             return x
+        rec = self._record("allreduce", mesh_axes, (_nbytes(x[0]),), x[0].dtype, reduction)
+        out = self._allreduce(x, mesh_axes, reduction)
+        _finish(rec)
+        return out
+
+    def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"allreduce_many: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        if not mesh_axes or not xs:
+            return tuple(xs)
+        rec = self._record_bucket("allreduce", mesh_axes, xs, reduction)
+        out = tuple(self._allreduce(x, mesh_axes, reduction) for x in xs)
+        _finish(rec)
+        return out
+
+    def _allreduce(self, x, mesh_axes, reduction):
         out = [None] * self.size
         for group in self.processor_groups(mesh_axes):
             parts = [self._to(x[p], group[0]) for p in group]
@@ -88,7 +104,26 @@ class PlacementMeshImpl(MeshImpl):
                 out[p] = self._to(acc, p)
         return out
 
+    def _record_bucket(self, kind, mesh_axes, xs, reduction=""):
+        """One flight-recorder record for a bucket call of the values ``xs`` (one part each)."""
+        return self._record(kind, mesh_axes, tuple(_nbytes(x[0]) for x in xs), xs[0][0].dtype, reduction,
+                            members=tuple(range(len(xs))))
+
     def allconcat(self, x, mesh_axis, concat_axis):
+        rec = self._record("allgather", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
+        out = self._allconcat(x, mesh_axis, concat_axis)
+        _finish(rec)
+        return out
+
+    def allconcat_many(self, *xs, mesh_axis, concat_axes):
+        if not xs:
+            return ()
+        rec = self._record_bucket("allgather", (mesh_axis,), xs)
+        out = tuple(self._allconcat(x, mesh_axis, a) for x, a in zip(xs, concat_axes, strict=True))
+        _finish(rec)
+        return out
+
+    def _allconcat(self, x, mesh_axis, concat_axis):
         out = [None] * self.size
         for group in self.processor_groups([mesh_axis]):
             full = torch.cat([self._to(x[p], group[0]) for p in group], dim=concat_axis)
@@ -97,15 +132,31 @@ class PlacementMeshImpl(MeshImpl):
         return out
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
+        rec = self._record("alltoall", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
         out = [None] * self.size
         for group in self.processor_groups([mesh_axis]):
             n = len(group)
             pieces = [torch.chunk(x[p], n, dim=split_axis) for p in group]
             for j, p in enumerate(group):
                 out[p] = torch.cat([self._to(pieces[i][j], p) for i in range(n)], dim=concat_axis)
+        _finish(rec)
         return out
 
     def reduce_scatter(self, x, mesh_axis, scatter_axis):
+        rec = self._record("reduce_scatter", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
+        out = self._reduce_scatter(x, mesh_axis, scatter_axis)
+        _finish(rec)
+        return out
+
+    def reduce_scatter_many(self, *xs, mesh_axis, scatter_axes):
+        if not xs:
+            return ()
+        rec = self._record_bucket("reduce_scatter", (mesh_axis,), xs)
+        out = tuple(self._reduce_scatter(x, mesh_axis, a) for x, a in zip(xs, scatter_axes, strict=True))
+        _finish(rec)
+        return out
+
+    def _reduce_scatter(self, x, mesh_axis, scatter_axis):
         out = [None] * self.size
         for group in self.processor_groups([mesh_axis]):
             acc = self._to(x[group[0]], group[0])
@@ -116,11 +167,13 @@ class PlacementMeshImpl(MeshImpl):
         return out
 
     def receive(self, x, mesh_axis, source_pcoord):
+        rec = self._record("receive", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
         out = [None] * self.size
         for group in self.processor_groups([mesh_axis]):
             for c, p in enumerate(group):
                 src = source_pcoord[c]
                 out[p] = torch.zeros_like(x[p]) if src is None else self._to(x[group[src]], p)
+        _finish(rec)
         return out
 
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
@@ -174,6 +227,15 @@ class PlacementMeshImpl(MeshImpl):
 
     def local_slices(self, x):
         return list(x)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _finish(rec) -> None:
+    if rec is not None:
+        rec.finish()
 
 
 def _assemble(pieces: dict, split, mesh_shape):

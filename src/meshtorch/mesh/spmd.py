@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 
 import torch
@@ -103,6 +104,7 @@ class SpmdMeshImpl(MeshImpl):
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         self.coords = self.pnum_to_processor_coordinates(self.rank)
+        self.recorder_rank = self.rank
         self._axis_groups: dict[tuple[int, ...], object] = {}
         if self.ndims <= 3:
             for r in range(1, self.ndims + 1):
@@ -167,11 +169,24 @@ class SpmdMeshImpl(MeshImpl):
     def allreduce(self, x, mesh_axes, reduction="SUM"):
         group = self._reduction_group("allreduce", mesh_axes, reduction)
         if group is None:
-            return x
+            return self._trivial("allreduce", mesh_axes, [x], reduction)[0]
         buf, back = _wire(x)
+        rec = self._record("allreduce", mesh_axes, (_nbytes(buf),), buf.dtype, reduction,
+                           asynchronous=self.async_collectives)
         buf = buf.clone()  # all_reduce works in place; never modify an input slot
         work = dist.all_reduce(buf, op=_OPS[reduction], group=group, async_op=self.async_collectives)
-        return self._result(work, functools.partial(back, buf))
+        return self._result(work, functools.partial(back, buf), rec)
+
+    def _trivial(self, kind, mesh_axes, xs, reduction=""):
+        """A collective over groups of one processor: nothing moves; recorded (the program asked for it),
+        ``xs`` returned unchanged."""
+        if xs and mesh_axes:
+            bufs = [_wire(x)[0] for x in xs]
+            rec = self._record(kind, mesh_axes, tuple(_nbytes(b) for b in bufs), bufs[0].dtype, reduction,
+                               members=None if len(xs) == 1 else tuple(range(len(xs))))
+            if rec is not None:
+                rec.finish()
+        return tuple(xs)
 
     def _reduction_group(self, op, mesh_axes, reduction):
         """The process group over the axes of ``mesh_axes`` with more than one processor (None: no
@@ -181,19 +196,31 @@ class SpmdMeshImpl(MeshImpl):
         mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
         return self._group(mesh_axes)[0] if mesh_axes else None
 
-    def _result(self, work, finish):
-        """``finish()`` now (blocking call: ``work`` is None) or an :class:`_InFlight` waited at first use."""
-        return finish() if work is None else _InFlight(work, finish)
+    def _result(self, work, finish, rec=None):
+        """``finish()`` now (blocking call: ``work`` is None) or an :class:`_InFlight` waited at first use;
+        ``rec`` (the call's flight-recorder record) is finished when the value is ready."""
+        if work is None:
+            out = finish()
+            if rec is not None:
+                rec.finish()
+            return out
+        return _InFlight(work, finish, rec)
+
+    def _record_bucket(self, kind, mesh_axes, members, dtype, reduction=""):
+        """One record for a bucket call: ``members`` ``[(index, bytes per processor)]``."""
+        return self._record(kind, mesh_axes, tuple(b for _, b in members), dtype, reduction,
+                            members=tuple(i for i, _ in members), asynchronous=self.async_collectives)
 
     def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
         group = self._reduction_group("allreduce_many", mesh_axes, reduction)
         if group is None:
-            return tuple(xs)
+            return self._trivial("allreduce", mesh_axes, xs, reduction)
         out: list = [None] * len(xs)
         for flat, members in _flat_buckets(xs):  # one flat buffer (one call) per dtype
+            rec = self._record_bucket("allreduce", mesh_axes, _sizes(members, flat), flat.dtype, reduction)
             work = dist.all_reduce(flat, op=_OPS[reduction], group=group, async_op=self.async_collectives)
             for i, offset, shape, back in members:  # each piece waits on its bucket's one call
-                out[i] = self._result(work, functools.partial(_piece, flat, offset, shape, back))
+                out[i] = self._result(work, functools.partial(_piece, flat, offset, shape, back), rec)
         return tuple(out)
 
     def _on_axis(self, x, mesh_axis):
@@ -207,68 +234,77 @@ class SpmdMeshImpl(MeshImpl):
     def allconcat(self, x, mesh_axis, concat_axis):
         on = self._on_axis(x, mesh_axis)
         if on is None:
-            return x
+            return self._trivial("allgather", (mesh_axis,), [x])[0]
         n, group, buf, back = on
         buf = buf.contiguous()
+        rec = self._record("allgather", (mesh_axis,), (_nbytes(buf),), buf.dtype, asynchronous=self.async_collectives)
         out = torch.empty((n * buf.numel(),), dtype=buf.dtype, device=buf.device)
         work = _all_gather(out, buf.reshape(-1), group=group, async_op=self.async_collectives)
-        return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back))
+        return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back), rec)
 
     def allconcat_many(self, *xs, mesh_axis, concat_axes):
         on = self._on_axis(xs[0], mesh_axis) if xs else None
         if on is None:
-            return tuple(xs)
+            return self._trivial("allgather", (mesh_axis,), xs)
         n, group = on[0], on[1]
         out: list = [None] * len(xs)
         for flat, members in _flat_buckets(xs):  # one flat buffer (one call) per dtype, FSDP's flat parameter
+            rec = self._record_bucket("allgather", (mesh_axis,), _sizes(members, flat), flat.dtype)
             gathered = torch.empty((n * flat.numel(),), dtype=flat.dtype, device=flat.device)
             work = _all_gather(gathered, flat, group=group, async_op=self.async_collectives)
             for i, offset, shape, back in members:
                 out[i] = self._result(work, functools.partial(
-                    _gathered_piece, gathered, n, offset, shape, concat_axes[i], back))
+                    _gathered_piece, gathered, n, offset, shape, concat_axes[i], back), rec)
         return tuple(out)
 
     def reduce_scatter_many(self, *xs, mesh_axis, scatter_axes):
         on = self._on_axis(xs[0], mesh_axis) if xs else None
         if on is None:
-            return tuple(xs)
+            return self._trivial("reduce_scatter", (mesh_axis,), xs)
         n, group = on[0], on[1]
         out: list = [None] * len(xs)
         for rows, members in _row_buckets(xs, n, scatter_axes):
+            rec = self._record_bucket("reduce_scatter", (mesh_axis,),
+                                      [(i, n * math.prod(piece) * rows.element_size()) for i, _, piece, _ in members],
+                                      rows.dtype)
             mine = torch.empty((rows.shape[1],), dtype=rows.dtype, device=rows.device)
             work = dist.reduce_scatter_tensor(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=group,
                                               async_op=self.async_collectives)
             for i, offset, piece, back in members:
                 out[i] = self._result(work, functools.partial(
-                    _scattered_piece, mine, offset, piece, scatter_axes[i], back))
+                    _scattered_piece, mine, offset, piece, scatter_axes[i], back), rec)
         return tuple(out)
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
         on = self._on_axis(x, mesh_axis)
         if on is None:
-            return x
+            return self._trivial("alltoall", (mesh_axis,), [x])[0]
         n, group, buf, back = on
+        rec = self._record("alltoall", (mesh_axis,), (_nbytes(buf),), buf.dtype)
         moved = buf.movedim(split_axis, 0).contiguous()  # piece j = rows [j*s, (j+1)*s)
         out = torch.empty_like(moved)
         dist.all_to_all_single(out, moved, group=group)
-        return _exchanged(out, n, split_axis, concat_axis, back)
+        return self._result(None, functools.partial(_exchanged, out, n, split_axis, concat_axis, back), rec)
 
     def reduce_scatter(self, x, mesh_axis, scatter_axis):
         on = self._on_axis(x, mesh_axis)
         if on is None:
-            return x
+            return self._trivial("reduce_scatter", (mesh_axis,), [x])[0]
         n, group, buf, back = on
+        rec = self._record("reduce_scatter", (mesh_axis,), (_nbytes(buf),), buf.dtype,
+                           asynchronous=self.async_collectives)
         moved = buf.movedim(scatter_axis, 0).contiguous()  # piece c = rows [c*s, (c+1)*s)
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
         work = dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group,
                                           async_op=self.async_collectives)
-        return self._result(work, functools.partial(_moved_back, out, scatter_axis, back))
+        return self._result(work, functools.partial(_moved_back, out, scatter_axis, back), rec)
 
     def receive(self, x, mesh_axis, source_pcoord):
         _, ranks = self._group([mesh_axis])
         me = self.coords[mesh_axis]
         buf, back = _wire(x)
         buf = buf.contiguous()
+        rec = self._record("receive", (mesh_axis,), (_nbytes(buf),), buf.dtype)
         src = source_pcoord[me]
         ops, out = [], None
         for c, s in enumerate(source_pcoord):
@@ -284,7 +320,7 @@ class SpmdMeshImpl(MeshImpl):
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        return back(out)
+        return self._result(None, functools.partial(back, out), rec)
 
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
         t = full
@@ -304,8 +340,11 @@ class SpmdMeshImpl(MeshImpl):
         n = len(ranks)
         buf, back = _wire(x)
         buf = buf.contiguous()
+        rec = self._record("allgather", used, (_nbytes(buf),), buf.dtype)  # a fetch: no program step's tag
         out = torch.empty((n * buf.numel(),), dtype=buf.dtype, device=buf.device)
         _all_gather(out, buf.reshape(-1), group=group)
+        if rec is not None:
+            rec.finish()
         out = out.view(n, *buf.shape)
         pieces = {}
         for j, p in enumerate(ranks):
@@ -324,16 +363,18 @@ class _InFlight:
     :meth:`materialize` before storing a value beyond the run.
     """
 
-    __slots__ = ("work", "finish", "value")
+    __slots__ = ("work", "finish", "value", "rec")
 
-    def __init__(self, work, finish):
-        self.work, self.finish, self.value = work, finish, None
+    def __init__(self, work, finish, rec=None):
+        self.work, self.finish, self.value, self.rec = work, finish, None, rec
 
     def result(self) -> torch.Tensor:
         if self.value is None:
             self.work.wait()
+            if self.rec is not None:  # the flight recorder's time: issue to the end of this wait
+                self.rec.finish()
             self.value = self.finish()
-            self.work = self.finish = None
+            self.work = self.finish = self.rec = None
         return self.value
 
 
@@ -417,6 +458,15 @@ def _exchanged(out, n, split_axis, concat_axis, back):
 
 def _moved_back(out, axis, back):
     return back(out.movedim(0, axis))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _sizes(members, flat) -> list:
+    """``[(index, bytes per processor)]`` of a flat bucket's ``members`` (:func:`_flat_buckets`)."""
+    return [(i, math.prod(shape) * flat.element_size()) for i, _, shape, _ in members]
 
 
 def _ready(x):

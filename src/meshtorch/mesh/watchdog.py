@@ -5,7 +5,8 @@ When a rank raises, its uncaught exception is recorded in the process group's ke
 exits the process with status :data:`PEER_FAILED_STATUS` (75; 2 s later, so that the failed rank
 usually exits first and torchrun names it) and a message naming the failed rank and the cause.
 ``meshtorch launch`` never names a rank that exited with that status as the first failure. Started by
-:func:`meshtorch.mesh.process.init_distributed`.
+:func:`meshtorch.mesh.process.init_distributed`. Before it exits, a rank prints the last collectives of
+its flight recorder (:mod:`meshtorch.mesh.recorder`): what each rank was doing when the job failed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 import traceback
 
 import torch.distributed as dist
+
+from meshtorch.mesh.recorder import print_last_collectives
 
 FAILED_KEY = "meshtorch/failed"
 HEARTBEAT_KEY = "meshtorch/alive/{rank}"  # a counter each rank's watchdog increments every poll
@@ -78,6 +81,7 @@ class _Watchdog(threading.Thread):
             if self.reported or msg.startswith(f"rank {self.rank} "):
                 return
             print(f"meshtorch: rank {self.rank} stopping because {msg}", file=sys.stderr, flush=True)
+            print_last_collectives()
             sys.stdout.flush()
             # exit a little after the failed rank, so that torchrun / meshtorch launch name it as the first failure
             time.sleep(self.exit_delay_s)
@@ -144,6 +148,7 @@ def start_watchdog(poll_s: float = 0.25, exit_delay_s: float = 2.0) -> None:
             print(f"meshtorch: rank {rank} failed (above) after {first}", file=sys.stderr, flush=True)
         else:
             print(f"meshtorch: rank {rank} failed: {first or exc!r}", file=sys.stderr, flush=True)
+        print_last_collectives()
         time.sleep(2 * poll_s + 0.25)  # let the others read the record before this process (maybe the store host) exits
 
     sys.excepthook = hook

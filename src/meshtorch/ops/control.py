@@ -5,7 +5,7 @@ Follows Mesh TensorFlow's ``mtf.while_loop``, ``mtf.custom_gradient``, ``mtf.dep
 ``gradients``) lives in :mod:`meshtorch.autodiff`, above the ops. The loop condition and body are
 sub-graphs: they are built by calling the Python functions on placeholder tensors owned by the
 loop operation, kept out of ``graph.operations``, and lowered once each into a separate step
-list (:meth:`meshtorch.lowering.Lowering.lower_subprogram`) that the loop's single step runs
+list (:meth:`meshtorch.lowering.planner.Planner.lower_subprogram`) that the loop's single step runs
 while the condition holds.
 """
 

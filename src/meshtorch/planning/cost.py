@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective
 from meshtorch.planning.memory import MemoryReport
 
@@ -65,20 +66,26 @@ class CostModel:
         return cls(flop_rate=1e11, bandwidth=1e10, latency=5e-5)
 
     def collective_time(self, c: Collective, group: int) -> float:
-        """Seconds of one collective ``c`` over a group of ``group`` processors."""
+        """Seconds of one collective ``c`` over a group of ``group`` processors: latency plus the bytes each
+        processor sends (the kind's declared ``wire_bytes``, ring algorithms) over the bandwidth.
+
+        Raises:
+            ValueError: ``c.kind`` is no declared collective (:mod:`meshtorch.lowering.collectives`).
+        """
         b = c.bytes_per_processor
+        wire_bytes = kind_of(c.kind)[0].wire_bytes
         if group <= 1:
             return 0.0
         for kind, alpha, per_byte in self.collectives:
             if kind == c.kind:
-                return alpha + _wire(c.kind, b, group) * per_byte
-        return self.latency + _wire(c.kind, b, group) / self.bandwidth
+                return alpha + wire_bytes(b, group) * per_byte
+        return self.latency + wire_bytes(b, group) / self.bandwidth
 
 
 def _wire(kind: str, b: int, group: int) -> float:
-    """Bytes each processor sends in a ring collective of ``kind`` over ``group`` processors that each hold ``b``."""
-    return {"allreduce": 2 * (group - 1) / group * b, "allgather": (group - 1) * b,
-            "alltoall": (group - 1) / group * b, "reduce_scatter": (group - 1) / group * b}.get(kind, b)
+    """Bytes each processor sends in a collective of ``kind`` over ``group`` processors that each hold ``b``
+    (the kind's declared ``wire_bytes``, :mod:`meshtorch.lowering.collectives`)."""
+    return kind_of(kind)[0].wire_bytes(b, group)
 
 
 def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:

@@ -22,6 +22,7 @@ import torch
 
 from meshtorch.core.graph import Operation
 from meshtorch.lowering import Lowering
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters, _human
 from meshtorch.lowering.layout import slice_nbytes
 
@@ -210,31 +211,21 @@ class _Sizer:
         if st is None:
             return 0
         c: Collective | None = st.collective
-        if c is not None:
+        if c is not None:  # the kind's declared shape rule, in bytes
             group = math.prod(self.axis_sizes.get(a, 1) for a in c.mesh_axes)
-            if c.kind == "reduce_scatter":
-                return c.bytes_per_processor // group
-            return c.bytes_per_processor * (group if c.kind == "allgather" else 1)
+            return kind_of(c.kind)[0].output_bytes(c.bytes_per_processor, group)
         return max((self(i) for i in st.inputs), default=0)
 
 
 def _workspace(st, in_b: list[int], out_b: list[int]) -> int:
     """Bytes a collective step holds beyond its outputs while it runs: the buffers
     :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` packs and unpacks (flat buckets, copies that move the
-    gathered or scattered tensor axis to the front). Kernels' own temporaries are not modelled."""
-    p = st.params
-    if st.kind == "allgather":
-        return sum(out_b) if p.get("concat_axis") else 0  # the flat gather, then the reordered copy
-    if st.kind == "allgather_bucket":
-        return sum(in_b) + sum(out_b)  # the packed local slices and the gathered flat buffer
-    if st.kind == "reduce_scatter":
-        return sum(in_b) if p.get("scatter_axis") else 0  # the scatter axis moved to the front
-    if st.kind == "reduce_scatter_bucket":
-        moved = sum(b for b, a in zip(in_b, p.get("scatter_axes", ()), strict=False) if a)
-        return sum(in_b) + moved  # the packed rows (and the moved copies of members scattered off axis 0)
-    if st.kind == "alltoall":
-        return 2 * sum(in_b)  # the moved send buffer and the receive buffer
-    return 0
+    gathered or scattered tensor axis to the front), as each kind declares it
+    (:mod:`meshtorch.lowering.collectives`). Kernels' own temporaries are not modelled."""
+    if st.kind in ("slicewise", "call"):
+        return 0
+    c, bucket = kind_of(st.kind)
+    return (c.bucket_workspace if bucket else c.workspace)(st.params, in_b, out_b)
 
 
 def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int]:

@@ -4,6 +4,8 @@ Outside a job it is the exception itself. Inside one (torchrun / ``meshtorch lau
 failure is recorded in the job's store (:mod:`meshtorch.mesh.watchdog`) and every rank prints it: a
 rank that raised records its own exception; a rank whose collective broke because a peer vanished
 (killed by a signal, crashed) finds the peer whose watchdog heartbeat stopped and records that rank.
+Each rank also prints its last collectives (the flight recorder, :mod:`meshtorch.mesh.recorder`) to
+stderr, so a hang or a timeout shows which collective each rank was in.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import torch.distributed as dist
 
 from meshtorch.core.errors import MeshtorchError
+from meshtorch.mesh.recorder import print_last_collectives
 from meshtorch.mesh.watchdog import PEER_FAILED_STATUS, mark_reported, record_failure_text, silent_ranks
 
 __all__ = ["PEER_FAILED_STATUS", "describe_failure", "failed_first", "is_communication_error"]
@@ -42,13 +45,14 @@ def describe_failure(exc: BaseException) -> str:
 
     In a job, records this rank's failure in the store unless one is recorded (a communication error
     is blamed on the rank whose heartbeat stopped, see :func:`meshtorch.mesh.watchdog.silent_ranks`)
-    and waits 0.75 s so the other ranks' watchdogs read it. :func:`failed_first` tells from the line
-    whether this rank is the one named.
+    and waits 0.75 s so the other ranks' watchdogs read it; prints this rank's last collectives (flight
+    recorder) to stderr. :func:`failed_first` tells from the line whether this rank is the one named.
     """
     if not dist.is_initialized():
         return _cause(exc)
     rank, world = dist.get_rank(), dist.get_world_size()
     mark_reported()
+    print_last_collectives()
     if is_communication_error(exc):
         silent = silent_ranks(world)
         if silent is None:

@@ -26,6 +26,7 @@ from meshtorch.data.mnist import load_mnist
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
+from meshtorch.mesh.recorder import collective_report, flight_recorder
 from meshtorch.models.mnist import MnistModel, build_mnist_model
 from meshtorch.models.mnist_conv import build_conv_model, pixel_stats
 from meshtorch.runtime import checks
@@ -251,6 +252,9 @@ def main_mnist(args) -> int:
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    trace = None
+    if getattr(args, "trace_collectives", False):
+        trace = flight_recorder().sink = []  # every collective record of the job (the ring keeps the last few)
     run = train_mnist(args.mesh, args.layout, args.epochs, args.batch_size, args.hidden, args.lr, args.seed,
                       args.data_dir, steps_per_epoch=args.steps_per_epoch, evaluate_each_epoch=not args.no_eval,
                       activation_dtype=getattr(torch, args.activation_dtype), model_kind=args.model,
@@ -259,5 +263,9 @@ def main_mnist(args) -> int:
                       start_log=lambda s: print(s, flush=True))
     if next(iter(run.lowering.mesh_to_impl.values())).is_leader():  # rank 0 only, under torchrun
         print(run.lowering.counters.summary())
+        if trace is not None:
+            print(collective_report(trace, top=5))
         print(f"wall time {run.wall_seconds:.1f}s")
+    if trace is not None:
+        flight_recorder().sink = None
     return 0

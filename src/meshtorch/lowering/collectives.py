@@ -1,0 +1,121 @@
+"""Each collective declared once: one :class:`CollectiveKind` record per kind, read by every pass.
+
+A collective step of a program (:class:`~meshtorch.lowering.program.Step`) names its kind by a string
+(``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``, ``"receive"``; a bucket of
+several is ``"<kind>_bucket"``, :mod:`~meshtorch.lowering.schedule`). Everything a pass needs to know
+about a kind lives in its record here, in the style of JAX's collective primitives (shape rule,
+lowering and transpose registered together), instead of string switches spread over the executor,
+the scheduler, the memory walk and the cost model:
+
+- ``method`` / ``bucket_method``: the :class:`~meshtorch.mesh.base.MeshImpl` primitive the executor
+  calls for one collective / for a bucket of them;
+- ``output_bytes(b, group)``: the local output's bytes given the input slice's ``b`` bytes (the shape
+  rule, in bytes: the memory walk sizes slots with it);
+- ``wire_bytes(b, group)``: bytes each processor sends in the usual ring algorithm (the cost model);
+- ``workspace(params, in_b, out_b)`` / ``bucket_workspace``: bytes the SPMD implementation holds
+  beyond the outputs while the call runs (packing, moved copies; the memory walk);
+- ``bucket``: the bucket step kind, None if the kind is never bucketed; ``bucket_params(steps)``: a
+  bucket step's parameters; ``bucket_key(step)``: which reductions may share a bucket (None: none);
+- ``hoisted``: reductions moved up to just after their input's producer (:func:`~meshtorch.lowering.
+  program.hoist_collectives`); ``weight_gather``: an all-gather FSDP buckets and prefetches;
+- ``transpose``: the kind of its transpose (the gradient's collective, docs/collectives.md).
+
+:func:`kind_of` looks a step kind up and raises ValueError for an unknown one: a new collective that is
+not declared here fails at once, never falls through a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CollectiveKind:
+    """One collective kind: see the module docstring for the fields."""
+
+    name: str
+    method: str
+    output_bytes: Callable[[int, int], int]
+    wire_bytes: Callable[[int, int], float]
+    workspace: Callable[[dict, list, list], int]
+    transpose: str
+    hoisted: bool = False
+    weight_gather: bool = False
+    bucket: str | None = None
+    bucket_method: str | None = None
+    bucket_params: Callable[[list], dict] | None = None
+    bucket_key: Callable[[object], tuple | None] | None = None
+    bucket_workspace: Callable[[dict, list, list], int] | None = None
+
+
+def _none(params, in_b, out_b) -> int:
+    return 0
+
+
+def _same(b, group) -> int:
+    return b
+
+
+def _allreduce_bucket_key(st):
+    return (st.mesh, "allreduce", tuple(st.params["mesh_axes"])) if st.params.get("reduction") == "SUM" else None
+
+
+KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
+    CollectiveKind(
+        "allreduce", "allreduce", _same, lambda b, g: 2 * (g - 1) / g * b, _none, transpose="allreduce",
+        hoisted=True, bucket="allreduce_bucket", bucket_method="allreduce_many",
+        bucket_params=lambda sts: {"mesh_axes": tuple(sts[0].params["mesh_axes"]), "reduction": "SUM"},
+        bucket_key=_allreduce_bucket_key, bucket_workspace=_none),
+    CollectiveKind(
+        "allgather", "allconcat", lambda b, g: b * g, lambda b, g: (g - 1) * b,
+        # the flat gather, then the reordered copy (none when the pieces concatenate on axis 0)
+        lambda p, in_b, out_b: sum(out_b) if p.get("concat_axis") else 0, transpose="reduce_scatter",
+        weight_gather=True, bucket="allgather_bucket", bucket_method="allconcat_many",
+        bucket_params=lambda sts: {"mesh_axis": sts[0].params["mesh_axis"],
+                                   "concat_axes": tuple(st.params["concat_axis"] for st in sts)},
+        bucket_key=lambda st: None,  # weight gathers are bucketed by bucket_gathers, in plan order
+        bucket_workspace=lambda p, in_b, out_b: sum(in_b) + sum(out_b)),  # packed slices + gathered flat buffer
+    CollectiveKind(
+        "reduce_scatter", "reduce_scatter", lambda b, g: b // g, lambda b, g: (g - 1) / g * b,
+        lambda p, in_b, out_b: sum(in_b) if p.get("scatter_axis") else 0,  # the scatter axis moved to the front
+        transpose="allgather", hoisted=True, bucket="reduce_scatter_bucket", bucket_method="reduce_scatter_many",
+        bucket_params=lambda sts: {"mesh_axis": sts[0].params["mesh_axis"],
+                                   "scatter_axes": tuple(st.params["scatter_axis"] for st in sts)},
+        bucket_key=lambda st: (st.mesh, "reduce_scatter", st.params["mesh_axis"]),
+        # the packed rows, and the moved copies of members scattered off axis 0
+        bucket_workspace=lambda p, in_b, out_b: sum(in_b) + sum(
+            b for b, a in zip(in_b, p.get("scatter_axes", ()), strict=False) if a)),
+    CollectiveKind(
+        "alltoall", "alltoall", _same, lambda b, g: (g - 1) / g * b,
+        lambda p, in_b, out_b: 2 * sum(in_b),  # the moved send buffer and the receive buffer
+        transpose="alltoall"),
+    CollectiveKind("receive", "receive", _same, lambda b, g: b, _none, transpose="receive"),
+)}
+
+#: bucket step kind -> the record of the kind it buckets
+BUCKETS: dict[str, CollectiveKind] = {c.bucket: c for c in KINDS.values() if c.bucket}
+
+
+def kind_of(step_kind: str) -> tuple[CollectiveKind, bool]:
+    """``(record, is_bucket)`` of a collective step kind (``"allreduce"`` or ``"allreduce_bucket"``).
+
+    Raises:
+        ValueError: naming the kind and the declared ones, if it is no declared collective.
+    """
+    c = KINDS.get(step_kind)
+    if c is not None:
+        return c, False
+    c = BUCKETS.get(step_kind)
+    if c is not None:
+        return c, True
+    raise ValueError(f"unknown collective kind {step_kind!r}; declared: {sorted(KINDS)} and their buckets "
+                     f"{sorted(BUCKETS)} (meshtorch.lowering.collectives).")
+
+
+def is_collective(step_kind: str) -> bool:
+    """True for a declared collective step kind, single or bucket."""
+    return step_kind in KINDS or step_kind in BUCKETS
+
+
+__all__ = ["BUCKETS", "KINDS", "CollectiveKind", "is_collective", "kind_of"]
