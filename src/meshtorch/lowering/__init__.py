@@ -40,9 +40,11 @@ class _VariablesByOp(MutableMapping):
         self.store, self.ops = store, ops
 
     def __getitem__(self, var):
+        self.store.draw_pending([var.name])
         return self.store.values[var.name]
 
     def __setitem__(self, var, value):
+        self.store.pending.pop(var.name, None)
         self.store.values[var.name] = value
 
     def __delitem__(self, var):
@@ -74,6 +76,11 @@ class Lowering:
         bucket_bytes: > 0 issues the SUM all-reduces of a run (data-parallel gradient sums) in buckets
             of at most that many bytes per processor, one collective call each (DDP's buckets); the
             counters and results are the same.
+        init: ``"random"`` draws every variable's initial value now (each process its own slices, in
+            chunks: the transient stays small whatever the model's size); ``"lazy"`` draws a variable
+            only when a run (or ``variable_value``) first needs it, so variables a checkpoint restore or
+            a state-dict import sets first (``set_variable_value`` / ``set_variable_slices``) are never
+            drawn. The values are the same either way.
 
     Attributes:
         program: the :class:`Program`; ``session``: the :class:`Session`; ``store``: the
@@ -83,15 +90,17 @@ class Lowering:
         LayoutError: naming the tensor and dimension, if the layout rules are illegal for some
             tensor of the graph (size not divisible, two dims on one mesh axis, a dim an op needs
             whole is split).
-        ValueError: an unknown ``mode`` or a negative ``bucket_bytes``, before planning.
+        ValueError: an unknown ``mode`` or ``init``, or a negative ``bucket_bytes``, before planning.
     """
 
     def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
-                 materialize: bool = True, mode: str = "codegen", bucket_bytes: int = 0):
+                 materialize: bool = True, mode: str = "codegen", bucket_bytes: int = 0, init: str = "random"):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Lowering: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
         if not (isinstance(bucket_bytes, int) and bucket_bytes >= 0):
             raise ValueError(f"Lowering: bucket_bytes must be an int >= 0 (0: no buckets), got {bucket_bytes!r}.")
+        if init not in ("random", "lazy"):
+            raise ValueError(f"Lowering: init must be 'random' or 'lazy', got {init!r}.")
         self.graph = graph
         self.materialize = materialize
         self.planner = Planner(graph, dict(mesh_to_impl))
@@ -99,7 +108,7 @@ class Lowering:
         impls = {m.name: i for m, i in mesh_to_impl.items()}
         self.store = VariableStore(self.program, impls)
         if materialize:
-            self.store.initialize(self.planner.variable_ops)
+            self.store.initialize(self.planner.variable_ops, lazy=init == "lazy")
         self.session = Session(self.program, impls, self.store, mode, bucket_bytes)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 

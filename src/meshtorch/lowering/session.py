@@ -2,8 +2,10 @@
 
 Run semantics (stricter than Mesh TF): within one run every read of a variable sees its value from
 before the run, and assignments take effect together at the end, so results never depend on the
-order the steps happen to execute in. Random ops draw fresh values on every run: the number of
-completed runs (:attr:`Session.run_count`) is part of their key.
+order the steps happen to execute in. Assignments are written in place into the variables' storage
+(:meth:`~meshtorch.lowering.variables.VariableStore.commit`: a variable's slices keep their storage
+from run to run); fetched results that alias a written variable are copies. Random ops draw fresh
+values on every run: the number of completed runs (:attr:`Session.run_count`) is part of their key.
 """
 
 from __future__ import annotations
@@ -185,6 +187,8 @@ class Session:
                                 f"pass feeds={{{name}: tensor}}.")
             env[s] = self.import_slices(name, feeds[name]) if feed_slices else self.impls[spec.mesh].import_full(
                 check_full(name, spec, _as_torch(feeds[name])), TensorLayout(spec.layout))
+        if self.store.pending:
+            self.store.draw_pending([name for name, _ in plan.var_reads])
         for name, s in plan.var_reads:
             env[s] = self.store.values[name]
         count_now = self.run_count
@@ -210,8 +214,8 @@ class Session:
                 results.append(local[0] if len(local) == 1 else local)
             else:
                 results.append(impl.export_full(env[s], TensorLayout(spec.layout)))
-        for name, s in plan.assignments:
-            self.store.values[name] = self.store.impl(name).materialize(env[s])
+        if plan.assignments:  # written in place into the variables' storage (VariableStore.commit)
+            results = self.store.commit([(name, env[s]) for name, s in plan.assignments], results)
         self.counters.add(plan.counters)
         self.run_count += 1
         return results

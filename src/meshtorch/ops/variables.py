@@ -79,13 +79,23 @@ class Variable(Operation):
 
     def initial_value(self, impl, layout):
         """The laid-out initial value on ``impl`` in ``layout``: each processor draws only its slice
-        (counter-based, so the values are the same under every layout)."""
+        (counter-based, so the values are the same under every layout), in chunks straight into the slice
+        (see :data:`meshtorch.ops.initializers.DRAW_CHUNK`); processors holding the same slice on the
+        same device share one drawn tensor."""
         out = self.outputs[0]
         sizes = impl.slice_shape(out.shape, layout)
         master = self.variable_dtype.master_dtype
-        make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name)
-        return impl.laid_out_constant(
-            lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
+        make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name,
+                                         out_dtype=None if out.dtype == master else out.dtype)
+        drawn: dict = {}
+
+        def draw(p):
+            begin, device = tuple(impl.slice_begin(out.shape, p, layout)), impl.device(p)
+            if (begin, device) not in drawn:
+                drawn[begin, device] = make(begin, sizes, device)
+            return drawn[begin, device]
+
+        return impl.laid_out_constant(draw)
 
 
 def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype=None, slice_dtype=None,
