@@ -33,6 +33,13 @@ __all__ = ["Lowering", "Program", "Session", "Step", "SubProgram", "VariableStor
            "Planner"]
 
 
+def _reduces_low_precision(graph: Graph, program: Program) -> bool:
+    """Does ``program`` all-reduce a tensor of ``graph`` whose dtype is narrower than 32 bits?"""
+    reduced = {st.collective.tensor for st in program.steps
+               if st.collective is not None and st.collective.kind == "allreduce"}
+    return any(t.name in reduced and t.dtype.itemsize < 4 for op in graph.operations for t in op.outputs)
+
+
 class _VariablesByOp(MutableMapping):
     """``{Variable op: laid-out value}`` over the variable store (Mesh TF-era access)."""
 
@@ -75,7 +82,10 @@ class Lowering:
             ``torch.compile``); see :class:`~meshtorch.lowering.session.Session`.
         bucket_bytes: > 0 issues the SUM all-reduces of a run (data-parallel gradient sums) in buckets
             of at most that many bytes per processor, one collective call each (DDP's buckets); the
-            counters and results are the same.
+            counters and results are the same. Default (None): the largest ``default_bucket_bytes`` of the
+            mesh implementations (25 MiB on :class:`~meshtorch.SpmdMeshImpl`, DDP's default; 0 on the
+            placement mesh), or 0 when the program all-reduces a low-precision (16-bit) tensor: a flat
+            bucket makes gloo add its elements in another order, which bfloat16 rounding shows.
         init: ``"random"`` draws every variable's initial value now (each process its own slices, in
             chunks: the transient stays small whatever the model's size); ``"lazy"`` draws a variable
             only when a run (or ``variable_value``) first needs it, so variables a checkpoint restore or
@@ -94,9 +104,13 @@ class Lowering:
     """
 
     def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
-                 materialize: bool = True, mode: str = "codegen", bucket_bytes: int = 0, init: str = "random"):
+                 materialize: bool = True, mode: str = "codegen", bucket_bytes: int | None = None,
+                 init: str = "random"):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Lowering: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
+        default_buckets = bucket_bytes is None
+        if default_buckets:
+            bucket_bytes = max([int(getattr(i, "default_bucket_bytes", 0)) for i in mesh_to_impl.values()], default=0)
         if not (isinstance(bucket_bytes, int) and bucket_bytes >= 0):
             raise ValueError(f"Lowering: bucket_bytes must be an int >= 0 (0: no buckets), got {bucket_bytes!r}.")
         if init not in ("random", "lazy"):
@@ -105,6 +119,8 @@ class Lowering:
         self.materialize = materialize
         self.planner = Planner(graph, dict(mesh_to_impl))
         self.program = self.planner.program
+        if default_buckets and bucket_bytes and _reduces_low_precision(graph, self.program):
+            bucket_bytes = 0
         impls = {m.name: i for m, i in mesh_to_impl.items()}
         self.store = VariableStore(self.program, impls)
         if materialize:

@@ -42,9 +42,15 @@ class MeshImpl:
     A rule naming a mesh axis the mesh lacks is ignored (as in Mesh TF), so one set of rules
     serves several meshes.
 
+    Attributes:
+        default_bucket_bytes: the gradient bucket size a :class:`~meshtorch.Lowering` uses on this mesh
+            when none is given (0: one collective per variable; the SPMD mesh: DDP's 25 MiB).
+
     Raises:
         LayoutError: on a malformed rule.
     """
+
+    default_bucket_bytes: int = 0
 
     def __init__(self, shape, layout_rules, storage=None, reshard_after_forward: bool = True, prefetch: int = 1):
         self.shape: Shape = convert_to_shape(shape)

@@ -20,10 +20,12 @@ from meshtorch.ops import rng
 from meshtorch.ops._util import dim_names
 
 #: Elements drawn per chunk: the transient of a draw is ~40 bytes per chunk element (int64 index and hash
-#: temporaries), whatever the variable's size. 32768 is PyTorch's elementwise grain size, so a chunk's ops
-#: never split across threads: every element but the slice's last few takes the vectorised path, and
-#: the values do not depend on the thread count (a multiple of 64, so no chunk but the last has a tail).
-DRAW_CHUNK = 32768
+#: temporaries), whatever the variable's size. 8192 keeps every int64 temporary (64 KiB) under glibc's
+#: default mmap threshold (128 KiB), so temporaries are recycled from the heap rather than mapped and
+#: faulted in at every op; it is below PyTorch's elementwise grain size (32768), so a chunk's ops never
+#: split across threads: every element but the slice's last few takes the vectorised path, and the values
+#: do not depend on the thread count (a multiple of 64, so no chunk but the last has a scalar tail).
+DRAW_CHUNK = 8192
 
 
 def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: int, key: str, draw, mul: float,

@@ -240,7 +240,8 @@ def main_train(args) -> dict:
     cfg = preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv,
                  d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
                  activation=args.activation, norm=args.norm, gated=args.gated or None, vocab_size=tok.vocab_size,
-                 vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts)
+                 vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts,
+                 remat=getattr(args, "remat", None))
     if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
         raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
                          f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
