@@ -63,6 +63,9 @@ def add_train_subcommand(subparsers) -> None:
                         "step compiles, tens of seconds on a CPU; plans with dropout stay uncompiled)")
     p.add_argument("--compile", dest="executor", action="store_const", const="compile",
                    help="shorthand for --executor compile")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the whole job's peak FLOP/s in TFLOP/s, the MFU denominator (default: a float32 matmul "
+                        "loop measured at start, the best of several rounds, scaled to the job's cores)")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="issue gradient all-reduces (and, with --storage, weight all-gathers and gradient "
                         "reduce-scatters) in buckets of at most this many MiB per processor, one collective call "
