@@ -5,6 +5,8 @@ Every optimizer's step must leave each variable slice (parameters and slots) at 
 and plain PyTorch for SGD) gives; lazily created lowerings draw nothing a restore sets first.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -125,3 +127,47 @@ def test_lazy_init_draws_nothing_that_is_set_and_the_rest_as_random(monkeypatch)
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="init must be"):
         mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")}, init="meta")
+
+
+def _donated(lw, fetches):
+    plan = lw.session.plan(lw._fetch_keys(fetches))
+    return [st.op for st in plan.steps if isinstance(st.fn, functools.partial) and st.fn.keywords.get("donate")]
+
+
+def test_fused_adam_updates_in_place_on_a_one_processor_mesh_with_the_same_values():
+    torch.manual_seed(0)
+    x_val, y_val = torch.randn(8, 8), torch.randn(8, 4)
+    runs = {}
+    for mesh_shape in ("", "all:2"):  # one processor: donated; two (shared replicas): copies
+        g, mesh, loss, updates = _model("adamw_fused", x_val, y_val)
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, "")})
+        before = _ptrs(lw)
+        losses = [lw.run([loss] + updates)[0].item() for _ in range(3)]
+        assert _ptrs(lw) == before
+        runs[mesh_shape] = losses, {n: lw.variable_value(n) for n in lw.store.names}, _donated(lw, [loss] + updates)
+    assert len(runs[""][2]) == 2 and runs["all:2"][2] == []  # both fused updates write in place on ""
+    torch.testing.assert_close(runs[""][0], runs["all:2"][0], rtol=0, atol=0)
+    for n, v in runs[""][1].items():
+        torch.testing.assert_close(v, runs["all:2"][1][n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reader", ["matmul", "elementwise"])
+def test_no_in_place_update_where_a_later_step_or_a_fetch_reads_the_variable(reader):
+    torch.manual_seed(0)
+    x_val, y_val = torch.randn(8, 8), torch.randn(8, 4)
+    g, mesh, loss, updates = _model("adamw_fused", x_val, y_val)
+    w1 = g.name_to_variable["w1"].outputs[0]
+    # built after the update, so lowered after it: a matmul (a new tensor) or an elementwise op (maybe a view)
+    ones = mtf.import_tensor(mesh, torch.ones(8), "a:8")
+    probe = (mtf.reduce_sum(mtf.einsum([ones, w1], output_shape="h:8")) if reader == "matmul"
+             else mtf.reduce_sum(mtf.square(w1)))
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")})
+    w_before = lw.variable_value("w1")
+    total = lw.run([probe] + updates)[0]
+    assert len(_donated(lw, [probe] + updates)) == 1  # w2's update only
+    want = w_before.sum() if reader == "matmul" else (w_before ** 2).sum()
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)  # the pre-run value
+    assert not torch.equal(lw.variable_value("w1"), w_before)
+    fetched = lw.run([w1] + updates)[0]  # a fetched variable is not updated in place either
+    assert len(_donated(lw, [w1] + updates)) == 1
+    assert not torch.equal(lw.variable_value("w1"), fetched)

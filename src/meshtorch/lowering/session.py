@@ -20,6 +20,7 @@ from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering import codegen, executor
 from meshtorch.lowering.counters import Counters
+from meshtorch.lowering.donate import donate_inputs
 from meshtorch.lowering.planner import mesh_record
 from meshtorch.lowering.program import Program, count, frees_after, select_steps
 from meshtorch.lowering.schedule import bucket_gathers, bucket_reductions, prefetch_gathers
@@ -141,11 +142,12 @@ class Session:
         prefetch = max([impl.prefetch for impl in self.impls.values() if impl.storage_rules.pairs], default=0)
         steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, self.bucket_bytes), prefetch),
                                   self.bucket_bytes)
+        var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
+        steps = donate_inputs(steps, {s for _, s in var_reads}, keep, self.impls)  # in-place updates
         frees = frees_after(steps, keep)
         return Plan(steps, frees,
                     [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
-                    [(n, t.slot) for n, t in p.variables.items() if t.slot in needed],
-                    assignments, fetch_slots, c)
+                    var_reads, assignments, fetch_slots, c)
 
     def run(self, fetches: tuple, feeds: dict, feed_slices: bool = False, return_slices: bool = False) -> list:
         """Execute ``fetches`` (see :meth:`plan`) with ``feeds`` = ``{placeholder name: value}``.
