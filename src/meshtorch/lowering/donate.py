@@ -4,7 +4,8 @@ A run's reads see the values from before the run (:mod:`meshtorch.lowering.sessi
 can therefore overwrite a variable's slice in place only when nothing reads that slice, or anything
 sharing its storage, after the update. :func:`donate_inputs` marks such steps: a slicewise step whose
 kernel declares ``donates`` (the input positions it can update in place when called with
-``donate=True``, e.g. the fused Adam kernel's weight and moments) gets ``donate=True`` when, for each
+``donate=True``, returned as its first outputs in that order, e.g. the fused Adam kernel's weight and
+moments) gets ``donate=True`` when, for each
 of those inputs,
 
 * the input is a variable read (the store's own tensor) that the run does not fetch;
@@ -41,6 +42,14 @@ def _fresh(st: Step, impl) -> bool:
     if st.kind in ("allgather", "allgather_bucket"):
         return impl.shape[st.params["mesh_axis"]].size > 1
     return False
+
+
+def donated_outputs(st: Step) -> int:
+    """How many of ``st``'s leading outputs are its donated inputs updated in place (0 unless
+    :func:`donate_inputs` marked it): output ``k`` is input ``donates[k]``, so it allocates nothing."""
+    if st.kind != "slicewise" or not (isinstance(st.fn, functools.partial) and st.fn.keywords.get("donate")):
+        return 0
+    return len(getattr(_kernel(st.fn), "donates", ()))
 
 
 def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict) -> list[Step]:
