@@ -185,6 +185,15 @@ def worker(run: str, cfg_kw: dict, steps: int, peer_optim: str, first_step: int)
             "build_s": build_s}
 
 
+def predict_worker(run: str, cfg_kw: dict) -> int:
+    """The planner's per-rank total for a meshtorch ``run`` on a dry-run lowering (nothing allocated)."""
+    cfg = config(**cfg_kw)
+    lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
+    impl = mtf.SpmdMeshImpl(f"data:{RANKS}", "batch:data", storage="d_model:data" if run == "fsdp" else None)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+    return memory_report(lw, [lm.loss] + lm.updates).total_bytes
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per job (after one warm-up step)")
@@ -194,6 +203,7 @@ def main(argv=None):
     ap.add_argument("--peer-optim", default="fused", choices=["fused", "foreach"],
                     help="torch.optim.AdamW implementation of DDP and FSDP2")
     ap.add_argument("--layers", type=int, default=12, help="(smaller for a quick check)")
+    ap.add_argument("--predict-only", action="store_true", help="print the planner's per-rank totals and stop")
     args = ap.parse_args(argv)
     cfg_kw = {"micro_batch": args.micro_batch, "num_layers": args.layers}
     cfg = config(**cfg_kw)
@@ -203,6 +213,12 @@ def main(argv=None):
           f"{args.micro_batch} sequence(s); 1 thread each; peers' AdamW: {args.peer_optim}; all eager; "
           f"torch {torch.__version__}, {os.cpu_count()} cores")
     runs = args.runs.split(",")
+    if args.predict_only:
+        for run in [r for r in runs if r in ("dp", "fsdp")]:
+            pred = run_spmd("scale_124m:predict_worker", args=(run, cfg_kw), nprocs=RANKS, timeout_s=1800,
+                            dist_timeout_s=1800, extra_path=[HERE]).check().results[0]
+            print(f"{run}: planner per-rank total {pred / MIB:.0f} MiB")
+        return
     results: dict = {r: [] for r in runs}
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     for rnd in range(args.rounds):
