@@ -224,7 +224,8 @@ def main(argv=None):
     for rnd in range(args.rounds):
         for run in runs:
             res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
-                           nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE], env=env).check().results
+                           nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
+                           env=env).check().results
             results[run].append(res)
             t = [x for r in res for x in r["times"]]
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.2f} (min {min(t):.2f}, max "
