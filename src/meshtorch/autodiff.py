@@ -9,6 +9,7 @@ pass is laid out by the same rules as the forward pass and lowered like everythi
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 
 from meshtorch.core.graph import Operation, Tensor
@@ -84,11 +85,20 @@ def gradients(ys, xs, grad_ys=None, operations=None) -> list[Tensor | None]:
     return [grads.get(x) for x in xs]
 
 
-def _clone_operations(ops: Sequence[Operation], mapping: dict) -> None:
+def _lower_kept(op: Operation, originals: list, lw):
+    """Lowering of a kept clone ``op`` (``recompute_grad(keep=...)``): its outputs are the forward pass's
+    values ``originals``."""
+    for new, old in zip(op.outputs, originals, strict=True):
+        lw.set(new, lw.get(old))
+
+
+def _clone_operations(ops: Sequence[Operation], mapping: dict, keep: Callable | None = None) -> None:
     """Append a copy of each op (in order) reading ``mapping``'s tensors; map old outputs to new ones.
 
     A clone keeps its original's name, so anything keyed by the op name (the counter-based random
-    ops) produces exactly the same values when recomputed.
+    ops) produces exactly the same values when recomputed. An op with ``keep(op)`` true is not
+    recomputed: its clone (whose gradient rule is the original's, on the recomputed inputs) lowers to
+    the forward pass's output values, which therefore stay alive until the backward pass.
     """
     for op in ops:
         if isinstance(op, WhileLoopOperation):
@@ -97,23 +107,26 @@ def _clone_operations(ops: Sequence[Operation], mapping: dict) -> None:
         new = copy.copy(op)
         new.inputs = [mapping.get(t, t) for t in op.inputs]
         new.outputs = [Tensor(new, t.shape, t.dtype, index=t.index, name=t.name) for t in op.outputs]
+        if keep is not None and keep(op):
+            new.lower = functools.partial(_lower_kept, new, list(op.outputs))
         op.graph.operations.append(new)
         mapping.update(zip(op.outputs, new.outputs, strict=True))
 
 
-def _recompute_grad_fn(explicit_inputs, all_inputs, forward_operations, outputs, output_grads):
+def _recompute_grad_fn(explicit_inputs, all_inputs, forward_operations, outputs, output_grads, keep=None):
     if all(g is None for g in output_grads):
         return [None] * len(all_inputs)
     # differentiate w.r.t. fresh copies of the inputs, so that no gradient leaks from one input to
     # another through the ops that computed them (the outer backward pass handles those)
     proxies = [identity(t, name="recompute_input") for t in all_inputs]
     mapping = dict(zip(all_inputs, proxies, strict=True))
-    _clone_operations(forward_operations, mapping)
+    _clone_operations(forward_operations, mapping, keep)
     pairs = [(mapping[y], g) for y, g in zip(outputs, output_grads, strict=True) if g is not None]
     return gradients([y for y, _ in pairs], proxies, [g for _, g in pairs])
 
 
-def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=True) -> Tensor | list[Tensor]:
+def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=True,
+                   keep: Callable[[Operation], bool] | None = None) -> Tensor | list[Tensor]:
     """``fn(*explicit_inputs)``, recomputed in the backward pass instead of kept (Mesh TF ``mtf.recompute_grad``).
 
     Activation checkpointing: the backward pass rebuilds ``fn``'s forward operations from the inputs
@@ -125,7 +138,12 @@ def recompute_grad(fn: Callable, explicit_inputs, control_dependencies=True) -> 
     ``control_dependencies`` (Mesh TF: whether the recomputation waits for the backward pass) is accepted and ignored:
     a meshtorch program runs its steps in order, so the recomputation already follows them.
 
+    ``keep`` (ours; PyTorch's selective activation checkpointing policies): ops ``fn`` builds for which
+    ``keep(op)`` is true are not recomputed; their forward outputs are kept for the backward pass
+    (e.g. keep matmul outputs, recompute the cheap elementwise ops).
+
     Returns:
         what ``fn`` returns. Raises NotImplementedError if ``fn`` contains a while_loop.
     """
-    return custom_gradient(fn, _recompute_grad_fn, explicit_inputs)
+    grad_fn = _recompute_grad_fn if keep is None else functools.partial(_recompute_grad_fn, keep=keep)
+    return custom_gradient(fn, grad_fn, explicit_inputs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshtorch.cli._help import HelpFormatter
-from meshtorch.models.transformer import PRESETS
+from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.runtime.hf_jobs import run_train
 from meshtorch.runtime.train import DEFAULT_LAYOUT, DEFAULT_MESH
 
@@ -25,6 +25,10 @@ def add_train_subcommand(subparsers) -> None:
                    help="feed-forward activation (default: the preset's)")
     p.add_argument("--gated", action="store_true", help="gated feed-forward (GEGLU/SwiGLU)")
     p.add_argument("--norm", default=None, choices=["rms", "layer"], help="normalization (default: the preset's)")
+    p.add_argument("--remat", default="none", choices=list(REMAT_POLICIES),
+                   help="activation checkpointing: none; block (recompute each block's activations in the backward "
+                        "pass, keep only block inputs); selective (keep matmul and attention outputs, recompute the "
+                        "elementwise ops). The planner's memory check counts it")
     p.add_argument("--mesh", default=DEFAULT_MESH,
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
                         "processor")
@@ -60,10 +64,14 @@ def add_train_subcommand(subparsers) -> None:
                         "step compiles, tens of seconds on a CPU; plans with dropout stay uncompiled)")
     p.add_argument("--compile", dest="executor", action="store_const", const="compile",
                    help="shorthand for --executor compile")
-    p.add_argument("--bucket-mb", type=float, default=0.0,
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the whole job's peak FLOP/s in TFLOP/s, the MFU denominator (default: a float32 matmul "
+                        "loop measured at start, the best of several rounds, scaled to the job's cores)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="issue gradient all-reduces (and, with --storage, weight all-gathers and gradient "
                         "reduce-scatters) in buckets of at most this many MiB per processor, one collective call "
-                        "each (DDP's bucket_cap_mb, FSDP's flat parameters; 0: one call per variable)")
+                        "each (DDP's bucket_cap_mb and its default 25, FSDP's flat parameters; 0: one call per "
+                        "variable)")
     p.add_argument("--async-collectives", action="store_true", default=None,
                    help="under torchrun: start collectives asynchronously and wait at first use, so they overlap "
                         "compute (DDP's / FSDP's overlap; the default on CUDA, off on CPU where gloo competes with "

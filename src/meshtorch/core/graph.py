@@ -134,6 +134,9 @@ class Operation:
     differentiable: bool = True
     #: sees tensors in their storage layout (variables, assignments, ops built in Graph.storage_scope)
     storage_side: bool = False
+    #: elementwise: when every consumer of its output is storage-side, it may be too (``mtf.assign``
+    #: propagates the storage layout back through such ops, as GSPMD propagates shardings)
+    storage_propagates: bool = False
     #: sharding strategy for partial sums, declared as data and applied by the planner's
     #: ``inputs(op)``: None (every input fully reduced first), ``"linear"`` (linear in all inputs jointly:
     #: inputs that are all partial sums over the same mesh axes stay so, and so does the output, e.g.

@@ -49,6 +49,13 @@ def _backend(x) -> MeshImpl:
     raise TypeError(f"Lowering: expected a MeshImpl or a MeshSpec per mesh, got {type(x).__name__}.")
 
 
+def _reduces_low_precision(graph: Graph, program: Program) -> bool:
+    """Does ``program`` all-reduce a tensor of ``graph`` whose dtype is narrower than 32 bits?"""
+    reduced = {st.collective.tensor for st in program.steps
+               if st.collective is not None and st.collective.kind == "allreduce"}
+    return any(t.name in reduced and t.dtype.itemsize < 4 for op in graph.operations for t in op.outputs)
+
+
 class _VariablesByOp(MutableMapping):
     """``{Variable op: laid-out value}`` over the variable store (Mesh TF-era access)."""
 
@@ -56,9 +63,11 @@ class _VariablesByOp(MutableMapping):
         self.store, self.ops = store, ops
 
     def __getitem__(self, var):
+        self.store.draw_pending([var.name])
         return self.store.values[var.name]
 
     def __setitem__(self, var, value):
+        self.store.pending.pop(var.name, None)
         self.store.values[var.name] = value
 
     def __delitem__(self, var):
@@ -90,7 +99,15 @@ class Lowering:
             ``torch.compile``); see :class:`~meshtorch.lowering.session.Session`.
         bucket_bytes: > 0 issues the SUM all-reduces of a run (data-parallel gradient sums) in buckets
             of at most that many bytes per processor, one collective call each (DDP's buckets); the
-            counters and results are the same.
+            counters and results are the same. Default (None): the largest ``default_bucket_bytes`` of the
+            mesh implementations (25 MiB on :class:`~meshtorch.SpmdMeshImpl`, DDP's default; 0 on the
+            placement mesh), or 0 when the program all-reduces a low-precision (16-bit) tensor: a flat
+            bucket makes gloo add its elements in another order, which bfloat16 rounding shows.
+        init: ``"random"`` draws every variable's initial value now (each process its own slices, in
+            chunks: the transient stays small whatever the model's size); ``"lazy"`` draws a variable
+            only when a run (or ``variable_value``) first needs it, so variables a checkpoint restore or
+            a state-dict import sets first (``set_variable_value`` / ``set_variable_slices``) are never
+            drawn. The values are the same either way.
 
     Attributes:
         program: the :class:`Program`; ``session``: the :class:`Session`; ``store``: the
@@ -100,25 +117,33 @@ class Lowering:
         LayoutError: naming the tensor and dimension, if the layout rules are illegal for some
             tensor of the graph (size not divisible, two dims on one mesh axis, a dim an op needs
             whole is split).
-        ValueError: an unknown ``mode`` or a negative ``bucket_bytes``, before planning.
+        ValueError: an unknown ``mode`` or ``init``, or a negative ``bucket_bytes``, before planning.
     """
 
     def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
-                 materialize: bool = True, mode: str = "codegen", bucket_bytes: int = 0):
+                 materialize: bool = True, mode: str = "codegen", bucket_bytes: int | None = None,
+                 init: str = "random"):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Lowering: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
+        impls_by_mesh = {m: _backend(v) for m, v in mesh_to_impl.items()}
+        default_buckets = bucket_bytes is None
+        if default_buckets:
+            bucket_bytes = max([int(i.default_bucket_bytes) for i in impls_by_mesh.values()], default=0)
         if not (isinstance(bucket_bytes, int) and bucket_bytes >= 0):
             raise ValueError(f"Lowering: bucket_bytes must be an int >= 0 (0: no buckets), got {bucket_bytes!r}.")
+        if init not in ("random", "lazy"):
+            raise ValueError(f"Lowering: init must be 'random' or 'lazy', got {init!r}.")
         self.graph = graph
         self.materialize = materialize
-        impls_by_mesh = {m: _backend(v) for m, v in mesh_to_impl.items()}
         self.planner = Planner(graph, {m: i.spec for m, i in impls_by_mesh.items()})
         self.program = self.planner.program
         self._mesh_to_impl = impls_by_mesh
+        if default_buckets and bucket_bytes and _reduces_low_precision(graph, self.program):
+            bucket_bytes = 0
         impls = {m.name: i for m, i in impls_by_mesh.items()}
         self.store = VariableStore(self.program, impls)
         if materialize:
-            self.store.initialize(self.planner.variable_ops)
+            self.store.initialize(self.planner.variable_ops, lazy=init == "lazy")
         self.session = Session(self.program, impls, self.store, mode, bucket_bytes)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 

@@ -2,8 +2,10 @@
 
 Run semantics (stricter than Mesh TF): within one run every read of a variable sees its value from
 before the run, and assignments take effect together at the end, so results never depend on the
-order the steps happen to execute in. Random ops draw fresh values on every run: the number of
-completed runs (:attr:`Session.run_count`) is part of their key.
+order the steps happen to execute in. Assignments are written in place into the variables' storage
+(:meth:`~meshtorch.lowering.variables.VariableStore.commit`: a variable's slices keep their storage
+from run to run); fetched results that alias a written variable are copies. Random ops draw fresh
+values on every run: the number of completed runs (:attr:`Session.run_count`) is part of their key.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering import codegen, executor
 from meshtorch.lowering.counters import Counters
+from meshtorch.lowering.donate import donate_inputs
 from meshtorch.lowering.planner import mesh_record
 from meshtorch.lowering.program import Program, count, frees_after, select_steps
 from meshtorch.lowering.schedule import bucket_gathers, bucket_reductions, prefetch_gathers
@@ -157,11 +160,12 @@ class Session:
         prefetch = max([impl.prefetch for impl in self.impls.values() if impl.storage_rules.pairs], default=0)
         steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, self.bucket_bytes), prefetch),
                                   self.bucket_bytes)
+        var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
+        steps = donate_inputs(steps, {s for _, s in var_reads}, keep, self.impls)  # in-place updates
         frees = frees_after(steps, keep)
         return Plan(steps, frees,
                     [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
-                    [(n, t.slot) for n, t in p.variables.items() if t.slot in needed],
-                    assignments, fetch_slots, c)
+                    var_reads, assignments, fetch_slots, c)
 
     def run(self, fetches: tuple, feeds: dict, feed_slices: bool = False, return_slices: bool = False) -> list:
         """Execute ``fetches`` (see :meth:`plan`) with ``feeds`` = ``{placeholder name: value}``.
@@ -204,6 +208,8 @@ class Session:
                                 f"pass feeds={{{name}: tensor}}.")
             env[s] = self.import_slices(name, feeds[name]) if feed_slices else self.impls[spec.mesh].import_full(
                 check_full(name, spec, _as_torch(feeds[name])), TensorLayout(spec.layout))
+        if self.store.pending:
+            self.store.draw_pending([name for name, _ in plan.var_reads])
         for name, s in plan.var_reads:
             env[s] = self.store.values[name]
         count_now = self.run_count
@@ -240,8 +246,8 @@ class Session:
                 results.append(local[0] if len(local) == 1 else local)
             else:
                 results.append(impl.export_full(env[s], TensorLayout(spec.layout)))
-        for name, s in plan.assignments:
-            self.store.values[name] = self.store.impl(name).materialize(env[s])
+        if plan.assignments:  # written in place into the variables' storage (VariableStore.commit)
+            results = self.store.commit([(name, env[s]) for name, s in plan.assignments], results)
         self.counters.add(Counters.from_records(executed, plan.counters.einsum_flops + self._loops.einsum_flops, 1))
         if plan.compiled:  # the loops' planned collectives: a compiled run's are not recorded
             for c, n in self._loops.records.items():

@@ -55,6 +55,7 @@ class VariableStore:
         self.impls = impls
         self.trainable = set(program.trainable)
         self.values: dict[str, object] = {name: None for name in self.specs}
+        self.pending: dict = {}  # lazily created variables not drawn yet: {name: Variable op}
 
     def _spec(self, name: str) -> TensorSlot:
         try:
@@ -76,19 +77,81 @@ class VariableStore:
     def shape(self, name: str) -> Shape:
         return spec_shape(self._spec(name))
 
-    def initialize(self, variable_ops: dict):
+    def initialize(self, variable_ops: dict, lazy: bool = False):
         """Draw initial values: ``variable_ops[name].initial_value(impl, layout)`` for every variable that
         ``variable_ops`` names (all of them from :class:`~meshtorch.Lowering`; a subset when the others are
-        set slice by slice, e.g. by :func:`meshtorch.checkpoint.hf.load`)."""
-        for name in self.specs:
-            if name not in variable_ops:
-                continue
+        set slice by slice, e.g. by :func:`meshtorch.checkpoint.hf.load`).
+
+        ``lazy``: draw nothing now; a variable is drawn when first needed (a run reading it,
+        :meth:`value`, :meth:`draw_pending`) unless :meth:`set_value` / :meth:`set_slices` (a checkpoint
+        restore, a PyTorch state dict import) gave it a value first, so restored variables are never drawn.
+        """
+        self.pending = {name: variable_ops[name] for name in self.specs if name in variable_ops}
+        if not lazy:
+            self.draw_pending()
+
+    def draw_pending(self, names=None):
+        """Draw the initial values of the lazily created variables ``names`` (default: all) not set yet."""
+        for name in list(self.pending) if names is None else [n for n in names if n in self.pending]:
             impl, layout = self.impl(name), self.layout(name)
-            self.values[name] = impl.share_replicas(variable_ops[name].initial_value(impl, layout), layout)
+            self.values[name] = impl.share_replicas(self.pending.pop(name).initial_value(impl, layout), layout)
+
+    def _storages(self, names) -> set:
+        """Storage addresses of the local slices of variables ``names``."""
+        out = set()
+        for name in names:
+            v = self.values[name]
+            if v is not None:
+                out.update(t.untyped_storage().data_ptr() for t in self.impl(name).local_slices(v)
+                           if isinstance(t, torch.Tensor))
+        return out
 
     def value(self, name: str) -> torch.Tensor:
-        """The full value of variable ``name`` (gathered from its slices)."""
-        return self.impl(name).export_full(self.values[name], self.layout(name))
+        """The full value of variable ``name`` (gathered from its slices); a tensor of its own, which the
+        in-place updates of later runs (:meth:`commit`) do not change."""
+        self.draw_pending([name])
+        full = self.impl(name).export_full(self.values[name], self.layout(name))
+        return full.clone() if full.untyped_storage().data_ptr() in self._storages([name]) else full
+
+    def commit(self, new_values: list, keep: list) -> list:
+        """A run's assignments ``[(variable name, laid-out new value)]``, written in place into the
+        variables' storage (no per-step reallocation of the store: each slice keeps its ``data_ptr``).
+
+        New values that alias the storage of a variable being written (``assign(x, y)`` with ``y`` also
+        assigned) are copied first, so all assignments see the run's values (the session's run semantics);
+        tensors in ``keep`` (the run's fetched results) that alias a written variable are cloned and
+        returned in its place. A value whose slices differ in shape or dtype from the stored ones replaces
+        them. Returns ``keep`` with those clones.
+        """
+        written = self._storages(n for n, _ in new_values)
+
+        def aliased(t):
+            return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in written
+
+        keep = [[t.clone() if aliased(t) else t for t in r] if isinstance(r, list) else
+                (r.clone() if aliased(r) else r) for r in keep]
+        copies = []
+        for name, new in new_values:
+            impl = self.impl(name)
+            new = impl.materialize(new)
+            self.pending.pop(name, None)
+            old = self.values[name]
+            olds = None if old is None else impl.local_slices(old)
+            news = impl.local_slices(new)
+            if olds is None or len(olds) != len(news) or any(
+                    not isinstance(o, torch.Tensor) or o.shape != n.shape or o.dtype != n.dtype
+                    for o, n in zip(olds, news, strict=True)):
+                self.values[name] = new
+                continue
+            for o, n in zip(olds, news, strict=True):
+                if o is not n and o.data_ptr() != n.data_ptr():
+                    copies.append((o, n.clone() if aliased(n) else n))
+        done = set()
+        for o, n in copies:
+            if id(o) not in done:
+                done.add(id(o))
+                o.copy_(n)
+        return keep
 
     def set_value(self, name: str, value):
         """Overwrite variable ``name`` with a full tensor of its shape (cast to its dtype).
@@ -97,6 +160,7 @@ class VariableStore:
             FeedError: naming the variable, if the shape differs.
         """
         value = check_full(name, self._spec(name), value, "Variable").clone()
+        self.pending.pop(name, None)
         self.values[name] = self.impl(name).import_full(value, self.layout(name))
 
     def set_slices(self, name: str, fn: Callable[[int], torch.Tensor]):
@@ -116,6 +180,7 @@ class VariableStore:
             if list(t.shape) != want:
                 raise FeedError(f"set_variable_slices: variable {name!r} {spec_shape(spec)} needs slices of sizes "
                                 f"{want} on processor {p}, got {list(t.shape)}.")
-            return t.to(device=impl.device(p), dtype=spec.dtype)
+            return t.to(device=impl.device(p), dtype=spec.dtype, copy=True)  # runs update it in place
 
+        self.pending.pop(name, None)
         self.values[name] = impl.share_replicas(impl.laid_out_constant(make), layout)

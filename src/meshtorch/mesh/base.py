@@ -35,10 +35,16 @@ class MeshImpl:
     The spec's fields and slice arithmetic are readable on the backend too (``impl.shape``,
     ``impl.tensor_layout(...)``, ...), as in Mesh TF's ``MeshImpl``.
 
+    Attributes:
+        default_bucket_bytes: the gradient bucket size a :class:`~meshtorch.Lowering` uses on this mesh
+            when none is given (0: one collective per variable; the SPMD mesh: DDP's 25 MiB).
+
     Raises:
         LayoutError: on a malformed rule.
         ValueError: ``prefetch`` < 0, or a spec given together with rules.
     """
+
+    default_bucket_bytes: int = 0
 
     def __init__(self, shape, layout_rules=None, storage=None, reshard_after_forward: bool = True, prefetch: int = 1):
         if isinstance(shape, MeshSpec):

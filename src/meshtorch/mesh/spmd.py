@@ -77,7 +77,12 @@ class SpmdMeshImpl(MeshImpl):
 
     Every rank must construct the impl (it creates process groups collectively) and then run the
     same fetches in the same order. Source: Mesh TF ``SimdMeshImpl``; PyTorch ``torch.distributed``.
+
+    A :class:`~meshtorch.Lowering` on this mesh buckets its gradient reductions by default
+    (:attr:`default_bucket_bytes`, 25 MiB: DDP's ``bucket_cap_mb``).
     """
+
+    default_bucket_bytes = 25 * 2 ** 20
 
     def __init__(self, mesh_shape, layout_rules=None, device=None, backend=None, async_collectives: bool | None = None,
                  storage=None, reshard_after_forward: bool = True, async_allreduce: bool | None = None,

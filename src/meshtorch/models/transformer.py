@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from meshtorch import layers, optim
-from meshtorch.autodiff import gradients
+from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
+from meshtorch.ops.einsum import EinsumOperation
 from meshtorch.ops.indexing import gather, one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal_initializer
 from meshtorch.ops.random import dropout
@@ -56,6 +58,7 @@ class LMConfig:
     moe_aux_loss_coef: float = 1e-2
     moe_top_k: int = 2
     moe_min_capacity: int = 4  # Mesh TF's minimum expert capacity
+    remat: str = "none"  # activation checkpointing of the (dense) blocks: "none", "block" or "selective"
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` (0-based) has a Mixture-of-Experts feed-forward."""
@@ -154,6 +157,8 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         ValueError: MoE layers with ``gated=True`` (not implemented).
     """
     c = config
+    if c.remat not in REMAT_POLICIES:
+        raise ValueError(f"build_lm: remat must be one of {', '.join(REMAT_POLICIES)}, got {c.remat!r}.")
     if c.num_experts > 0 and c.gated:
         raise ValueError("build_lm: gated feed-forward is not implemented for MoE layers (num_experts > 0).")
     aux_losses = []
@@ -169,20 +174,11 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     x = _embed(inputs, emb, d) + pos
     x = _dropout(c, x, train)
     for i in range(c.num_layers):
-        h = _norm(c, x, d["d_model"], f"layer_{i}/attention_norm")
-        h = layers.multihead_attention_layer(h, d["heads"], d["d_kv"], "length", causal=True,
-                                           scale=1.0 / math.sqrt(c.d_kv), name=f"layer_{i}/attention")
-        x = x + _dropout(c, h, train)
-        h = _norm(c, x, d["d_model"], f"layer_{i}/ffn_norm")
-        if c.is_moe_layer(i):
-            h, aux = layers.moe_ffn(h, d["experts"], d["d_ff"], capacity_factor=c.expert_capacity_factor,
-                                        top_k=c.moe_top_k, min_expert_capacity=c.moe_min_capacity,
-                                        activation=c.activation, name=f"layer_{i}/moe")
-            aux_losses.append(aux)
-        else:
-            h = layers.dense_act_dense(h, d["d_ff"], activation=c.activation, gated=c.gated,
-                                            name=f"layer_{i}/ffn")
-        x = x + _dropout(c, h, train)
+        if c.remat == "none" or c.is_moe_layer(i):
+            x = _block(c, d, x, i, train, aux_losses)
+        else:  # activation checkpointing: the block's activations are recomputed in the backward pass
+            x = recompute_grad(lambda t, i=i: _block(c, d, t, i, train, aux_losses), [x],
+                               keep=_keeps_matmuls if c.remat == "selective" else None)
     x = _norm(c, x, d["d_model"], "final_norm")
     logits = layers.dense(x, d["vocab"], use_bias=False, name="logits",
                               kernel_initializer=VarianceScalingInitializer(1.0, "fan_in", "normal",
@@ -210,6 +206,35 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
             grads, _ = optim.clip_by_global_norm(grads, clip_norm)
         updates = optimizer.apply_grads(grads, variables)
     return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
+
+
+def _block(c, d, x, i, train, aux_losses):
+    """Layer ``i``: pre-norm self-attention and feed-forward (or MoE) sublayers with residuals."""
+    h = _norm(c, x, d["d_model"], f"layer_{i}/attention_norm")
+    h = layers.multihead_attention_layer(h, d["heads"], d["d_kv"], "length", causal=True,
+                                         scale=1.0 / math.sqrt(c.d_kv), name=f"layer_{i}/attention")
+    x = x + _dropout(c, h, train)
+    h = _norm(c, x, d["d_model"], f"layer_{i}/ffn_norm")
+    if c.is_moe_layer(i):
+        h, aux = layers.moe_ffn(h, d["experts"], d["d_ff"], capacity_factor=c.expert_capacity_factor,
+                                top_k=c.moe_top_k, min_expert_capacity=c.moe_min_capacity,
+                                activation=c.activation, name=f"layer_{i}/moe")
+        aux_losses.append(aux)
+    else:
+        h = layers.dense_act_dense(h, d["d_ff"], activation=c.activation, gated=c.gated, name=f"layer_{i}/ffn")
+    return x + _dropout(c, h, train)
+
+
+#: ``LMConfig.remat`` / ``meshtorch train --remat``: activation checkpointing policies. ``none`` keeps every
+#: activation; ``block`` recomputes each (dense) block's forward pass in the backward pass, keeping only the
+#: block inputs (:func:`meshtorch.autodiff.recompute_grad`); ``selective`` keeps the blocks' matmul and
+#: attention outputs and recomputes the elementwise ops (norms, activations, residual adds) from them
+#: (PyTorch's selective activation checkpointing). MoE layers are never recomputed.
+REMAT_POLICIES = ("none", "block", "selective")
+
+
+def _keeps_matmuls(op) -> bool:
+    return isinstance(op, EinsumOperation | AttentionOperation)
 
 
 def _embed(ids, table, d):

@@ -30,6 +30,8 @@ class BinaryOperation(Operation):
     step is registered in :mod:`meshtorch.ops.gradients`, above both families.
     """
 
+    storage_propagates = True
+
     def __init__(self, fn, x: Tensor, y: Tensor, kind: str, output_shape=None, output_dtype=None,
                  name: str | None = None):
         for t, w in ((x, "x"), (y, "y")):

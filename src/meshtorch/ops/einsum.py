@@ -188,3 +188,6 @@ def einsum(xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:
 def matmul(a: Tensor, b: Tensor, output_shape=None, reduced_dims=None, name=None) -> Tensor:
     """``einsum([a, b], ...)`` (Mesh TF ``mtf.matmul``): contracts the dims a and b share by default."""
     return einsum([a, b], output_shape=output_shape, reduced_dims=reduced_dims, name=name or "matmul")
+
+
+_k_matmul.fresh_outputs = True  # a new tensor: in-place updates may follow it (meshtorch.lowering.donate)

@@ -25,6 +25,8 @@ class SlicewiseOperation(Operation):
     (single input, ``fn`` linear) lets a pending lazy all-reduce pass through unforced.
     """
 
+    storage_propagates = True
+
     def __init__(self, fn: Callable, xs: Sequence[Tensor], output_shape=None, output_dtype=None,
                  grad_function=None, name: str | None = None, linear: bool = False,
                  unsplittable_dims: Sequence[str] = ()):

@@ -209,6 +209,9 @@ def _k_gather(weights, idx, begin, *, w_perm, i_perm, nb, n, out_perm):
     return g.reshape(*bshape, *sshape, *rshape).permute(out_perm)
 
 
+_k_gather.fresh_outputs = True  # index_select: a new tensor (meshtorch.lowering.donate)
+
+
 def _k_scatter_add(u, idx, begin, *, u_perm, i_perm, nb, n, w_inv):
     u, idx = u.permute(u_perm), idx.permute(i_perm)
     bshape, sshape = idx.shape[:nb], idx.shape[nb:]

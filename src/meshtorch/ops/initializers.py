@@ -19,25 +19,50 @@ from meshtorch.core.dims import Shape, convert_to_shape
 from meshtorch.ops import rng
 from meshtorch.ops._util import dim_names
 
+#: Elements drawn per chunk: the transient of a draw is ~40 bytes per chunk element (int64 index and hash
+#: temporaries), whatever the variable's size. 8192 keeps every int64 temporary (64 KiB) under glibc's
+#: default mmap threshold (128 KiB), so temporaries are recycled from the heap rather than mapped and
+#: faulted in at every op; it is below PyTorch's elementwise grain size (32768), so a chunk's ops never
+#: split across threads: every element but the slice's last few takes the vectorised path, and the values
+#: do not depend on the thread count (a multiple of 64, so no chunk but the last has a scalar tail).
+DRAW_CHUNK = 8192
+
 
 def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: int, key: str, draw, mul: float,
-                  add: float | None) -> torch.Tensor:
+                  add: float | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A slice (first element ``begin``, ``sizes``) of ``draw(seed, key, index) * mul (+ add)`` over the
-    global indices of a tensor of ``full`` sizes, in ``dtype``; ``draw`` is an :mod:`rng` function."""
-    v = draw(seed, key, rng.global_index(full, begin, sizes, device)) * mul
-    if add is not None:
-        v = v + add
-    return v.to(dtype)
+    global indices of a tensor of ``full`` sizes, rounded to ``dtype`` (then to ``out_dtype`` if given);
+    ``draw`` is an :mod:`rng` function.
+
+    Drawn in chunks of :data:`DRAW_CHUNK` elements straight into the result (float32 arithmetic; only
+    :func:`rng.truncated_normal` uses float64 inside a chunk), so the transient memory is bounded by the
+    chunk, not the slice; each element's value is the same as drawing the whole slice at once.
+    """
+    sizes = tuple(int(s) for s in sizes)
+    out = torch.empty(sizes, dtype=out_dtype or dtype, device=device)
+    flat = out.view(-1)
+    n = flat.numel()
+    for start in range(0, n, DRAW_CHUNK):
+        stop = min(n, start + DRAW_CHUNK)
+        v = draw(seed, key, rng.flat_global_index(full, begin, sizes, start, stop, device)) * mul
+        if add is not None:
+            v = v + add
+        v = v.to(dtype)
+        flat[start:stop].copy_(v if out_dtype is None else v.to(out_dtype))
+    return out
 
 
-def _k_values_slice(begin, sizes, device=None, *, initializer, shape, dtype, seed, key) -> torch.Tensor:
+def _k_values_slice(begin, sizes, device=None, *, initializer, shape, dtype, seed, key,
+                    out_dtype=None) -> torch.Tensor:
     """Fallback for a subclass that only implements ``values`` (its parameters are not plain data)."""
     idx = rng.global_index(shape.to_integer_list(), begin, sizes, device)
-    return initializer.values(shape, dtype, seed, key, idx).to(dtype)
+    v = initializer.values(shape, dtype, seed, key, idx).to(dtype)
+    return v if out_dtype is None else v.to(out_dtype)
 
 
-def _k_fill_slice(begin, sizes, device=None, *, value: float, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full(sizes, value, dtype=dtype, device=device)
+def _k_fill_slice(begin, sizes, device=None, *, value: float, dtype: torch.dtype, out_dtype=None) -> torch.Tensor:
+    v = torch.full(sizes, value, dtype=dtype, device=device)
+    return v if out_dtype is None or out_dtype == dtype else v.to(out_dtype)
 
 
 class Initializer:
@@ -50,14 +75,16 @@ class Initializer:
         the subclass implements only ``values``."""
         return None
 
-    def slice_fn(self, shape: Shape, dtype: torch.dtype, seed: int, key: str):
-        """Kernel ``fn(begin, sizes, device=None) -> torch.Tensor`` computing one slice of the values."""
+    def slice_fn(self, shape: Shape, dtype: torch.dtype, seed: int, key: str, out_dtype: torch.dtype | None = None):
+        """Kernel ``fn(begin, sizes, device=None) -> torch.Tensor`` computing one slice of the values in
+        ``dtype`` (then cast to ``out_dtype`` if given: a variable's master dtype, then its slice dtype)."""
         params = self.draw_params(shape)
         if params is None:
-            return functools.partial(_k_values_slice, initializer=self, shape=shape, dtype=dtype, seed=seed, key=key)
+            return functools.partial(_k_values_slice, initializer=self, shape=shape, dtype=dtype, seed=seed, key=key,
+                                     out_dtype=out_dtype)
         draw, mul, add = params
         return functools.partial(_k_draw_slice, full=tuple(shape.to_integer_list()), dtype=dtype, seed=seed,
-                                 key=key, draw=draw, mul=mul, add=add)
+                                 key=key, draw=draw, mul=mul, add=add, out_dtype=out_dtype)
 
     def values(self, shape, dtype, seed, key, index):
         params = self.draw_params(shape)
@@ -72,8 +99,8 @@ class _Fill(Initializer):
     def __init__(self, value: float):
         self.value = value
 
-    def slice_fn(self, shape, dtype, seed, key):
-        return functools.partial(_k_fill_slice, value=self.value, dtype=dtype)
+    def slice_fn(self, shape, dtype, seed, key, out_dtype=None):
+        return functools.partial(_k_fill_slice, value=self.value, dtype=dtype, out_dtype=out_dtype)
 
     def __repr__(self):
         return f"constant_initializer({self.value})"

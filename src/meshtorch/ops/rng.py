@@ -51,6 +51,22 @@ def global_index(full_sizes, begin, slice_sizes, device=None) -> torch.Tensor:
     return idx.expand(*slice_sizes) if n else idx
 
 
+def flat_global_index(full_sizes, begin, slice_sizes, start: int, stop: int, device=None) -> torch.Tensor:
+    """1-D int64 tensor: the row-major indices in the full tensor of the slice's elements at flat (row-major)
+    positions ``start .. stop - 1`` of the slice; equal to ``global_index(...).reshape(-1)[start:stop]``
+    without materialising the whole slice's indices (chunked initialisation, :mod:`meshtorch.ops.initializers`)."""
+    k = torch.arange(start, stop, dtype=torch.int64, device=device)
+    idx = torch.zeros(stop - start, dtype=torch.int64, device=device)
+    stride = 1
+    for i in reversed(range(len(full_sizes))):
+        c = k % slice_sizes[i] if i else k
+        idx += (c + begin[i]) * stride
+        if i:
+            k = k.div(slice_sizes[i], rounding_mode="floor")
+        stride *= full_sizes[i]
+    return idx
+
+
 def random_bits(seed: int, key: str, index: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """32 random bits (in int64) per element of ``index`` for stream ``stream``."""
     k0, k1 = key_words(seed, f"{key}#{stream}")

@@ -79,13 +79,23 @@ class Variable(Operation):
 
     def initial_value(self, impl, layout):
         """The laid-out initial value on ``impl`` in ``layout``: each processor draws only its slice
-        (counter-based, so the values are the same under every layout)."""
+        (counter-based, so the values are the same under every layout), in chunks straight into the slice
+        (see :data:`meshtorch.ops.initializers.DRAW_CHUNK`); processors holding the same slice on the
+        same device share one drawn tensor."""
         out = self.outputs[0]
         sizes = impl.slice_shape(out.shape, layout)
         master = self.variable_dtype.master_dtype
-        make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name)
-        return impl.laid_out_constant(
-            lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
+        make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name,
+                                         out_dtype=None if out.dtype == master else out.dtype)
+        drawn: dict = {}
+
+        def draw(p):
+            begin, device = tuple(impl.slice_begin(out.shape, p, layout)), impl.device(p)
+            if (begin, device) not in drawn:
+                drawn[begin, device] = make(begin, sizes, device)
+            return drawn[begin, device]
+
+        return impl.laid_out_constant(draw)
 
 
 def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype=None, slice_dtype=None,
@@ -164,6 +174,8 @@ class Assign(Operation):
             if set(var.shape.dimension_names) != set(val.shape.dimension_names):
                 raise ShapeError(f"assign: variable {var.name!r} has shape {var.shape} but the new value "
                                  f"{val.name!r} has shape {val.shape}; the dims must match.")
+        for val in new_values:
+            propagate_storage(val)
 
     differentiable = False
     storage_side = True  # the new value is laid out as the variable is stored
@@ -176,6 +188,37 @@ class Assign(Operation):
             if a is not None or val.dtype != dtype:
                 slot = lw.slicewise(functools.partial(_k_assign_value, align=a, dtype=dtype), slot)
             lw.register_assignment(self, var, slot)
+
+
+def propagate_storage(value: Tensor):
+    """Lay out the ops computing an assignment's new value as the variable is stored (its storage layout).
+
+    Walks back from ``value`` through elementwise ops (``storage_propagates``) whose outputs have the
+    variable's dims and whose every consumer is storage-side, and marks them storage-side: a
+    hand-written update ``mtf.assign(w, w - lr * g)`` then runs on the variable's shards, and a gradient
+    ``g`` that is a partial sum is reduce-scattered into them, not all-reduced (GSPMD-style propagation
+    from the assignment; optimizers get the same by building their updates in ``Graph.storage_scope``).
+    Without storage rules the storage and compute layouts coincide and nothing changes. Consumers
+    are those in the graph when the assignment is built.
+    """
+    dims = set(value.shape.dimension_names)
+    consumers = None
+    stack = [value.operation]
+    while stack:
+        op = stack.pop()
+        if op.storage_side or not op.storage_propagates or op.unsplittable_dims:
+            continue
+        if any(set(o.shape.dimension_names) != dims for o in op.outputs):
+            continue
+        if consumers is None:
+            consumers = {}
+            for c in op.graph.operations:
+                for t in c.inputs:
+                    consumers.setdefault(t, []).append(c)
+        if not all(c.storage_side for o in op.outputs for c in consumers.get(o, ())):
+            continue
+        op.storage_side = True
+        stack.extend(t.operation for t in op.inputs)
 
 
 def _k_assign_value(t, *, align, dtype):

@@ -30,25 +30,33 @@ def fused_adam_available() -> bool:
 
 
 def _k_fused_adam(w, g, m, v, step, *lr_tensor, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, decoupled: bool):
+                  weight_decay: float, decoupled: bool, donate: bool = False):
     """New (w, m, v) in float32 of one slice: torch's fused Adam (``decoupled``: AdamW) on copies.
 
     ``step``: the int number of completed updates (0-dim); the learning rate is ``lr_tensor[0]`` (a
-    0-dim scheduled rate) if given, else ``lr``.
+    0-dim scheduled rate) if given, else ``lr``. ``donate``: the plan found no later reader of ``w``,
+    ``m``, ``v`` (:mod:`meshtorch.lowering.donate`): float32 contiguous ones are updated in place
+    (``torch.optim.AdamW(fused=True)``'s own ``step``), so no new buffers are allocated.
     """
     f32 = torch.float32
     if torch.compiler.is_compiling():  # inductor cannot functionalize the in-place kernel; it fuses this instead
         return _adam_formula(w.to(f32), g.to(f32), m, v, step, *lr_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                              weight_decay=weight_decay, decoupled=decoupled)
-    w = w.to(f32, memory_format=torch.contiguous_format, copy=True)
-    m = m.to(f32, memory_format=torch.contiguous_format, copy=True)
-    v = v.to(f32, memory_format=torch.contiguous_format, copy=True)
+
+    def own(t):
+        in_place = donate and t.dtype == f32 and t.is_contiguous()
+        return t if in_place else t.to(f32, memory_format=torch.contiguous_format, copy=True)
+    w, m, v = own(w), own(m), own(v)
     g = g.to(f32).contiguous()
     fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
     rate = lr_tensor[0].to(f32).reshape(()) if lr_tensor else lr
     fn([w], [g], [m], [v], [], [step.to(f32).reshape(()) + 1], lr=rate, beta1=beta1,
        beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     return w, m, v
+
+
+_k_fused_adam.donates = (0, 2, 3)  # w, m, v may be updated in place (meshtorch.lowering.donate)
+_k_fused_adam.fresh_outputs = True  # without donate=True its outputs are new tensors
 
 
 def _adam_formula(w, g, m, v, step, *lr_tensor, lr, beta1, beta2, eps, weight_decay, decoupled):

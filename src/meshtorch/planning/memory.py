@@ -24,6 +24,7 @@ from meshtorch.core.graph import Operation
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters, _human
+from meshtorch.lowering.donate import donated_outputs
 from meshtorch.lowering.layout import slice_nbytes
 
 __all__ = ["MemoryReport", "memory_report"]
@@ -235,7 +236,8 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
     peak_i, largest = -1, 0
     for i, (st, frees) in enumerate(zip(steps, all_frees, strict=True)):
         outs = st.outputs
-        out_b = [size(o) for o in outs]
+        in_place = donated_outputs(st)  # in-place updates: these outputs are the variables' own storage
+        out_b = [0 if k < in_place else size(o) for k, o in enumerate(outs)]
         largest = max([largest, *out_b])
         transient = 0
         for _, sub in st.subprograms:

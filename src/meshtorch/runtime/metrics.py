@@ -1,9 +1,12 @@
 """Training metrics: an honest MFU denominator and the ``--log-dir`` writers (TensorBoard, ``metrics.jsonl``).
 
 MFU (PaLM appendix B) = achieved model FLOP/s / peak FLOP/s of the hardware the job really has. The
-peak is a float32 matmul loop measured once per process with its torch threads, scaled to the share
-of the host's cores that process gets when ``LOCAL_WORLD_SIZE`` processes share them (torchrun /
-``meshtorch launch``), times the number of processes in the job. A simulated mesh is one process.
+peak is a float32 matmul loop measured once per process with its torch threads (the best of several
+rounds: a busy host only ever slows a round down), scaled to the share of the host's cores that
+process gets when ``LOCAL_WORLD_SIZE`` processes share them (torchrun / ``meshtorch launch``), times
+the number of processes in the job. A simulated mesh is one process. ``meshtorch train --peak-tflops``
+gives the peak instead. A measured peak is a lower bound of the true one, and so is any achieved
+rate: :func:`mfu` divides by the larger of the two, so it never exceeds 100%.
 """
 
 from __future__ import annotations
@@ -25,18 +28,35 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def measure_peak_flops(seconds: float = 0.5, n: int = 512) -> float:
-    """FLOP/s of a float32 ``n x n`` matmul loop on the CPU with this process's torch threads, best of 3."""
+def measure_peak_flops(seconds: float = 1.0, n: int = 512, rounds: int = 8) -> float:
+    """FLOP/s of a float32 ``n x n`` matmul loop on the CPU with this process's torch threads: the
+    maximum over ``rounds`` rounds of ``seconds / rounds`` each (other work on the host only lowers a
+    round's rate, so the maximum is the stable estimate)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
     best = 0.0
-    for _ in range(3):
+    for _ in range(rounds):
         count, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 3:
-            a @ b
+        while time.perf_counter() - t0 < seconds / rounds:
+            torch.mm(a, b, out=out)
             count += 1
         best = max(best, 2 * n ** 3 * count / (time.perf_counter() - t0))
     return best
+
+
+def mfu(model_flops_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation in [0, 1]: ``model_flops_per_s / max(peak_flops, model_flops_per_s)``.
+
+    Both a measured peak and an achieved rate are lower bounds of the hardware's true peak, so the
+    larger is the denominator: a peak measured while the host was busy never yields an MFU over 100%.
+
+    Raises:
+        ValueError: if ``peak_flops`` is not > 0.
+    """
+    if not peak_flops > 0:
+        raise ValueError(f"mfu: the peak FLOP/s must be > 0, got {peak_flops}.")
+    return max(0.0, model_flops_per_s) / max(peak_flops, model_flops_per_s)
 
 
 def job_peak_flops(measured: float, threads: int, local_processes: int, processes: int) -> float:

@@ -43,7 +43,7 @@ from meshtorch.optim import (
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks
 from meshtorch.runtime.generate import sample
-from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops
+from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
 
 DEFAULT_MESH = "data:2,model:2"
@@ -147,6 +147,7 @@ def check_args(args) -> None:
                  "top_k", "bucket_mb"):
         if getattr(args, flag, None) is not None:
             checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
+    checks.positive("--peak-tflops", getattr(args, "peak_tflops", None))
     checks.fraction("--dropout", args.dropout)
     if args.optimizer == "adafactor":
         checks.number("--lr", args.lr)  # <= 0: Adafactor's own schedule
@@ -238,7 +239,8 @@ def main_train(args) -> dict:
     cfg = preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv,
                  d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
                  activation=args.activation, norm=args.norm, gated=args.gated or None, vocab_size=tok.vocab_size,
-                 vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts)
+                 vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts,
+                 remat=getattr(args, "remat", None))
     if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
         raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
                          f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
@@ -260,8 +262,9 @@ def main_train(args) -> dict:
     say(f"mesh {args.mesh!r} layout {args.layout!r}; {len(dataset.train)} train / "
           f"{len(dataset.validation)} validation sequences")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    peak = job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
-                          int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world)
+    peak = (args.peak_tflops * 1e12 if getattr(args, "peak_tflops", None) else
+            job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
+                           int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world))
     fpt = flops_per_token(cfg)
     metrics = None
     if getattr(args, "log_dir", "") and main_process:
@@ -316,11 +319,11 @@ def main_train(args) -> dict:
             history["loss"].append(loss)
             tps = tokens_per_step / dt
             peak = max(peak, tps * fpt)  # the start-up measurement was low (a busy machine): never over 100 %
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * tps * fpt / peak:.1f}%")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * mfu(tps * fpt, peak):.1f}%")
             if metrics is not None:
                 metrics.log(step + 1, loss=loss, bits_per_byte=loss / math.log(2) / bpt,
                             learning_rate=host_lr(args, step), grad_norm=gnorm, tokens_per_s=tps,
-                            tokens_per_s_per_process=tps / world, mfu=tps * fpt / peak)
+                            tokens_per_s_per_process=tps / world, mfu=mfu(tps * fpt, peak))
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 if eval_lowering is not lowering:
                     for name in lowering.variable_names:

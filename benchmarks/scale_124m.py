@@ -1,0 +1,251 @@
+"""A GPT-2-small-shaped LM on 4 gloo processes: meshtorch DP vs DDP, meshtorch FSDP vs FSDP2 (per block).
+
+Model: :func:`meshtorch.models.transformer.build_lm` with 12 layers, d_model 768, 12 heads x 64, d_ff 3072,
+vocab 50257, context 256 (untied embeddings: 163M parameters), AdamW (meshtorch's fused kernel). Each run
+is a job of 4 gloo processes (``meshtorch.testing.spmd.run_spmd``: torchrun's environment, one CPU thread
+each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micro-batch`` sequences per rank:
+
+* ``dp``: meshtorch ``SpmdMeshImpl("data:4", "batch:data")`` (gradient buckets: the SPMD default, 25 MiB);
+* ``ddp``: the same architecture in plain PyTorch (:class:`BlockLM`), ``DistributedDataParallel``
+  (25 MiB buckets), ``torch.optim.AdamW(fused=True)`` (``--peer-optim foreach`` for the foreach one);
+* ``fsdp``: meshtorch with storage ``d_model:data`` (FSDP / ZeRO-3: weights all-gathered per use,
+  gradients reduce-scattered);
+* ``fsdp2``: :class:`BlockLM` with ``torch.distributed.fsdp.fully_shard`` on every block and on the root.
+
+The runs are jobs of their own (a 163M-parameter model replicated with AdamW is ~2.6 GB per rank, so two
+runs cannot share the processes on a 24 GB host); ``--rounds`` repeats the job sequence dp, ddp, fsdp,
+fsdp2, so slow periods of a shared host spread over all runs. Per rank and job: peak RSS growth (VmHWM
+after a reset, minus the RSS before the model was built: variables + activations + transients), the
+planner's predicted per-rank total (:func:`meshtorch.planning.memory_report`; meshtorch runs only) and the
+step times of ``--steps`` steps after one warm-up step. Printed: per run the median step time over all
+rounds and ranks with its spread (min-max), and peak RSS per rank. Everything runs eager (meshtorch's
+generated code, PyTorch eager): compiled pairs are not measured here.
+
+Run: ``python benchmarks/scale_124m.py [--steps 3] [--rounds 1] [--micro-batch 1] [--runs dp,ddp,fsdp,fsdp2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+from rss import peak_rss_bytes, reset_peak  # noqa: E402
+
+import meshtorch as mtf  # noqa: E402
+from meshtorch.models.transformer import LMConfig, build_lm, preset  # noqa: E402
+from meshtorch.planning import memory_report  # noqa: E402
+from meshtorch.testing.spmd import run_spmd  # noqa: E402
+
+MIB = 2 ** 20
+RANKS = 4
+
+
+def config(micro_batch: int, **kw) -> LMConfig:
+    base = dict(vocab_size=50257, d_model=768, num_heads=12, d_kv=64, d_ff=3072, num_layers=12, length=256)
+    base.update(kw)
+    return preset("tiny", batch_size=micro_batch * RANKS, **base)
+
+
+def batch(cfg: LMConfig, step: int):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+class Block(nn.Module):
+    """One pre-norm block of meshtorch's LM in plain PyTorch, with its own ``forward`` (an FSDP2 unit)."""
+
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.c = c
+        self.q, self.k, self.v = (nn.Parameter(torch.empty(c.d_model, c.num_heads, c.d_kv)) for _ in range(3))
+        self.o = nn.Parameter(torch.empty(c.num_heads, c.d_kv, c.d_model))
+        self.attention_norm = nn.Parameter(torch.ones(c.d_model))
+        self.ffn_norm = nn.Parameter(torch.ones(c.d_model))
+        self.wi = nn.Parameter(torch.empty(c.d_model, c.d_ff))
+        self.wo = nn.Parameter(torch.empty(c.d_ff, c.d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for p in (self.q, self.k, self.v, self.wi):
+            nn.init.normal_(p, std=1 / math.sqrt(self.c.d_model))
+        nn.init.normal_(self.o, std=1 / math.sqrt(self.c.num_heads * self.c.d_kv))
+        nn.init.normal_(self.wo, std=1 / math.sqrt(self.c.d_ff))
+        nn.init.ones_(self.attention_norm)
+        nn.init.ones_(self.ffn_norm)
+
+    @staticmethod
+    def norm(x, scale):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+
+    def forward(self, x):
+        h = self.norm(x, self.attention_norm)
+        q, k, v = (torch.einsum("bld,dhk->bhlk", h, w) for w in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(self.c.d_kv))
+        x = x + torch.einsum("bhlk,hkd->bld", o, self.o)
+        h = self.norm(x, self.ffn_norm)
+        return x + F.relu(h @ self.wi) @ self.wo
+
+
+class BlockLM(nn.Module):
+    """meshtorch's LM architecture (RMS pre-norm, ReLU FFN, learned positions, untied logits) as modules."""
+
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.embedding = nn.Parameter(torch.empty(c.padded_vocab, c.d_model))
+        self.pos_embedding = nn.Parameter(torch.empty(c.length, c.d_model))
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(c.d_model))
+        self.logits = nn.Parameter(torch.empty(c.d_model, c.padded_vocab))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.embedding)
+        nn.init.normal_(self.pos_embedding, std=0.02)
+        nn.init.normal_(self.logits, std=1 / math.sqrt(self.logits.shape[0]))
+        nn.init.ones_(self.final_norm)
+
+    def forward(self, ids, targets):
+        x = self.embedding[ids] + self.pos_embedding[: ids.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        logits = Block.norm(x, self.final_norm) @ self.logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _peer_optimizer(params, peer_optim: str):
+    kw = {"fused": True} if peer_optim == "fused" else {"foreach": True}
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, **kw)
+
+
+def _build(run: str, cfg: LMConfig, peer_optim: str):
+    """A step function ``fn(step) -> loss`` for ``run`` and the planner's predicted bytes (meshtorch only)."""
+    rank = torch.distributed.get_rank()
+    per = cfg.batch_size // RANKS
+    if run in ("dp", "fsdp"):
+        lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
+        impl = mtf.SpmdMeshImpl(f"data:{RANKS}", "batch:data", storage="d_model:data" if run == "fsdp" else None)
+        lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
+        fetches = [lm.loss] + lm.updates
+        predicted = memory_report(lw, fetches).total_bytes
+
+        def step(s):
+            x, y = batch(cfg, s)
+            sl = slice(rank * per, (rank + 1) * per)
+            return float(lw.run(fetches, feeds={lm.inputs: x[sl], lm.targets: y[sl]}, feed_slices=True)[0])
+        return step, predicted
+    model = BlockLM(cfg)
+    if run == "ddp":
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+    else:
+        mesh = init_device_mesh("cpu", (RANKS,))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = _peer_optimizer(model.parameters(), peer_optim)
+
+    def step(s):
+        x, y = batch(cfg, s)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step, None
+
+
+def worker(run: str, cfg_kw: dict, steps: int, peer_optim: str, first_step: int) -> dict:
+    """One gloo rank of ``run``: tiny warm-up (torch / gloo lazy allocations), then the model; RSS and times."""
+    tiny = config(1, vocab_size=64, d_model=32, num_heads=2, d_kv=16, d_ff=64, num_layers=1, length=16)
+    _build(run, tiny, peer_optim)[0](0)
+    cfg = config(**cfg_kw)
+    base = reset_peak()
+    t0 = time.perf_counter()
+    step, predicted = _build(run, cfg, peer_optim)
+    build_s = time.perf_counter() - t0
+    losses, times = [], []
+    for s in range(steps + 1):
+        t0 = time.perf_counter()
+        losses.append(step(first_step + s))
+        times.append(time.perf_counter() - t0)
+    return {"growth": peak_rss_bytes() - base, "predicted": predicted, "times": times[1:], "losses": losses,
+            "build_s": build_s}
+
+
+def predict_worker(run: str, cfg_kw: dict) -> int:
+    """The planner's per-rank total for a meshtorch ``run`` on a dry-run lowering (nothing allocated)."""
+    cfg = config(**cfg_kw)
+    lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
+    impl = mtf.SpmdMeshImpl(f"data:{RANKS}", "batch:data", storage="d_model:data" if run == "fsdp" else None)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, materialize=False)
+    return memory_report(lw, [lm.loss] + lm.updates).total_bytes
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per job (after one warm-up step)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeats of the job sequence")
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
+    ap.add_argument("--runs", default="dp,ddp,fsdp,fsdp2")
+    ap.add_argument("--peer-optim", default="fused", choices=["fused", "foreach"],
+                    help="torch.optim.AdamW implementation of DDP and FSDP2")
+    ap.add_argument("--layers", type=int, default=12, help="(smaller for a quick check)")
+    ap.add_argument("--predict-only", action="store_true", help="print the planner's per-rank totals and stop")
+    args = ap.parse_args(argv)
+    cfg_kw = {"micro_batch": args.micro_batch, "num_layers": args.layers}
+    cfg = config(**cfg_kw)
+    n_params = sum(v.shape.size for v in build_lm(cfg).graph.trainable_variables)
+    print(f"LM: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x {cfg.d_kv}, d_ff {cfg.d_ff}, "
+          f"vocab {cfg.vocab_size}, context {cfg.length}: {n_params / 1e6:.1f}M parameters; {RANKS} gloo ranks x "
+          f"{args.micro_batch} sequence(s); 1 thread each; peers' AdamW: {args.peer_optim}; all eager; "
+          f"torch {torch.__version__}, {os.cpu_count()} cores")
+    runs = args.runs.split(",")
+    if args.predict_only:
+        for run in [r for r in runs if r in ("dp", "fsdp")]:
+            pred = run_spmd("scale_124m:predict_worker", args=(run, cfg_kw), nprocs=RANKS, timeout_s=1800,
+                            dist_timeout_s=1800, extra_path=[HERE]).check().results[0]
+            print(f"{run}: planner per-rank total {pred / MIB:.0f} MiB")
+        return
+    results: dict = {r: [] for r in runs}
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    for rnd in range(args.rounds):
+        for run in runs:
+            res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
+                           nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
+                           env=env).check().results
+            results[run].append(res)
+            t = [x for r in res for x in r["times"]]
+            print(f"  round {rnd} {run}: step s median {statistics.median(t):.2f} (min {min(t):.2f}, max "
+                  f"{max(t):.2f}); build {res[0]['build_s']:.0f} s; losses rank 0 "
+                  f"{[round(v, 3) for v in res[0]['losses']]}", flush=True)
+    print(f"\n{'run':<7}{'step s median':>14}{'spread':>16}{'peak RSS growth per rank, MiB':>34}"
+          f"{'planner MiB':>13}")
+    med = {}
+    for run, rounds in results.items():
+        t = [x for res in rounds for r in res for x in r["times"]]
+        med[run] = statistics.median(t)
+        growth = [max(res[k]["growth"] for res in rounds) / MIB for k in range(RANKS)]
+        pred = rounds[0][0]["predicted"]
+        print(f"{run:<7}{med[run]:>14.2f}{f'{min(t):.2f}-{max(t):.2f}':>16}"
+              f"{' '.join(f'{g:.0f}' for g in growth):>34}{'' if pred is None else f'{pred / MIB:.0f}':>13}")
+        med[run + "_rss"] = max(growth)
+    for a, b in (("dp", "ddp"), ("fsdp", "fsdp2")):
+        if a in med and b in med:
+            print(f"{a}/{b}: step time {med[a] / med[b]:.2f}, peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""In-place updates: a plan's optimizer kernels may write a variable's new value into its storage.
+
+A run's reads see the values from before the run (:mod:`meshtorch.lowering.session`); an update kernel
+can therefore overwrite a variable's slice in place only when nothing reads that slice, or anything
+sharing its storage, after the update. :func:`donate_inputs` marks such steps: a slicewise step whose
+kernel declares ``donates`` (the input positions it can update in place when called with
+``donate=True``, returned as its first outputs in that order, e.g. the fused Adam kernel's weight and
+moments) gets ``donate=True`` when, for each
+of those inputs,
+
+* the input is a variable read (the store's own tensor) that the run does not fetch;
+* the step is its last reader;
+* every other step reading it returns tensors that share no storage with their inputs: kernels
+  marked ``fresh_outputs`` (matmuls, gathers, the fused updates) and all-gathers over axes of more
+  than one processor, so no view of the slice outlives the update;
+* the mesh gives this process one processor (SPMD, or a one-processor mesh): a placement mesh may run
+  one kernel call per processor on a shared replicated slice.
+
+The session's commit then finds the new value already in the variable's storage and copies nothing:
+no new weight or optimizer-state buffers per step (PyTorch's optimizers' in-place ``step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from meshtorch.lowering.program import Step
+
+
+def _kernel(fn):
+    """The function under ``functools.partial`` layers."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def _fresh(st: Step, impl) -> bool:
+    """Are ``st``'s outputs new tensors, sharing no storage with its inputs?"""
+    if st.kind == "slicewise":
+        return bool(getattr(_kernel(st.fn), "fresh_outputs", False))
+    if st.kind in ("allgather", "allgather_bucket"):
+        return impl.shape[st.params["mesh_axis"]].size > 1
+    return False
+
+
+def donated_outputs(st: Step) -> int:
+    """How many of ``st``'s leading outputs are its donated inputs updated in place (0 unless
+    :func:`donate_inputs` marked it): output ``k`` is input ``donates[k]``, so it allocates nothing."""
+    if st.kind != "slicewise" or not (isinstance(st.fn, functools.partial) and st.fn.keywords.get("donate")):
+        return 0
+    return len(getattr(_kernel(st.fn), "donates", ()))
+
+
+def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict) -> list[Step]:
+    """``steps`` with the update steps that may write variables in place called with ``donate=True``."""
+    readers: dict[int, list[int]] = {}
+    for i, st in enumerate(steps):
+        for s in st.inputs:
+            readers.setdefault(s, []).append(i)
+    out = list(steps)
+    for i, st in enumerate(steps):
+        donates = getattr(_kernel(st.fn), "donates", ()) if st.kind == "slicewise" else ()
+        impl = impls[st.mesh]
+        if not donates or len(impl.local_pnums()) != 1:
+            continue
+        slots = [st.inputs[j] for j in donates]
+        if len(set(slots)) == len(slots) and all(
+                s in variable_slots and s not in keep and readers[s][-1] == i
+                and all(k == i or _fresh(steps[k], impl) for k in readers[s]) for s in slots):
+            out[i] = dataclasses.replace(st, fn=functools.partial(st.fn, donate=True))
+    return out
