@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.data.text import ByteTokenizer, SentencePieceTokenizer
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import LMConfig, build_lm
-from meshtorch.runtime import checks
+from meshtorch.runtime import checks, runs
 from meshtorch.runtime.generate import beam_search, sample
 from meshtorch.runtime.optional import optional_module
 
@@ -34,6 +36,26 @@ def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
     return lm, lowering
 
 
+def checkpoint_dir(args) -> str:
+    """The checkpoint root to decode from: ``--checkpoint-dir``, else ``<runs-dir>/<run-name>/ckpt``, else that
+    of the run ``<runs-dir>/latest`` names.
+
+    Raises:
+        UsageError: naming ``--checkpoint-dir`` when none is given and there is no latest run.
+    """
+    if args.checkpoint_dir is not None:
+        return args.checkpoint_dir
+    runs_dir = getattr(args, "runs_dir", "runs")
+    name = getattr(args, "run_name", None)
+    if name is None:
+        name = runs.read_latest(runs_dir)
+        if name is None:
+            raise UsageError(f"--checkpoint-dir: not given, and there is no latest run in {runs_dir!r} "
+                             f"({os.path.join(runs_dir, runs.LATEST)!r} does not exist); train first "
+                             "(meshtorch train) or give --checkpoint-dir.")
+    return os.path.join(runs_dir, runs.check_run_name("--run-name", name), "ckpt")
+
+
 def check_args(args) -> tuple[LMConfig, object]:
     """Check ``meshtorch sample``'s flags against the checkpoint's manifest before the model is built;
     returns the model config and the tokenizer.
@@ -44,9 +66,12 @@ def check_args(args) -> tuple[LMConfig, object]:
         CheckpointError: a checkpoint without manifest or model config. LayoutError: a ``--layout`` rule
             matching no dimension of the model or no axis of the mesh.
     """
+    args.checkpoint_dir = checkpoint_dir(args)
     if not os.path.isdir(args.checkpoint_dir):
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory; give the --checkpoint-dir "
                          "of a meshtorch train run.")
+    if getattr(args, "threads", None) is not None:
+        checks.non_negative("--threads", args.threads)
     checks.positive("--max-new-tokens", args.max_new_tokens)
     checks.positive("--num-samples", args.num_samples)
     for flag in ("temperature", "top_k", "beam"):
@@ -83,6 +108,10 @@ def main_sample(args):
     """Run ``meshtorch sample`` from its parsed arguments (:mod:`meshtorch.cli.sample`): print and return
     the generated token ids."""
     cfg, tok = check_args(args)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    path = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
+    print(f"decoding checkpoint {path} (step {load_manifest(path)['step']})", file=sys.stderr, flush=True)
     lm, lowering = load_lm(args.checkpoint_dir, args.mesh, args.layout)
     prompt = tok.encode(args.prompt)
     if args.max_new_tokens + len(prompt) > cfg.length:

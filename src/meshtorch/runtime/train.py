@@ -41,7 +41,7 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
-from meshtorch.runtime import checks
+from meshtorch.runtime import checks, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops
 from meshtorch.runtime.optional import optional_module
@@ -131,12 +131,15 @@ def evaluate(lowering, lm, dataset, batches: int) -> float:
     return total / max(n, 1)
 
 
-def check_args(args) -> None:
-    """Check every ``meshtorch train`` flag before data is loaded or the model built.
+def check_args(args) -> runs.RunPaths:
+    """Check every ``meshtorch train`` flag before data is loaded or the model built; returns the run's
+    name and paths (:func:`meshtorch.runtime.runs.resolve_run`; ``args.checkpoint_dir`` and ``args.plot``
+    are set to the resolved paths).
 
     Raises:
         UsageError: naming the flag (a number out of range, an unwritable output path, a missing
-            input file, a mesh size that is not a positive integer, a prompt longer than the context).
+            input file, a mesh size that is not a positive integer, a prompt longer than the context,
+            a ``--resume`` with nothing to resume).
         LayoutError: naming a ``--layout``/``--storage`` rule that matches no dimension of the model or no
             axis of the mesh, listing both.
     """
@@ -155,16 +158,18 @@ def check_args(args) -> None:
     else:
         checks.positive("--lr", args.lr)
     mesh = checks.mesh_shape("--mesh", args.mesh)
-    if args.resume and not args.checkpoint_dir:
-        raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints).")
-    if getattr(args, "resume_from", None):
-        if not os.path.isdir(args.resume_from):
-            raise UsageError(f"--resume-from {args.resume_from!r} is not a checkpoint directory.")
-    elif args.resume and os.path.isdir(args.checkpoint_dir):
-        resume_point(args.checkpoint_dir, None)  # a damaged newest checkpoint is reported before any work
+    if args.resume and args.checkpoint_dir == "":
+        raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints), not ''.")
+    if getattr(args, "resume_from", None) and not os.path.isdir(args.resume_from):
+        raise UsageError(f"--resume-from {args.resume_from!r} is not a checkpoint directory.")
+    paths = runs.resolve_run(args)
+    args.checkpoint_dir, args.plot = paths.checkpoint_dir, paths.plot
+    if args.resume and not getattr(args, "resume_from", None):
+        point = resume_point(args.checkpoint_dir, None) if os.path.isdir(args.checkpoint_dir) else (None,)
+        if point[0] is None:  # a damaged newest checkpoint was reported by resume_point, before any work
+            raise runs.nothing_to_resume("--resume", args.checkpoint_dir)
     args.data = checks.input_files("--data", args.data)
-    checks.writable_dir("--checkpoint-dir", args.checkpoint_dir)
-    checks.writable_file("--plot", args.plot)
+    runs.check_paths(paths, resuming=bool(args.resume or getattr(args, "resume_from", None)))
     if getattr(args, "log_dir", ""):
         checks.writable_dir("--log-dir", args.log_dir)
         optional_module("tensorboard", "meshtorch train --log-dir")
@@ -179,6 +184,7 @@ def check_args(args) -> None:
     names = checks.graph_dim_names(build_lm(cfg).graph)
     checks.layout_rules("--layout", args.layout, names, mesh)
     checks.layout_rules("--storage", getattr(args, "storage", ""), names, mesh)
+    return paths
 
 
 def _older_hint(older: list[str]) -> str:
@@ -216,7 +222,7 @@ def main_train(args) -> dict:
         MeshtorchError: if tqdm (the ``meshtorch[cli]`` extra) is not installed.
     """
     tqdm = optional_module("tqdm", "meshtorch train's progress bar").tqdm
-    check_args(args)
+    paths = check_args(args)
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,6 +237,7 @@ def main_train(args) -> dict:
             print(*a, flush=True)
 
     docs = load_documents(args.data)
+    fingerprint = runs.data_fingerprint(docs)
     if args.tokenizer == "sentencepiece":
         tok = SentencePieceTokenizer(docs, vocab_size=args.vocab_size)
         if args.checkpoint_dir and main_process:
@@ -271,21 +278,21 @@ def main_train(args) -> dict:
                                             "storage": getattr(args, "storage", ""), "processes": world})
     tokens_per_step = cfg.batch_size * cfg.length
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    record = runs.run_record(paths, args, cfg.to_dict(), fingerprint, len(docs))
     sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
     fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
     start, epoch, in_epoch = 0, 0, 0
     if args.resume or getattr(args, "resume_from", None):
-        point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
-        if point is None:
-            say(f"no checkpoint in {args.checkpoint_dir!r} yet: starting from scratch")
-        else:
-            try:
-                meta = restore(lowering, point)
-            except CheckpointError as e:
-                raise CheckpointError(f"{e} ({_older_hint(older)})") from None
-            pos = (meta.get("extra") or {}).get("data", {})
-            start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
-            say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})")
+        start, epoch, in_epoch = _resume(args, lowering, record, history, say)
+        paths.name = record["run"]  # the resumed run goes on (its retention covers its earlier checkpoints)
+    if args.checkpoint_dir and main_process:
+        runs.write_run_manifest(args.checkpoint_dir, record)
+        if paths.default_layout:
+            runs.point_latest(args.runs_dir, paths.name)
+    if args.checkpoint_dir:
+        say(f"run {paths.name!r}: checkpoints in {args.checkpoint_dir} (run manifest: "
+            f"{os.path.join(args.checkpoint_dir, runs.RUN_MANIFEST)})")
+    saved = None
     it = dataset.batches(cfg.batch_size, args.seed, epoch)
     for _ in range(in_epoch):
         next(it)
@@ -339,12 +346,13 @@ def main_train(args) -> dict:
             if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
                                         or step + 1 == args.steps):
                 _check_finite(lowering, step + 1, args)
-                save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
-                         extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
-                                "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
+                saved = save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep, run=paths.name,
+                             extra={**record, "data": {"epoch": epoch, "batch": in_epoch}, "history": history})
+                if main_process:
+                    tqdm.write(f"saved checkpoint {saved}")
     finally:
         bar.close()  # an error message starts on its own line
-    if not history["val_loss"]:
+    if not history["val_loss"] or history["val_step"][-1] <= start:
         raise UsageError(f"--steps {args.steps}: nothing to train, the checkpoint is already at step {start}; "
                          "give a larger --steps to continue.")
     wall = time.perf_counter() - t_start
@@ -358,6 +366,10 @@ def main_train(args) -> dict:
         f"x {world} process{'es' if world > 1 else ''})")
     say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
     say(lowering.counters.summary())
+    if saved:
+        how = "meshtorch sample" if paths.default_layout else f"meshtorch sample --checkpoint-dir {args.checkpoint_dir}"
+        say(f"checkpoint: {saved} (decode it: {how}; continue it: meshtorch train --resume"
+            f"{'' if paths.default_layout else ' --checkpoint-dir ' + args.checkpoint_dir} --steps N)")
     if args.plot and main_process:
         _plot(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
               f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}")
@@ -369,6 +381,40 @@ def main_train(args) -> dict:
         say("sample:\n" + args.prompt + tok.decode(ids))
     return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
             "lowering": lowering, "lm": lm, "sample_ids": ids}
+
+
+def _resume(args, lowering, record: dict, history: dict, say) -> tuple[int, int, int]:
+    """Restore the checkpoint ``--resume`` / ``--resume-from`` names after checking it belongs to this run's
+    model and data; returns ``(step, epoch, batch in epoch)`` and fills ``history`` (the loss curve so far) and
+    ``record["run"]`` (the resumed run's name).
+
+    Raises:
+        UsageError: naming ``--resume`` and the differing field, if the checkpoint's model config or tokenizer
+            differ, or its data fingerprint differs without ``--force-data``.
+        CheckpointError: naming the checkpoint (and older ones) if it cannot be restored.
+    """
+    flag = "--resume-from" if getattr(args, "resume_from", None) else "--resume"
+    point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
+    if point is None:
+        raise runs.nothing_to_resume(flag, args.checkpoint_dir)
+    saved = load_manifest(point).get("extra") or {}
+    bad = runs.resume_mismatch(saved, record)
+    force = bad is not None and bad[0] == "data" and getattr(args, "force_data", False)
+    if bad is not None and not force:
+        raise UsageError(f"{flag} {point}: {bad[1]}.")
+    try:
+        meta = restore(lowering, point)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} ({_older_hint(older)})") from None
+    pos = {} if force else saved.get("data", {})
+    start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
+    record["run"] = saved.get("run") or record["run"]
+    for k, v in (saved.get("history") or {}).items():
+        if k in history:
+            history[k].extend(v)
+    say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})"
+        + (": --force-data, the data position starts over on the new data" if force else ""))
+    return start, epoch, in_epoch
 
 
 def _last_good(checkpoint_dir: str) -> str:
