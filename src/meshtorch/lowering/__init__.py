@@ -97,9 +97,7 @@ class Lowering:
         self.planner = Planner(graph, dict(mesh_to_impl))
         self.program = self.planner.program
         impls = {m.name: i for m, i in mesh_to_impl.items()}
-        self.store = VariableStore(self.program, impls)
-        if materialize:
-            self.store.initialize(self.planner.variable_ops)
+        self.store = VariableStore(self.program, impls, initialize=materialize)
         self.session = Session(self.program, impls, self.store, mode, bucket_bytes)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 

@@ -187,6 +187,8 @@ class Session:
                 check_full(name, spec, _as_torch(feeds[name])), TensorLayout(spec.layout))
         for name, s in plan.var_reads:
             env[s] = self.store.values[name]
+            if env[s] is None:
+                self.store.check_has_values([name])
         count_now = self.run_count
         for s, mesh in self._run_counters:
             env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)

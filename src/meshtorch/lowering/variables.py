@@ -45,16 +45,24 @@ def check_full(name: str, spec: TensorSlot, value, what: str = "Placeholder") ->
 class VariableStore:
     """Laid-out values of a program's variables on ``{mesh name: MeshImpl}``.
 
+    ``initialize=True`` draws every variable's initial value from the program's initializers
+    (:attr:`Program.initializers`; the same values as the Lowering that planned it, on any mesh and
+    layout, in one process or on torchrun ranks). A variable whose initializer did not survive JSON
+    keeps no value until :meth:`set_value`; a run reading it raises an error naming it.
+
     Attributes:
-        values: ``{variable name: laid-out value}`` (None in a dry run).
+        values: ``{variable name: laid-out value}`` (None: no value, e.g. a dry run).
         specs: ``{variable name: TensorSlot}``: shape, dtype, mesh and storage layout.
     """
 
-    def __init__(self, program, impls: dict):
+    def __init__(self, program, impls: dict, initialize: bool = True):
         self.specs: dict[str, TensorSlot] = dict(program.variables)
         self.impls = impls
         self.trainable = set(program.trainable)
+        self.initializers = dict(getattr(program, "initializers", {}))
         self.values: dict[str, object] = {name: None for name in self.specs}
+        if initialize:
+            self.initialize()
 
     def _spec(self, name: str) -> TensorSlot:
         try:
@@ -76,11 +84,26 @@ class VariableStore:
     def shape(self, name: str) -> Shape:
         return spec_shape(self._spec(name))
 
-    def initialize(self, variable_ops: dict):
-        """Draw initial values: ``variable_ops[name].initial_value(impl, layout)`` for every variable."""
-        for name in self.specs:
+    def initialize(self):
+        """Draw initial values: each processor's slice from the variable's initializer kernel (variables
+        without one are left as they are)."""
+        for name, spec in self.specs.items():
+            kernel = self.initializers.get(name)
+            if kernel is None:
+                continue
             impl, layout = self.impl(name), self.layout(name)
-            self.values[name] = impl.share_replicas(variable_ops[name].initial_value(impl, layout), layout)
+            shape = spec_shape(spec)
+            sizes = impl.slice_shape(shape, layout)
+            value = impl.laid_out_constant(
+                lambda p, k=kernel: k(impl.slice_begin(shape, p, layout), sizes, impl.device(p)).to(spec.dtype))
+            self.values[name] = impl.share_replicas(value, layout)
+
+    def check_has_values(self, names) -> None:
+        """Raise FeedError naming the first of ``names`` that has no value (an initializer lost in JSON)."""
+        for name in names:
+            if self.values.get(name) is None:
+                raise FeedError(f"Variable {name!r} {self.shape(name)} has no value: its initializer could not be "
+                                f"written as plain data; set one with store.set_value({name!r}, tensor).")
 
     def value(self, name: str) -> torch.Tensor:
         """The full value of variable ``name`` (gathered from its slices)."""

@@ -77,13 +77,21 @@ class Variable(Operation):
     def lower(self, lw):
         lw.set(self.outputs[0], lw.register_variable(self))
 
+    def initializer_kernel(self):
+        """The kernel ``fn(begin, sizes, device=None) -> torch.Tensor`` (master dtype) drawing one slice of
+        the initial value: counter-based, so a slice's values do not depend on the layout. A
+        ``functools.partial`` of a module-level function, plain data for ``Program.to_json`` unless the
+        initializer only implements ``values``."""
+        out = self.outputs[0]
+        return self.initializer.slice_fn(out.shape, self.variable_dtype.master_dtype, getattr(self.graph, "seed", 0),
+                                         self.name)
+
     def initial_value(self, impl, layout):
         """The laid-out initial value on ``impl`` in ``layout``: each processor draws only its slice
         (counter-based, so the values are the same under every layout)."""
         out = self.outputs[0]
         sizes = impl.slice_shape(out.shape, layout)
-        master = self.variable_dtype.master_dtype
-        make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name)
+        make = self.initializer_kernel()
         return impl.laid_out_constant(
             lambda p: make(impl.slice_begin(out.shape, p, layout), sizes, impl.device(p)).to(out.dtype))
 
