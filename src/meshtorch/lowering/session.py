@@ -166,6 +166,8 @@ class Session:
             compiled = self.mode == "compile" and not counters_read
             # compiled: collectives as functional collectives, so one graph holds the whole step
             impls = {m: impl.traceable() for m, impl in self.impls.items()} if compiled else self.impls
+            for impl in impls.values() if compiled else ():
+                impl.precompute_groups()  # no cache key added while tracing: no recompilation on run 2
             plan.fn = codegen.generate(plan.steps, plan.frees, impls, self.counters, reads, writes)
             if compiled:
                 plan.fn = torch.compile(plan.fn, dynamic=False)

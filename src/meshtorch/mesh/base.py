@@ -107,6 +107,14 @@ class MeshImpl:
         self._group_cache[key] = groups
         return groups
 
+    def precompute_groups(self) -> None:
+        """Fill the :meth:`processor_groups` cache for every set of mesh axes (2 ** ndims sets), so that a
+        traced step finds it complete: ``torch.compile`` guards on the cache's keys, and a key first
+        added while tracing would make the second run recompile."""
+        for k in range(self.ndims + 1):
+            for axes in itertools.combinations(range(self.ndims), k):
+                self.processor_groups(axes)
+
     # ------------------------------------------------------------------ layouts and slices
     def tensor_layout(self, shape, tensor_name: str = "tensor", unsplittable=(), storage: bool = False) -> TensorLayout:
         """Layout of a tensor of ``shape`` under the compute rules, or the storage rules if ``storage``.

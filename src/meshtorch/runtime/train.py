@@ -296,20 +296,23 @@ def main_train(args) -> dict:
     it = dataset.batches(cfg.batch_size, args.seed, epoch)
     for _ in range(in_epoch):
         next(it)
-    bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
+    bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
     t_start, first_loss = time.perf_counter(), None
+    comp = _CompileClock(lowering.session, bar, tqdm.write if main_process else (lambda _m: None))
     try:
-        for step in bar:
+        for step in range(start, args.steps):
             batch = next(it, None)
             if batch is None:
                 epoch, in_epoch = epoch + 1, 0
                 it = dataset.batches(cfg.batch_size, args.seed, epoch)
                 batch = next(it)
             in_epoch += 1
+            comp.before("training step")
             t0 = time.perf_counter()
             outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
             dt = time.perf_counter() - t0
+            comp.after("training step", dt, steps=1)
             loss = outs[0].item()
             gnorm = math.sqrt(outs[1].item()) if sumsq is not None and outs[1].item() >= 0 else None
             if sumsq is not None and not math.isfinite(outs[1].item()):
@@ -335,7 +338,10 @@ def main_train(args) -> dict:
                     for name in lowering.variable_names:
                         if name in eval_lowering.variable_names:
                             eval_lowering.set_variable_value(name, lowering.variable_value(name))
+                comp.before("evaluation step")
+                t0 = time.perf_counter()
                 val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
+                comp.after("evaluation step", time.perf_counter() - t0, steps=0, session=eval_lowering.session)
                 history["val_step"].append(step + 1)
                 history["val_loss"].append(val)
                 if metrics is not None:
@@ -350,16 +356,20 @@ def main_train(args) -> dict:
                              extra={**record, "data": {"epoch": epoch, "batch": in_epoch}, "history": history})
                 if main_process:
                     tqdm.write(f"saved checkpoint {saved}")
+            bar.update(1)
     finally:
         bar.close()  # an error message starts on its own line
     if not history["val_loss"] or history["val_step"][-1] <= start:
         raise UsageError(f"--steps {args.steps}: nothing to train, the checkpoint is already at step {start}; "
                          "give a larger --steps to continue.")
     wall = time.perf_counter() - t_start
-    tps = (args.steps - start) * tokens_per_step / wall
+    steady_steps = args.steps - start - comp.steps  # throughput: steady-state steps only, compiling excluded
+    tps = max(steady_steps, 1) * tokens_per_step / max(wall - comp.seconds, 1e-9)
     val = history["val_loss"][-1]
     if metrics is not None:
         metrics.close()
+    if comp.seconds:
+        say(f"compile seconds: {comp.seconds:.1f} ({comp.describe()}); excluded from tokens/s and MFU below")
     say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s ({tps / world:.0f} per process, "
         f"{world} process{'es' if world > 1 else ''}), MFU {100 * tps * fpt / peak:.2f}% (of {peak / 1e9:.1f} "
         f"GFLOP/s: a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
@@ -381,6 +391,43 @@ def main_train(args) -> dict:
         say("sample:\n" + args.prompt + tok.decode(ids))
     return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
             "lowering": lowering, "lm": lm, "sample_ids": ids}
+
+
+class _CompileClock:
+    """Which steps of a ``--compile`` run compiled (``Session.compile_seconds`` grew): says when compiling
+    starts and ends, restarts the progress bar's clock after a compiling step (its ETA and rate then count
+    steady-state steps only), and adds up the wall seconds and training steps to leave out of throughput."""
+
+    def __init__(self, session, bar, write):
+        self.session, self.bar, self.write = session, bar, write
+        self.seconds, self.steps, self.parts = 0.0, 0, []
+        self._known, self._announced = 0, set()
+
+    def before(self, what: str, session=None):
+        session = session or self.session
+        self._known = len(session.compile_seconds)
+        if session.mode == "compile" and what not in self._announced:
+            self._announced.add(what)
+            self.write(f"compiling the {what} with torch.compile (tens of seconds on a CPU) ...")
+
+    def after(self, what: str, dt: float, steps: int, session=None):
+        session = session or self.session
+        new = list(session.compile_seconds.values())[self._known:]
+        if not new:
+            return
+        if all(v is None for v in new):
+            self.write(f"the {what} has random ops (dropout): it runs uncompiled")
+            return
+        self.seconds += dt
+        self.steps += steps
+        self.parts.append((what, dt))
+        self.write(f"compiled the {what} in {sum(v for v in new if v is not None):.1f} s")
+        n = self.bar.n
+        self.bar.reset(total=self.bar.total)  # the rate and ETA restart after compiling
+        self.bar.initial = self.bar.n = self.bar.last_print_n = n
+
+    def describe(self) -> str:
+        return ", ".join(f"{w} {s:.1f} s" for w, s in self.parts)
 
 
 def _resume(args, lowering, record: dict, history: dict, say) -> tuple[int, int, int]:
