@@ -22,14 +22,14 @@ def add_launch_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds the other ranks get to exit after one fails before they are terminated "
                         "(default: %(default)s)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after `--`")
+    p.add_argument("argv", metavar="command", nargs=argparse.REMAINDER, help="the command, after `--`")
     p.set_defaults(func=main_launch_args)
     return p
 
 
 def main_launch_args(args) -> int:
     """Run parsed ``meshtorch launch`` arguments; returns the job's exit status."""
-    return launch_command(args.command, args.nproc, timeout_s=args.timeout, grace_s=args.grace)
+    return launch_command(args.argv, args.nproc, timeout_s=args.timeout, grace_s=args.grace)
 
 
 def main_launch(argv=None) -> int:

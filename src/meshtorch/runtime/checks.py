@@ -11,7 +11,7 @@ import os
 import tempfile
 
 from meshtorch.core.dims import Shape
-from meshtorch.core.errors import UsageError
+from meshtorch.core.errors import LayoutError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
 
 
@@ -105,7 +105,11 @@ def layout_rules(flag: str, text: str, dim_names, mesh: Shape) -> LayoutRules:
     Raises:
         LayoutError: naming ``flag`` and the rule, listing the model's dimensions and the mesh's axes.
     """
-    return check_rules_strict(LayoutRules(text or ""), dim_names, mesh, flag=flag)
+    try:
+        rules = LayoutRules(text or "")
+    except LayoutError as e:
+        raise LayoutError(f"{flag}: {e}") from None
+    return check_rules_strict(rules, dim_names, mesh, flag=flag)
 
 
 def graph_dim_names(graph) -> set[str]:

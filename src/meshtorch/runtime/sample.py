@@ -84,7 +84,10 @@ def check_args(args) -> tuple[LMConfig, object]:
              and not os.path.isfile(os.path.join(d, "manifest.json"))] if step >= 0 else []
     for d in newer:  # a damaged or unfinished newer checkpoint is never skipped silently
         print(f"note: {d!r} has no manifest.json (damaged or unfinished): using {path!r}", file=sys.stderr)
-    manifest = load_manifest(path)
+    try:
+        manifest = load_manifest(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"--checkpoint-dir {args.checkpoint_dir!r} holds no complete checkpoint ({e})") from None
     extra = manifest.get("extra") or {}
     if "config" not in extra:
         raise CheckpointError(f"checkpoint {path!r} has no model config; was it written by 'meshtorch train'?")

@@ -22,7 +22,7 @@ import time
 import torch
 
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore, save
-from meshtorch.core.errors import CheckpointError, RunFailure, UsageError
+from meshtorch.core.errors import CheckpointError, LayoutError, RunFailure, UsageError
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.lowering import Lowering
@@ -251,12 +251,17 @@ def main_train(args) -> dict:
     if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
         raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
                          f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
+    record = runs.run_record(paths, args, cfg.to_dict(), fingerprint, len(docs))
+    resuming = _resume_check(args, record) if args.resume or getattr(args, "resume_from", None) else None
     dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
     bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
     executor = getattr(args, "executor", "codegen")
-    lowering = Lowering(lm.graph, {lm.mesh: impl}, mode=executor,
-                        bucket_bytes=int(getattr(args, "bucket_mb", 0.0) * 2 ** 20))
+    try:
+        lowering = Lowering(lm.graph, {lm.mesh: impl}, mode=executor,
+                            bucket_bytes=int(getattr(args, "bucket_mb", 0.0) * 2 ** 20))
+    except LayoutError as e:  # e.g. a dimension size the mesh axis does not divide
+        raise LayoutError(f"--layout {args.layout!r}: {e}") from None
     eval_lm, eval_lowering = lm, lowering
     if cfg.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
         eval_lm = build_lm(cfg, seed=args.seed, train=False)
@@ -278,12 +283,11 @@ def main_train(args) -> dict:
                                             "storage": getattr(args, "storage", ""), "processes": world})
     tokens_per_step = cfg.batch_size * cfg.length
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
-    record = runs.run_record(paths, args, cfg.to_dict(), fingerprint, len(docs))
     sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
     fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
     start, epoch, in_epoch = 0, 0, 0
-    if args.resume or getattr(args, "resume_from", None):
-        start, epoch, in_epoch = _resume(args, lowering, record, history, say)
+    if resuming is not None:
+        start, epoch, in_epoch = _resume(resuming, lowering, record, history, say)
         paths.name = record["run"]  # the resumed run goes on (its retention covers its earlier checkpoints)
     if args.checkpoint_dir and main_process:
         runs.write_run_manifest(args.checkpoint_dir, record)
@@ -430,15 +434,13 @@ class _CompileClock:
         return ", ".join(f"{w} {s:.1f} s" for w, s in self.parts)
 
 
-def _resume(args, lowering, record: dict, history: dict, say) -> tuple[int, int, int]:
-    """Restore the checkpoint ``--resume`` / ``--resume-from`` names after checking it belongs to this run's
-    model and data; returns ``(step, epoch, batch in epoch)`` and fills ``history`` (the loss curve so far) and
-    ``record["run"]`` (the resumed run's name).
+def _resume_check(args, record: dict) -> tuple:
+    """The checkpoint ``--resume`` / ``--resume-from`` names, checked against this run's model and data before
+    the model is built: ``(path, older checkpoints, its extra, whether --force-data applies)``.
 
     Raises:
         UsageError: naming ``--resume`` and the differing field, if the checkpoint's model config or tokenizer
-            differ, or its data fingerprint differs without ``--force-data``.
-        CheckpointError: naming the checkpoint (and older ones) if it cannot be restored.
+            differ, or its data fingerprint differs without ``--force-data``; or nothing to resume.
     """
     flag = "--resume-from" if getattr(args, "resume_from", None) else "--resume"
     point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
@@ -449,6 +451,18 @@ def _resume(args, lowering, record: dict, history: dict, say) -> tuple[int, int,
     force = bad is not None and bad[0] == "data" and getattr(args, "force_data", False)
     if bad is not None and not force:
         raise UsageError(f"{flag} {point}: {bad[1]}.")
+    return point, older, saved, force
+
+
+def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple[int, int, int]:
+    """Restore the checkpoint :func:`_resume_check` chose; returns ``(step, epoch, batch in epoch)`` (the data
+    position starts over with ``--force-data``) and fills ``history`` (the loss curve so far) and
+    ``record["run"]`` (the resumed run's name).
+
+    Raises:
+        CheckpointError: naming the checkpoint (and older ones) if it cannot be restored.
+    """
+    point, older, saved, force = checked
     try:
         meta = restore(lowering, point)
     except CheckpointError as e:
