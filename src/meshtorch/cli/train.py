@@ -51,8 +51,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, batches and sampling")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0: torch's own choice). One is fastest for the small per-processor "
-                        "slices of a simulated mesh on a few cores; raise it for large models")
+                   help="torch intra-op threads (0: torch's own choice). One is safe on a busy machine (two were 23x "
+                        "slower on 2 loaded cores); on idle cores or for large models more are faster "
+                        "(docs/cli-train.md, Threads)")
     p.add_argument("--executor", default="codegen", choices=["codegen", "interpret", "compile"],
                    help="how each step runs: one generated Python function per step (codegen), a loop over the "
                         "program's steps (interpret), or that function through torch.compile (compile: the first "
