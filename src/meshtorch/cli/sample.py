@@ -27,6 +27,8 @@ def add_sample_subcommand(subparsers) -> None:
     p.add_argument("--layout", default="", help="layout rules tensor_dim:mesh_axis;... (default: replicated)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's own choice; see docs/cli-train.md for measurements)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda (the mesh's processors spread over the visible GPUs) or cuda:<index> (default: cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main_sample)
 

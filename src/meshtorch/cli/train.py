@@ -29,6 +29,10 @@ def add_train_subcommand(subparsers) -> None:
                         "processor")
     p.add_argument("--layout", default=DEFAULT_LAYOUT,
                    help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis)")
+    p.add_argument("--device", default=None,
+                   help="where the slices live: cpu, cuda (a simulated mesh spreads its processors over the visible "
+                        "GPUs round-robin; under torchrun each rank uses cuda:LOCAL_RANK with NCCL) or cuda:<index> "
+                        "(default: cpu; under torchrun cuda:LOCAL_RANK when CUDA is available)")
     p.add_argument("--storage", default="",
                    help='storage layout rules for variables, e.g. "d_model:data" (FSDP: weights all-gathered for '
                         "compute, gradients reduce-scattered)")

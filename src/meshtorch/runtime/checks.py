@@ -10,6 +10,8 @@ import math
 import os
 import tempfile
 
+import torch
+
 from meshtorch.core.dims import Shape
 from meshtorch.core.errors import LayoutError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
@@ -97,6 +99,24 @@ def mesh_shape(flag: str, text: str) -> Shape:
     if len(set(names)) != len(names):
         raise UsageError(f"{flag}: mesh axis names repeat in {text!r}.")
     return Shape(dims)
+
+
+def device(flag: str, name: str | None) -> str | None:
+    """``name`` (``"cpu"``, ``"cuda"``, ``"cuda:<index>"`` or None) if this torch can use it, else UsageError
+    naming ``flag`` (CUDA unavailable: a CPU-only build of torch, or no GPU visible)."""
+    if name is None or name == "cpu":
+        return name
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"{flag} {name}: CUDA is not available here (torch {torch.__version__}, built for CUDA "
+                             f"{torch.version.cuda or 'none'}; no GPU visible); use {flag} cpu or install a CUDA "
+                             "build of torch.")
+        idx = name.removeprefix("cuda").removeprefix(":")
+        if idx and (not idx.isdigit() or int(idx) >= torch.cuda.device_count()):
+            raise UsageError(f"{flag} {name}: there are {torch.cuda.device_count()} visible GPUs (cuda:0 .. "
+                             f"cuda:{torch.cuda.device_count() - 1}).")
+        return name
+    raise UsageError(f"{flag} {name!r}: give cpu, cuda (every visible GPU) or cuda:<index>.")
 
 
 def layout_rules(flag: str, text: str, dim_names, mesh: Shape) -> LayoutRules:

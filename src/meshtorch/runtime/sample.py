@@ -15,6 +15,7 @@ import torch
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.data.text import ByteTokenizer, SentencePieceTokenizer
+from meshtorch.mesh.factory import placement_devices
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import LMConfig, build_lm
 from meshtorch.runtime import checks, runs
@@ -22,8 +23,9 @@ from meshtorch.runtime.generate import beam_search, sample
 from meshtorch.runtime.optional import optional_module
 
 
-def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
-    """``(lm, lowering)``: the LM described by the checkpoint, restored onto ``mesh_shape``/``layout``."""
+def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = "", device: str | None = None):
+    """``(lm, lowering)``: the LM described by the checkpoint, restored onto ``mesh_shape``/``layout`` (slices on
+    ``device``, see :func:`meshtorch.mesh.factory.placement_devices`; default cpu)."""
     manifest = load_manifest(latest_checkpoint(checkpoint_dir) or checkpoint_dir)
     extra = manifest.get("extra") or {}
     if "config" not in extra:
@@ -31,7 +33,11 @@ def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
                                   "'meshtorch train'?")
     cfg = LMConfig(**extra["config"])
     lm = build_lm(cfg, seed=(manifest.get("rng") or {}).get("graph_seed", 0), train=False)
-    lowering = lm.lowering(mesh_impl=PlacementMeshImpl(mesh_shape, layout))
+    impl = PlacementMeshImpl(mesh_shape, layout)
+    if device is not None:
+        count = torch.cuda.device_count() if device == "cuda" else 0
+        impl = PlacementMeshImpl(mesh_shape, layout, devices=placement_devices(device, impl.size, count))
+    lowering = lm.lowering(mesh_impl=impl)
     restore(lowering, checkpoint_dir)
     return lm, lowering
 
@@ -77,6 +83,7 @@ def check_args(args) -> tuple[LMConfig, object]:
     for flag in ("temperature", "top_k", "beam"):
         checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
     mesh = checks.mesh_shape("--mesh", args.mesh)
+    checks.device("--device", getattr(args, "device", None))
     path = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
     used = os.path.basename(path).rsplit("-", 1)[-1]
     step = int(used) if used.isdigit() else -1
@@ -115,7 +122,7 @@ def main_sample(args):
         torch.set_num_threads(args.threads)
     path = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
     print(f"decoding checkpoint {path} (step {load_manifest(path)['step']})", file=sys.stderr, flush=True)
-    lm, lowering = load_lm(args.checkpoint_dir, args.mesh, args.layout)
+    lm, lowering = load_lm(args.checkpoint_dir, args.mesh, args.layout, getattr(args, "device", None))
     prompt = tok.encode(args.prompt)
     if args.max_new_tokens + len(prompt) > cfg.length:
         print(f"note: {len(prompt)} prompt + {args.max_new_tokens} new tokens exceed the context of {cfg.length}: "

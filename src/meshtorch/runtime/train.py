@@ -158,6 +158,7 @@ def check_args(args) -> runs.RunPaths:
     else:
         checks.positive("--lr", args.lr)
     mesh = checks.mesh_shape("--mesh", args.mesh)
+    checks.device("--device", getattr(args, "device", None))
     if args.resume and args.checkpoint_dir == "":
         raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints), not ''.")
     if getattr(args, "resume_from", None) and not os.path.isdir(args.resume_from):
@@ -226,9 +227,10 @@ def main_train(args) -> dict:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = getattr(args, "device", None)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
-        init_distributed()
-    impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None,
+        init_distributed(backend=None if device is None else ("nccl" if device.startswith("cuda") else "gloo"))
+    impl = make_mesh_impl(args.mesh, args.layout, device=device, storage=getattr(args, "storage", "") or None,
                           async_collectives=getattr(args, "async_collectives", None))
     main_process = impl.is_leader()
 
@@ -265,7 +267,7 @@ def main_train(args) -> dict:
     eval_lm, eval_lowering = lm, lowering
     if cfg.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
         eval_lm = build_lm(cfg, seed=args.seed, train=False)
-        eval_impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None)
+        eval_impl = make_mesh_impl(args.mesh, args.layout, device=device, storage=getattr(args, "storage", "") or None)
         eval_lowering = Lowering(eval_lm.graph, {eval_lm.mesh: eval_impl})
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     say(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
