@@ -80,6 +80,8 @@ def add_train_subcommand(subparsers) -> None:
                         "<runs-dir>/latest names)")
     p.add_argument("--plot", default=None, help="loss-curve PNG path (default: <runs-dir>/<run-name>/loss.png; '' to "
                                                  "skip)")
+    p.add_argument("--comm-detail", action="store_true",
+                   help="list the communication per causing op too (default: per layer or op family and collective)")
     p.add_argument("--log-dir", default="",
                    help="write TensorBoard event files and metrics.jsonl here ('' to skip)")
     p.add_argument("--checkpoint-dir", default=None,

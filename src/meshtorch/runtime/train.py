@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 import time
 
 import torch
@@ -273,7 +274,8 @@ def main_train(args) -> dict:
     say(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
           f"batch {cfg.batch_size} x length {cfg.length}")
-    say(f"mesh {args.mesh!r} layout {args.layout!r}; {len(dataset.train)} train / "
+    say(f"mesh {args.mesh!r} layout {args.layout!r} storage {getattr(args, 'storage', '') or '(as the layout)'!r}; "
+        f"{len(dataset.train)} train / "
           f"{len(dataset.validation)} validation sequences")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     peak = job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
@@ -381,14 +383,17 @@ def main_train(args) -> dict:
         f"GFLOP/s: a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
         f"x {world} process{'es' if world > 1 else ''})")
     say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
-    say(lowering.counters.summary())
+    say(lowering.counters.summary(detail=getattr(args, "comm_detail", False),
+                                  header=f"mesh {args.mesh!r}, layout {args.layout!r}, storage "
+                                         f"{getattr(args, 'storage', '') or '(none: as the layout)'!r}"))
     if saved:
         how = "meshtorch sample" if paths.default_layout else f"meshtorch sample --checkpoint-dir {args.checkpoint_dir}"
         say(f"checkpoint: {saved} (decode it: {how}; continue it: meshtorch train --resume"
             f"{'' if paths.default_layout else ' --checkpoint-dir ' + args.checkpoint_dir} --steps N)")
     if args.plot and main_process:
         _plot(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
-              f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}")
+              f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}"
+              + (f"; storage {args.storage}" if getattr(args, "storage", "") else ""))
         say(f"loss curve: {args.plot}")
     ids = None
     if args.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
@@ -512,7 +517,7 @@ def _plot(history: dict, path: str, bytes_per_token: float = 1.0, title: str = "
     ax.plot(history["val_step"], [v * k for v in history["val_loss"]], "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("bits per byte")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)  # wrapped: a long layout never runs off the figure
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
