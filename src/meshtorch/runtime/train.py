@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import textwrap
 import time
 
 import torch
@@ -46,6 +45,7 @@ from meshtorch.runtime import checks, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops
 from meshtorch.runtime.optional import optional_module
+from meshtorch.runtime.report import CompileClock, plot_history
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
@@ -307,7 +307,7 @@ def main_train(args) -> dict:
     bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
     t_start, first_loss = time.perf_counter(), None
-    comp = _CompileClock(lowering.session, bar, tqdm.write if main_process else (lambda _m: None))
+    comp = CompileClock(lowering.session, bar, tqdm.write if main_process else (lambda _m: None))
     try:
         for step in range(start, args.steps):
             batch = next(it, None)
@@ -391,7 +391,7 @@ def main_train(args) -> dict:
         say(f"checkpoint: {saved} (decode it: {how}; continue it: meshtorch train --resume"
             f"{'' if paths.default_layout else ' --checkpoint-dir ' + args.checkpoint_dir} --steps N)")
     if args.plot and main_process:
-        _plot(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
+        plot_history(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
               f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}"
               + (f"; storage {args.storage}" if getattr(args, "storage", "") else ""))
         say(f"loss curve: {args.plot}")
@@ -402,43 +402,6 @@ def main_train(args) -> dict:
         say("sample:\n" + args.prompt + tok.decode(ids))
     return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
             "lowering": lowering, "lm": lm, "sample_ids": ids}
-
-
-class _CompileClock:
-    """Which steps of a ``--compile`` run compiled (``Session.compile_seconds`` grew): says when compiling
-    starts and ends, restarts the progress bar's clock after a compiling step (its ETA and rate then count
-    steady-state steps only), and adds up the wall seconds and training steps to leave out of throughput."""
-
-    def __init__(self, session, bar, write):
-        self.session, self.bar, self.write = session, bar, write
-        self.seconds, self.steps, self.parts = 0.0, 0, []
-        self._known, self._announced = 0, set()
-
-    def before(self, what: str, session=None):
-        session = session or self.session
-        self._known = len(session.compile_seconds)
-        if session.mode == "compile" and what not in self._announced:
-            self._announced.add(what)
-            self.write(f"compiling the {what} with torch.compile (tens of seconds on a CPU) ...")
-
-    def after(self, what: str, dt: float, steps: int, session=None):
-        session = session or self.session
-        new = list(session.compile_seconds.values())[self._known:]
-        if not new:
-            return
-        if all(v is None for v in new):
-            self.write(f"the {what} has random ops (dropout): it runs uncompiled")
-            return
-        self.seconds += dt
-        self.steps += steps
-        self.parts.append((what, dt))
-        self.write(f"compiled the {what} in {sum(v for v in new if v is not None):.1f} s")
-        n = self.bar.n
-        self.bar.reset(total=self.bar.total)  # the rate and ETA restart after compiling
-        self.bar.initial = self.bar.n = self.bar.last_print_n = n
-
-    def describe(self) -> str:
-        return ", ".join(f"{w} {s:.1f} s" for w, s in self.parts)
 
 
 def _resume_check(args, record: dict) -> tuple:
@@ -503,24 +466,3 @@ def _check_finite(lowering, step: int, args) -> None:
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise RunFailure(f"training diverged: variable {name!r} is not finite after step {step}; not saved. "
                              f"{_last_good(args.checkpoint_dir)} {_advice(args)}")
-
-
-def _plot(history: dict, path: str, bytes_per_token: float = 1.0, title: str = "") -> None:
-    matplotlib = optional_module("matplotlib", "meshtorch train --plot")
-    matplotlib.use("Agg")
-    plt = optional_module("matplotlib.pyplot", "meshtorch train --plot")
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    k = 1.0 / math.log(2) / bytes_per_token
-    ax.plot(history["step"], [v * k for v in history["loss"]], lw=0.8, label="train")
-    ax.plot(history["val_step"], [v * k for v in history["val_loss"]], "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("bits per byte")
-    ax.set_title(textwrap.fill(title, 80), fontsize=9)  # wrapped: a long layout never runs off the figure
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
