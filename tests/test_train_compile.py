@@ -12,7 +12,7 @@ from test_train_cli import _args
 
 TINY = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
         "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "",
-        "--checkpoint-dir", "", "--mesh", "all:2", "--layout", "batch:all", "--warmup-steps", "1"]
+        "--checkpoint-dir", "", "--warmup-steps", "1"]  # the default mesh data:2,model:2 and layout
 assert add_train_subcommand
 
 
