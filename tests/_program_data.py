@@ -78,3 +78,38 @@ def spmd_compiled_worker(steps: int, mesh_shape: str, layout: str, storage: str,
     kinds = [st.kind for st in lw.plan([loss] + updates).steps]
     return (losses, {n: lw.variable_value(n) for n in ("w1", "w2")}, kinds, dict(counters["graph_break"]),
             counters["stats"]["unique_graphs"])
+
+
+class HalfValues(mtf.Initializer):
+    """An initializer implementing only ``values`` (not plain data: lost in JSON): 0.5 everywhere."""
+
+    def values(self, shape, dtype, seed, key, index):
+        return torch.full(index.shape, 0.5, dtype=dtype)
+
+
+def init_graph(lost: bool = False):
+    """A graph whose variables use several initializers (Glorot, normal, truncated normal, constant, ones);
+    ``lost``: one more variable whose initializer is not plain data. Returns (graph, mesh, x, loss)."""
+    g = mtf.Graph(seed=5)
+    mesh = mtf.Mesh(g, "mesh")
+    x = mtf.placeholder(mesh, "x", [B, IO])
+    w1 = mtf.get_variable(mesh, "w1", [IO, HID])
+    w2 = mtf.get_variable(mesh, "w2", [HID, IO], initializer=mtf.random_normal_initializer(0.1, 0.5))
+    w3 = mtf.get_variable(mesh, "w3", [HID], initializer=mtf.truncated_normal_initializer(stddev=2.0))
+    b = mtf.get_variable(mesh, "b", [IO], initializer=mtf.constant_initializer(0.25))
+    s = mtf.get_variable(mesh, "s", [HID], initializer=mtf.ones_initializer())
+    h = mtf.relu(mtf.einsum([x, w1], output_shape=[B, HID]) * s + w3)
+    y = mtf.einsum([h, w2], output_shape=[B, IO]) + b
+    if lost:
+        y = y * mtf.get_variable(mesh, "half", [IO], initializer=HalfValues())
+    return g, mesh, x, mtf.reduce_mean(mtf.square(y - x))
+
+
+def spmd_json_init_worker(text: str, loss_name: str, mesh_shape: str, layout: str, mode: str):
+    """Inside a gloo rank: a JSON program's variables as the store initialises them, and one loss."""
+    program = mtf.Program.from_json(text)
+    impls = {"mesh": mtf.SpmdMeshImpl(mesh_shape, layout)}
+    store = mtf.VariableStore(program, impls)
+    session = mtf.Session(program, impls, store, mode)
+    loss = session.run((("tensor", loss_name),), {"x": batch(0)})[0]
+    return {n: store.value(n) for n in store.names}, loss

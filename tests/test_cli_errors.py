@@ -46,7 +46,9 @@ def _bad_dirs(tmp):
     empty.mkdir(exist_ok=True)
     nomanifest = tmp / "nomanifest" / "ckpt-5"
     nomanifest.mkdir(parents=True, exist_ok=True)
-    return {"EMPTY": str(empty), "NOMANIFEST": str(tmp / "nomanifest")}
+    text = tmp / "other.txt"
+    text.write_text("Some other text than the built-in corpus. " * 50)
+    return {"EMPTY": str(empty), "NOMANIFEST": str(tmp / "nomanifest"), "TEXT": str(text)}
 
 
 # (command argv, expected status, words the message must contain)
@@ -60,9 +62,10 @@ INPUT_ERRORS = [
     (["train", *TINY, "--lr", "nan"], ["--lr", "finite"]),
     (["train", *TINY, "--lr", "-1"], ["--lr"]),
     (["train", *TINY, "--lr", "inf"], ["--lr", "finite"]),
-    (["train", *TINY, "--layout", "batch:nonexistent_axis"], ["nonexistent_axis", "data, model", "d_model"]),
-    (["train", *TINY, "--layout", "bogus_dim:data"], ["bogus_dim", "batch", "heads", "data, model"]),
-    (["train", *TINY, "--layout", "batch"], ["batch", "tensor_dim:mesh_axis"]),
+    (["train", *TINY, "--layout", "batch:nonexistent_axis"],
+     ["--layout", "nonexistent_axis", "data, model", "d_model"]),
+    (["train", *TINY, "--layout", "bogus_dim:data"], ["--layout", "bogus_dim", "batch", "heads", "data, model"]),
+    (["train", *TINY, "--layout", "batch"], ["--layout", "batch", "tensor_dim:mesh_axis"]),
     (["train", *TINY, "--storage", "bogus_dim:data"], ["--storage", "bogus_dim"]),
     (["train", *TINY, "--mesh", "rows:0"], ["--mesh", "rows", "positive integer"]),
     (["train", *TINY, "--mesh", "rows:x"], ["--mesh", "positive integer"]),
@@ -80,8 +83,17 @@ INPUT_ERRORS = [
     (["train", *TINY, "--sample", "5", "--prompt", ""], ["--prompt"]),
     (["train", *TINY, "--resume"], ["--resume", "--checkpoint-dir"]),
     (["train", *TINY, "--resume-from", "/nonexistent/ckpt-3"], ["--resume-from"]),
-    (["train", *TINY, "--resume", "--checkpoint-dir", "NOMANIFEST"], ["ckpt-5", "manifest"]),
-    (["train", *TINY, "--heads", "3", "--mesh", "data:2,model:2"], ["heads", "divisible", "model"]),
+    (["train", *TINY, "--resume", "--checkpoint-dir", "NOMANIFEST"], ["--resume", "ckpt-5", "manifest"]),
+    (["train", *TINY, "--resume", "--checkpoint-dir", "EMPTY"], ["--resume", "nothing to resume", "EMPTY"]),
+    (["train", *TINY, "--resume", "--checkpoint-dir", "CKPT", "--d-model", "64"],
+     ["--resume", "'d_model'", "--d-model", "32", "64"]),
+    (["train", *TINY, "--resume", "--checkpoint-dir", "CKPT", "--data", "TEXT"],
+     ["--resume", "--data", "--force-data"]),
+    (["train", *TINY, "--checkpoint-dir", "CKPT"], ["--checkpoint-dir", "CKPT", "already holds", "--resume"]),
+    (["train", *TINY, "--run-name", "a/b"], ["--run-name", "a/b"]),
+    (["sample", "--run-name", "latest"], ["--run-name", "latest"]),
+    (["sample", "--checkpoint-dir", "CKPT", "--threads", "-1"], ["--threads"]),
+    (["train", *TINY, "--heads", "3", "--mesh", "data:2,model:2"], ["--layout", "heads", "divisible", "model"]),
     # meshtorch mnist
     (["mnist", "--steps-per-epoch", "0"], ["--steps-per-epoch"]),
     (["mnist", "--steps-per-epoch", "-3"], ["--steps-per-epoch"]),
@@ -90,32 +102,33 @@ INPUT_ERRORS = [
     (["mnist", "--threads", "-3"], ["--threads"]),
     (["mnist", "--epochs", "0"], ["--epochs"]),
     (["mnist", "--mesh", "rows:0"], ["--mesh", "positive integer"]),
-    (["mnist", "--layout", "batch:nonexistent_axis"], ["nonexistent_axis", "rows, cols", "hidden"]),
-    (["mnist", "--layout", "bogus_dim:rows"], ["bogus_dim", "hidden"]),
+    (["mnist", "--layout", "batch:nonexistent_axis"], ["--layout", "nonexistent_axis", "rows, cols", "hidden"]),
+    (["mnist", "--layout", "bogus_dim:rows"], ["--layout", "bogus_dim", "hidden"]),
     (["mnist", "--data-dir", "/nonexistent/mnist"], ["--data-dir", "/nonexistent/mnist"]),
     # meshtorch sample
     (["sample", "--checkpoint-dir", "/nonexistent/ckpt"], ["--checkpoint-dir"]),
-    (["sample", "--checkpoint-dir", "NOMANIFEST"], ["manifest"]),
-    (["sample", "--checkpoint-dir", "EMPTY"], ["manifest"]),
+    (["sample", "--checkpoint-dir", "NOMANIFEST"], ["--checkpoint-dir", "NOMANIFEST", "manifest"]),
+    (["sample", "--checkpoint-dir", "EMPTY"], ["--checkpoint-dir", "EMPTY", "manifest"]),
     (["sample", "--checkpoint-dir", "CKPT", "--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["sample", "--checkpoint-dir", "CKPT", "--prompt", "x" * 40], ["--prompt", "16"]),
     (["sample", "--checkpoint-dir", "CKPT", "--temperature", "-1"], ["--temperature"]),
     (["sample", "--checkpoint-dir", "CKPT", "--num-samples", "99"], ["--num-samples", "batch"]),
     (["sample", "--checkpoint-dir", "CKPT", "--mesh", "all:0"], ["--mesh", "positive integer"]),
-    (["sample", "--checkpoint-dir", "CKPT", "--mesh", "all:2", "--layout", "bogus_dim:all"], ["bogus_dim", "all"]),
+    (["sample", "--checkpoint-dir", "CKPT", "--mesh", "all:2", "--layout", "bogus_dim:all"],
+     ["--layout", "bogus_dim", "all"]),
     # meshtorch plan
     ([*PLAN, "--mesh", "rows:0"], ["--mesh", "positive integer"]),
     ([*PLAN, "--layout", "bogus_dim:data"], ["--layout", "bogus_dim"]),
-    ([*PLAN, "--layout", "batch:nonexistent_axis"], ["nonexistent_axis"]),
+    ([*PLAN, "--layout", "batch:nonexistent_axis"], ["--layout", "nonexistent_axis"]),
     ([*PLAN, "--storage", "d_model:nope"], ["--storage", "nope"]),
     ([*PLAN, "--top", "0"], ["--top"]),
     ([*PLAN, "--search", "--storage", "d_model:data"], ["--storage", "--search"]),
     ([*PLAN, "--search", "--memory-limit", "12XB"], ["--memory-limit", "12XB"]),
     ([*PLAN, "--flop-rate", "-1"], ["--flop-rate"]),
-    ([*PLAN, "--layout", "batch:data;length:model"], ["length"]),
+    ([*PLAN, "--layout", "batch:data;length:model"], ["--layout", "length"]),
     # meshtorch launch (arguments checked before any process starts)
     (["launch", "-n", "0", "--", "train"], ["-n"]),
-    (["launch", "-n", "2"], ["command"]),
+    (["launch", "-n", "2"], ["meshtorch launch: error", "command after `--`"]),
     (["launch", "-n", "2", "--timeout", "0", "--", "train"], ["--timeout"]),
     (["launch", "-n", "2", "--grace", "nan", "--", "train"], ["--grace"]),
 ]
@@ -127,6 +140,7 @@ def test_bad_input_is_refused_before_training(argv, words, tmp_path, capsys, req
     if "CKPT" in argv:
         subs["CKPT"] = request.getfixturevalue("ckpt")
     argv = [subs.get(a, a) for a in argv]
+    words = [subs.get(w, w) for w in words]
     rc, out, elapsed = run_cli(argv, capsys)
     assert rc == 2, out
     assert "Traceback" not in out

@@ -297,7 +297,7 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
     impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
     lw = Lowering(model.graph, {model.mesh: impl}, materialize=False)  # no initial values drawn yet
     done = set(load_hf_weights(lowering=lw, model=model, path=path, check=False))
-    lw.store.initialize({v.name: v for v in lw.variables if v.name not in done})
+    lw.store.initialize([v.name for v in lw.variables if v.name not in done])
     lw.materialize = True
     return model, lw
 

@@ -63,7 +63,8 @@ __all__ = ["save"]
 
 
 # ===================================================================== save
-def save(lowering, path: str, step: int, extra=None, keep: int | None = None, full: bool = False) -> str:
+def save(lowering, path: str, step: int, extra=None, keep: int | None = None, full: bool = False,
+         run: str | None = None) -> str:
     """Save every variable of ``lowering`` (trainable or not) atomically to ``<path>/ckpt-<step>``.
 
     Args:
@@ -74,6 +75,8 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
         extra: optional JSON-serialisable object stored in the manifest (e.g. the data position).
         keep: if given, keep only the ``keep`` newest complete checkpoints under ``path`` (older
             ones are deleted after the new one is complete).
+        run: a run id stored in the manifest (``"run"``); with ``keep``, only checkpoints of this
+            run count and are deleted (another run's checkpoints in the same ``path`` are never touched).
         full: write full tensors to one file instead of per-processor slices (single-process
             meshes only; both kinds restore onto any mesh and layout).
 
@@ -133,6 +136,8 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
     if leader:
         try:
             manifest = _manifest(lowering, tmp, step, extra)
+            if run is not None:
+                manifest["run"] = str(run)
             _write_json(os.path.join(tmp, MANIFEST), manifest)
             _fsync_path(tmp)
             _commit(root, tmp, final)
@@ -140,7 +145,8 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         if keep is not None:
-            for _, old in _complete_checkpoints(root)[:-keep]:
+            mine = [d for _, d in _complete_checkpoints(root) if run is None or _run_of(d) == str(run)]
+            for old in mine[:-keep]:
                 _delete(old)
     _barrier(lowering)
     return final
@@ -242,6 +248,15 @@ def _manifest(lowering, tmp: str, step: int, extra) -> dict:
         "meshes": meshes, "variables": variables,
         "files": {k: {"bytes": v["bytes"], "sha256": v["sha256"]} for k, v in files.items()},
     }
+
+
+def _run_of(ckpt: str) -> str | None:
+    """The ``run`` recorded in a checkpoint's manifest (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(ckpt, MANIFEST)) as f:
+            return json.load(f).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _commit(root: str, tmp: str, final: str):

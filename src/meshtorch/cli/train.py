@@ -34,6 +34,10 @@ def add_train_subcommand(subparsers) -> None:
                         "processor")
     p.add_argument("--layout", default=DEFAULT_LAYOUT,
                    help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis)")
+    p.add_argument("--device", default=None,
+                   help="where the slices live: cpu, cuda (a simulated mesh spreads its processors over the visible "
+                        "GPUs round-robin; under torchrun each rank uses cuda:LOCAL_RANK with NCCL) or cuda:<index> "
+                        "(default: cpu; under torchrun cuda:LOCAL_RANK when CUDA is available)")
     p.add_argument("--storage", default="",
                    help='storage layout rules for variables, e.g. "d_model:data" (FSDP: weights all-gathered for '
                         "compute, gradients reduce-scattered)")
@@ -56,8 +60,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, batches and sampling")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0: torch's own choice). One is fastest for the small per-processor "
-                        "slices of a simulated mesh on a few cores; raise it for large models")
+                   help="torch intra-op threads (0: torch's own choice). One is safe on a busy machine (two were 23x "
+                        "slower on 2 loaded cores); on idle cores or for large models more are faster "
+                        "(docs/cli-train.md, Threads)")
     p.add_argument("--executor", default="codegen", choices=["codegen", "interpret", "compile"],
                    help="how each step runs: one generated Python function per step (codegen), a loop over the "
                         "program's steps (interpret), or that function through torch.compile (compile: the first "
@@ -76,18 +81,33 @@ def add_train_subcommand(subparsers) -> None:
                    help="under torchrun: start collectives asynchronously and wait at first use, so they overlap "
                         "compute (DDP's / FSDP's overlap; the default on CUDA, off on CPU where gloo competes with "
                         "compute for the cores)")
-    p.add_argument("--plot", default="runs/loss.png", help="loss-curve PNG path ('' to skip)")
+    p.add_argument("--runs-dir", default="runs",
+                   help="where runs live: each run in <runs-dir>/<run-name>/ (ckpt/, loss.png), and "
+                        "<runs-dir>/latest names the newest run")
+    p.add_argument("--run-name", default=None,
+                   help="this run's name (default: a UTC timestamp such as 20261125-123456; with --resume: the run "
+                        "<runs-dir>/latest names)")
+    p.add_argument("--plot", default=None, help="loss-curve PNG path (default: <runs-dir>/<run-name>/loss.png; '' to "
+                                                 "skip)")
+    p.add_argument("--comm-detail", action="store_true",
+                   help="list the communication per causing op too (default: per layer or op family and collective)")
     p.add_argument("--log-dir", default="",
                    help="write TensorBoard event files and metrics.jsonl here ('' to skip)")
-    p.add_argument("--checkpoint-dir", default="runs/ckpt",
-                   help="save checkpoints here (atomic, restorable on any layout; `meshtorch sample --checkpoint-dir` "
-                        "reads them; '' for none)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here (default: <runs-dir>/<run-name>/ckpt; atomic, restorable on any "
+                        "layout; `meshtorch sample` reads the latest run's; '' for none)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--keep", type=int, default=3,
+                   help="keep this run's newest N checkpoints (another run's are never deleted)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the newest checkpoint of the latest run (or of --run-name / --checkpoint-dir); "
+                        "an error if there is none, or if its model config or data differ")
     p.add_argument("--resume-from", default=None,
                    help="continue from this checkpoint directory (e.g. an older ckpt-<step> when the newest is "
-                        "damaged); new checkpoints still go to --checkpoint-dir")
+                        "damaged); new checkpoints go beside it unless --checkpoint-dir is given")
+    p.add_argument("--force-data", action="store_true",
+                   help="with --resume: continue on data that differ from the checkpoint's (the data position "
+                        "starts over)")
     p.add_argument("--sample", type=int, default=200, help="tokens to sample after training (0: none)")
     p.add_argument("--prompt", default="The ", help="prompt of the sample")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")

@@ -141,9 +141,9 @@ class Lowering:
         if default_buckets and bucket_bytes and _reduces_low_precision(graph, self.program):
             bucket_bytes = 0
         impls = {m.name: i for m, i in impls_by_mesh.items()}
-        self.store = VariableStore(self.program, impls)
+        self.store = VariableStore(self.program, impls, initialize=False)
         if materialize:
-            self.store.initialize(self.planner.variable_ops, lazy=init == "lazy")
+            self.store.initialize(lazy=init == "lazy")
         self.session = Session(self.program, impls, self.store, mode, bucket_bytes)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 

@@ -15,6 +15,7 @@ a planned reduce-scatter, a bucket that lost a member, a collective that moved o
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -141,31 +142,64 @@ class Counters:
     def count(self, kind: str | None = None) -> int:
         return sum(n for c, n in self.records.items() if kind is None or c.kind == kind)
 
-    def summary(self) -> str:
-        """A readable table: one row per (kind, mesh axes), then per causing op."""
+    def summary(self, detail: bool = False, header: str = "") -> str:
+        """A readable table: one row per (collective kind, mesh axes), then per (layer or op family,
+        kind, mesh axes) with counts and bytes; ``detail``: also one row per causing op. Columns are
+        sized to their contents. ``header``: a line printed under the title (e.g. the mesh, layout
+        and storage rules)."""
         compiled = f" ({self.runs_from_plan} compiled, counted from their plan)" if self.runs_from_plan else ""
-        lines = [f"communication over {self.runs} run(s){compiled}:"]
+        lines = [f"communication over {self.runs} run(s){compiled}:"] + ([f"  {header}"] if header else [])
         if not self.records:
             lines.append("  no collectives (everything local)")
         by_kind: dict = defaultdict(lambda: [0, 0])
+        by_group: dict = defaultdict(lambda: [0, 0])
         for c, n in self.records.items():
-            key = (c.kind + (f"[{c.reduction.lower()}]" if c.reduction and c.reduction != "SUM" else ""),
-                   ",".join(c.mesh_axes))
-            by_kind[key][0] += n
-            by_kind[key][1] += c.bytes * n
+            kind = c.kind + (f"[{c.reduction.lower()}]" if c.reduction and c.reduction != "SUM" else "")
+            axes = ",".join(c.mesh_axes)
+            for table, key in ((by_kind, (kind, axes)), (by_group, (op_group(c.op), kind, axes))):
+                table[key][0] += n
+                table[key][1] += c.bytes * n
         if self.records:
-            lines.append(f"  {'collective':<18}{'mesh axes':<14}{'count':>10}{'bytes':>16}")
-            for (k, axes), (n, b) in sorted(by_kind.items()):
-                lines.append(f"  {k:<18}{axes:<14}{n:>10}{_human(b):>16}")
-            lines.append("  by op:")
-            for c, n in sorted(self.records.items(), key=lambda kv: -kv[0].bytes * kv[1]):
-                lines.append(f"    {c.kind:<10} over {','.join(c.mesh_axes):<10} {c.op:<32} x{n:<8}"
-                             f"{_human(c.bytes * n):>12}")
-        lines.append(f"  total bytes: {_human(self.total_bytes())}; einsum FLOPs: {self.einsum_flops:.3e}")
+            rows = [(k, axes, str(n), _human(b)) for (k, axes), (n, b) in sorted(by_kind.items())]
+            lines += _table(("collective", "mesh axes", "count", "bytes"), rows, "llrr")
+            lines.append("  by layer (or op family) and collective:")
+            rows = [(g, k, axes, str(n), _human(b))
+                    for (g, k, axes), (n, b) in sorted(by_group.items(), key=lambda kv: (-kv[1][1], kv[0]))]
+            lines += _table(("layer / op family", "collective", "mesh axes", "count", "bytes"), rows, "lllrr")
+            if detail:
+                lines.append("  by op:")
+                rows = [(c.kind, ",".join(c.mesh_axes), c.op, f"x{n}", _human(c.bytes * n))
+                        for c, n in sorted(self.records.items(), key=lambda kv: -kv[0].bytes * kv[1])]
+                lines += _table(("collective", "mesh axes", "op", "count", "bytes"), rows, "lllrr")
+        lines.append(f"  total: {self.count()} collective calls, {_human(self.total_bytes())}; einsum FLOPs: "
+                     f"{self.einsum_flops:.3e}")
         return "\n".join(lines)
 
     def __repr__(self):
         return f"Counters({self.count()} collectives, {self.total_bytes()} bytes, {self.einsum_flops} flops)"
+
+
+_SUFFIX = re.compile(r"(_grad\d*|_\d+)+$")
+
+
+def op_group(op: str) -> str:
+    """The layer or op family a collective's causing op belongs to: the first two levels of its name
+    scope (``layer_0/attention/q_proj_grad1`` -> ``layer_0/attention``, ``layer_0/ffn/wi/kernel`` ->
+    ``layer_0/ffn``, ``logits/kernel`` -> ``logits``), or for an op outside any scope its family
+    (``reduce_sum_13`` -> ``reduce_sum``, ``gather_grad`` -> ``gather``)."""
+    if "/" in op:
+        return "/".join(op.split("/")[:-1][:2])
+    return _SUFFIX.sub("", op) or op
+
+
+def _table(headers, rows, align: str, indent: str = "  ") -> list[str]:
+    """Lines of a table whose columns are as wide as their widest cell (``align``: ``l``/``r`` per column)."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def fmt(r):
+        return indent + "  ".join(f"{c:<{w}}" if a == "l" else f"{c:>{w}}"
+                                  for c, w, a in zip(r, widths, align, strict=True)).rstrip()
+    return [fmt(headers)] + [fmt(r) for r in rows]
 
 
 def _human(b: float) -> str:

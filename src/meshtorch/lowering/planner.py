@@ -93,6 +93,7 @@ class Planner:
             self.program.placeholders[t.name] = self._tensor_slot(t, s)
         for var, s in self.var_reads.items():
             self.program.variables[var.name] = self._tensor_slot(var.outputs[0], s)
+            self.program.initializers[var.name] = var.initializer_kernel()
         for op, pairs in self.assignments.items():
             self.program.assignments[op.name] = [(v.name, s) for v, s in pairs]
         for t, lowered in self._lowered.items():

@@ -170,6 +170,9 @@ class Program:
         assignments: ``{assign op name: [(variable name, slot of its new value)]}``.
         slot_bytes: per-processor bytes of the slots whose size is known at plan time.
         n_slots: number of slots.
+        initializers: ``{variable name: kernel}``: ``kernel(begin, sizes, device)`` draws one slice of the
+            variable's initial value (``Variable.initializer_kernel``); None when it could not be read
+            back from JSON (an initializer that is not plain data), then the value must be set.
     """
 
     meshes: dict
@@ -182,6 +185,7 @@ class Program:
     assignments: dict
     slot_bytes: dict
     n_slots: int
+    initializers: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The program as JSON text.
@@ -202,7 +206,8 @@ class Program:
              "variables": {k: v.to_data() for k, v in self.variables.items()}, "trainable": list(self.trainable),
              "tensors": {k: v.to_data() for k, v in self.tensors.items()},
              "assignments": {k: [list(x) for x in v] for k, v in self.assignments.items()},
-             "slot_bytes": {str(k): v for k, v in self.slot_bytes.items()}, "n_slots": self.n_slots}
+             "slot_bytes": {str(k): v for k, v in self.slot_bytes.items()}, "n_slots": self.n_slots,
+             "initializers": {k: _data_or_none(v) for k, v in self.initializers.items()}}
         return json.dumps(d)
 
     @staticmethod
@@ -222,10 +227,19 @@ class Program:
         return Program(d["meshes"], [Step.from_data(s) for s in d["steps"]], consts, slots(d["placeholders"]),
                        slots(d["variables"]), list(d["trainable"]), slots(d["tensors"]),
                        {k: [tuple(x) for x in v] for k, v in d["assignments"].items()},
-                       {int(k): v for k, v in d["slot_bytes"].items()}, d["n_slots"])
+                       {int(k): v for k, v in d["slot_bytes"].items()}, d["n_slots"],
+                       {k: None if v is None else from_data(v) for k, v in d.get("initializers", {}).items()})
 
     def __str__(self) -> str:
         return program_str(self.steps)
+
+
+def _data_or_none(kernel):
+    """``to_data(kernel)``, or None for a kernel that is not plain data (its variable then needs a value)."""
+    try:
+        return None if kernel is None else to_data(kernel)
+    except NotDataError:
+        return None
 
 
 def program_str(steps) -> str:

@@ -52,7 +52,7 @@ class Plan:
     counters: Counters
     bound: list = field(default_factory=list)
     fn: object = None  # the generated straight-line function (codegen mode)
-    compiled: bool = False
+    compiled: bool = False  # fn is torch.compile'd
 
 
 class Session:
@@ -188,11 +188,13 @@ class Session:
             compiled = self.mode == "compile" and not counters_read
             # compiled: collectives as functional collectives, so one graph holds the whole step
             impls = {m: impl.traceable() for m, impl in self.impls.items()} if compiled else self.impls
+            for impl in impls.values() if compiled else ():
+                impl.precompute_groups()  # no cache key added while tracing: no recompilation on run 2
             plan.fn = codegen.generate(plan.steps, plan.frees, impls, self._loops, reads, writes, tagged=not compiled)
             plan.compiled = compiled
             if compiled:
                 plan.fn = torch.compile(plan.fn, dynamic=False)
-                first_compile = True
+                plan.compiled = first_compile = True
             elif self.mode == "compile":
                 # random ops key on the run number, a Python int torch.compile would specialise on (one
                 # recompilation per run): such plans run as the generated function, uncompiled
@@ -212,6 +214,10 @@ class Session:
             self.store.draw_pending([name for name, _ in plan.var_reads])
         for name, s in plan.var_reads:
             env[s] = self.store.values[name]
+            if env[s] is None:
+                self.store.check_has_values([name])
+            if plan.compiled:  # once per variable: its replicas become separate tensors, as updates make them
+                env[s] = self.store.values[name] = _unaliased(env[s])
         count_now = self.run_count
         for s, mesh in self._run_counters:
             env[s] = self.impls[mesh].laid_out_constant(lambda _p: count_now)
@@ -285,6 +291,20 @@ class Session:
                                 f"{p} (layout {layout}), but was fed a slice of shape {list(v.shape)}.")
             out.append(v.to(device=impl.device(p), dtype=spec.dtype))
         return impl.from_local_slices(out)
+
+
+def _unaliased(x):
+    """A laid-out value (a list of slices) whose entries are distinct tensors: a slice shared by several
+    processors (``share_replicas``) is copied. ``torch.compile`` guards on which inputs are the same
+    object (or views of one): initial values share replicas and updated ones do not, so without this the
+    second run would recompile."""
+    if not isinstance(x, list) or len({id(t) for t in x}) == len(x):
+        return x
+    seen, out = set(), []
+    for t in x:
+        out.append(t.clone() if id(t) in seen else t)
+        seen.add(id(t))
+    return out
 
 
 def _as_torch(value) -> torch.Tensor:

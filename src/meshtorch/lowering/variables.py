@@ -45,17 +45,25 @@ def check_full(name: str, spec: TensorSlot, value, what: str = "Placeholder") ->
 class VariableStore:
     """Laid-out values of a program's variables on ``{mesh name: MeshImpl}``.
 
+    ``initialize=True`` draws every variable's initial value from the program's initializers
+    (:attr:`Program.initializers`; the same values as the Lowering that planned it, on any mesh and
+    layout, in one process or on torchrun ranks). A variable whose initializer did not survive JSON
+    keeps no value until :meth:`set_value`; a run reading it raises an error naming it.
+
     Attributes:
-        values: ``{variable name: laid-out value}`` (None in a dry run).
+        values: ``{variable name: laid-out value}`` (None: no value, e.g. a dry run).
         specs: ``{variable name: TensorSlot}``: shape, dtype, mesh and storage layout.
     """
 
-    def __init__(self, program, impls: dict):
+    def __init__(self, program, impls: dict, initialize: bool = True):
         self.specs: dict[str, TensorSlot] = dict(program.variables)
         self.impls = impls
         self.trainable = set(program.trainable)
+        self.initializers = dict(getattr(program, "initializers", {}))
         self.values: dict[str, object] = {name: None for name in self.specs}
-        self.pending: dict = {}  # lazily created variables not drawn yet: {name: Variable op}
+        self.pending: dict = {}  # variables not drawn yet: {name: initializer kernel}
+        if initialize:
+            self.initialize()
 
     def _spec(self, name: str) -> TensorSlot:
         try:
@@ -77,24 +85,37 @@ class VariableStore:
     def shape(self, name: str) -> Shape:
         return spec_shape(self._spec(name))
 
-    def initialize(self, variable_ops: dict, lazy: bool = False):
-        """Draw initial values: ``variable_ops[name].initial_value(impl, layout)`` for every variable that
-        ``variable_ops`` names (all of them from :class:`~meshtorch.Lowering`; a subset when the others are
-        set slice by slice, e.g. by :func:`meshtorch.checkpoint.hf.load`).
+    def initialize(self, names=None, lazy: bool = False):
+        """Draw initial values: each processor's slice from the variable's initializer kernel
+        (:attr:`Program.initializers`), for ``names`` (default: every variable that has one; a subset when
+        the others are set slice by slice, e.g. by :func:`meshtorch.checkpoint.hf.load`).
 
         ``lazy``: draw nothing now; a variable is drawn when first needed (a run reading it,
         :meth:`value`, :meth:`draw_pending`) unless :meth:`set_value` / :meth:`set_slices` (a checkpoint
         restore, a PyTorch state dict import) gave it a value first, so restored variables are never drawn.
         """
-        self.pending = {name: variable_ops[name] for name in self.specs if name in variable_ops}
+        names = self.specs if names is None else names
+        self.pending = {n: self.initializers[n] for n in names if self.initializers.get(n) is not None}
         if not lazy:
             self.draw_pending()
 
     def draw_pending(self, names=None):
-        """Draw the initial values of the lazily created variables ``names`` (default: all) not set yet."""
+        """Draw the initial values of the pending variables ``names`` (default: all) not set yet: each
+        processor draws only its slice (counter-based: the same values under every layout), in chunks
+        straight into the slice's dtype; processors holding the same slice on one device share one tensor."""
         for name in list(self.pending) if names is None else [n for n in names if n in self.pending]:
-            impl, layout = self.impl(name), self.layout(name)
-            self.values[name] = impl.share_replicas(self.pending.pop(name).initial_value(impl, layout), layout)
+            kernel = self.pending.pop(name)
+            impl, layout, shape = self.impl(name), self.layout(name), self.shape(name)
+            sizes = impl.slice_shape(shape, layout)
+            drawn: dict = {}
+
+            def draw(p, kernel=kernel, impl=impl, layout=layout, shape=shape, sizes=sizes, drawn=drawn):
+                begin, device = tuple(impl.slice_begin(shape, p, layout)), impl.device(p)
+                if (begin, device) not in drawn:
+                    drawn[begin, device] = kernel(begin, sizes, device)
+                return drawn[begin, device]
+
+            self.values[name] = impl.share_replicas(impl.laid_out_constant(draw), layout)
 
     def _storages(self, names) -> set:
         """Storage addresses of the local slices of variables ``names``."""
@@ -105,6 +126,13 @@ class VariableStore:
                 out.update(t.untyped_storage().data_ptr() for t in self.impl(name).local_slices(v)
                            if isinstance(t, torch.Tensor))
         return out
+
+    def check_has_values(self, names) -> None:
+        """Raise FeedError naming the first of ``names`` that has no value (an initializer lost in JSON)."""
+        for name in names:
+            if self.values.get(name) is None:
+                raise FeedError(f"Variable {name!r} {self.shape(name)} has no value: its initializer could not be "
+                                f"written as plain data; set one with store.set_value({name!r}, tensor).")
 
     def value(self, name: str) -> torch.Tensor:
         """The full value of variable ``name`` (gathered from its slices); a tensor of its own, which the

@@ -10,6 +10,7 @@ Processor numbers ("pnum") are row-major over the mesh shape, as in Mesh TensorF
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -84,6 +85,14 @@ class MeshImpl:
 
     def processor_groups(self, mesh_axes: Sequence[int]) -> list[list[int]]:
         return self.spec.processor_groups(mesh_axes)
+
+    def precompute_groups(self) -> None:
+        """Fill the :meth:`processor_groups` cache for every set of mesh axes (2 ** ndims sets), so that a
+        traced step finds it complete: ``torch.compile`` guards on the cache's keys, and a key first
+        added while tracing would make the second run recompile."""
+        for k in range(self.ndims + 1):
+            for axes in itertools.combinations(range(self.ndims), k):
+                self.processor_groups(axes)
 
     def tensor_layout(self, shape, tensor_name: str = "tensor", unsplittable=(), storage: bool = False) -> TensorLayout:
         return self.spec.tensor_layout(shape, tensor_name, unsplittable, storage)

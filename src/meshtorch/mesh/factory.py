@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 from meshtorch.mesh.base import MeshImpl
@@ -17,16 +18,31 @@ def make_mesh_impl(mesh_shape, layout, device=None, storage=None, async_collecti
 
     Under torchrun / ``meshtorch launch`` (``WORLD_SIZE`` > 1): initializes ``torch.distributed`` if
     needed and returns ``SpmdMeshImpl(mesh_shape, layout, device)`` (the mesh size must equal the
-    world size). Otherwise a ``PlacementMeshImpl(mesh_shape, layout)`` simulating the mesh in this
-    one process (``device``, if given, holds every processor's slices). ``storage``: storage layout
-    rules for variables (e.g. ``"d_model:data"``, see :class:`~meshtorch.mesh.base.MeshImpl`).
+    world size; ``device="cuda"``: ``cuda:LOCAL_RANK`` with NCCL, ``"cpu"``: gloo). Otherwise a
+    ``PlacementMeshImpl(mesh_shape, layout)`` simulating the mesh in this one process (``device``, if
+    given: :func:`placement_devices`, ``"cuda"`` spreading the processors over the visible GPUs).
+    ``storage``: storage layout rules for variables (e.g. ``"d_model:data"``, see
+    :class:`~meshtorch.mesh.base.MeshImpl`).
     ``async_collectives``: see :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` (None: its default; the
     placement mesh has no communication to overlap and ignores it).
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
-        init_distributed()
+        init_distributed(backend=None if device is None else ("nccl" if str(device).startswith("cuda") else "gloo"))
+        if str(device) == "cuda":  # one GPU per rank
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return SpmdMeshImpl(mesh_shape, layout, device=device, storage=storage, async_collectives=async_collectives)
     impl = PlacementMeshImpl(mesh_shape, layout, storage=storage)
     if device is not None:
-        impl = PlacementMeshImpl(mesh_shape, layout, devices=[device] * impl.size, storage=storage)
+        devices = placement_devices(device, impl.size, torch.cuda.device_count() if str(device) == "cuda" else 0)
+        impl = PlacementMeshImpl(mesh_shape, layout, devices=devices, storage=storage)
     return impl
+
+
+def placement_devices(device, size: int, visible_gpus: int = 0) -> list[torch.device]:
+    """The device of each of ``size`` simulated processors for ``device``: ``"cuda"`` (no index) spreads
+    them over the ``visible_gpus`` GPUs round-robin (processor ``p`` on ``cuda:p % visible_gpus``: a
+    ``all:4`` mesh on 4 GPUs puts one processor on each); any other device (``"cpu"``, ``"cuda:1"``) holds
+    all of them."""
+    if str(device) == "cuda" and visible_gpus > 0:
+        return [torch.device("cuda", p % visible_gpus) for p in range(size)]
+    return [torch.device(device)] * size

@@ -77,6 +77,16 @@ class Variable(Operation):
     def lower(self, lw):
         lw.set(self.outputs[0], lw.register_variable(self))
 
+    def initializer_kernel(self):
+        """The kernel ``fn(begin, sizes, device=None) -> torch.Tensor`` drawing one slice of the initial value
+        in the master dtype, then cast to the variable's dtype: counter-based, so a slice's values do not
+        depend on the layout. A ``functools.partial`` of a module-level function, plain data for
+        ``Program.to_json`` unless the initializer only implements ``values``."""
+        out = self.outputs[0]
+        master = self.variable_dtype.master_dtype
+        return self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name,
+                                         out_dtype=None if out.dtype == master else out.dtype)
+
     def initial_value(self, impl, layout):
         """The laid-out initial value on ``impl`` in ``layout``: each processor draws only its slice
         (counter-based, so the values are the same under every layout), in chunks straight into the slice
@@ -84,9 +94,7 @@ class Variable(Operation):
         same device share one drawn tensor."""
         out = self.outputs[0]
         sizes = impl.slice_shape(out.shape, layout)
-        master = self.variable_dtype.master_dtype
-        make = self.initializer.slice_fn(out.shape, master, getattr(self.graph, "seed", 0), self.name,
-                                         out_dtype=None if out.dtype == master else out.dtype)
+        make = self.initializer_kernel()
         drawn: dict = {}
 
         def draw(p):

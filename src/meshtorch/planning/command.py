@@ -115,6 +115,21 @@ def hardware_cost_model(args) -> tuple[CostModel, str]:
                    latency=args.latency if args.latency is not None else base.latency), hw
 
 
+def hardware_note(mesh_shape: str) -> str:
+    """What the predicted times of a parallel (not ``serial``) cost model mean: each processor is a device of
+    the cost model's speed, all working at once, the collectives on links of its bandwidth; the simulated
+    mesh of ``meshtorch train`` (one process) runs the processors one after another on the host's cores, so
+    its step takes about ``mesh size`` times the predicted compute, plus Python overhead (a calibrated
+    ``--backend placement`` model predicts that step instead)."""
+    n = 1
+    for part in filter(None, mesh_shape.replace(";", ",").split(",")):
+        n *= int(part.split(":")[1])
+    return (f"times model {n} real processor(s) of the cost model's speed working in parallel (--hardware, "
+            f"--flop-rate); the simulated mesh of `meshtorch train` (no torchrun) runs its {n} processor(s) one "
+            f"after another in one process, so its step takes about {n}x the compute shown, plus Python overhead "
+            "(meshtorch plan --calibrate --backend placement models that step)")
+
+
 def why_line(ranked) -> str:
     """One line saying why the first layout of ``ranked`` (``[(layout, MemoryReport)]``) beats the second."""
     if len(ranked) < 2:
@@ -231,6 +246,8 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
            "hardware): step time = one processor's work plus the collectives")
     print_fn(f"cost model{hw}: {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
              f"collective{extra}; {how} (dry run: nothing allocated or executed)")
+    if not cost.serial:
+        print_fn(hardware_note(mesh_shape))
     fetches = [lm.loss] + lm.updates
     if not search:
         st = "" if storage == "auto" else storage

@@ -10,8 +10,10 @@ import math
 import os
 import tempfile
 
+import torch
+
 from meshtorch.core.dims import Shape
-from meshtorch.core.errors import UsageError
+from meshtorch.core.errors import LayoutError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
 
 
@@ -99,13 +101,35 @@ def mesh_shape(flag: str, text: str) -> Shape:
     return Shape(dims)
 
 
+def device(flag: str, name: str | None) -> str | None:
+    """``name`` (``"cpu"``, ``"cuda"``, ``"cuda:<index>"`` or None) if this torch can use it, else UsageError
+    naming ``flag`` (CUDA unavailable: a CPU-only build of torch, or no GPU visible)."""
+    if name is None or name == "cpu":
+        return name
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"{flag} {name}: CUDA is not available here (torch {torch.__version__}, built for CUDA "
+                             f"{torch.version.cuda or 'none'}; no GPU visible); use {flag} cpu or install a CUDA "
+                             "build of torch.")
+        idx = name.removeprefix("cuda").removeprefix(":")
+        if idx and (not idx.isdigit() or int(idx) >= torch.cuda.device_count()):
+            raise UsageError(f"{flag} {name}: there are {torch.cuda.device_count()} visible GPUs (cuda:0 .. "
+                             f"cuda:{torch.cuda.device_count() - 1}).")
+        return name
+    raise UsageError(f"{flag} {name!r}: give cpu, cuda (every visible GPU) or cuda:<index>.")
+
+
 def layout_rules(flag: str, text: str, dim_names, mesh: Shape) -> LayoutRules:
     """Layout rules of ``text``, each naming a dimension of the model and an axis of ``mesh`` (strict).
 
     Raises:
         LayoutError: naming ``flag`` and the rule, listing the model's dimensions and the mesh's axes.
     """
-    return check_rules_strict(LayoutRules(text or ""), dim_names, mesh, flag=flag)
+    try:
+        rules = LayoutRules(text or "")
+    except LayoutError as e:
+        raise LayoutError(f"{flag}: {e}") from None
+    return check_rules_strict(rules, dim_names, mesh, flag=flag)
 
 
 def graph_dim_names(graph) -> set[str]:

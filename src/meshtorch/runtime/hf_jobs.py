@@ -46,8 +46,8 @@ def run_train(args):
 def run_sample(args):
     """``meshtorch sample``: from a Hugging Face directory or a fine-tuning run's checkpoints, else
     :func:`main_sample`."""
-    d = args.checkpoint_dir
-    if os.path.isdir(d) and (os.path.isfile(os.path.join(d, hf.CONFIG)) or _hf_manifest(d) is not None):
+    d = args.checkpoint_dir  # None: the latest run (main_sample resolves it)
+    if d and os.path.isdir(d) and (os.path.isfile(os.path.join(d, hf.CONFIG)) or _hf_manifest(d) is not None):
         return main_hf_sample(args)
     return main_sample(args)
 

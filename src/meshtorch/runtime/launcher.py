@@ -28,9 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_env(rank: int, nprocs: int, port: int, base=None, timeout_s: float | None = None) -> dict:
-    """The environment torchrun gives worker ``rank`` of ``nprocs`` on one host."""
+def launch_env(rank: int, nprocs: int, port: int, base=None, timeout_s: float | None = None,
+               run_name: str | None = None) -> dict:
+    """The environment torchrun gives worker ``rank`` of ``nprocs`` on one host, plus ``MESHTORCH_RUN_NAME``
+    (``run_name``: the default ``meshtorch train --run-name`` every rank agrees on)."""
     env = dict(os.environ if base is None else base)
+    if run_name:
+        env.setdefault("MESHTORCH_RUN_NAME", run_name)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
@@ -48,7 +52,8 @@ def launch(command: list[str], nprocs: int, timeout_s: float | None = None, grac
     A summary naming the first failed rank and its exit status goes to stderr.
     """
     port = free_port()
-    procs = [subprocess.Popen(command, env=launch_env(r, nprocs, port, timeout_s=timeout_s))
+    run_name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    procs = [subprocess.Popen(command, env=launch_env(r, nprocs, port, timeout_s=timeout_s, run_name=run_name))
              for r in range(nprocs)]
     first_fail, fail_time = None, None
     try:

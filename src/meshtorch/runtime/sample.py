@@ -10,18 +10,22 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.data.text import ByteTokenizer, SentencePieceTokenizer
+from meshtorch.mesh.factory import placement_devices
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.models.transformer import LMConfig, build_lm
-from meshtorch.runtime import checks
+from meshtorch.runtime import checks, runs
 from meshtorch.runtime.generate import beam_search, sample
 from meshtorch.runtime.optional import optional_module
 
 
-def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
-    """``(lm, lowering)``: the LM described by the checkpoint, restored onto ``mesh_shape``/``layout``."""
+def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = "", device: str | None = None):
+    """``(lm, lowering)``: the LM described by the checkpoint, restored onto ``mesh_shape``/``layout`` (slices on
+    ``device``, see :func:`meshtorch.mesh.factory.placement_devices`; default cpu)."""
     manifest = load_manifest(latest_checkpoint(checkpoint_dir) or checkpoint_dir)
     extra = manifest.get("extra") or {}
     if "config" not in extra:
@@ -29,9 +33,33 @@ def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = ""):
                                   "'meshtorch train'?")
     cfg = LMConfig(**extra["config"])
     lm = build_lm(cfg, seed=(manifest.get("rng") or {}).get("graph_seed", 0), train=False)
-    lowering = lm.lowering(mesh_impl=PlacementMeshImpl(mesh_shape, layout))
+    impl = PlacementMeshImpl(mesh_shape, layout)
+    if device is not None:
+        count = torch.cuda.device_count() if device == "cuda" else 0
+        impl = PlacementMeshImpl(mesh_shape, layout, devices=placement_devices(device, impl.size, count))
+    lowering = lm.lowering(mesh_impl=impl)
     restore(lowering, checkpoint_dir)
     return lm, lowering
+
+
+def checkpoint_dir(args) -> str:
+    """The checkpoint root to decode from: ``--checkpoint-dir``, else ``<runs-dir>/<run-name>/ckpt``, else that
+    of the run ``<runs-dir>/latest`` names.
+
+    Raises:
+        UsageError: naming ``--checkpoint-dir`` when none is given and there is no latest run.
+    """
+    if args.checkpoint_dir is not None:
+        return args.checkpoint_dir
+    runs_dir = getattr(args, "runs_dir", "runs")
+    name = getattr(args, "run_name", None)
+    if name is None:
+        name = runs.read_latest(runs_dir)
+        if name is None:
+            raise UsageError(f"--checkpoint-dir: not given, and there is no latest run in {runs_dir!r} "
+                             f"({os.path.join(runs_dir, runs.LATEST)!r} does not exist); train first "
+                             "(meshtorch train) or give --checkpoint-dir.")
+    return os.path.join(runs_dir, runs.check_run_name("--run-name", name), "ckpt")
 
 
 def check_args(args) -> tuple[LMConfig, object]:
@@ -44,14 +72,18 @@ def check_args(args) -> tuple[LMConfig, object]:
         CheckpointError: a checkpoint without manifest or model config. LayoutError: a ``--layout`` rule
             matching no dimension of the model or no axis of the mesh.
     """
+    args.checkpoint_dir = checkpoint_dir(args)
     if not os.path.isdir(args.checkpoint_dir):
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory; give the --checkpoint-dir "
                          "of a meshtorch train run.")
+    if getattr(args, "threads", None) is not None:
+        checks.non_negative("--threads", args.threads)
     checks.positive("--max-new-tokens", args.max_new_tokens)
     checks.positive("--num-samples", args.num_samples)
     for flag in ("temperature", "top_k", "beam"):
         checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
     mesh = checks.mesh_shape("--mesh", args.mesh)
+    checks.device("--device", getattr(args, "device", None))
     path = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
     used = os.path.basename(path).rsplit("-", 1)[-1]
     step = int(used) if used.isdigit() else -1
@@ -59,7 +91,10 @@ def check_args(args) -> tuple[LMConfig, object]:
              and not os.path.isfile(os.path.join(d, "manifest.json"))] if step >= 0 else []
     for d in newer:  # a damaged or unfinished newer checkpoint is never skipped silently
         print(f"note: {d!r} has no manifest.json (damaged or unfinished): using {path!r}", file=sys.stderr)
-    manifest = load_manifest(path)
+    try:
+        manifest = load_manifest(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"--checkpoint-dir {args.checkpoint_dir!r} holds no complete checkpoint ({e})") from None
     extra = manifest.get("extra") or {}
     if "config" not in extra:
         raise CheckpointError(f"checkpoint {path!r} has no model config; was it written by 'meshtorch train'?")
@@ -83,7 +118,11 @@ def main_sample(args):
     """Run ``meshtorch sample`` from its parsed arguments (:mod:`meshtorch.cli.sample`): print and return
     the generated token ids."""
     cfg, tok = check_args(args)
-    lm, lowering = load_lm(args.checkpoint_dir, args.mesh, args.layout)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    path = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
+    print(f"decoding checkpoint {path} (step {load_manifest(path)['step']})", file=sys.stderr, flush=True)
+    lm, lowering = load_lm(args.checkpoint_dir, args.mesh, args.layout, getattr(args, "device", None))
     prompt = tok.encode(args.prompt)
     if args.max_new_tokens + len(prompt) > cfg.length:
         print(f"note: {len(prompt)} prompt + {args.max_new_tokens} new tokens exceed the context of {cfg.length}: "

@@ -22,7 +22,7 @@ import time
 import torch
 
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore, save
-from meshtorch.core.errors import CheckpointError, RunFailure, UsageError
+from meshtorch.core.errors import CheckpointError, LayoutError, RunFailure, UsageError
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
@@ -41,10 +41,11 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
-from meshtorch.runtime import checks
+from meshtorch.runtime import checks, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
+from meshtorch.runtime.report import CompileClock, plot_history
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
@@ -129,12 +130,15 @@ def evaluate(lowering, lm, dataset, batches: int) -> float:
     return total / max(n, 1)
 
 
-def check_args(args) -> None:
-    """Check every ``meshtorch train`` flag before data is loaded or the model built.
+def check_args(args) -> runs.RunPaths:
+    """Check every ``meshtorch train`` flag before data is loaded or the model built; returns the run's
+    name and paths (:func:`meshtorch.runtime.runs.resolve_run`; ``args.checkpoint_dir`` and ``args.plot``
+    are set to the resolved paths).
 
     Raises:
         UsageError: naming the flag (a number out of range, an unwritable output path, a missing
-            input file, a mesh size that is not a positive integer, a prompt longer than the context).
+            input file, a mesh size that is not a positive integer, a prompt longer than the context,
+            a ``--resume`` with nothing to resume).
         LayoutError: naming a ``--layout``/``--storage`` rule that matches no dimension of the model or no
             axis of the mesh, listing both.
     """
@@ -154,16 +158,19 @@ def check_args(args) -> None:
     else:
         checks.positive("--lr", args.lr)
     mesh = checks.mesh_shape("--mesh", args.mesh)
-    if args.resume and not args.checkpoint_dir:
-        raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints).")
-    if getattr(args, "resume_from", None):
-        if not os.path.isdir(args.resume_from):
-            raise UsageError(f"--resume-from {args.resume_from!r} is not a checkpoint directory.")
-    elif args.resume and os.path.isdir(args.checkpoint_dir):
-        resume_point(args.checkpoint_dir, None)  # a damaged newest checkpoint is reported before any work
+    checks.device("--device", getattr(args, "device", None))
+    if args.resume and args.checkpoint_dir == "":
+        raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints), not ''.")
+    if getattr(args, "resume_from", None) and not os.path.isdir(args.resume_from):
+        raise UsageError(f"--resume-from {args.resume_from!r} is not a checkpoint directory.")
+    paths = runs.resolve_run(args)
+    args.checkpoint_dir, args.plot = paths.checkpoint_dir, paths.plot
+    if args.resume and not getattr(args, "resume_from", None):
+        point = resume_point(args.checkpoint_dir, None) if os.path.isdir(args.checkpoint_dir) else (None,)
+        if point[0] is None:  # a damaged newest checkpoint was reported by resume_point, before any work
+            raise runs.nothing_to_resume("--resume", args.checkpoint_dir)
     args.data = checks.input_files("--data", args.data)
-    checks.writable_dir("--checkpoint-dir", args.checkpoint_dir)
-    checks.writable_file("--plot", args.plot)
+    runs.check_paths(paths, resuming=bool(args.resume or getattr(args, "resume_from", None)))
     if getattr(args, "log_dir", ""):
         checks.writable_dir("--log-dir", args.log_dir)
         optional_module("tensorboard", "meshtorch train --log-dir")
@@ -178,6 +185,7 @@ def check_args(args) -> None:
     names = checks.graph_dim_names(build_lm(cfg).graph)
     checks.layout_rules("--layout", args.layout, names, mesh)
     checks.layout_rules("--storage", getattr(args, "storage", ""), names, mesh)
+    return paths
 
 
 def _older_hint(older: list[str]) -> str:
@@ -215,13 +223,14 @@ def main_train(args) -> dict:
         MeshtorchError: if tqdm (the ``meshtorch[cli]`` extra) is not installed.
     """
     tqdm = optional_module("tqdm", "meshtorch train's progress bar").tqdm
-    check_args(args)
+    paths = check_args(args)
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = getattr(args, "device", None)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
-        init_distributed()
-    impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None,
+        init_distributed(backend=None if device is None else ("nccl" if device.startswith("cuda") else "gloo"))
+    impl = make_mesh_impl(args.mesh, args.layout, device=device, storage=getattr(args, "storage", "") or None,
                           async_collectives=getattr(args, "async_collectives", None))
     main_process = impl.is_leader()
 
@@ -230,6 +239,7 @@ def main_train(args) -> dict:
             print(*a, flush=True)
 
     docs = load_documents(args.data)
+    fingerprint = runs.data_fingerprint(docs)
     if args.tokenizer == "sentencepiece":
         tok = SentencePieceTokenizer(docs, vocab_size=args.vocab_size)
         if args.checkpoint_dir and main_process:
@@ -244,22 +254,28 @@ def main_train(args) -> dict:
     if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
         raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
                          f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
+    record = runs.run_record(paths, args, cfg.to_dict(), fingerprint, len(docs))
+    resuming = _resume_check(args, record) if args.resume or getattr(args, "resume_from", None) else None
     dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
     bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
     executor = getattr(args, "executor", "codegen")
-    lowering = Lowering(lm.graph, {lm.mesh: impl}, mode=executor,
-                        bucket_bytes=int(getattr(args, "bucket_mb", 0.0) * 2 ** 20))
+    try:
+        lowering = Lowering(lm.graph, {lm.mesh: impl}, mode=executor,
+                            bucket_bytes=int(getattr(args, "bucket_mb", 0.0) * 2 ** 20))
+    except LayoutError as e:  # e.g. a dimension size the mesh axis does not divide
+        raise LayoutError(f"--layout {args.layout!r}: {e}") from None
     eval_lm, eval_lowering = lm, lowering
     if cfg.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
         eval_lm = build_lm(cfg, seed=args.seed, train=False)
-        eval_impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None)
+        eval_impl = make_mesh_impl(args.mesh, args.layout, device=device, storage=getattr(args, "storage", "") or None)
         eval_lowering = Lowering(eval_lm.graph, {eval_lm.mesh: eval_impl})
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     say(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
           f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
           f"batch {cfg.batch_size} x length {cfg.length}")
-    say(f"mesh {args.mesh!r} layout {args.layout!r}; {len(dataset.train)} train / "
+    say(f"mesh {args.mesh!r} layout {args.layout!r} storage {getattr(args, 'storage', '') or '(as the layout)'!r}; "
+        f"{len(dataset.train)} train / "
           f"{len(dataset.validation)} validation sequences")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     peak = (args.peak_tflops * 1e12 if getattr(args, "peak_tflops", None) else
@@ -275,35 +291,37 @@ def main_train(args) -> dict:
     sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
     fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
     start, epoch, in_epoch = 0, 0, 0
-    if args.resume or getattr(args, "resume_from", None):
-        point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
-        if point is None:
-            say(f"no checkpoint in {args.checkpoint_dir!r} yet: starting from scratch")
-        else:
-            try:
-                meta = restore(lowering, point)
-            except CheckpointError as e:
-                raise CheckpointError(f"{e} ({_older_hint(older)})") from None
-            pos = (meta.get("extra") or {}).get("data", {})
-            start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
-            say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})")
+    if resuming is not None:
+        start, epoch, in_epoch = _resume(resuming, lowering, record, history, say)
+        paths.name = record["run"]  # the resumed run goes on (its retention covers its earlier checkpoints)
+    if args.checkpoint_dir and main_process:
+        runs.write_run_manifest(args.checkpoint_dir, record)
+        if paths.default_layout:
+            runs.point_latest(args.runs_dir, paths.name)
+    if args.checkpoint_dir:
+        say(f"run {paths.name!r}: checkpoints in {args.checkpoint_dir} (run manifest: "
+            f"{os.path.join(args.checkpoint_dir, runs.RUN_MANIFEST)})")
+    saved = None
     it = dataset.batches(cfg.batch_size, args.seed, epoch)
     for _ in range(in_epoch):
         next(it)
-    bar = tqdm(range(start, args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
+    bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
     t_start, first_loss = time.perf_counter(), None
+    comp = CompileClock(lowering.session, bar, tqdm.write if main_process else (lambda _m: None))
     try:
-        for step in bar:
+        for step in range(start, args.steps):
             batch = next(it, None)
             if batch is None:
                 epoch, in_epoch = epoch + 1, 0
                 it = dataset.batches(cfg.batch_size, args.seed, epoch)
                 batch = next(it)
             in_epoch += 1
+            comp.before("training step")
             t0 = time.perf_counter()
             outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
             dt = time.perf_counter() - t0
+            comp.after("training step", dt, steps=1)
             loss = outs[0].item()
             gnorm = math.sqrt(outs[1].item()) if sumsq is not None and outs[1].item() >= 0 else None
             if sumsq is not None and not math.isfinite(outs[1].item()):
@@ -329,7 +347,10 @@ def main_train(args) -> dict:
                     for name in lowering.variable_names:
                         if name in eval_lowering.variable_names:
                             eval_lowering.set_variable_value(name, lowering.variable_value(name))
+                comp.before("evaluation step")
+                t0 = time.perf_counter()
                 val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
+                comp.after("evaluation step", time.perf_counter() - t0, steps=0, session=eval_lowering.session)
                 history["val_step"].append(step + 1)
                 history["val_loss"].append(val)
                 if metrics is not None:
@@ -340,28 +361,40 @@ def main_train(args) -> dict:
             if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
                                         or step + 1 == args.steps):
                 _check_finite(lowering, step + 1, args)
-                save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep,
-                         extra={"data": {"epoch": epoch, "batch": in_epoch}, "config": cfg.to_dict(),
-                                "mesh": args.mesh, "layout": args.layout, "tokenizer": args.tokenizer})
+                saved = save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep, run=paths.name,
+                             extra={**record, "data": {"epoch": epoch, "batch": in_epoch}, "history": history})
+                if main_process:
+                    tqdm.write(f"saved checkpoint {saved}")
+            bar.update(1)
     finally:
         bar.close()  # an error message starts on its own line
-    if not history["val_loss"]:
+    if not history["val_loss"] or history["val_step"][-1] <= start:
         raise UsageError(f"--steps {args.steps}: nothing to train, the checkpoint is already at step {start}; "
                          "give a larger --steps to continue.")
     wall = time.perf_counter() - t_start
-    tps = (args.steps - start) * tokens_per_step / wall
+    steady_steps = args.steps - start - comp.steps  # throughput: steady-state steps only, compiling excluded
+    tps = max(steady_steps, 1) * tokens_per_step / max(wall - comp.seconds, 1e-9)
     val = history["val_loss"][-1]
     if metrics is not None:
         metrics.close()
+    if comp.seconds:
+        say(f"compile seconds: {comp.seconds:.1f} ({comp.describe()}); excluded from tokens/s and MFU below")
     say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s ({tps / world:.0f} per process, "
         f"{world} process{'es' if world > 1 else ''}), MFU {100 * tps * fpt / peak:.2f}% (of {peak / 1e9:.1f} "
         f"GFLOP/s: a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
         f"x {world} process{'es' if world > 1 else ''})")
     say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
-    say(lowering.counters.summary())
+    say(lowering.counters.summary(detail=getattr(args, "comm_detail", False),
+                                  header=f"mesh {args.mesh!r}, layout {args.layout!r}, storage "
+                                         f"{getattr(args, 'storage', '') or '(none: as the layout)'!r}"))
+    if saved:
+        how = "meshtorch sample" if paths.default_layout else f"meshtorch sample --checkpoint-dir {args.checkpoint_dir}"
+        say(f"checkpoint: {saved} (decode it: {how}; continue it: meshtorch train --resume"
+            f"{'' if paths.default_layout else ' --checkpoint-dir ' + args.checkpoint_dir} --steps N)")
     if args.plot and main_process:
-        _plot(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
-              f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}")
+        plot_history(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
+              f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}"
+              + (f"; storage {args.storage}" if getattr(args, "storage", "") else ""))
         say(f"loss curve: {args.plot}")
     ids = None
     if args.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
@@ -370,6 +403,50 @@ def main_train(args) -> dict:
         say("sample:\n" + args.prompt + tok.decode(ids))
     return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
             "lowering": lowering, "lm": lm, "sample_ids": ids}
+
+
+def _resume_check(args, record: dict) -> tuple:
+    """The checkpoint ``--resume`` / ``--resume-from`` names, checked against this run's model and data before
+    the model is built: ``(path, older checkpoints, its extra, whether --force-data applies)``.
+
+    Raises:
+        UsageError: naming ``--resume`` and the differing field, if the checkpoint's model config or tokenizer
+            differ, or its data fingerprint differs without ``--force-data``; or nothing to resume.
+    """
+    flag = "--resume-from" if getattr(args, "resume_from", None) else "--resume"
+    point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
+    if point is None:
+        raise runs.nothing_to_resume(flag, args.checkpoint_dir)
+    saved = load_manifest(point).get("extra") or {}
+    bad = runs.resume_mismatch(saved, record)
+    force = bad is not None and bad[0] == "data" and getattr(args, "force_data", False)
+    if bad is not None and not force:
+        raise UsageError(f"{flag} {point}: {bad[1]}.")
+    return point, older, saved, force
+
+
+def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple[int, int, int]:
+    """Restore the checkpoint :func:`_resume_check` chose; returns ``(step, epoch, batch in epoch)`` (the data
+    position starts over with ``--force-data``) and fills ``history`` (the loss curve so far) and
+    ``record["run"]`` (the resumed run's name).
+
+    Raises:
+        CheckpointError: naming the checkpoint (and older ones) if it cannot be restored.
+    """
+    point, older, saved, force = checked
+    try:
+        meta = restore(lowering, point)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} ({_older_hint(older)})") from None
+    pos = {} if force else saved.get("data", {})
+    start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
+    record["run"] = saved.get("run") or record["run"]
+    for k, v in (saved.get("history") or {}).items():
+        if k in history:
+            history[k].extend(v)
+    say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})"
+        + (": --force-data, the data position starts over on the new data" if force else ""))
+    return start, epoch, in_epoch
 
 
 def _last_good(checkpoint_dir: str) -> str:
@@ -390,24 +467,3 @@ def _check_finite(lowering, step: int, args) -> None:
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise RunFailure(f"training diverged: variable {name!r} is not finite after step {step}; not saved. "
                              f"{_last_good(args.checkpoint_dir)} {_advice(args)}")
-
-
-def _plot(history: dict, path: str, bytes_per_token: float = 1.0, title: str = "") -> None:
-    matplotlib = optional_module("matplotlib", "meshtorch train --plot")
-    matplotlib.use("Agg")
-    plt = optional_module("matplotlib.pyplot", "meshtorch train --plot")
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    k = 1.0 / math.log(2) / bytes_per_token
-    ax.plot(history["step"], [v * k for v in history["loss"]], lw=0.8, label="train")
-    ax.plot(history["val_step"], [v * k for v in history["val_loss"]], "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("bits per byte")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
