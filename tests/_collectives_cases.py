@@ -102,4 +102,29 @@ def spmd_worker() -> dict:
     compiled program runs), eagerly."""
     out = {m: run_all(SpmdMeshImpl(m, "", async_collectives=(m == "rows:2;cols:2")), m) for m in MESHES}
     out.update({("functional", m): run_all(SpmdMeshImpl(m, "").traceable(), m) for m in MESHES})
+    out["traceable"] = traceable_facts()
     return out
+
+
+def traceable_facts() -> dict:
+    """What ``traceable()`` of an asynchronous eager mesh is, as plain values for the parent to check."""
+    import torch.distributed._functional_collectives as funcol
+
+    from meshtorch.mesh.spmd import _InFlight
+    from meshtorch.mesh.spmd_strategy import EagerCollectives, FunctionalCollectives
+
+    eager = SpmdMeshImpl("rows:2;cols:2", "", async_collectives=True)
+    view = eager.traceable()
+    x = torch.full((2, 3), float(eager.rank))
+    got = view.allreduce(x, [0, 1])
+    started = eager.allreduce(x, [0, 1])
+    return {
+        "same_class": type(view) is SpmdMeshImpl, "made_once": eager.traceable() is view and view.traceable() is view,
+        "functional": isinstance(view.collectives, FunctionalCollectives) and not view.async_collectives,
+        "eager_unchanged": isinstance(eager.collectives, EagerCollectives) and eager.async_collectives,
+        "same_mesh": (view.spec == eager.spec, view.rank == eager.rank, view.coords == eager.coords,
+                      view._group([0])[0] is eager._group([0])[0]),
+        "functional_result": isinstance(got, funcol.AsyncCollectiveTensor),
+        "eager_result": isinstance(started, _InFlight), "input_kept": bool((x == eager.rank).all()),
+        "values": (torch.tensor(got.tolist()), torch.tensor(started.result().tolist())),
+    }

@@ -194,6 +194,21 @@ def test_spmd_primitives_equal_placement(spmd_results, functional):
     assert n > 2000
 
 
+def test_traceable_is_the_same_backend_with_functional_collectives(spmd_results):
+    """``SpmdMeshImpl.traceable()`` is an SpmdMeshImpl (same mesh, rank and process groups) whose strategy
+    issues functional collectives (an ``AsyncCollectiveTensor``, never the eager mesh's in-flight
+    handle); the eager mesh keeps its asynchronous strategy; both all-reduces equal the sum of the ranks."""
+    for rank, res in enumerate(spmd_results):
+        facts = dict(res["traceable"])
+        functional, eager = facts.pop("values")
+        assert facts == {"same_class": True, "made_once": True, "functional": True, "eager_unchanged": True,
+                         "same_mesh": (True, True, True, True), "functional_result": True, "eager_result": True,
+                         "input_kept": True}, f"rank {rank}"
+        want = torch.full((2, 3), float(sum(range(4))))
+        torch.testing.assert_close(functional, want)
+        torch.testing.assert_close(eager, want)
+
+
 # ============================================================ (c) transposes through graph gradients
 D = mtf.Dimension
 B, H, N, Q, S = D("b", 4), D("h", 8), D("n", 4), D("q", 8), D("s", 4)

@@ -1,5 +1,6 @@
 """Mesh implementations: the MeshImpl interface, the single-process PlacementMeshImpl and the
-one-process-per-processor SpmdMeshImpl (torch.distributed); process groups (``process``), the
+one-process-per-processor SpmdMeshImpl (torch.distributed; its collectives issued by an eager or a
+functional strategy, ``spmd_strategy``); process groups (``process``), the
 failure watchdog (``watchdog``), the flight recorder of executed collectives (``recorder``) and
 :func:`make_mesh_impl` (SPMD under torchrun, else placement)."""
 
@@ -9,8 +10,7 @@ from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.mesh.process import init_distributed, is_main_process, shutdown_distributed
 from meshtorch.mesh.recorder import CollectiveRecord, FlightRecorder, collective_report, flight_recorder
 from meshtorch.mesh.spmd import SpmdMeshImpl
-from meshtorch.mesh.spmd_functional import FunctionalSpmdMeshImpl
 
-__all__ = ["CollectiveRecord", "FlightRecorder", "FunctionalSpmdMeshImpl", "MeshImpl", "PlacementMeshImpl",
+__all__ = ["CollectiveRecord", "FlightRecorder", "MeshImpl", "PlacementMeshImpl",
            "SpmdMeshImpl", "init_distributed",
            "collective_report", "flight_recorder", "is_main_process", "make_mesh_impl", "shutdown_distributed"]

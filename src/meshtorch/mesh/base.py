@@ -212,7 +212,7 @@ class MeshImpl:
         """This mesh with collectives ``torch.compile`` can hold inside one graph (a
         :class:`~meshtorch.lowering.session.Session` in ``"compile"`` mode binds its steps to it).
         Default: ``self`` (a mesh held in one process has only tensor ops to trace); the SPMD mesh
-        returns a :class:`~meshtorch.mesh.spmd_functional.FunctionalSpmdMeshImpl`."""
+        returns itself with :class:`~meshtorch.mesh.spmd_strategy.FunctionalCollectives`."""
         return self
 
     def local_pnums(self) -> list[int]:

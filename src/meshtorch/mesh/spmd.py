@@ -12,6 +12,11 @@ non-empty subset of mesh axes (meshes of up to 3 axes: at most 7 subsets); for l
 groups of one subset are created together, on first use, which is safe because every rank runs the
 same program and so asks for the subsets in the same order. Groups are cached per process by their
 rank tuple, so building several SpmdMeshImpls (several meshes or layouts) does not recreate them.
+
+Each collective is written once here (packing, flight-recorder record, unpacking); the call that moves
+the bytes is made by the mesh's strategy (:mod:`meshtorch.mesh.spmd_strategy`): eager
+``torch.distributed`` collectives, optionally asynchronous, or functional collectives that
+``torch.compile`` holds in one graph (:meth:`SpmdMeshImpl.traceable`).
 """
 
 from __future__ import annotations
@@ -29,10 +34,9 @@ from meshtorch.core.layout import TensorLayout
 from meshtorch.mesh.base import REDUCTIONS, MeshImpl
 from meshtorch.mesh.placement import _assemble
 from meshtorch.mesh.process import init_distributed, on_shutdown
+from meshtorch.mesh.spmd_strategy import Collectives, EagerCollectives, FunctionalCollectives
 
 _GROUPS: dict[tuple[int, ...], object] = {}  # rank tuple -> ProcessGroup (per process, shared by impls)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}
 on_shutdown(_GROUPS.clear)  # destroyed with the default group at shutdown
 
 
@@ -71,6 +75,10 @@ class SpmdMeshImpl(MeshImpl):
         storage, reshard_after_forward, prefetch: storage rules for variables (FSDP / ZeRO-3), whether
             the backward pass gathers weights again, and how many weight gathers are issued ahead;
             see :class:`~meshtorch.mesh.base.MeshImpl`.
+        collectives: the strategy that issues the collectives (:mod:`meshtorch.mesh.spmd_strategy`);
+            default :class:`~meshtorch.mesh.spmd_strategy.EagerCollectives` with ``async_collectives``.
+            :meth:`traceable` gives this mesh with
+            :class:`~meshtorch.mesh.spmd_strategy.FunctionalCollectives`.
 
     Raises:
         MeshtorchError: if the mesh has a different number of processors than the world size.
@@ -86,7 +94,7 @@ class SpmdMeshImpl(MeshImpl):
 
     def __init__(self, mesh_shape, layout_rules=None, device=None, backend=None, async_collectives: bool | None = None,
                  storage=None, reshard_after_forward: bool = True, async_allreduce: bool | None = None,
-                 prefetch: int = 1):
+                 prefetch: int = 1, collectives: Collectives | None = None):
         super().__init__(mesh_shape, layout_rules, storage, reshard_after_forward, prefetch)
         if dist.is_initialized():  # the existing group's backend decides where slices live
             backend = dist.get_backend()
@@ -95,8 +103,15 @@ class SpmdMeshImpl(MeshImpl):
         self._device, backend = default_device_and_backend(device, backend)
         if async_collectives is None:
             async_collectives = async_allreduce
-        #: collectives return in-flight results waited for at first use (see ``async_collectives``)
-        self.async_collectives = self._device.type == "cuda" if async_collectives is None else bool(async_collectives)
+        if collectives is None:
+            collectives = EagerCollectives(
+                self._device.type == "cuda" if async_collectives is None else bool(async_collectives))
+        elif not isinstance(collectives, Collectives):
+            raise TypeError(f"SpmdMeshImpl: collectives must be a meshtorch.mesh.spmd_strategy.Collectives, "
+                            f"got {type(collectives).__name__}.")
+        #: the strategy issuing each collective call (:mod:`meshtorch.mesh.spmd_strategy`)
+        self.collectives = collectives
+        self._traceable: SpmdMeshImpl | None = self if collectives.traceable else None
         if not dist.is_initialized():
             init_distributed(backend=backend)
         self.rank = dist.get_rank()
@@ -153,12 +168,19 @@ class SpmdMeshImpl(MeshImpl):
     def barrier(self) -> None:
         dist.barrier()
 
-    #: The class :meth:`traceable` returns a view of: :class:`~meshtorch.mesh.spmd_functional.FunctionalSpmdMeshImpl`,
-    #: which subclasses this one and registers itself here when :mod:`meshtorch.mesh` is imported.
-    functional_view: type | None = None
+    @property
+    def async_collectives(self) -> bool:
+        """Collectives return in-flight results waited for at first use (see ``async_collectives``)."""
+        return self.collectives.asynchronous
 
-    def traceable(self):
-        return self.functional_view.of(self)
+    def traceable(self) -> SpmdMeshImpl:
+        """This mesh (same spec, rank, device and process groups) issuing its collectives as functional
+        collectives (:class:`~meshtorch.mesh.spmd_strategy.FunctionalCollectives`), so ``torch.compile``
+        holds them in one graph; made once, on first call (every rank calls it in the same order, as
+        for any group). ``receive`` (the shift ops) stays a graph break. The mesh itself is unchanged."""
+        if self._traceable is None:
+            self._traceable = SpmdMeshImpl(self.spec, device=self._device, collectives=FunctionalCollectives())
+        return self._traceable
 
     def is_leader(self) -> bool:
         return self.rank == 0
@@ -178,9 +200,8 @@ class SpmdMeshImpl(MeshImpl):
         buf, back = _wire(x)
         rec = self._record("allreduce", mesh_axes, (_nbytes(buf),), buf.dtype, reduction,
                            asynchronous=self.async_collectives)
-        buf = buf.clone()  # all_reduce works in place; never modify an input slot
-        work = dist.all_reduce(buf, op=_OPS[reduction], group=group, async_op=self.async_collectives)
-        return self._result(work, functools.partial(back, buf), rec)
+        work, out = self.collectives.all_reduce(buf, reduction, group, owned=False)
+        return self._result(work, functools.partial(back, out), rec)
 
     def _trivial(self, kind, mesh_axes, xs, reduction=""):
         """A collective over groups of one processor: nothing moves; recorded (the program asked for it),
@@ -202,8 +223,9 @@ class SpmdMeshImpl(MeshImpl):
         return self._group(mesh_axes)[0] if mesh_axes else None
 
     def _result(self, work, finish, rec=None):
-        """``finish()`` now (blocking call: ``work`` is None) or an :class:`_InFlight` waited at first use;
-        ``rec`` (the call's flight-recorder record) is finished when the value is ready."""
+        """``finish()`` now (``work`` is None: the strategy's output can be read now) or an
+        :class:`_InFlight` waited at first use; ``rec`` (the call's flight-recorder record) is finished
+        when the value is ready (for a functional collective: when the call is issued)."""
         if work is None:
             out = finish()
             if rec is not None:
@@ -216,17 +238,27 @@ class SpmdMeshImpl(MeshImpl):
         return self._record(kind, mesh_axes, tuple(b for _, b in members), dtype, reduction,
                             members=tuple(i for i, _ in members), asynchronous=self.async_collectives)
 
+    def _bucketed(self, kind, mesh_axes, buckets, reduction, call, piece):
+        """A bucket collective: for each ``(buffer, members, sizes)`` of ``buckets`` one record and one
+        ``call(buffer) -> (work, out)``; member ``(i, ...)`` becomes ``piece(out, member)`` (waited for with
+        the call). Returns the results in member index order."""
+        out: dict[int, object] = {}
+        for buf, members, sizes in buckets:
+            rec = self._record_bucket(kind, mesh_axes, sizes, buf.dtype, reduction)
+            work, res = call(buf)
+            for m in members:  # each piece waits on its bucket's one call
+                out[m[0]] = self._result(work, functools.partial(piece, res, m), rec)
+        return tuple(out[i] for i in sorted(out))
+
     def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
         group = self._reduction_group("allreduce_many", mesh_axes, reduction)
         if group is None:
             return self._trivial("allreduce", mesh_axes, xs, reduction)
-        out: list = [None] * len(xs)
-        for flat, members in _flat_buckets(xs):  # one flat buffer (one call) per dtype
-            rec = self._record_bucket("allreduce", mesh_axes, _sizes(members, flat), flat.dtype, reduction)
-            work = dist.all_reduce(flat, op=_OPS[reduction], group=group, async_op=self.async_collectives)
-            for i, offset, shape, back in members:  # each piece waits on its bucket's one call
-                out[i] = self._result(work, functools.partial(_piece, flat, offset, shape, back), rec)
-        return tuple(out)
+        # one flat buffer (one call) per dtype; the flat buffer is a fresh concatenation, so owned
+        return self._bucketed(
+            "allreduce", mesh_axes, _flat_buckets(xs), reduction,
+            lambda flat: self.collectives.all_reduce(flat, reduction, group, owned=True),
+            lambda flat, m: _piece(flat, *m[1:]))
 
     def _on_axis(self, x, mesh_axis):
         """``(n, group, wire tensor, back)`` for a collective along ``mesh_axis``; None if it has one member."""
@@ -243,8 +275,7 @@ class SpmdMeshImpl(MeshImpl):
         n, group, buf, back = on
         buf = buf.contiguous()
         rec = self._record("allgather", (mesh_axis,), (_nbytes(buf),), buf.dtype, asynchronous=self.async_collectives)
-        out = torch.empty((n * buf.numel(),), dtype=buf.dtype, device=buf.device)
-        work = _all_gather(out, buf.reshape(-1), group=group, async_op=self.async_collectives)
+        work, out = self.collectives.all_gather(buf.reshape(-1), n, group)
         return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back), rec)
 
     def allconcat_many(self, *xs, mesh_axis, concat_axes):
@@ -252,33 +283,21 @@ class SpmdMeshImpl(MeshImpl):
         if on is None:
             return self._trivial("allgather", (mesh_axis,), xs)
         n, group = on[0], on[1]
-        out: list = [None] * len(xs)
-        for flat, members in _flat_buckets(xs):  # one flat buffer (one call) per dtype, FSDP's flat parameter
-            rec = self._record_bucket("allgather", (mesh_axis,), _sizes(members, flat), flat.dtype)
-            gathered = torch.empty((n * flat.numel(),), dtype=flat.dtype, device=flat.device)
-            work = _all_gather(gathered, flat, group=group, async_op=self.async_collectives)
-            for i, offset, shape, back in members:
-                out[i] = self._result(work, functools.partial(
-                    _gathered_piece, gathered, n, offset, shape, concat_axes[i], back), rec)
-        return tuple(out)
+        # one flat buffer (one call) per dtype, FSDP's flat parameter
+        return self._bucketed(
+            "allgather", (mesh_axis,), _flat_buckets(xs), "",
+            lambda flat: self.collectives.all_gather(flat, n, group),
+            lambda gathered, m: _gathered_piece(gathered, n, *m[1:3], concat_axes[m[0]], m[3]))
 
     def reduce_scatter_many(self, *xs, mesh_axis, scatter_axes):
         on = self._on_axis(xs[0], mesh_axis) if xs else None
         if on is None:
             return self._trivial("reduce_scatter", (mesh_axis,), xs)
         n, group = on[0], on[1]
-        out: list = [None] * len(xs)
-        for rows, members in _row_buckets(xs, n, scatter_axes):
-            rec = self._record_bucket("reduce_scatter", (mesh_axis,),
-                                      [(i, n * math.prod(piece) * rows.element_size()) for i, _, piece, _ in members],
-                                      rows.dtype)
-            mine = torch.empty((rows.shape[1],), dtype=rows.dtype, device=rows.device)
-            work = dist.reduce_scatter_tensor(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, group=group,
-                                              async_op=self.async_collectives)
-            for i, offset, piece, back in members:
-                out[i] = self._result(work, functools.partial(
-                    _scattered_piece, mine, offset, piece, scatter_axes[i], back), rec)
-        return tuple(out)
+        return self._bucketed(
+            "reduce_scatter", (mesh_axis,), _row_buckets(xs, n, scatter_axes), "",
+            lambda rows: self.collectives.reduce_scatter(rows.reshape(-1), n, group),
+            lambda mine, m: _scattered_piece(mine, *m[1:3], scatter_axes[m[0]], m[3]))
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
         on = self._on_axis(x, mesh_axis)
@@ -287,9 +306,8 @@ class SpmdMeshImpl(MeshImpl):
         n, group, buf, back = on
         rec = self._record("alltoall", (mesh_axis,), (_nbytes(buf),), buf.dtype)
         moved = buf.movedim(split_axis, 0).contiguous()  # piece j = rows [j*s, (j+1)*s)
-        out = torch.empty_like(moved)
-        dist.all_to_all_single(out, moved, group=group)
-        return self._result(None, functools.partial(_exchanged, out, n, split_axis, concat_axis, back), rec)
+        work, out = self.collectives.all_to_all(moved, group)
+        return self._result(work, functools.partial(_exchanged, out, n, split_axis, concat_axis, back), rec)
 
     def reduce_scatter(self, x, mesh_axis, scatter_axis):
         on = self._on_axis(x, mesh_axis)
@@ -299,9 +317,7 @@ class SpmdMeshImpl(MeshImpl):
         rec = self._record("reduce_scatter", (mesh_axis,), (_nbytes(buf),), buf.dtype,
                            asynchronous=self.async_collectives)
         moved = buf.movedim(scatter_axis, 0).contiguous()  # piece c = rows [c*s, (c+1)*s)
-        out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-        work = dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group,
-                                          async_op=self.async_collectives)
+        work, out = self.collectives.reduce_scatter(moved, n, group)
         return self._result(work, functools.partial(_moved_back, out, scatter_axis, back), rec)
 
     def receive(self, x, mesh_axis, source_pcoord):
@@ -311,20 +327,14 @@ class SpmdMeshImpl(MeshImpl):
         buf = buf.contiguous()
         rec = self._record("receive", (mesh_axis,), (_nbytes(buf),), buf.dtype)
         src = source_pcoord[me]
-        ops, out = [], None
-        for c, s in enumerate(source_pcoord):
-            if s == me and c != me:
-                ops.append(dist.P2POp(dist.isend, buf, ranks[c]))
+        sends = [(buf, ranks[c]) for c, s in enumerate(source_pcoord) if s == me and c != me]
         if src is None:
             out = torch.zeros_like(buf)
         elif src == me:
             out = buf.clone()
         else:
             out = torch.empty_like(buf)
-            ops.append(dist.P2POp(dist.irecv, out, ranks[src]))
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+        self.collectives.exchange(sends, out, None if src is None or src == me else ranks[src])
         return self._result(None, functools.partial(back, out), rec)
 
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
@@ -346,11 +356,8 @@ class SpmdMeshImpl(MeshImpl):
         buf, back = _wire(x)
         buf = buf.contiguous()
         rec = self._record("allgather", used, (_nbytes(buf),), buf.dtype)  # a fetch: no program step's tag
-        out = torch.empty((n * buf.numel(),), dtype=buf.dtype, device=buf.device)
-        _all_gather(out, buf.reshape(-1), group=group)
-        if rec is not None:
-            rec.finish()
-        out = out.view(n, *buf.shape)
+        work, out = self.collectives.all_gather(buf.reshape(-1), n, group)
+        out = _ready(self._result(work, functools.partial(torch.Tensor.view, out, (n, *buf.shape)), rec))
         pieces = {}
         for j, p in enumerate(ranks):
             coords = self.pnum_to_processor_coordinates(p)
@@ -400,8 +407,9 @@ def _by_dtype(wired) -> list[list[int]]:
 
 def _flat_buckets(xs):
     """One bucket per dtype of ``xs`` (a collective moves one flat buffer per dtype): yields
-    ``(flat, members)``, ``flat`` the members' elements concatenated, ``members`` a list of
-    ``(index in xs, offset in flat, shape, back)`` for :func:`_piece` / :func:`_gathered_piece`."""
+    ``(flat, members, sizes)``, ``flat`` the members' elements concatenated, ``members`` a list of
+    ``(index in xs, offset in flat, shape, back)`` for :func:`_piece` / :func:`_gathered_piece`, ``sizes``
+    ``[(index in xs, bytes per processor)]`` for the flight recorder."""
     wired = [_wire(x) for x in xs]
     for idx in _by_dtype(wired):
         members, offset = [], 0
@@ -409,14 +417,16 @@ def _flat_buckets(xs):
             buf, back = wired[i]
             members.append((i, offset, tuple(buf.shape), back))
             offset += buf.numel()
-        yield torch.cat([wired[i][0].reshape(-1) for i in idx]), members
+        flat = torch.cat([wired[i][0].reshape(-1) for i in idx])
+        yield flat, members, [(i, math.prod(shape) * flat.element_size()) for i, _, shape, _ in members]
 
 
 def _row_buckets(xs, n, scatter_axes):
-    """Reduce-scatter buckets, one per dtype: yields ``(rows, members)`` where row ``c`` of ``rows``
+    """Reduce-scatter buckets, one per dtype: yields ``(rows, members, sizes)`` where row ``c`` of ``rows``
     ``[n, elements / n]`` holds piece ``c`` (along its ``scatter_axes[i]``) of every member, so one
     reduce-scatter hands processor ``c`` its pieces; ``members`` is ``(index, offset in the row, piece
-    shape with the scatter axis first, back)`` for :func:`_scattered_piece`."""
+    shape with the scatter axis first, back)`` for :func:`_scattered_piece`, ``sizes`` as in
+    :func:`_flat_buckets`."""
     wired = [_wire(x) for x in xs]
     for idx in _by_dtype(wired):
         moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]
@@ -424,7 +434,8 @@ def _row_buckets(xs, n, scatter_axes):
         for i, m in zip(idx, moved, strict=True):
             members.append((i, offset, (m.shape[0] // n, *m.shape[1:]), wired[i][1]))
             offset += m.numel() // n
-        yield torch.cat([m.reshape(n, -1) for m in moved], dim=1), members
+        yield (torch.cat([m.reshape(n, -1) for m in moved], dim=1), members,
+               [(i, m.numel() * m.element_size()) for i, m in zip(idx, moved, strict=True)])
 
 
 def _gathered_piece(gathered, n, offset, shape, concat_axis, back):
@@ -467,11 +478,6 @@ def _moved_back(out, axis, back):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _sizes(members, flat) -> list:
-    """``[(index, bytes per processor)]`` of a flat bucket's ``members`` (:func:`_flat_buckets`)."""
-    return [(i, math.prod(shape) * flat.element_size()) for i, _, shape, _ in members]
 
 
 def _ready(x):

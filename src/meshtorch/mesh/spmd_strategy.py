@@ -1,0 +1,133 @@
+"""How the SPMD mesh issues its collectives: eagerly (``torch.distributed``) or as functional collectives.
+
+:class:`~meshtorch.mesh.spmd.SpmdMeshImpl` writes each collective (all-reduce, all-gather,
+reduce-scatter, all-to-all, the shift ops' point-to-point exchange, and the buckets of several values)
+once: the packing into one flat buffer per dtype, the flight-recorder record and the unpacking of the
+result. The one call that moves the bytes is made by a *strategy*, one of the two classes here:
+
+- :class:`EagerCollectives`: ``torch.distributed.all_reduce`` and friends, which write into an output
+  buffer and, with ``asynchronous`` (``async_op=True``), return a work handle that the mesh waits on at
+  the first use of the result (DDP's overlapped buckets, FSDP's prefetched gathers);
+- :class:`FunctionalCollectives`: PyTorch's *functional collectives*
+  (``torch.distributed._functional_collectives``, the ops DTensor and TorchTitan's compiled models use),
+  pure functions ``tensor -> tensor`` that ``torch.compile`` records as graph nodes
+  (``_c10d_functional.all_reduce`` + ``wait_tensor``), so a compiled step holds its collectives in one
+  graph and inductor places each wait as late as the graph allows. Outside a compiled graph the result
+  is an ``AsyncCollectiveTensor`` waited for at first use. ``torch.distributed.all_reduce`` cannot be
+  traced (it mutates a buffer and returns a work handle): each call would split the compiled program.
+
+Every method returns ``(work, out)``: ``out`` the result buffer, ``work`` a handle to wait on before
+reading it, or None when ``out`` can be read now. Both strategies exchange point-to-point with
+``torch.distributed.batch_isend_irecv`` (functional collectives have no send/receive; in a compiled
+program the shift ops are a graph break). Source: PyTorch ``torch.distributed`` and
+``torch.distributed._functional_collectives`` (RFC pytorch/pytorch#93173).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+_OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}
+# torch >= 2.5 names; the older ones warn about deprecation from 2.6 on
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+class Collectives:
+    """The primitive calls of a strategy (see the module docstring); subclasses implement the collectives.
+
+    Attributes:
+        asynchronous: calls may return a work handle waited for at the first use of the result.
+        traceable: ``torch.compile`` holds the calls inside one graph.
+    """
+
+    asynchronous: bool = False
+    traceable: bool = False
+
+    def all_reduce(self, t: torch.Tensor, reduction: str, group, owned: bool):
+        """Reduce ``t`` (any shape) over ``group`` with ``reduction`` (SUM, MAX, MIN); ``owned``: ``t``
+        is a temporary the call may overwrite (else it is left unchanged). Output: ``t``'s shape."""
+        raise NotImplementedError
+
+    def all_gather(self, flat: torch.Tensor, n: int, group):
+        """The 1-D ``flat`` of each of the ``n`` members of ``group`` concatenated: ``[n * elements]``."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, rows: torch.Tensor, n: int, group):
+        """Sum of the contiguous ``rows`` ``[n * s, ...]`` over ``group``; member ``c`` keeps rows
+        ``[c * s, (c + 1) * s)``: output ``[s, ...]``."""
+        raise NotImplementedError
+
+    def all_to_all(self, rows: torch.Tensor, group):
+        """Contiguous ``rows`` ``[n * s, ...]``: piece ``j`` (rows ``[j * s, (j + 1) * s)``) goes to member
+        ``j``; output the ``n`` received pieces stacked in member order, ``rows``' shape. Never asynchronous."""
+        raise NotImplementedError
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recv: torch.Tensor | None, source: int | None):
+        """Point-to-point: send each ``(tensor, rank)`` of ``sends`` and receive into ``recv`` from rank
+        ``source`` (None: nothing to receive), all in one batch, waited for before returning."""
+        ops = [dist.P2POp(dist.isend, t, rank) for t, rank in sends]
+        if source is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, source))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+
+class EagerCollectives(Collectives):
+    """``torch.distributed``'s collectives into preallocated buffers; ``asynchronous`` passes
+    ``async_op=True`` (the result is then waited for at its first use, see
+    :class:`~meshtorch.mesh.spmd.SpmdMeshImpl`)."""
+
+    def __init__(self, asynchronous: bool = False):
+        self.asynchronous = bool(asynchronous)
+
+    def all_reduce(self, t, reduction, group, owned):
+        out = t if owned else t.clone()  # all_reduce works in place; never modify an input slot
+        return dist.all_reduce(out, op=_OPS[reduction], group=group, async_op=self.asynchronous), out
+
+    def all_gather(self, flat, n, group):
+        out = torch.empty((n * flat.numel(),), dtype=flat.dtype, device=flat.device)
+        return _all_gather(out, flat, group=group, async_op=self.asynchronous), out
+
+    def reduce_scatter(self, rows, n, group):
+        out = torch.empty((rows.shape[0] // n, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        work = dist.reduce_scatter_tensor(out, rows, op=dist.ReduceOp.SUM, group=group, async_op=self.asynchronous)
+        return work, out
+
+    def all_to_all(self, rows, group):
+        out = torch.empty_like(rows)
+        dist.all_to_all_single(out, rows, group=group)
+        return None, out
+
+    def __repr__(self):
+        return f"EagerCollectives(asynchronous={self.asynchronous})"
+
+
+class FunctionalCollectives(Collectives):
+    """``torch.distributed._functional_collectives``: no buffer is modified in place (no input is copied
+    first) and no work handle is returned; the compiler, or the ``AsyncCollectiveTensor`` outside a
+    compiled graph, places the wait."""
+
+    traceable = True
+
+    def all_reduce(self, t, reduction, group, owned):
+        return None, funcol.all_reduce(t, reduction.lower(), group)
+
+    def all_gather(self, flat, n, group):
+        return None, _funcol_all_gather(flat, 0, group)
+
+    def reduce_scatter(self, rows, n, group):
+        return None, _funcol_reduce_scatter(rows, "sum", 0, group)
+
+    def all_to_all(self, rows, group):
+        return None, funcol.all_to_all_single(rows, None, None, group)
+
+    def __repr__(self):
+        return "FunctionalCollectives()"
+
+
+__all__ = ["Collectives", "EagerCollectives", "FunctionalCollectives"]
