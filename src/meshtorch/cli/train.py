@@ -33,14 +33,19 @@ def add_train_subcommand(subparsers) -> None:
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
                         "processor")
     p.add_argument("--layout", default=DEFAULT_LAYOUT,
-                   help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis)")
+                   help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis), or "
+                        "auto: the layout the calibrated cost model ranks fastest on this machine (meshtorch plan "
+                        "--calibrate; measured once, then cached), within --memory-limit")
+    p.add_argument("--memory-limit", default=None,
+                   help="with --layout auto: bytes per processor the layout may need, e.g. 16GiB (predicted by the "
+                        "planner)")
     p.add_argument("--device", default=None,
                    help="where the slices live: cpu, cuda (a simulated mesh spreads its processors over the visible "
                         "GPUs round-robin; under torchrun each rank uses cuda:LOCAL_RANK with NCCL) or cuda:<index> "
                         "(default: cpu; under torchrun cuda:LOCAL_RANK when CUDA is available)")
     p.add_argument("--storage", default="",
                    help='storage layout rules for variables, e.g. "d_model:data" (FSDP: weights all-gathered for '
-                        "compute, gradients reduce-scattered)")
+                        "compute, gradients reduce-scattered); auto (with --layout auto): searched with the layout")
     p.add_argument("--data", nargs="*", default=None,
                    help="UTF-8 text files, or directories of .txt/.md/.rst files (default: the built-in corpus)")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "sentencepiece"],
@@ -89,6 +94,9 @@ def add_train_subcommand(subparsers) -> None:
                         "<runs-dir>/latest names)")
     p.add_argument("--plot", default=None, help="loss-curve PNG path (default: <runs-dir>/<run-name>/loss.png; '' to "
                                                  "skip)")
+    p.add_argument("--trace-collectives", action="store_true",
+                   help="after training, print the time per collective kind and mesh axes and the slowest "
+                        "collectives this process ran (from the flight recorder)")
     p.add_argument("--comm-detail", action="store_true",
                    help="list the communication per causing op too (default: per layer or op family and collective)")
     p.add_argument("--log-dir", default="",

@@ -29,6 +29,7 @@ from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceToken
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.process import init_distributed
+from meshtorch.mesh.recorder import collective_report, flight_recorder
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
 from meshtorch.optim import (
     AdafactorOptimizer,
@@ -41,7 +42,10 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
+from meshtorch.planning.command import parse_bytes
 from meshtorch.runtime import checks, runs
+from meshtorch.runtime.autolayout import choose_layout
+from meshtorch.runtime.calibrate import cached
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
@@ -182,10 +186,47 @@ def check_args(args) -> runs.RunPaths:
     if args.sample and args.tokenizer == "byte" and len(args.prompt.encode("utf-8")) >= cfg.length:
         raise UsageError(f"--prompt is {len(args.prompt.encode('utf-8'))} bytes, but the model's context is "
                          f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
+    if args.layout == "auto" or getattr(args, "storage", "") == "auto":
+        _choose_layout(args)
     names = checks.graph_dim_names(build_lm(cfg).graph)
     checks.layout_rules("--layout", args.layout, names, mesh)
     checks.layout_rules("--storage", getattr(args, "storage", ""), names, mesh)
     return paths
+
+
+def _choose_layout(args) -> None:
+    """``--layout auto`` / ``--storage auto``: replace them by the layout (and storage rules) the calibrated
+    cost model ranks fastest for this model and mesh within ``--memory-limit``
+    (:func:`meshtorch.runtime.autolayout.choose_layout`); under torchrun the calibration must be cached
+    (every rank reads the same file, so all choose alike).
+
+    Raises:
+        UsageError: ``--layout auto`` with explicit ``--storage`` rules that the search cannot keep, under
+            torchrun without a cached calibration, or when no layout fits ``--memory-limit``.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = "placement" if world == 1 else ("nccl" if str(getattr(args, "device", "") or "").startswith("cuda")
+                                               else "gloo")
+    threads = args.threads or torch.get_num_threads()
+    if world > 1 and cached(backend, threads) is None:
+        raise UsageError(f"--layout auto under torchrun needs this machine's calibration: run 'meshtorch plan "
+                         f"--calibrate --backend {backend} --threads {threads}' once first.")
+    storage = getattr(args, "storage", "") or ""
+    if args.layout != "auto":
+        raise UsageError("--storage auto needs --layout auto (the search picks the storage rules together with "
+                         "the layout).")
+    limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
+    vocab = 256 if args.tokenizer == "byte" else args.vocab_size
+
+    def config(multiple):
+        return preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
+                      d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
+                      gated=args.gated or None, vocab_size=vocab, vocab_multiple=multiple, num_experts=args.experts)
+
+    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
+    args.layout, chosen_storage = choose_layout(config, args.mesh, storage=storage, memory_limit=limit,
+                                                backend=backend, threads=threads, print_fn=say)
+    args.storage = chosen_storage if storage in ("", "auto") else storage  # "": storage rules to fit the limit
 
 
 def _older_hint(older: list[str]) -> str:
@@ -309,6 +350,9 @@ def main_train(args) -> dict:
                disable=not main_process)
     t_start, first_loss = time.perf_counter(), None
     comp = CompileClock(lowering.session, bar, tqdm.write if main_process else (lambda _m: None))
+    trace = None
+    if getattr(args, "trace_collectives", False):  # every collective this process runs, for the report below
+        trace = flight_recorder().sink = []
     try:
         for step in range(start, args.steps):
             batch = next(it, None)
@@ -368,6 +412,8 @@ def main_train(args) -> dict:
             bar.update(1)
     finally:
         bar.close()  # an error message starts on its own line
+        if trace is not None:
+            flight_recorder().sink = None
     if not history["val_loss"] or history["val_step"][-1] <= start:
         raise UsageError(f"--steps {args.steps}: nothing to train, the checkpoint is already at step {start}; "
                          "give a larger --steps to continue.")
@@ -380,13 +426,15 @@ def main_train(args) -> dict:
     if comp.seconds:
         say(f"compile seconds: {comp.seconds:.1f} ({comp.describe()}); excluded from tokens/s and MFU below")
     say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s ({tps / world:.0f} per process, "
-        f"{world} process{'es' if world > 1 else ''}), MFU {100 * tps * fpt / peak:.2f}% (of {peak / 1e9:.1f} "
+        f"{world} process{'es' if world > 1 else ''}), MFU {100 * mfu(tps * fpt, peak):.2f}% (of {peak / 1e9:.1f} "
         f"GFLOP/s: a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
         f"x {world} process{'es' if world > 1 else ''})")
     say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
     say(lowering.counters.summary(detail=getattr(args, "comm_detail", False),
                                   header=f"mesh {args.mesh!r}, layout {args.layout!r}, storage "
                                          f"{getattr(args, 'storage', '') or '(none: as the layout)'!r}"))
+    if trace is not None:
+        say(collective_report(trace, top=5))
     if saved:
         how = "meshtorch sample" if paths.default_layout else f"meshtorch sample --checkpoint-dir {args.checkpoint_dir}"
         say(f"checkpoint: {saved} (decode it: {how}; continue it: meshtorch train --resume"
