@@ -233,7 +233,7 @@ def test_cli_mnist_on_synthetic_data(tmp_path, capsys):
     # --trace-collectives: time per kind and mesh axes; its call counts are the executed counters' (no buckets)
     table = out[out.index("collective time by kind and mesh axes"):out.index("slowest")]
     rows = {tuple(ln.split()[:2]): int(ln.split()[2]) for ln in table.splitlines()[2:] if len(ln.split()) > 2}
-    summary = out[out.index("communication over"):out.index("  by op:")]
+    summary = out[out.index("communication over"):out.index("  by layer (or op family)")]
     counted = {tuple(ln.split()[:2]): int(ln.split()[2]) for ln in summary.splitlines()[2:]}
     assert rows == counted and rows[("allreduce", "rows")] > 0, (rows, counted)
     rc = cli_main(["mnist", "--data-dir", str(tmp_path / "nowhere"), "--no-progress"])

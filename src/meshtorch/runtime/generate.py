@@ -60,7 +60,7 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
     out = [[] for _ in range(num_samples)]
     for _ in range(max_new_tokens):
         t = _slide(buf, t)
-        logits = _next_logits(lowering, lm, buf, t)[:num_samples]
+        logits = _next_logits(lowering, lm, buf, t)[:num_samples].cpu()  # chosen on the host, any device
         if temperature <= 0:
             nxt = logits.argmax(-1)
         else:

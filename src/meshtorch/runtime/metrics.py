@@ -28,19 +28,27 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def measure_peak_flops(seconds: float = 1.0, n: int = 512, rounds: int = 8) -> float:
-    """FLOP/s of a float32 ``n x n`` matmul loop on the CPU with this process's torch threads: the
-    maximum over ``rounds`` rounds of ``seconds / rounds`` each (other work on the host only lowers a
-    round's rate, so the maximum is the stable estimate)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+def measure_peak_flops(seconds: float = 1.0, n: int | None = None, rounds: int = 8, device=None) -> float:
+    """FLOP/s of a float32 ``n x n`` matmul loop on ``device`` (default the CPU, with this process's torch
+    threads; ``n`` 512 there, 4096 on a GPU, synchronised per round): the maximum over ``rounds`` rounds of
+    ``seconds / rounds`` each (other work on the host only lowers a round's rate, so the maximum is the
+    stable estimate)."""
+    device = torch.device(device or "cpu")
+    cuda = device.type == "cuda"
+    n = n or (4096 if cuda else 512)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
     torch.mm(a, b, out=out)
     best = 0.0
     for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize(device)
         count, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds / rounds:
             torch.mm(a, b, out=out)
             count += 1
+            if cuda:
+                torch.cuda.synchronize(device)
         best = max(best, 2 * n ** 3 * count / (time.perf_counter() - t0))
     return best
 

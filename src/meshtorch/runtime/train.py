@@ -319,9 +319,17 @@ def main_train(args) -> dict:
         f"{len(dataset.train)} train / "
           f"{len(dataset.validation)} validation sequences")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    peak = (args.peak_tflops * 1e12 if getattr(args, "peak_tflops", None) else
-            job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
-                           int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world))
+    gpus = sorted({str(impl.device(p)) for p in impl.local_pnums() if impl.device(p).type == "cuda"})
+    if getattr(args, "peak_tflops", None):
+        peak, peak_what = args.peak_tflops * 1e12, "--peak-tflops"
+    elif gpus:  # the slices live on GPUs: their matmul rate, times the GPUs of the job
+        peak = measure_peak_flops(device=gpus[0]) * len(gpus) * world
+        peak_what = f"a float32 matmul measured on {gpus[0]}, x {len(gpus) * world} GPU(s)"
+    else:
+        peak = job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
+                              int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world)
+        peak_what = (f"a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
+                     f"x {world} process{'es' if world > 1 else ''}")
     fpt = flops_per_token(cfg)
     metrics = None
     if getattr(args, "log_dir", "") and main_process:
@@ -427,8 +435,7 @@ def main_train(args) -> dict:
         say(f"compile seconds: {comp.seconds:.1f} ({comp.describe()}); excluded from tokens/s and MFU below")
     say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s ({tps / world:.0f} per process, "
         f"{world} process{'es' if world > 1 else ''}), MFU {100 * mfu(tps * fpt, peak):.2f}% (of {peak / 1e9:.1f} "
-        f"GFLOP/s: a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
-        f"x {world} process{'es' if world > 1 else ''})")
+        f"GFLOP/s: {peak_what})")
     say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
     say(lowering.counters.summary(detail=getattr(args, "comm_detail", False),
                                   header=f"mesh {args.mesh!r}, layout {args.layout!r}, storage "
