@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
@@ -41,6 +42,14 @@ class _Lowered:
     layout: Layout
     source: tuple | None = None  # (tensor, kernel): this value is kernel(source) with the kernel linear
     home: list | None = None  # the step list (main program or a sub-program) that computes it
+
+
+class Redistribution(NamedTuple):
+    """One layout change the planner emitted: ``tensor``'s value moved by ``transforms`` into ``slot``."""
+
+    tensor: str
+    transforms: tuple[Transform, ...]
+    slot: int
 
 
 def mesh_record(spec) -> dict:
@@ -85,8 +94,8 @@ class Planner:
         self._current_op: Operation | None = None
         self._scopes: list[list[Step]] = []
         self._target: list[Step] = self.steps
-        #: every redistribution emitted, in order: ``(tensor name, transforms)``
-        self.redistributions: list[tuple[str, tuple[Transform, ...]]] = []
+        #: every redistribution emitted, in order (a run executes those its fetches need)
+        self.redistributions: list[Redistribution] = []
         for op in graph.operations:
             self._lower_op(op)
         self._current_op = None
@@ -358,7 +367,7 @@ class Planner:
                 slot = self.slicewise(functools.partial(narrow_kernel, **dict(tr.params)), slot, coords, mesh=t)
             else:
                 slot = self._emit_collective(tr.kind, slot, t, tr.mesh_axes, tr.nbytes, dict(tr.params))
-        self.redistributions.append((t.name, tuple(transforms)))
+        self.redistributions.append(Redistribution(t.name, tuple(transforms), slot))
         return slot
 
     def _redistribute(self, slot: int, t: Tensor, src: Layout, dst: Layout) -> int:
