@@ -167,3 +167,18 @@ def test_transform_time_rejects_an_axis_the_sizes_lack():
     trs = plan_redistribute(MeshSpec("r:2;c:2"), [4], torch.float32, Layout((1,)), Layout((None,)))
     with pytest.raises(ValueError, match="mesh axes \\[1\\]"):
         transform_time(trs, CostModel(), [2])
+
+
+def test_transform_time_follows_the_ring_formulas():
+    # all-gather of a [8, 12] float32 split over 4: each holds 2 * 12 * 4 bytes and sends 3 of those pieces
+    trs = plan_redistribute(MeshSpec("x:4"), [8, 12], torch.float32, Layout((0, None)), Layout((None, None)))
+    cost = CostModel(latency=1e-5, bandwidth=1e11)
+    assert math.isclose(transform_time(trs, cost, [4]), 1e-5 + 3 * (2 * 12 * 4) / 1e11)
+    # all-reduce then a local slice on a 2 x 2 mesh: 2 (g - 1) / g of the 4 * 8 * 2 bytes; the slice is free;
+    # in a one-process simulation each of the 2 groups of the 'r' axis pays it in turn
+    trs = plan_redistribute(MeshSpec("r:2;c:2"), [4, 8], torch.bfloat16, Layout((None, None), P({0})),
+                            Layout((None, 1)))
+    assert [t.kind for t in trs] == ["allreduce", LOCAL_SLICE]
+    one = 1e-5 + 2 * (2 - 1) / 2 * (4 * 8 * 2) / 1e11
+    assert math.isclose(transform_time(trs, cost, [2, 2]), one)
+    assert math.isclose(transform_time(trs, CostModel(latency=1e-5, bandwidth=1e11, serial=True), [2, 2]), 2 * one)
