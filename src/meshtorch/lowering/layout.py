@@ -1,31 +1,38 @@
-"""Layouts with partial sums, and the one function that moves a value between two layouts.
+"""Layouts with partial sums, and the one pure function that plans a move between two layouts.
 
 A :class:`Layout` is, per tensor dimension, the mesh axis that splits it (or None), plus the set of
 mesh axes over which the value is still a pending partial sum (DTensor's ``Partial`` placement;
-Mesh TF's lazy all-reduce). :func:`redistribute` moves a laid-out value from any layout to any
-other layout of the same shape with the fewest collectives it knows:
+Mesh TF's lazy all-reduce). :func:`plan_redistribute` returns the list of :class:`Transform` s that
+move a value of a given shape from any layout to any other layout of the same shape with the fewest
+collectives it knows (as DTensor's ``_redistribute.py`` first computes its transform infos, then runs
+them):
 
 * partial over ``a``, and the target splits dim ``j`` over ``a`` (``j`` whole now): **reduce-scatter**;
 * partial over other axes: one **all-reduce** over all of them;
 * split in the source only: **all-gather** along the dim;
 * split on dim ``i`` in the source and ``j`` in the target: **all-to-all**;
-* split in the target only: a local slice (each processor keeps its piece; no communication).
+* split in the target only: a **local slice** (each processor keeps its piece; no communication).
 
-Every collective the program holds is emitted through :meth:`Planner.collective
-<meshtorch.lowering.planner.Planner.collective>`, and its byte count comes from :func:`slice_nbytes`
-alone, so run-time counters, ``plan_counters``, the memory report and the cost model agree by
-construction.
+It reads only a :class:`~meshtorch.core.mesh_spec.MeshSpec`, a shape and a dtype: no planner, no slots.
+The planner emits the steps of a transform list in one place
+(:meth:`Planner.apply_transforms <meshtorch.lowering.planner.Planner.apply_transforms>`) and takes each
+collective's bytes from its transform (:func:`slice_nbytes` of the input slice), so run-time counters,
+``plan_counters``, the memory report and the cost model (:func:`meshtorch.planning.cost.transform_time`
+prices a list before it is emitted) agree by construction.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from meshtorch.ops._kernels import processor_coordinate
+from meshtorch.lowering.collectives import CollectiveKind, kind_of
+
+#: the kind of a :class:`Transform` that keeps each processor's piece of a whole dimension (no communication)
+LOCAL_SLICE = "local_slice"
 
 
 class Layout(NamedTuple):
@@ -54,49 +61,102 @@ def narrow_kernel(x, c, *, axis: int, piece: int):
     return x.narrow(axis, c * piece, piece)
 
 
-def local_narrow(lw, slot: int, t, tensor_axis: int, mesh_axis: int, piece: int) -> int:
-    """Each processor keeps its piece of ``tensor_axis`` (split over ``mesh_axis``): no communication."""
-    coords = lw.pnum_constant(t, functools.partial(processor_coordinate, mesh_axis=mesh_axis))
-    return lw.slicewise(functools.partial(narrow_kernel, axis=tensor_axis, piece=piece), slot, coords, mesh=t)
+@dataclass(frozen=True)
+class Transform:
+    """One step of a redistribution (see :func:`plan_redistribute`).
+
+    Attributes:
+        kind: a collective kind declared in :mod:`meshtorch.lowering.collectives` (``"allreduce"``,
+            ``"reduce_scatter"``, ``"allgather"``, ``"alltoall"``) or :data:`LOCAL_SLICE`.
+        mesh_axes: indices of the mesh axes it works over (one, except an all-reduce over several).
+        tensor_axis: the tensor dimension it scatters (reduce-scatter), gathers (all-gather), newly splits
+            (all-to-all's split axis, local slice); None for an all-reduce.
+        nbytes: bytes of each processor's input slice (what the collective's record counts; 0 for a local
+            slice, which moves nothing).
+        layout: the value's layout after this transform.
+        params: keyword arguments of the backend primitive (the kind's ``method``, e.g.
+            ``(("mesh_axis", 0), ("scatter_axis", 1))``), or of :func:`narrow_kernel` for a local slice,
+            as ``(name, value)`` pairs.
+    """
+
+    kind: str
+    mesh_axes: tuple[int, ...]
+    tensor_axis: int | None
+    nbytes: int
+    layout: Layout
+    params: tuple = ()
+
+    @property
+    def collective(self) -> CollectiveKind | None:
+        """The kind's record (:mod:`meshtorch.lowering.collectives`), None for a local slice.
+
+        Raises:
+            ValueError: the kind is neither declared nor :data:`LOCAL_SLICE`.
+        """
+        return None if self.kind == LOCAL_SLICE else kind_of(self.kind)[0]
 
 
-def redistribute(lw, slot: int, t, src: Layout, dst: Layout) -> int:
-    """Move ``slot`` (``t``'s value laid out as ``src``) to layout ``dst``; returns the new slot.
+def plan_redistribute(spec, shape, dtype: torch.dtype, src: Layout, dst: Layout, *,
+                      name: str = "tensor") -> list[Transform]:
+    """The transforms that move a value of ``shape`` and ``dtype`` laid out as ``src`` to layout ``dst``.
 
-    ``t`` (a graph Tensor) names the value in the collective records and gives its shape and dtype.
-    If the moves between split dims form a cycle (a: i->j and b: j->i) one of them is all-gathered
-    and sliced instead. Mesh axes of size 1 are ignored (splitting over them moves nothing).
+    Pure: reads ``spec`` (a :class:`~meshtorch.core.mesh_spec.MeshSpec`: the mesh axis sizes) and nothing
+    else. ``shape``: a :class:`~meshtorch.core.dims.Shape` or the dimension sizes (ints). Applying the
+    transforms in order (each collective with the backend's ``method`` and ``params``, a local slice with
+    :func:`narrow_kernel` and the processor's coordinate on its mesh axis) turns every processor's
+    ``src`` slice into its ``dst`` slice; the last transform's ``layout`` is ``dst`` with mesh axes of
+    size 1 dropped. If the moves between split dims form a cycle (a: i->j and b: j->i) one of them is
+    all-gathered and sliced instead. Mesh axes of size 1 are ignored (splitting over them moves nothing).
+    An empty list: nothing to do.
 
     Raises:
-        ValueError: if ``dst`` is partial over an axis ``src`` is not (a replicated value cannot
-            become a partial sum without choosing how to divide it).
+        ValueError: naming ``name``, if ``dst`` is partial over an axis ``src`` is not (a replicated value
+            cannot become a partial sum without choosing how to divide it), if the layouts' lengths differ
+            from the shape's rank, or a split dim's size is not divisible by its mesh axis.
     """
-    impl = lw.mesh_spec(t)
-    sizes = [d.size for d in t.shape]
-    nax = {a: impl.shape[a].size for a in range(impl.ndims)}
+    sizes = [int(getattr(d, "size", d)) for d in shape]
+    nax = [d.size for d in spec.shape]
+    if len(src.axes) != len(sizes) or len(dst.axes) != len(sizes):
+        raise ValueError(f"redistribute {name!r}: layouts {src} -> {dst} do not match the shape's "
+                         f"{len(sizes)} dims.")
     if dst.partial - src.partial:
-        raise ValueError(f"redistribute {t.name!r}: cannot make a value partial over new mesh axes "
+        raise ValueError(f"redistribute {name!r}: cannot make a value partial over new mesh axes "
                          f"{sorted(dst.partial - src.partial)}.")
+    for lay in (src, dst):
+        for s, a in zip(sizes, lay.axes, strict=True):
+            if a is not None and s % nax[a]:
+                raise ValueError(f"redistribute {name!r}: a dim of size {s} cannot be split over mesh axis "
+                                 f"{spec.shape[a].name!r} of size {nax[a]}.")
     cur = [a if a is not None and nax[a] > 1 else None for a in src.axes]
     want = [a if a is not None and nax[a] > 1 else None for a in dst.axes]
     local = [s // (nax[a] if a is not None else 1) for s, a in zip(sizes, cur, strict=True)]
     dst_dim = {a: i for i, a in enumerate(want) if a is not None}
-    reduce = sorted(a for a in src.partial - dst.partial if nax[a] > 1)
+    partial = {a for a in src.partial if nax[a] > 1}
+    reduce = sorted(a for a in partial - dst.partial)
+    out: list[Transform] = []
+
+    def add(kind, axes, tensor_axis, nbytes, **params):
+        out.append(Transform(kind, tuple(axes), tensor_axis, nbytes, Layout(tuple(cur), frozenset(partial)),
+                             tuple(params.items())))
+
     # partial sums first: reduce-scatter straight into the target split where the dim is whole now
     for a in list(reduce):
         j = dst_dim.get(a)
         if j is not None and cur[j] is None and a not in cur:
-            slot = lw.collective("reduce_scatter", slot, t, [a], local, mesh_axis=a, scatter_axis=j)
+            b = slice_nbytes(local, dtype)
             cur[j], local[j] = a, local[j] // nax[a]
+            partial.discard(a)
             reduce.remove(a)
+            add("reduce_scatter", [a], j, b, mesh_axis=a, scatter_axis=j)
     if reduce:
-        slot = lw.collective("allreduce", slot, t, reduce, local, mesh_axes=tuple(reduce), reduction="SUM")
+        partial.difference_update(reduce)
+        add("allreduce", reduce, None, slice_nbytes(local, dtype), mesh_axes=tuple(reduce), reduction="SUM")
 
     def gather(a):
-        nonlocal slot
         i = cur.index(a)
-        slot = lw.collective("allgather", slot, t, [a], local, mesh_axis=a, concat_axis=i)
+        b = slice_nbytes(local, dtype)
         cur[i], local[i] = None, sizes[i]
+        add("allgather", [a], i, b, mesh_axis=a, concat_axis=i)
 
     src_dim = {a: i for i, a in enumerate(cur) if a is not None}
     for a in src_dim:
@@ -108,9 +168,10 @@ def redistribute(lw, slot: int, t, src: Layout, dst: Layout) -> int:
         a = ready[0] if ready else moves[0]
         if ready:
             i, j = src_dim[a], dst_dim[a]
-            slot = lw.collective("alltoall", slot, t, [a], local, mesh_axis=a, split_axis=j, concat_axis=i)
+            b = slice_nbytes(local, dtype)
             cur[i], cur[j] = None, a
             local[i], local[j] = sizes[i], sizes[j] // nax[a]
+            add("alltoall", [a], j, b, mesh_axis=a, split_axis=j, concat_axis=i)
         else:
             gather(a)
         moves.remove(a)
@@ -119,6 +180,9 @@ def redistribute(lw, slot: int, t, src: Layout, dst: Layout) -> int:
             continue
         assert cur[j] is None, (cur, want)
         local[j] = sizes[j] // nax[a]
-        slot = local_narrow(lw, slot, t, j, a, local[j])
         cur[j] = a
-    return slot
+        add(LOCAL_SLICE, [a], j, 0, axis=j, piece=local[j])
+    return out
+
+
+__all__ = ["LOCAL_SLICE", "Layout", "Transform", "itemsize", "narrow_kernel", "plan_redistribute", "slice_nbytes"]

@@ -4,8 +4,10 @@ The planner walks the graph once. Each operation's ``lower(planner)`` asks for i
 layout it works on (:meth:`Planner.get`; :meth:`Planner.get_lazy` where the op is linear and can
 take partial sums), emits steps (:meth:`Planner.slicewise` with a kernel, or collectives), and
 records its outputs' slots and layouts (:meth:`Planner.set`). Whenever a value is needed in another
-layout than the one it was produced in, :func:`~meshtorch.lowering.layout.redistribute` inserts the
-collectives. Nothing is executed and no mesh implementation is bound: the planner reads each mesh's
+layout than the one it was produced in, :func:`~meshtorch.lowering.layout.plan_redistribute` plans the
+transforms (a pure function of the spec, shape, dtype and the two layouts) and
+:meth:`Planner.apply_transforms` emits them: the one place a layout change becomes steps. Nothing is
+executed and no mesh implementation is bound: the planner reads each mesh's
 :class:`~meshtorch.core.mesh_spec.MeshSpec` (shape, rules, slice arithmetic) only, so the program can
 run on any implementation of the same spec.
 
@@ -18,8 +20,10 @@ gradient read by the update is reduce-scattered.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
@@ -27,8 +31,9 @@ from meshtorch.core.layout import TensorLayout
 from meshtorch.core.mesh_spec import MeshSpec, convert_to_mesh_spec
 from meshtorch.lowering.collectives import KINDS
 from meshtorch.lowering.counters import Collective
-from meshtorch.lowering.layout import Layout, redistribute, slice_nbytes
+from meshtorch.lowering.layout import Layout, Transform, narrow_kernel, plan_redistribute, slice_nbytes
 from meshtorch.lowering.program import Program, Step, SubProgram, TensorSlot, count, select_steps
+from meshtorch.ops._kernels import processor_coordinate
 
 
 @dataclass
@@ -37,6 +42,14 @@ class _Lowered:
     layout: Layout
     source: tuple | None = None  # (tensor, kernel): this value is kernel(source) with the kernel linear
     home: list | None = None  # the step list (main program or a sub-program) that computes it
+
+
+class Redistribution(NamedTuple):
+    """One layout change the planner emitted: ``tensor``'s value moved by ``transforms`` into ``slot``."""
+
+    tensor: str
+    transforms: tuple[Transform, ...]
+    slot: int
 
 
 def mesh_record(spec) -> dict:
@@ -81,6 +94,8 @@ class Planner:
         self._current_op: Operation | None = None
         self._scopes: list[list[Step]] = []
         self._target: list[Step] = self.steps
+        #: every redistribution emitted, in order (a run executes those its fetches need)
+        self.redistributions: list[Redistribution] = []
         for op in graph.operations:
             self._lower_op(op)
         self._current_op = None
@@ -265,7 +280,7 @@ class Planner:
                     src, fn = lowered.source
                     slot = self.slicewise(fn, self.get(src, self._lowered[src].layout.axes), mesh=t)
                 else:
-                    slot = redistribute(self, lowered.slot, t, lowered.layout, want)
+                    slot = self._redistribute(lowered.slot, t, lowered.layout, want)
                 self._forced[key] = slot
                 if slot not in self.slot_bytes:
                     impl = self.mesh_spec(t)
@@ -330,14 +345,35 @@ class Planner:
         Raises:
             ValueError: ``kind`` is not declared in :mod:`meshtorch.lowering.collectives`.
         """
+        return self._emit_collective(kind, slot, t, over, slice_nbytes(local_shape, t.dtype), params)
+
+    def _emit_collective(self, kind: str, slot: int, t: Tensor, over, nbytes: int, params: dict) -> int:
         if kind not in KINDS:
             raise ValueError(f"Planner.collective: unknown collective kind {kind!r}; declared: {sorted(KINDS)} "
                              "(meshtorch.lowering.collectives).")
         impl = self.mesh_spec(t)
         op = self._current_op.name if self._current_op is not None else "<fetch>"
-        c = Collective(kind, tuple(impl.shape[a].name for a in over), op, t.name,
-                       slice_nbytes(local_shape, t.dtype), impl.size, params.get("reduction", ""))
+        c = Collective(kind, tuple(impl.shape[a].name for a in over), op, t.name, nbytes, impl.size,
+                       params.get("reduction", ""))
         return self.emit(kind, None, [slot], params=params, collective=c, mesh=t.mesh)
+
+    def apply_transforms(self, slot: int, t: Tensor, transforms: Sequence[Transform]) -> int:
+        """Emit the steps of ``transforms`` (:func:`~meshtorch.lowering.layout.plan_redistribute`) on ``t``'s
+        value in ``slot``; returns the slot of the result. Each collective's record counts its transform's
+        ``nbytes``; a local slice is a slicewise :func:`~meshtorch.lowering.layout.narrow_kernel` with the
+        processor's coordinate on the mesh axis. The list is kept in :attr:`redistributions`."""
+        for tr in transforms:
+            if tr.collective is None:  # a local slice: no communication
+                coords = self.pnum_constant(t, functools.partial(processor_coordinate, mesh_axis=tr.mesh_axes[0]))
+                slot = self.slicewise(functools.partial(narrow_kernel, **dict(tr.params)), slot, coords, mesh=t)
+            else:
+                slot = self._emit_collective(tr.kind, slot, t, tr.mesh_axes, tr.nbytes, dict(tr.params))
+        self.redistributions.append(Redistribution(t.name, tuple(transforms), slot))
+        return slot
+
+    def _redistribute(self, slot: int, t: Tensor, src: Layout, dst: Layout) -> int:
+        return self.apply_transforms(slot, t, plan_redistribute(self.mesh_spec(t), t.shape, t.dtype, src, dst,
+                                                                name=t.name))
 
     def allreduce(self, slot: int, mesh_axes, reduction: str, t: Tensor, local_shape=None) -> int:
         """All-reduce ``t``'s slices over ``mesh_axes`` (indices) with SUM, MAX or MIN."""
@@ -374,8 +410,8 @@ class Planner:
     def redistribute(self, slot: int, t: Tensor, src_axes, dst_axes, src_partial=(), dst_partial=()) -> int:
         """Move ``slot`` (``t`` laid out with mesh axes ``src_axes`` per dim, a partial sum over
         ``src_partial``) to ``dst_axes``, still partial over ``dst_partial`` (a subset)."""
-        return redistribute(self, slot, t, Layout(tuple(src_axes), frozenset(src_partial)),
-                            Layout(tuple(dst_axes), frozenset(dst_partial)))
+        return self._redistribute(slot, t, Layout(tuple(src_axes), frozenset(src_partial)),
+                                  Layout(tuple(dst_axes), frozenset(dst_partial)))
 
     # ---- sub-programs (loop bodies and conditions)
     def lower_subprogram(self, ops: Sequence[Operation], inputs: Sequence[Tensor], outputs: Sequence[Tensor],

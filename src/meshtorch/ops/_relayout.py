@@ -2,7 +2,7 @@
 pad, concat, split, unstack), and processor coordinates as a per-processor constant.
 
 The layout changes go through the planner's one redistribution (``lw.redistribute``, see
-:func:`meshtorch.lowering.layout.redistribute`), so they work on every MeshImpl.
+:func:`meshtorch.lowering.layout.plan_redistribute`), so they work on every MeshImpl.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ big for this machine can still be planned.
 
 * :mod:`~meshtorch.planning.memory`: :func:`memory_report` -> :class:`MemoryReport`.
 * :mod:`~meshtorch.planning.cost`: :class:`CostModel` and :func:`estimate_time`, a simple
-  alpha-beta model of one step's time.
+  alpha-beta model of one step's time; :func:`transform_time` prices a planned redistribution.
 * :mod:`~meshtorch.planning.search`: :func:`search_layouts` ranks the legal layouts of a mesh.
 * :mod:`~meshtorch.planning.budget`: :func:`check_memory_limit` fails an over-budget configuration
   before training, naming a storage rule (FSDP) that would fit.
@@ -14,10 +14,10 @@ big for this machine can still be planned.
 """
 
 from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
-from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.planning.cost import CostModel, estimate_time, transform_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 from meshtorch.planning.search import candidate_layouts, graph_dimensions, search_layouts, storage_candidates
 
 __all__ = ["CostModel", "MemoryLimitError", "MemoryReport", "candidate_layouts", "check_memory_limit",
            "estimate_time", "graph_dimensions", "memory_report", "plan_memory", "search_layouts",
-           "storage_candidates"]
+           "storage_candidates", "transform_time"]

@@ -10,10 +10,12 @@ process one after another (``serial``: the sum over processors).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective
+from meshtorch.lowering.layout import Transform
 from meshtorch.planning.memory import MemoryReport
 
 
@@ -72,14 +74,27 @@ class CostModel:
         Raises:
             ValueError: ``c.kind`` is no declared collective (:mod:`meshtorch.lowering.collectives`).
         """
-        b = c.bytes_per_processor
-        wire_bytes = kind_of(c.kind)[0].wire_bytes
+        return self.kind_time(c.kind, c.bytes_per_processor, group)
+
+    def kind_time(self, kind: str, nbytes: int, group: int) -> float:
+        """Seconds of one collective of ``kind`` over ``group`` processors that each contribute ``nbytes``
+        (see :meth:`collective_time`).
+
+        Raises:
+            ValueError: ``kind`` is no declared collective (:mod:`meshtorch.lowering.collectives`).
+        """
+        wire_bytes = kind_of(kind)[0].wire_bytes
         if group <= 1:
             return 0.0
-        for kind, alpha, per_byte in self.collectives:
-            if kind == c.kind:
-                return alpha + wire_bytes(b, group) * per_byte
-        return self.latency + wire_bytes(b, group) / self.bandwidth
+        for k, alpha, per_byte in self.collectives:
+            if k == kind:
+                return alpha + wire_bytes(nbytes, group) * per_byte
+        return self.latency + wire_bytes(nbytes, group) / self.bandwidth
+
+    def times_paid(self, group: int, num_processors: int) -> int:
+        """How many times one collective over ``group`` processors is paid in a step: once on an SPMD mesh,
+        once per processor group (``num_processors // group``) when the processors run in turn (``serial``)."""
+        return max(1, num_processors // max(group, 1)) if self.serial else 1
 
 
 def _wire(kind: str, b: int, group: int) -> float:
@@ -107,6 +122,33 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
     comm = 0.0
     for c, n in report.counters.records.items():
         group = math.prod(report.mesh_axis_sizes.get(a, 1) for a in c.mesh_axes)
-        groups = max(1, report.num_processors // max(group, 1)) if cost.serial else 1
-        comm += n * groups * cost.collective_time(c, group)
+        comm += n * cost.times_paid(group, report.num_processors) * cost.collective_time(c, group)
     return {"compute_s": compute, "comm_s": comm, "total_s": compute + comm}
+
+
+def transform_time(transforms: Sequence[Transform], cost: CostModel | None = None,
+                   mesh_axis_sizes: Sequence[int] = ()) -> float:
+    """Communication seconds of a redistribution (:func:`~meshtorch.lowering.layout.plan_redistribute`'s
+    transforms) under ``cost`` (default :class:`CostModel`), before the planner emits it.
+
+    ``mesh_axis_sizes``: the mesh's axis sizes by axis index (``[d.size for d in spec.shape]``). Each
+    collective transform costs :meth:`CostModel.kind_time` of its kind, its ``nbytes`` and the product of its
+    mesh axes' sizes, paid :meth:`CostModel.times_paid` times, exactly as :func:`estimate_time` prices the
+    same collective from the program's counters; a local slice moves nothing (its kernel call is compute,
+    counted by :func:`estimate_time` with the other slicewise steps).
+
+    Raises:
+        ValueError: a transform names a mesh axis beyond ``mesh_axis_sizes``, or an undeclared kind.
+    """
+    cost = cost or CostModel()
+    sizes = [int(s) for s in mesh_axis_sizes]
+    total = 0.0
+    for tr in transforms:
+        if tr.collective is None:
+            continue
+        if any(not 0 <= a < len(sizes) for a in tr.mesh_axes):
+            raise ValueError(f"transform_time: {tr.kind} over mesh axes {list(tr.mesh_axes)}, but mesh_axis_sizes "
+                             f"gives {len(sizes)} axes ({sizes}).")
+        group = math.prod(sizes[a] for a in tr.mesh_axes)
+        total += cost.times_paid(group, math.prod(sizes)) * cost.kind_time(tr.kind, tr.nbytes, group)
+    return total
