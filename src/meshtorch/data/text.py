@@ -200,6 +200,25 @@ class PackedDataset:
             yield data[order[i:i + batch_size]]
 
 
+    def stream(self, batch_size: int, seed: int, epoch: int = 0, start: int = 0) -> Iterator[tuple]:
+        """Training batches epoch after epoch, without end: yields ``(epoch, batches of that epoch done, batch)``
+        (what a checkpoint records to resume), beginning ``start`` batches into ``epoch``; each epoch is
+        :meth:`batches` with its own shuffle.
+
+        Raises:
+            DataError: if the training split holds fewer than ``batch_size`` sequences (no batch at all).
+        """
+        while True:
+            done = 0
+            for done, batch in enumerate(self.batches(batch_size, seed, epoch), start=1):
+                if done > start:
+                    yield epoch, done, batch
+            if done == 0:
+                raise DataError(f"the training data has {len(self.train)} sequence(s), fewer than one batch of "
+                                f"{batch_size}; give more text, a smaller --batch-size or a shorter --length.")
+            epoch, start = epoch + 1, 0
+
+
 def _pack(ids: torch.Tensor, length: int) -> torch.Tensor:
     n = len(ids) // length
     return ids[: n * length].view(n, length).clone()

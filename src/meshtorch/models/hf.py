@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtorch import layers, optim
-from meshtorch.autodiff import gradients
+from meshtorch import layers
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes, hf_tensor_map
+from meshtorch.models.transformer import training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
 from meshtorch.ops.einsum import einsum
@@ -187,11 +187,5 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     xent = layers.softmax_cross_entropy_with_logits(logits, one_hot(targets, d["vocab"], dtype=logits.dtype),
                                                     d["vocab"])
     loss = reduce_mean(xent, name="loss")
-    updates = []
-    if optimizer is not None:
-        variables = graph.trainable_variables
-        grads = gradients([loss], variables)
-        if clip_norm:
-            grads, _ = optim.clip_by_global_norm(grads, clip_norm)
-        updates = optimizer.apply_grads(grads, variables)
+    updates = training_updates(graph, loss, optimizer, clip_norm)
     return HFGraph(c, graph, mesh, inputs, targets, logits, loss, updates, task_loss=loss)

@@ -198,13 +198,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     if aux_losses:
         aux_loss = add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
         loss = loss + aux_loss * c.moe_aux_loss_coef
-    updates, step = [], None
-    if optimizer is not None:
-        variables = graph.trainable_variables
-        grads = gradients([loss], variables)
-        if clip_norm:
-            grads, _ = optim.clip_by_global_norm(grads, clip_norm)
-        updates = optimizer.apply_grads(grads, variables)
+    updates, step = training_updates(graph, loss, optimizer, clip_norm), None
     return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
 
 
@@ -240,6 +234,19 @@ def _keeps_matmuls(op) -> bool:
 def _embed(ids, table, d):
     """Embedding lookup: ``gather`` of the ``ids`` rows of ``table`` (Mesh TF: one_hot x einsum, same values)."""
     return gather(table, ids, d["vocab"])
+
+
+def training_updates(graph: Graph, loss: Tensor, optimizer=None, clip_norm: float | None = None) -> list:
+    """The update ops of ``optimizer`` for every trainable variable of ``graph``, from the gradients of the
+    scalar ``loss`` (clipped to the global norm ``clip_norm`` first, when given); ``[]`` without an optimizer.
+    Shared by the native LM and the imported Hugging Face models."""
+    if optimizer is None:
+        return []
+    variables = graph.trainable_variables
+    grads = gradients([loss], variables)
+    if clip_norm:
+        grads, _ = optim.clip_by_global_norm(grads, clip_norm)
+    return optimizer.apply_grads(grads, variables)
 
 
 def flops_per_token(c: LMConfig) -> float:

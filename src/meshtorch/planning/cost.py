@@ -48,9 +48,9 @@ class CostModel:
       two operands read, one result written), 0 to ignore them;
     * ``collectives``: ``((kind, latency_s, seconds_per_wire_byte), ...)`` measured per kind, which
       override ``latency``/``bandwidth`` for that kind;
-    * ``serial``: the processors run one after another in this process (a placement mesh): compute is the
-      einsums' global FLOPs (replicated slices are computed once, :meth:`PlacementMeshImpl.share_replicas`)
-      plus one kernel call per distinct slice of every step, and each collective's time is paid by every
+    * ``serial``: the processors run one after another in this process (a placement mesh): compute is every
+      processor's work in turn (a fully replicated program runs once: replicas share one tensor and one
+      kernel call, :meth:`PlacementMeshImpl.share_replicas`), and each collective's time is paid by every
       processor group of the mesh in turn.
     """
 
@@ -107,13 +107,14 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
     """``{"compute_s", "comm_s", "total_s"}`` of one run under ``cost`` (default :class:`CostModel`).
 
     SPMD (``cost.serial`` False): one processor's einsum FLOPs over the FLOP rate, plus its kernel calls
-    times ``kernel_overhead``, plus each collective once. Placement (``serial``): the einsums' global FLOPs,
-    plus every distinct slice's kernel call, plus each collective once per processor group (the groups of
-    a mesh axis run one after another in one process).
+    times ``kernel_overhead``, plus each collective once. Placement (``serial``): the work of every processor
+    one after another (once when nothing is split: replicas share one kernel call; see
+    :attr:`MemoryReport.flops_serial`), plus each collective once per processor group (the groups of a mesh
+    axis run one after another in one process).
     """
     cost = cost or CostModel()
     if cost.serial:
-        flops, calls, written = report.einsum_flops, report.kernel_calls_serial, report.kernel_bytes_serial
+        flops, calls, written = report.flops_serial, report.kernel_calls_serial, report.kernel_bytes_serial
     else:
         flops, calls, written = report.flops_per_processor, report.kernel_steps, report.kernel_bytes
     compute = flops / cost.flop_rate + calls * cost.kernel_overhead

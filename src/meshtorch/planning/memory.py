@@ -66,9 +66,10 @@ class MemoryReport:
         storage: the storage rules, as text ("" when variables are stored in the compute layout).
         estimated_time: seconds under a :class:`CostModel`, filled in by :func:`search_layouts`.
         kernel_steps: slicewise steps of the run (kernel calls of one processor).
-        kernel_calls_serial: kernel calls of a one-process simulation of the mesh: per slicewise step, the
-            number of distinct slices (the sizes of the mesh axes splitting its op's tensors; replicated
-            slices share one call).
+        kernel_calls_serial / flops_serial: kernel calls and einsum FLOPs of a one-process simulation of the
+            mesh (a placement mesh): one processor's, once if nothing is split (replicas share one tensor and
+            one kernel call), else times the processors (split values, collective outputs and updated
+            variables are no longer shared between replicas, so every processor's kernels run).
         kernel_bytes / kernel_bytes_serial: bytes the slicewise steps write per processor / in a one-process
             simulation (the memory traffic of the elementwise work between the einsums).
     """
@@ -94,6 +95,7 @@ class MemoryReport:
     kernel_calls_serial: int = 0
     kernel_bytes: int = 0
     kernel_bytes_serial: int = 0
+    flops_serial: int = 0
 
     @property
     def parameter_bytes(self) -> int:
@@ -295,18 +297,22 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
     largest = max([largest, *(size(s) for _, s in prog.placeholders)])
     peak_op = "<feeds>" if peak_i < 0 else prog.steps[peak_i].op
     ops = {op.name: op for op in lowering.graph.operations}
-    local_flops = kernel_steps = serial_calls = kernel_bytes = serial_bytes = 0
+    local_flops = kernel_steps = kernel_bytes = 0
+    any_split = False
     for st in prog.steps:
         op = ops.get(st.op)
         split = _split_factor(lowering, op) if op is not None else 1
+        any_split = any_split or split > 1
         if st.flops:
             local_flops += st.flops // split
         if st.kind == "slicewise":
             kernel_steps += 1
-            serial_calls += split
-            written = sum(size(s) for s in st.outputs)
-            kernel_bytes += written
-            serial_bytes += written * split
+            kernel_bytes += sum(size(s) for s in st.outputs)
+    # a one-process simulation: fully replicated work runs once (replicas share one tensor); once any value
+    # is split, results stop being shared between replicas (collective outputs, updated variables), so every
+    # processor's kernels run
+    n_proc = max((spec.size for spec in lowering.mesh_to_spec.values()), default=1)
+    serial = n_proc if any_split else 1
     impls = list(lowering.mesh_to_spec.values())
     return MemoryReport(
         num_processors=max((i.size for i in impls), default=1), variables=variables, trainable_bytes=trainable,
@@ -316,5 +322,5 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
         counters=lowering.plan_counters(fetches), mesh_axis_sizes=dict(size.axis_sizes),
         layout="; ".join(str(i.layout_rules) for i in impls if str(i.layout_rules)),
         gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)),
-        kernel_steps=kernel_steps, kernel_calls_serial=serial_calls, kernel_bytes=kernel_bytes,
-        kernel_bytes_serial=serial_bytes)
+        kernel_steps=kernel_steps, kernel_calls_serial=kernel_steps * serial, kernel_bytes=kernel_bytes,
+        kernel_bytes_serial=kernel_bytes * serial, flops_serial=local_flops * serial)

@@ -177,19 +177,12 @@ def main_finetune(args) -> dict:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         shutil.copyfile(tok.path, os.path.join(args.checkpoint_dir, TOKENIZER))
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
-    it = dataset.batches(cfg.batch_size, args.seed, epoch)
-    for _ in range(in_epoch):
-        next(it)
+    batches = dataset.stream(cfg.batch_size, args.seed, epoch, in_epoch)
     fetches = [lm.loss] + lm.updates
     bar = tqdm(range(start, args.steps), desc="fine-tune", dynamic_ncols=True, mininterval=0.5, disable=not leader)
     try:
         for step in bar:
-            batch = next(it, None)
-            if batch is None:
-                epoch, in_epoch = epoch + 1, 0
-                it = dataset.batches(cfg.batch_size, args.seed, epoch)
-                batch = next(it)
-            in_epoch += 1
+            epoch, in_epoch, batch = next(batches)
             loss = lw.run(fetches, feeds=batch_feeds(lw, lm, batch), feed_slices=True)[0].item()
             if not math.isfinite(loss):
                 raise RunFailure(f"fine-tuning diverged: the loss is {loss} at step {step + 1}; lower --lr.")

@@ -351,9 +351,7 @@ def main_train(args) -> dict:
         say(f"run {paths.name!r}: checkpoints in {args.checkpoint_dir} (run manifest: "
             f"{os.path.join(args.checkpoint_dir, runs.RUN_MANIFEST)})")
     saved = None
-    it = dataset.batches(cfg.batch_size, args.seed, epoch)
-    for _ in range(in_epoch):
-        next(it)
+    batches = dataset.stream(cfg.batch_size, args.seed, epoch, in_epoch)
     bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
     t_start, first_loss = time.perf_counter(), None
@@ -363,12 +361,7 @@ def main_train(args) -> dict:
         trace = flight_recorder().sink = []
     try:
         for step in range(start, args.steps):
-            batch = next(it, None)
-            if batch is None:
-                epoch, in_epoch = epoch + 1, 0
-                it = dataset.batches(cfg.batch_size, args.seed, epoch)
-                batch = next(it)
-            in_epoch += 1
+            epoch, in_epoch, batch = next(batches)
             comp.before("training step")
             t0 = time.perf_counter()
             outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
