@@ -58,6 +58,7 @@ def _cheap(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("page", [p for p in PAGES if any(r is None for _, r in commands(p))])
 def test_page_commands_run(page, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path / "cache"))  # `plan --calibrate` writes here only
     todo = [a for a, reason in commands(page) if reason is None]
     for argv in sorted(todo, key=lambda a: a[0] != "train"):  # trains first: a page's sample decodes them
         rc = main(_cheap(argv))

@@ -82,6 +82,6 @@ def test_train_headers_show_storage_and_plan_states_its_hardware(tmp_path, capsy
     assert "storage 'd_model:data'" in summary.splitlines()[1] and "by op:" in summary
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert main(["plan", "--preset", "tiny", "--layers", "1", "--length", "16", "--batch-size", "4", "--vocab", "64",
-                 "--mesh", "data:2,model:2"]) == 0
+                 "--mesh", "data:2,model:2", "--hardware", "cpu"]) == 0
     planned = capsys.readouterr().out
     assert "4 real processor(s)" in planned and "one after another" in planned and "4x the compute" in planned
