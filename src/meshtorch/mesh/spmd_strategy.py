@@ -25,6 +25,8 @@ program the shift ops are a graph break). Source: PyTorch ``torch.distributed`` 
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -36,8 +38,9 @@ _funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_ga
 _funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-class Collectives:
-    """The primitive calls of a strategy (see the module docstring); subclasses implement the collectives.
+class Collectives(abc.ABC):
+    """The primitive calls of a strategy (see the module docstring); subclasses implement the collectives
+    (an abstract base: a strategy missing one cannot be constructed).
 
     Attributes:
         asynchronous: calls may return a work handle waited for at the first use of the result.
@@ -47,20 +50,24 @@ class Collectives:
     asynchronous: bool = False
     traceable: bool = False
 
+    @abc.abstractmethod
     def all_reduce(self, t: torch.Tensor, reduction: str, group, owned: bool):
         """Reduce ``t`` (any shape) over ``group`` with ``reduction`` (SUM, MAX, MIN); ``owned``: ``t``
         is a temporary the call may overwrite (else it is left unchanged). Output: ``t``'s shape."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def all_gather(self, flat: torch.Tensor, n: int, group):
         """The 1-D ``flat`` of each of the ``n`` members of ``group`` concatenated: ``[n * elements]``."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def reduce_scatter(self, rows: torch.Tensor, n: int, group):
         """Sum of the contiguous ``rows`` ``[n * s, ...]`` over ``group``; member ``c`` keeps rows
         ``[c * s, (c + 1) * s)``: output ``[s, ...]``."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def all_to_all(self, rows: torch.Tensor, group):
         """Contiguous ``rows`` ``[n * s, ...]``: piece ``j`` (rows ``[j * s, (j + 1) * s)``) goes to member
         ``j``; output the ``n`` received pieces stacked in member order, ``rows``' shape. Never asynchronous."""

@@ -37,6 +37,7 @@ from meshtorch.core.dims import Dimension
 from meshtorch.core.errors import UsageError
 from meshtorch.core.graph import Graph, Mesh
 from meshtorch.lowering import Lowering
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.ops.variables import placeholder
@@ -44,7 +45,7 @@ from meshtorch.planning.command import main_plan
 from meshtorch.planning.cost import CostModel, _wire
 
 BACKENDS = ("placement", "gloo", "nccl")
-KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")  # the kinds measured
 _SIZES = (1024, 1024 * 1024)  # float32 elements per processor: 4 KiB and 4 MiB
 _GEMMS = ((2048, 128, 512), (2048, 512, 128), (2048, 128, 128), (512, 512, 512), (2048, 128, 1024))
 
@@ -220,14 +221,15 @@ def _fit(times: dict, kind: str) -> list:
     return [max(t0 - per_byte * w0, 0.0), per_byte]
 
 
+# each measured kind's primitive arguments on a mesh of one axis (the primitive itself: the kind's record)
+_ARGS = {"allreduce": {"mesh_axes": [0]}, "allgather": {"mesh_axis": 0, "concat_axis": 0},
+         "reduce_scatter": {"mesh_axis": 0, "scatter_axis": 0},
+         "alltoall": {"mesh_axis": 0, "split_axis": 0, "concat_axis": 0}}
+
+
 def _run_collective(impl, kind: str, x):
-    if kind == "allreduce":
-        return impl.allreduce(x, [0])
-    if kind == "allgather":
-        return impl.allconcat(x, 0, 0)
-    if kind == "reduce_scatter":
-        return impl.reduce_scatter(x, 0, 0)
-    return impl.alltoall(x, 0, 0, 0)
+    """The backend's primitive of ``kind`` (:mod:`meshtorch.lowering.collectives`) on ``x`` over mesh axis 0."""
+    return getattr(impl, kind_of(kind)[0].method)(x, **_ARGS[kind])
 
 
 def _placement_collectives() -> dict:
