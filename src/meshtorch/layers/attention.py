@@ -6,6 +6,20 @@ value feature dims is batch-like and may be split (batch, heads, ...) with no co
 the four attention dims are needed whole (``unsplittable_dims``). The multi-head layer's output
 projection contracts ``heads``: with heads split (Megatron-style model parallelism) that is one
 deferred all-reduce. Mesh TF's own signatures (no default scale) are in :mod:`meshtorch.layers.mtf_attention`.
+
+**One attention for every model.** :func:`attention` is the implementation that the native LM
+(:func:`multihead_attention_layer`), the Hugging Face models (:func:`grouped_query_attention`), Mesh TF's
+``mtf.layers.dot_product_attention`` (:mod:`meshtorch.layers.mtf_attention`) and the ported
+``mtf.transformer`` (:func:`meshtorch.transformer.attention.attention`) all call. Like PyTorch's
+``F.scaled_dot_product_attention`` it has two backends behind one contract: the fused op
+(:class:`AttentionOperation`, PyTorch's kernel on each slice) whenever the call allows it, and the
+"math" composite (einsum, softmax, einsum on named dims) for what the fused kernel cannot express:
+attention dropout, Mesh TF's ``extra_logit``, the z-loss's log-normaliser, float32 logits of
+lower-precision activations, a query without a length dim (one decoding step), keys and values that
+lack some of the query's batch-like dims (multi-query attention), or a bias over other dims.
+The layers live here, below ``models`` and ``transformer`` in the package layers, so that the ported
+Mesh TF layers are thin, Mesh-TF-named wrappers of them (their variables and initialisers stay
+Mesh TF's; only the attention arithmetic is shared).
 """
 
 from __future__ import annotations
@@ -20,9 +34,14 @@ from meshtorch.core.dims import Dimension, Shape, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops._kernels import align_spec, aligned
+from meshtorch.ops.binary import greater
 from meshtorch.ops.einsum import einsum
+from meshtorch.ops.elementwise import cast
 from meshtorch.ops.initializers import VarianceScalingInitializer
-from meshtorch.ops.reshape import reshape
+from meshtorch.ops.random import dropout
+from meshtorch.ops.reduce import reduce_logsumexp, softmax
+from meshtorch.ops.reshape import reshape, transpose
+from meshtorch.ops.sequence import mtf_range
 from meshtorch.ops.shape import broadcast
 from meshtorch.ops.variables import get_variable
 
@@ -257,6 +276,104 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, ke
     return AttentionOperation(q, k, v, bias, spec, name).outputs[0]
 
 
+def attention(q: Tensor, k: Tensor, v: Tensor, memory_length_dim, key_dim, value_dim=None, length_dim=None,
+              bias: Tensor | None = None, scale: float | None = None, causal: bool = False, dropout_rate: float = 0.0,
+              dropout_broadcast_dims=None, extra_logit=None, float32_logits: bool = False, return_log_z: bool = False,
+              output_shape=None, name=None):
+    """``dropout(softmax(q k^T * scale + bias)) v`` on named dims: the one attention every model calls.
+
+    The fused op (:func:`scaled_dot_product_attention`, PyTorch's kernel per slice) when the call allows it;
+    else the composite ``einsum -> softmax -> einsum`` (Mesh TF's ``dot_product_attention`` / ``attention``
+    arithmetic, PyTorch SDPA's "math" backend). Both give the same numbers to float rounding. The composite
+    serves: ``dropout_rate > 0``, ``extra_logit``, ``return_log_z``, ``float32_logits`` with non-float32
+    inputs, a query without ``length_dim`` (one decoding step), keys/values lacking some of the query's
+    batch-like dims (multi-query attention) and a bias over dims other than the batch-like and the two
+    length dims.
+
+    Args:
+        q: ``[batch-like..., (length,) key]``; k: ``[batch-like..., memory_length, key]``;
+            v: ``[batch-like..., memory_length, value]``. k and v may lack some of q's batch-like dims;
+            dims of k that q lacks other than ``memory_length`` and ``key`` are summed in the logits, and
+            those of v in the output (Mesh TF's ``dot_product_attention``, e.g. its 2-d local attention).
+        memory_length_dim / key_dim / value_dim: Dimensions or names (value defaults to key).
+        length_dim: q's sequence dim; default: the one dim of q that k lacks (besides none: no length).
+        bias: additive float bias broadcastable to the logits ``q.shape - key + memory_length`` (masks:
+            large negative values); cast to the logits' dtype.
+        scale: logit scale; default ``1/sqrt(key.size)`` (PyTorch); Mesh TF passes 1.0 (no scale).
+        causal: mask memory positions after the query position.
+        dropout_rate / dropout_broadcast_dims: dropout of the attention weights (Mesh TF: rate applied
+            as ``keep_prob = 1 - rate``; the mask shared over the broadcast dims). Pass 0 outside training.
+        extra_logit: an extra logit in the softmax's normaliser (Mesh TF :func:`meshtorch.softmax`).
+        float32_logits: compute the logits and softmax in float32 (Mesh TF's ``float32_logits``).
+        return_log_z: also return ``logsumexp(logits)`` over ``memory_length`` (Mesh TF's z-loss).
+        output_shape: the output's dim order (default: q's with ``key`` replaced by ``value``).
+
+    Returns:
+        The output Tensor, or ``(output, log_z)`` with ``return_log_z``; the dtype of ``v``.
+
+    Raises:
+        ShapeError: if a named dim is missing, or the memory dim also names a dim of q.
+    """
+    memory, key = _name(memory_length_dim), _name(key_dim)
+    value = _name(value_dim) if value_dim is not None else key
+    for t, n, what in ((q, key, "query"), (k, memory, "key"), (k, key, "key"), (v, memory, "value"),
+                       (v, value, "value")):
+        if n not in t.shape:
+            raise ShapeError(f"attention: {what} tensor {t.name!r} {t.shape} has no dimension {n!r}.")
+    if length_dim is not None:
+        length = _name(length_dim)
+    else:
+        only_q = [d.name for d in q.shape if d.name != key and d.name not in k.shape]
+        length = only_q[0] if len(only_q) == 1 else None
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape.get_dim_by_name(key).size)
+    vd = v.shape.get_dim_by_name(value)
+    out_shape = Shape(output_shape) if output_shape is not None else \
+        Shape([vd if d.name == key else d for d in q.shape])
+    composite = bool(dropout_rate) or extra_logit is not None or return_log_z
+    if not composite and _fusable(q, k, v, bias, length, memory, key, value, float32_logits):
+        if bias is not None and bias.dtype != q.dtype:
+            bias = cast(bias, q.dtype)
+        o = scaled_dot_product_attention(q, k, v, length, key, value, memory, causal=causal, bias=bias, scale=scale,
+                                         name=name)
+        return o if o.shape == out_shape else transpose(o, out_shape)
+    if memory in q.shape:
+        raise ShapeError(f"attention: the memory dim {memory!r} is also a dim of the query {q.name!r} {q.shape}; "
+                         "rename it (e.g. memory_length).")
+    if float32_logits:
+        q, k = cast(q, torch.float32), cast(k, torch.float32)
+    logits = einsum([q, k], output_shape=(q.shape - [key]) + [k.shape.get_dim_by_name(memory)])
+    if scale != 1.0:
+        logits = logits * scale
+    if causal:
+        mem_pos = mtf_range(q.mesh, k.shape.get_dim_by_name(memory), dtype=torch.int32)
+        later = greater(mem_pos, mtf_range(q.mesh, q.shape.get_dim_by_name(length), dtype=torch.int32))
+        logits = logits + cast(later, logits.dtype) * -1e9
+    if bias is not None:
+        logits = logits + cast(bias, logits.dtype)
+    log_z = reduce_logsumexp(logits, memory) if return_log_z else None
+    weights = cast(softmax(logits, memory, extra_logit=extra_logit), v.dtype)
+    if dropout_rate:
+        weights = dropout(weights, True, keep_prob=1.0 - dropout_rate,
+                          noise_shape=weights.shape - [_name(d) for d in (dropout_broadcast_dims or [])])
+    o = einsum([weights, v], output_shape=out_shape, name=name)
+    return (o, log_z) if return_log_z else o
+
+
+def _fusable(q, k, v, bias, length, memory, key, value, float32_logits) -> bool:
+    """Whether :func:`attention` can run as the fused op: same dtypes (float32 when float32 logits are asked),
+    a query length dim, equal batch-like dims of q, k, v, and a bias over those dims and the two lengths."""
+    if length is None or length not in q.shape or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if float32_logits and q.dtype != torch.float32:
+        return False
+    batch = {d.name for d in q.shape} - {length, key}
+    if {d.name for d in k.shape} - {memory, key} != batch or {d.name for d in v.shape} - {memory, value} != batch:
+        return False
+    bias_memory = memory if memory != length else f"memory_{length}"  # the fused op's name for it
+    return bias is None or {d.name for d in bias.shape} <= batch | {length, bias_memory}
+
+
 def multihead_attention_layer(x: Tensor, heads_dim, kv_dim, length_dim, memory: Tensor | None = None,
                         memory_length_dim=None, causal: bool = False, bias: Tensor | None = None,
                         scale: float | None = None, name: str | None = None) -> Tensor:
@@ -291,8 +408,8 @@ def multihead_attention_layer(x: Tensor, heads_dim, kv_dim, length_dim, memory: 
     mshape = (mem.shape - [d_model.name]) + [heads, d_kv]
     k = einsum([mem, wk], output_shape=mshape, name=f"{name}/k_proj")
     v = einsum([mem, wv], output_shape=mshape, name=f"{name}/v_proj")
-    o = scaled_dot_product_attention(q, k, v, length_dim, d_kv, memory_length_dim=memory_length_dim, causal=causal,
-                              bias=bias, scale=scale, name=f"{name}/sdpa")
+    o = attention(q, k, v, memory_length_dim if memory_length_dim is not None else length_dim, d_kv,
+                  length_dim=length_dim, causal=causal, bias=bias, scale=scale, name=f"{name}/sdpa")
     return einsum([o, wo], output_shape=x.shape, name=f"{name}/o_proj")
 
 
@@ -333,8 +450,7 @@ def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, key_dim
     grouped = Shape(q.shape.dims[:i] + [g, Dimension("kv_group", h.size // g.size)] + q.shape.dims[i + 1:])
     vd = v.shape.get_dim_by_name(value)
     v_shape = Shape([vd if d.name == key else d for d in grouped])
-    o = scaled_dot_product_attention(reshape(q, grouped, name=f"{name}/q_group"),
-                                     broadcast(k, grouped, name=f"{name}/k_repeat"),
-                                     broadcast(v, v_shape, name=f"{name}/v_repeat"), length_dim, key,
-                                     value_dim=value, causal=causal, scale=scale, name=f"{name}/sdpa")
+    o = attention(reshape(q, grouped, name=f"{name}/q_group"), broadcast(k, grouped, name=f"{name}/k_repeat"),
+                  broadcast(v, v_shape, name=f"{name}/v_repeat"), length_dim, key, value_dim=value,
+                  length_dim=length_dim, causal=causal, scale=scale, name=f"{name}/sdpa")
     return reshape(o, Shape([vd if d.name == key else d for d in q.shape]), name=f"{name}/heads")

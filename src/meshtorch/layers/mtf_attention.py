@@ -4,8 +4,9 @@
 ``multihead_attention_vars``, ``rename_length_to_memory_length``, ``multihead_self_attention_incremental``
 and ``multihead_encdec_attention_incremental`` (mesh_tensorflow/layers.py), built from einsum, softmax
 and dropout. As in Mesh TF no ``1/sqrt(d_kv)`` scale is applied (the initialisers of
-``multihead_attention_params`` account for it); for meshtorch's fused, scaled attention op see
-:func:`meshtorch.layers.attention.scaled_dot_product_attention`.
+``multihead_attention_params`` account for it). The attention itself is meshtorch's one implementation,
+:func:`meshtorch.layers.attention.attention` (called with ``scale=1``); this module keeps Mesh TF's
+signatures, variable names and initialisers.
 
 Variable names: ``{name}/q``, ``/k``, ``/v``, ``/o`` (or ``{name}/qkvo`` when combined), where ``name``
 is made unique in the graph (Mesh TF's ``tf.variable_scope(name)``).
@@ -18,6 +19,7 @@ import torch
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
+from meshtorch.layers.attention import attention
 from meshtorch.ops import rng
 from meshtorch.ops.binary import greater, multiply
 from meshtorch.ops.einsum import einsum
@@ -25,8 +27,6 @@ from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import Initializer, random_normal_initializer
 from meshtorch.ops.precision import VariableDType
-from meshtorch.ops.random import dropout as mtf_dropout
-from meshtorch.ops.reduce import softmax
 from meshtorch.ops.reshape import rename_dimension
 from meshtorch.ops.sequence import mtf_range
 from meshtorch.ops.shape import unstack
@@ -41,6 +41,9 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask, is_training, dr
                           dropout_broadcast_dims=None, extra_logit=None) -> Tensor:
     """``dropout(softmax(q k^T + mask)) v`` over the last two dims (Mesh TF ``layers.dot_product_attention``).
 
+    A Mesh-TF-signature wrapper of :func:`meshtorch.layers.attention.attention` (scale 1): the fused op
+    where it applies, else the einsum/softmax composite.
+
     Args:
         q: ``[..., length_q, depth_k]``; k: ``[..., length_kv, depth_k]``; v: ``[..., length_kv, depth_v]``
             (the leading dims match q's). No scale is applied.
@@ -53,15 +56,9 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask, is_training, dr
     Returns:
         Tensor ``[..., length_q, depth_v]``.
     """
-    length_kv = k.shape.dims[-2]
-    logits = einsum([q, k], output_shape=Shape(q.shape.dims[:-1] + [length_kv]))
-    if mask is not None:
-        logits = logits + mask
-    weights = softmax(logits, length_kv, extra_logit=extra_logit)
-    if is_training and dropout:
-        weights = mtf_dropout(weights, is_training, rate=dropout,
-                              noise_shape=weights.shape - [d.name for d in (dropout_broadcast_dims or [])])
-    return einsum([weights, v], output_shape=Shape(q.shape.dims[:-1] + [v.shape.dims[-1]]))
+    return attention(q, k, v, k.shape.dims[-2], q.shape.dims[-1], v.shape.dims[-1], bias=mask, scale=1.0,
+                     dropout_rate=dropout if is_training else 0.0, dropout_broadcast_dims=dropout_broadcast_dims,
+                     extra_logit=extra_logit, output_shape=Shape(q.shape.dims[:-1] + [v.shape.dims[-1]]))
 
 
 class _StackedNormal(Initializer):

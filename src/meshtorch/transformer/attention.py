@@ -8,12 +8,18 @@ With ``combine_dims=True`` (the default) the projection variables hold one combi
 ``heads`` of size ``heads x d_kv``: ``q``, ``k``, ``v`` are ``[d_model, heads(h*d_kv)]`` and ``o`` is
 ``[heads(h*d_kv), d_model]``; activations are reshaped to ``[heads(h), d_kv]`` after the projection
 (a free reshape when ``heads`` is split: both split the same leading index).
+
+The attention arithmetic is meshtorch's one implementation, :func:`meshtorch.layers.attention.attention`
+(shared with the CLI's LM, the Hugging Face models and ``mtf.layers``); this module keeps Mesh TF's
+signatures, the ``AttentionParams`` variable names, shapes and initialisers, and the z-loss bookkeeping.
+Why this direction (the port wraps the native layer, not the reverse): ``layers`` sits below both
+``models`` and ``transformer`` in the package layers, the CLI's checkpoints name the native variables,
+and Mesh TF's names live in variable scopes that only the port opens.
 """
 
 from __future__ import annotations
 
-import torch
-
+from meshtorch.layers import attention as layers_attention
 from meshtorch.transformer import _mtf as mtf
 
 __all__ = ["attention", "AttentionParams", "attention_params_simple", "visibility_mask_to_attention_bias"]
@@ -30,7 +36,7 @@ def attention(q, k, v, memory_length_dim, key_dim, value_dim, bias=None, dropout
         bias: optional Tensor added to the logits (e.g. ``-1e9`` masks).
         dropout_rate: dropout on the attention weights (only when ``context.train``).
         dropout_broadcast_dims: dims along which the dropout noise is shared.
-        extra_logit: not supported (raises if given).
+        extra_logit: an extra logit in the softmax's normaliser (as :func:`meshtorch.softmax`).
         context: a transformer Context (for ``train`` and the z-loss list).
         float32_logits: compute the logits in float32.
         z_loss_coeff: if set, in training append ``coeff * mean(logsumexp(logits)^2 * nonpadding)``
@@ -39,35 +45,29 @@ def attention(q, k, v, memory_length_dim, key_dim, value_dim, bias=None, dropout
     Returns:
         Tensor ``q.shape - key_dim + value_dim``.
 
-    Raises:
-        NotImplementedError: for ``extra_logit`` (Mesh TF's softmax with an extra logit).
+    A Mesh-TF-signature wrapper of :func:`meshtorch.layers.attention.attention` (scale 1; the fused op where
+    no dropout, z-loss or extra logit asks for the einsum/softmax composite).
     """
-    if extra_logit is not None:
-        raise NotImplementedError("attention: extra_logit is not supported by meshtorch's softmax.")
-    if float32_logits:
-        k = mtf.cast(k, torch.float32)
-        q = mtf.cast(q, torch.float32)
-    logits = mtf.einsum([q, k], reduced_dims=[key_dim])
-    if bias is not None:
-        logits += mtf.cast(bias, logits.dtype)
-    if z_loss_coeff is not None and context is not None and context.train:
-        log_z = mtf.reduce_logsumexp(logits, memory_length_dim)
-        nonpadding = context.nonpadding
-        z_loss = mtf.square(log_z)
-        if isinstance(nonpadding, mtf.Tensor):
-            z_loss = z_loss * mtf.cast(nonpadding, log_z.dtype)
-        z_loss = mtf.reduce_mean(z_loss)
-        if context.num_microbatches and context.num_microbatches > 1:
-            z_loss /= context.num_microbatches
-        z_loss *= z_loss_coeff
-        context.losses.append(mtf.cast(z_loss, v.dtype))
-    weights = mtf.softmax(logits, memory_length_dim)
-    weights = mtf.cast(weights, v.dtype)
-    if dropout_rate and context is not None and context.train:
-        weights = mtf.dropout(weights, True, keep_prob=1.0 - dropout_rate,
-                              noise_shape=weights.shape - (dropout_broadcast_dims or []))
-    outputs_shape = q.shape - key_dim + value_dim
-    return mtf.einsum([weights, v], output_shape=outputs_shape)
+    train = context is not None and context.train
+    z_loss = z_loss_coeff is not None and train
+    out = layers_attention.attention(q, k, v, memory_length_dim, key_dim, value_dim, bias=bias, scale=1.0,
+                                     dropout_rate=dropout_rate if train else 0.0,
+                                     dropout_broadcast_dims=dropout_broadcast_dims, extra_logit=extra_logit,
+                                     float32_logits=float32_logits, return_log_z=z_loss,
+                                     output_shape=q.shape - key_dim + value_dim)
+    if not z_loss:
+        return out
+    out, log_z = out
+    nonpadding = context.nonpadding
+    loss = mtf.square(log_z)
+    if isinstance(nonpadding, mtf.Tensor):
+        loss = loss * mtf.cast(nonpadding, log_z.dtype)
+    loss = mtf.reduce_mean(loss)
+    if context.num_microbatches and context.num_microbatches > 1:
+        loss /= context.num_microbatches
+    loss *= z_loss_coeff
+    context.losses.append(mtf.cast(loss, v.dtype))
+    return out
 
 
 def _combined_dim(dims):
