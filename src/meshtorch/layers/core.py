@@ -5,6 +5,7 @@ from __future__ import annotations
 from meshtorch.core.dims import Dimension, Shape, convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
+from meshtorch.core.scopes import variable_scope
 from meshtorch.ops import binary, reduce
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast, negative, square
@@ -48,31 +49,54 @@ def dense(x: Tensor, new_dims, reduced_dims=None, expert_dims=None, use_bias=Tru
     Returns:
         Tensor ``[x's other dims..., new_dims]``.
     """
+    name = x.graph.unique_name(name or "dense")
+    dtype = _variable_dtype(x, master_dtype, slice_dtype, variable_dtype)
+    return _dense(x, new_dims, reduced_dims, expert_dims, use_bias, activation, dtype, kernel_initializer,
+                  kernel_weights, f"{name}/", name)
+
+
+def scoped_dense(x: Tensor, new_dims, reduced_dims=None, expert_dims=None, use_bias=True, activation=None,
+                 variable_dtype=None, kernel_initializer=None, name=None) -> Tensor:
+    """:func:`dense` named as Mesh TF names it: ``kernel`` and ``bias`` inside
+    ``variable_scope(name, default_name="dense")`` (Mesh TF ``mtf.layers.dense``'s own ``tf.variable_scope``).
+
+    A second call with the same name in the same variable scope reuses the variables (decoding loops,
+    shared layers), where :func:`dense` makes the name unique in the graph. ``mtf.transformer`` builds its
+    layers with it; the arithmetic, the initialiser and the errors are :func:`dense`'s.
+    """
+    with variable_scope(name, default_name="dense"):
+        dtype = variable_dtype if variable_dtype is not None else x.dtype
+        return _dense(x, new_dims, reduced_dims, expert_dims, use_bias, activation, dtype, kernel_initializer,
+                      None, "", None)
+
+
+def _dense(x, new_dims, reduced_dims, expert_dims, use_bias, activation, dtype, kernel_initializer, kernel_weights,
+           prefix: str, name):
+    """The one dense layer: variables ``{prefix}kernel`` / ``{prefix}bias`` (scoped by ``get_variable``), ops
+    named under ``name`` (None: default op names)."""
     new_dims = _dims(new_dims)
     expert_dims = _dims(expert_dims) or []
     reduced_dims = list(_dims(reduced_dims)) if reduced_dims is not None else [x.shape[-1]]
     for d in reduced_dims:
         if d not in x.shape.dims:
-            raise ShapeError(f"dense {name!r}: reduced dim {d} is not in input {x.name!r} {x.shape}.")
+            raise ShapeError(f"dense {name or prefix!r}: reduced dim {d} is not in input {x.name!r} {x.shape}.")
     for i, d in enumerate(reduced_dims):
         if d in new_dims:  # Mesh TF: contract a renamed copy
             reduced_dims[i] = Dimension("_" + d.name, d.size)
             x = rename_dimension(x, d.name, "_" + d.name)
     for d in new_dims:
         if d.name in x.shape:
-            raise ShapeError(f"dense {name!r}: new dim {d.name!r} is already a dim of {x.name!r} {x.shape}; "
-                             "choose another name.")
-    name = x.graph.unique_name(name or "dense")
-    dtype = _variable_dtype(x, master_dtype, slice_dtype, variable_dtype)
+            raise ShapeError(f"dense {name or prefix!r}: new dim {d.name!r} is already a dim of {x.name!r} "
+                             f"{x.shape}; choose another name.")
     w = kernel_weights
     if w is None:
-        w = get_dense_kernel_weights(x, new_dims, reduced_dims, expert_dims, kernel_initializer, name, dtype)
+        w = _kernel(x, new_dims, reduced_dims, expert_dims, kernel_initializer, f"{prefix}kernel", dtype)
     out_shape = (x.shape - [d.name for d in reduced_dims]) + [d for d in new_dims if d.name not in x.shape]
-    y = einsum([x, w], output_shape=out_shape, name=f"{name}/einsum")
+    y = einsum([x, w], output_shape=out_shape, name=name and f"{name}/einsum")
     if use_bias:
-        b = get_variable(x.mesh, f"{name}/bias", Shape(expert_dims + new_dims), initializer=zeros_initializer(),
+        b = get_variable(x.mesh, f"{prefix}bias", Shape(expert_dims + new_dims), initializer=zeros_initializer(),
                          dtype=dtype)
-        y = binary.add(y, b, name=f"{name}/add_bias")
+        y = binary.add(y, b, name=name and f"{name}/add_bias")
     if activation is not None:
         y = activation(y)
     return y
@@ -92,13 +116,16 @@ def get_dense_kernel_weights(x: Tensor, new_dims, reduced_dims, expert_dims, ker
     in x's dtype (Mesh TF ``layers.get_dense_kernel_weights``; ``name`` is used as given)."""
     new_dims, reduced_dims, expert_dims = _dims(new_dims), _dims(reduced_dims), _dims(expert_dims) or []
     dtype = _variable_dtype(x, master_dtype, slice_dtype, variable_dtype)
+    return _kernel(x, new_dims, reduced_dims, expert_dims, kernel_initializer, f"{name or 'dense'}/kernel", dtype)
+
+
+def _kernel(x, new_dims, reduced_dims, expert_dims, kernel_initializer, var_name: str, dtype) -> Tensor:
     init = kernel_initializer
     if init is None:
         init = VarianceScalingInitializer(reduced_dims=reduced_dims, new_dims=new_dims)
     elif callable(init) and not isinstance(init, Initializer):  # a DenseInitializer
         init = init(reduced_dims, new_dims)
-    w = get_variable(x.mesh, f"{name or 'dense'}/kernel", Shape(expert_dims + reduced_dims + new_dims),
-                     initializer=init, dtype=dtype)
+    w = get_variable(x.mesh, var_name, Shape(expert_dims + reduced_dims + new_dims), initializer=init, dtype=dtype)
     return w if w.dtype == x.dtype else cast(w, x.dtype)
 
 

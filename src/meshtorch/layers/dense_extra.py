@@ -9,15 +9,15 @@ import math
 
 from meshtorch.core.dims import convert_to_dimension
 from meshtorch.core.graph import Tensor
-from meshtorch.layers.core import dense
+from meshtorch.layers.core import dense, scoped_dense
 from meshtorch.ops import activations, binary
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.initializers import RandomUniform, TruncatedNormal
 from meshtorch.ops.sequence import shift
 
-__all__ = ["DenseInitializer", "VarianceScalingInitializer", "dense_product", "unit_scaling_convention", "us_einsum",
-           "separable_conv1d"]
+__all__ = ["DenseInitializer", "VarianceScalingInitializer", "dense_product", "scoped_dense_product",
+           "unit_scaling_convention", "us_einsum", "separable_conv1d"]
 
 
 class DenseInitializer:
@@ -77,16 +77,37 @@ def dense_product(x: Tensor, reduced_dims, new_dims, activation_functions=None, 
     with ``["sigmoid", "linear"]``). Activations: functions, mtf function names, "linear" or None.
 
     Variables: ``{name}_{i}/kernel`` (``{name}/kernel`` for one factor); ``kwargs`` go to :func:`dense`.
+
+    Raises:
+        ValueError: for an activation name that is not an mtf function.
     """
+    return _product(dense, x, reduced_dims, new_dims, activation_functions, name, kwargs)
+
+
+def scoped_dense_product(x: Tensor, reduced_dims, new_dims, activation_functions=None, name="dense_product",
+                         **kwargs) -> Tensor:
+    """:func:`dense_product` built from :func:`~meshtorch.layers.core.scoped_dense` (Mesh TF's variable scopes:
+    ``{name}_{i}/kernel`` under the current scope, reused by a second call); what ``mtf.transformer`` calls."""
+    return _product(scoped_dense, x, reduced_dims, new_dims, activation_functions, name, kwargs)
+
+
+def _activation(act):
+    """A function (or None for ``"linear"`` / None) from an activation given as a function or an mtf name."""
+    if act is None or act == "linear":
+        return None
+    if not isinstance(act, str):
+        return act
+    fn = getattr(activations, act, None) or getattr(ew, act, None)
+    if fn is None:
+        raise ValueError(f"dense_product: activation {act!r} is not an mtf function (e.g. relu, gelu, sigmoid, "
+                         "tanh, swish, or pass a function).")
+    return fn
+
+
+def _product(dense_fn, x, reduced_dims, new_dims, activation_functions, name, kwargs) -> Tensor:
     acts = activation_functions if isinstance(activation_functions, list) else [activation_functions]
-    factors = []
-    for i, act in enumerate(acts):
-        if act == "linear":
-            act = None
-        elif isinstance(act, str):
-            act = getattr(activations, act, None) or getattr(ew, act)
-        factors.append(dense(x, reduced_dims=reduced_dims, new_dims=new_dims, activation=act,
-                             name=f"{name}_{i}" if len(acts) > 1 else name, **kwargs))
+    factors = [dense_fn(x, reduced_dims=reduced_dims, new_dims=new_dims, activation=_activation(act),
+                        name=f"{name}_{i}" if len(acts) > 1 else name, **kwargs) for i, act in enumerate(acts)]
     return functools.reduce(binary.multiply, factors)
 
 
