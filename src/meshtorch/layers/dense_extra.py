@@ -81,14 +81,15 @@ def dense_product(x: Tensor, reduced_dims, new_dims, activation_functions=None, 
     Raises:
         ValueError: for an activation name that is not an mtf function.
     """
-    return _product(dense, x, reduced_dims, new_dims, activation_functions, name, kwargs)
+    return dense_factors(dense, x, reduced_dims, new_dims, product_factors(activation_functions, name), kwargs)
 
 
 def scoped_dense_product(x: Tensor, reduced_dims, new_dims, activation_functions=None, name="dense_product",
                          **kwargs) -> Tensor:
     """:func:`dense_product` built from :func:`~meshtorch.layers.core.scoped_dense` (Mesh TF's variable scopes:
     ``{name}_{i}/kernel`` under the current scope, reused by a second call); what ``mtf.transformer`` calls."""
-    return _product(scoped_dense, x, reduced_dims, new_dims, activation_functions, name, kwargs)
+    factors = product_factors(activation_functions, name)
+    return dense_factors(scoped_dense, x, reduced_dims, new_dims, factors, kwargs)
 
 
 def _activation(act):
@@ -98,17 +99,25 @@ def _activation(act):
     if not isinstance(act, str):
         return act
     fn = getattr(activations, act, None) or getattr(ew, act, None)
-    if fn is None:
+    if not callable(fn):
         raise ValueError(f"dense_product: activation {act!r} is not an mtf function (e.g. relu, gelu, sigmoid, "
                          "tanh, swish, or pass a function).")
     return fn
 
 
-def _product(dense_fn, x, reduced_dims, new_dims, activation_functions, name, kwargs) -> Tensor:
+def product_factors(activation_functions, name: str) -> list:
+    """``dense_product``'s ``(name, activation)`` per factor: ``{name}_{i}``, or ``name`` for one."""
     acts = activation_functions if isinstance(activation_functions, list) else [activation_functions]
-    factors = [dense_fn(x, reduced_dims=reduced_dims, new_dims=new_dims, activation=_activation(act),
-                        name=f"{name}_{i}" if len(acts) > 1 else name, **kwargs) for i, act in enumerate(acts)]
-    return functools.reduce(binary.multiply, factors)
+    return [(f"{name}_{i}" if len(acts) > 1 else name, act) for i, act in enumerate(acts)]
+
+
+def dense_factors(dense_fn, x: Tensor, reduced_dims, new_dims, factors, kwargs) -> Tensor:
+    """``prod_i dense_fn(x, name=name_i, activation=act_i)`` over ``factors`` ``[(name_i, act_i)]`` (an activation
+    as :func:`dense_product` takes it), multiplied left to right: the input half of every feed-forward layer
+    (a GLU with two factors). ``dense_fn`` is :func:`dense` or ``scoped_dense``; ``kwargs`` go to it."""
+    out = [dense_fn(x, reduced_dims=reduced_dims, new_dims=new_dims, activation=_activation(act), name=n, **kwargs)
+           for n, act in factors]
+    return functools.reduce(binary.multiply, out)
 
 
 def separable_conv1d(x: Tensor, output_dim, min_relative_pos=-1, max_relative_pos=1,

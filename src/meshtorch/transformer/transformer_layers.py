@@ -18,10 +18,12 @@ import math
 
 import torch
 
+from meshtorch.layers.dense_extra import product_factors
+from meshtorch.layers.feedforward import feed_forward
 from meshtorch.transformer import _mtf as mtf
 from meshtorch.transformer import attention
 from meshtorch.transformer._context import TransformerLayer
-from meshtorch.transformer._dense import dense, dense_product
+from meshtorch.transformer._dense import dense
 
 __all__ = ["DenseReluDense", "attention_params", "SelfAttention", "EncDecAttention", "enc_dec_attention",
            "enc_dec_attention_bias"]
@@ -29,6 +31,9 @@ __all__ = ["DenseReluDense", "attention_params", "SelfAttention", "EncDecAttenti
 
 class DenseReluDense(TransformerLayer):
     """Two dense layers with an activation between (Mesh TF ``transformer_layers.DenseReluDense``).
+
+    A Mesh-TF-named wrapper of :func:`meshtorch.layers.feedforward.feed_forward` (the CLI LM's feed-forward)
+    built from ``scoped_dense``: the variables are Mesh TF's (below).
 
     Args:
         hidden_size: size of ``d_ff``.
@@ -46,16 +51,11 @@ class DenseReluDense(TransformerLayer):
 
     def call(self, context, x, losses=None):
         """``[batch..., length, d_model]`` -> same shape."""
-        io_channels = x.shape.dims[-1]
-        hidden_channels = mtf.Dimension("d_ff", self.hidden_size)
-        h = dense_product(x, reduced_dims=x.shape.dims[-1:], new_dims=hidden_channels,
-                          activation_functions=self.activation, use_bias=self.use_bias,
-                          variable_dtype=context.variable_dtype, name="wi", expert_dims=context.model.ensemble_dims)
-        if context.train and self.dropout_rate != 0.0:
-            h = mtf.dropout(h, context.train, keep_prob=1.0 - self.dropout_rate,
-                            noise_shape=h.shape - context.length_dim)
-        return dense(h, io_channels, use_bias=self.use_bias, activation=None, variable_dtype=context.variable_dtype,
-                     reduced_dims=h.shape.dims[-1:], name="wo", expert_dims=context.model.ensemble_dims)
+        factors = product_factors(self.activation, "wi")  # dense_product's names: wi, or wi_0, wi_1, ...
+        return feed_forward(x, mtf.Dimension("d_ff", self.hidden_size), factors, "wo", dense_fn=dense,
+                            use_bias=self.use_bias, dropout_rate=self.dropout_rate if context.train else 0.0,
+                            dropout_broadcast_dims=[context.length_dim], reduced_dims=x.shape.dims[-1:],
+                            variable_dtype=context.variable_dtype, expert_dims=context.model.ensemble_dims)
 
 
 def attention_params(context, kv_dim, num_heads, num_memory_heads=0, shared_kv=False, no_query=False,
