@@ -18,10 +18,10 @@ from meshtorch.layers.conv import (
     conv3d_transpose_with_blocks,
     conv3d_with_blocks,
 )
-from meshtorch.layers.core import dense, get_dense_kernel_weights, softmax_cross_entropy_with_logits
+from meshtorch.layers.core import dense, get_dense_kernel_weights, scoped_dense, softmax_cross_entropy_with_logits
 from meshtorch.layers.dense_extra import *  # noqa: F403
-from meshtorch.layers.embedding import embedding, embedding_weights
-from meshtorch.layers.feedforward import dense_act_dense, dense_relu_dense
+from meshtorch.layers.embedding import embedding, embedding_logits, embedding_lookup, embedding_weights
+from meshtorch.layers.feedforward import dense_act_dense, dense_relu_dense, feed_forward
 from meshtorch.layers.local_attention import *  # noqa: F403
 from meshtorch.layers.masks import (
     attention_mask_autoregressive,
@@ -41,6 +41,7 @@ __all__ = ["dense", "get_dense_kernel_weights", "softmax_cross_entropy_with_logi
            "dense_relu_dense", "moe_ffn", "moe_apply", "expert_capacity", "top_k_gating", "conv1d", "conv2d", "conv3d",
            "conv2d_with_blocks", "conv3d_with_blocks", "conv2d_transpose", "conv3d_transpose",
            "conv2d_transpose_with_blocks", "conv3d_transpose_with_blocks", "embedding", "embedding_weights",
+           "embedding_lookup", "embedding_logits", "feed_forward", "scoped_dense",
            "attention_mask_autoregressive", "attention_mask_ignore_padding", "attention_mask_same_segment",
            "rename_length_to_memory_length", "weights_nonzero"]
 __all__ += dense_extra.__all__ + local_attention.__all__ + misc.__all__ + mtf_attention.__all__

@@ -3,17 +3,22 @@
 The lookup is ``mtf.gather`` on the ``vocab`` dim: with ``vocab`` split over a mesh axis each
 processor gathers the rows it holds (zeros elsewhere) and the result is a lazy all-reduce over that
 axis; with ``d_model`` split it is local.
+
+:func:`embedding_lookup` and :func:`embedding_logits` are the one lookup and the one tied
+(embedding-and-softmax) projection: the CLI's LM, the Hugging Face models and
+``mtf.transformer.VocabEmbedding`` call them.
 """
 
 from __future__ import annotations
 
 from meshtorch.core.dims import Shape, convert_to_dimension
 from meshtorch.core.graph import Mesh, Tensor
+from meshtorch.ops.einsum import einsum
 from meshtorch.ops.indexing import gather
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.variables import get_variable
 
-__all__ = ["embedding_weights", "embedding"]
+__all__ = ["embedding_weights", "embedding", "embedding_lookup", "embedding_logits"]
 
 
 def embedding_weights(mesh: Mesh, vocab_dim, output_dim, variable_dtype, name: str = "embedding",
@@ -57,4 +62,31 @@ def embedding(indices: Tensor, vocab_dim, output_dim, variable_dtype, name: str 
     """
     vocab_dim = convert_to_dimension(vocab_dim)
     weights = embedding_weights(indices.mesh, vocab_dim, output_dim, variable_dtype, name)
-    return gather(weights, indices, vocab_dim)
+    return embedding_lookup(weights, indices, vocab_dim)
+
+
+def embedding_lookup(weights: Tensor, ids: Tensor, vocab_dim, name=None) -> Tensor:
+    """The rows ``ids`` of the table ``weights`` ``[..., vocab, d_model]``: ``gather`` on ``vocab_dim``.
+
+    Args:
+        weights: the table (any extra dims, e.g. an ensemble dim, are kept).
+        ids: integer Tensor ``[...]``; vocab_dim: the table's vocabulary Dimension (or its name).
+
+    Returns:
+        ``ids.shape + (weights.shape - vocab)``, the table's dtype. Out-of-range ids give zero rows
+        (:func:`meshtorch.gather`).
+    """
+    return gather(weights, ids, vocab_dim, name=name)
+
+
+def embedding_logits(hidden: Tensor, weights: Tensor, model_dim, output_shape=None, name=None) -> Tensor:
+    """Logits from hidden states with a ``[vocab, d_model]`` table: ``einsum`` contracting ``model_dim``
+    (tied embedding and softmax, Press & Wolf 2017; Mesh TF ``VocabEmbedding.hidden_to_logits`` after its
+    scaling; ``transformers``' tied ``lm_head``).
+
+    Returns:
+        ``hidden.shape - d_model + vocab`` (or ``output_shape``).
+    """
+    if output_shape is not None:
+        return einsum([hidden, weights], output_shape=output_shape, name=name)
+    return einsum([hidden, weights], reduced_dims=[convert_to_dimension(model_dim)], name=name)

@@ -179,7 +179,7 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
         return dropout(x, rate=c.dropout) if train and c.dropout > 0 else x
 
     def embed(ids, length, name):
-        x = gather(emb, ids, d["vocab"], name=f"{name}/embed")
+        x = layers.embedding_lookup(emb, ids, d["vocab"], name=f"{name}/embed")
         if not c.relative_attention:
             x = x + get_variable(mesh, f"{name}/pos_embedding", [length, d["d_model"]],
                                      initializer=random_normal_initializer(0.0, 0.02))

@@ -33,7 +33,7 @@ from meshtorch.models.transformer import training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
 from meshtorch.ops.einsum import einsum
-from meshtorch.ops.indexing import gather, one_hot
+from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.rotary import rotary
@@ -171,19 +171,21 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     if c.family == "gpt2":
         wte = v("wte")
         pos_ids = import_tensor(mesh, torch.arange(c.length), [d["length"]], name="position_ids", dtype=torch.int64)
-        x = gather(wte, inputs, d["vocab"]) + gather(v("wpe"), pos_ids, d["positions"])
+        x = layers.embedding_lookup(wte, inputs, d["vocab"]) + layers.embedding_lookup(v("wpe"), pos_ids,
+                                                                                      d["positions"])
         for i in range(c.num_layers):
             x = _gpt2_block(x, v, d, c, i)
         x = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name="ln_f")
         emb = wte
     else:
         emb = v("embed_tokens")
-        x = gather(emb, inputs, d["vocab"])
+        x = layers.embedding_lookup(emb, inputs, d["vocab"])
         for i in range(c.num_layers):
             x = _llama_block(x, v, d, c, i)
         x = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name="norm")
     head = emb if c.tied else v("lm_head")
-    logits = einsum([x, head], output_shape=[d["batch"], d["length"], d["vocab"]], name="lm_head_proj")
+    logits = layers.embedding_logits(x, head, d["d_model"], output_shape=[d["batch"], d["length"], d["vocab"]],
+                                     name="lm_head_proj")
     xent = layers.softmax_cross_entropy_with_logits(logits, one_hot(targets, d["vocab"], dtype=logits.dtype),
                                                     d["vocab"])
     loss = reduce_mean(xent, name="loss")

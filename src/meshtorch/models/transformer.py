@@ -25,7 +25,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
 from meshtorch.ops.einsum import EinsumOperation
-from meshtorch.ops.indexing import gather, one_hot
+from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal_initializer
 from meshtorch.ops.random import dropout
 from meshtorch.ops.reduce import reduce_mean
@@ -232,8 +232,9 @@ def _keeps_matmuls(op) -> bool:
 
 
 def _embed(ids, table, d):
-    """Embedding lookup: ``gather`` of the ``ids`` rows of ``table`` (Mesh TF: one_hot x einsum, same values)."""
-    return gather(table, ids, d["vocab"])
+    """Embedding lookup: the ``ids`` rows of ``table`` (:func:`meshtorch.layers.embedding_lookup`, a ``gather``;
+    Mesh TF: one_hot x einsum, same values)."""
+    return layers.embedding_lookup(table, ids, d["vocab"])
 
 
 def training_updates(graph: Graph, loss: Tensor, optimizer=None, clip_norm: float | None = None) -> list:

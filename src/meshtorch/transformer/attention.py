@@ -19,7 +19,7 @@ and Mesh TF's names live in variable scopes that only the port opens.
 
 from __future__ import annotations
 
-from meshtorch.layers import attention as layers_attention
+from meshtorch.layers import attention as layers_attention  # the module (its attention() is not re-exported)
 from meshtorch.transformer import _mtf as mtf
 
 __all__ = ["attention", "AttentionParams", "attention_params_simple", "visibility_mask_to_attention_bias"]

@@ -2,7 +2,9 @@
 
 Mesh TF's ``vocab_embeddings.py`` holds alternatives (factorized, adaptive, mixture-of-softmaxes)
 that are not ported; the default class lives here and is re-exported by
-:mod:`meshtorch.transformer.transformer` under its Mesh TF name.
+:mod:`meshtorch.transformer.transformer` under its Mesh TF name. The table, the lookup and the tied
+projection are meshtorch's (:mod:`meshtorch.layers.embedding`, shared with the CLI's LM and the
+Hugging Face models); this class keeps Mesh TF's names, initialisers and scalings.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class VocabEmbedding:
     def ids_to_embedding(self, ids, context):
         """Integer ids ``[...]`` -> ``[..., d_model]`` (a gather on ``vocab``)."""
         del context
-        ret = mtf.gather(self._embedding_weights, ids, self._vocab_dim)
+        ret = mtf.layers.embedding_lookup(self._embedding_weights, ids, self._vocab_dim)
         if self._scale_variable_like_classifier_weights:
             ret *= self._output_dim.size ** 0.5
         return ret
@@ -54,7 +56,7 @@ class VocabEmbedding:
         del context
         if not self._scale_variable_like_classifier_weights:
             hidden *= self._output_dim.size ** -0.5
-        return mtf.einsum([hidden, self._embedding_weights], reduced_dims=[self._output_dim])
+        return mtf.layers.embedding_logits(hidden, self._embedding_weights, self._output_dim)
 
 
 def get_vocab_embedding_cls(cls=VocabEmbedding):
