@@ -6,6 +6,9 @@ built from :func:`meshtorch.while_loop`, ``top_k``, ``gather`` and ``one_hot``, 
 layout. Differences: the TPU-only prefiltering path (``use_tpu`` with ``layout`` and ``mesh_shape``)
 is not taken (the exact top-k is used; Mesh TF calls the prefilter "theoretically lossy"), and
 ``greedy_decode`` does not ``mtf.Print`` the output length.
+
+:func:`decode_loop` (meshtorch's, not Mesh TF's) is the one in-graph autoregressive loop: ``greedy_decode``
+and ``mtf.transformer``'s ``sample_autoregressive`` are a choice rule and a stop rule passed to it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from meshtorch.ops.selection import sample_with_temperature, top_k
 from meshtorch.ops.shape import broadcast, concat, where
 from meshtorch.ops.variables import constant
 
-__all__ = ["EOS_ID", "INF", "compute_topk_scores_and_seq", "beam_search", "greedy_decode"]
+__all__ = ["EOS_ID", "INF", "compute_topk_scores_and_seq", "beam_search", "greedy_decode", "decode_loop"]
 
 EOS_ID = 1
 INF = 1.0 * 10000000.0
@@ -180,19 +183,46 @@ def greedy_decode(logits_fn, initial_ids: Tensor, temperature=0.0, initial_state
     mesh = initial_ids.mesh
     num_steps = constant(mesh, length_dim.size, dtype=torch.int32)
 
-    def cond_fn(step_num, prev_ids, *unused_states):
-        overflow = equal(step_num, num_steps)
-        has_eos = reduce_any(equal(prev_ids, eos_id), reduced_dim=length_dim)
-        return act.logical_not(logical_or(overflow, reduce_all(has_eos)))
+    def done_fn(step_num, ids):
+        return logical_or(equal(step_num, num_steps), reduce_any(equal(ids, eos_id), reduced_dim=length_dim))
 
-    def body_fn(step_num, ids, *states):
-        logits, new_states = logits_fn(step_num, ids, states)
+    def choose_fn(step_num, ids, logits):
         new_ids = ew.cast(sample_with_temperature(logits, logits.shape.dims[-1], temperature), ids.dtype)
         if forced_ids is not None:
             forced = gather(forced_ids, step_num, length_dim)
             new_ids = forced + new_ids * act.to_int32(equal(forced, 0))
-        ids = ids + new_ids * one_hot(step_num, length_dim, dtype=ids.dtype)
-        return [step_num + 1, ids] + list(new_states or [])
+        return new_ids
 
-    inputs = [constant(mesh, 0, dtype=torch.int32), initial_ids] + list(initial_states or [])
-    return while_loop(cond_fn, body_fn, inputs)[1]
+    return decode_loop(logits_fn, initial_ids, constant(mesh, 0, dtype=torch.int32), choose_fn, done_fn,
+                       initial_states)
+
+
+def decode_loop(logits_fn, ids: Tensor, position: Tensor, choose_fn, done_fn, states=None) -> Tensor:
+    """The autoregressive loop of meshtorch's in-graph decoders (:func:`greedy_decode` and
+    ``mtf.transformer``'s ``Unitransformer.sample_autoregressive``): one ``while_loop`` that, until every
+    sequence is done, computes the logits at ``position``, chooses a token and writes it there (a one-hot
+    add, so ``ids`` must hold zeros at the positions written), then advances ``position``.
+
+    Args:
+        logits_fn: ``logits_fn(position, ids, states) -> (logits [..., vocab], new_states)`` (``states``
+            a tuple of the loop's state Tensors, e.g. attention key/value caches).
+        ids: integer ``[batch..., length]``.
+        position: int32 ``[]`` or ``[batch...]``: the position written at the first step.
+        choose_fn: ``choose_fn(position, ids, logits) -> [batch...]`` token ids in ``ids``' dtype.
+        done_fn: ``done_fn(position, ids) -> bool [] or [batch...]``; the loop runs while not all are done.
+        states: initial state Tensors (None: none).
+
+    Returns:
+        the final ``ids``.
+    """
+    length_dim = ids.shape.dims[-1]
+
+    def cond_fn(position, ids, *unused_states):
+        return act.logical_not(reduce_all(done_fn(position, ids)))
+
+    def body_fn(position, ids, *states):
+        logits, new_states = logits_fn(position, ids, states)
+        ids = ids + choose_fn(position, ids, logits) * one_hot(position, length_dim, dtype=ids.dtype)
+        return [position + 1, ids] + list(new_states or [])
+
+    return while_loop(cond_fn, body_fn, [position, ids] + list(states or []))[1]

@@ -1,6 +1,7 @@
 """Autoregressive sampling for ``Unitransformer.sample_autoregressive`` (Mesh TF ``transformer.py``).
 
-Mesh TF's algorithm, with meshtorch's ``mtf.while_loop``: one ``"first_part"`` call over the
+Mesh TF's algorithm, on meshtorch's one in-graph decoding loop (:func:`meshtorch.beam_search.decode_loop`,
+which ``mtf.beam_search.greedy_decode`` runs too): one ``"first_part"`` call over the
 (shifted) partial sequences records each self-attention layer's keys and values as loop states and
 each encoder-decoder attention's keys and values as constant states; then each loop iteration runs
 the model in ``"incremental"`` mode on one position per sequence (the states are updated by a
@@ -12,6 +13,9 @@ Difference from Mesh TF: the Gumbel noise for temperature sampling is drawn once
 ``[batch..., length, vocab]`` position outside the loop and read at each step's position
 (meshtorch's random ops inside a loop body would repeat their values every iteration); the
 distribution is the same.
+
+The model's forward comes in as a function (``call``: the Unitransformer passes its own
+``_call_internal``), so this module never reaches into a model's private methods.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from meshtorch.transformer._context import Context
 from meshtorch.transformer._sequences import autoregressive_inputs
 
 
-def sample_autoregressive(model, partial_sequences, stop_at_token=1, max_steps=None, temperature=0.0,
+def sample_autoregressive(model, call, partial_sequences, stop_at_token=1, max_steps=None, temperature=0.0,
                           variable_dtype=None, encoder_output=None, encoder_sequence_id=None, encoder_inputs=None,
                           shared_params=None, has_partial_sequences=True, encoder_layer_outputs=None,
                           never_end=False, remove_partial_sequences=False, sampling_keep_top_k=-1, bos_id=0):
-    """See :meth:`meshtorch.transformer.transformer.Unitransformer.sample_autoregressive`."""
+    """See :meth:`meshtorch.transformer.transformer.Unitransformer.sample_autoregressive`; ``call(context, inputs)``
+    is the model's forward (the Unitransformer passes its ``_call_internal``)."""
     if not model.autoregressive:
         raise ValueError("must be autoregressive")
     if remove_partial_sequences and has_partial_sequences:
@@ -61,7 +66,7 @@ def sample_autoregressive(model, partial_sequences, stop_at_token=1, max_steps=N
     first = context("first_part", position=length_range, position_is_default=True, initial_position=initial_position,
                     constant_states=[], read_priority=read_priority, inputs=inputs)
     with mtf.variable_scope(model.name):
-        model._call_internal(first, autoregressive_inputs(inputs))
+        call(first, autoregressive_inputs(inputs))
     constant_states = first.constant_states
     if not has_partial_sequences:
         initial_states = [mtf.zeros_like(t) for t in first.new_states]
@@ -76,7 +81,7 @@ def sample_autoregressive(model, partial_sequences, stop_at_token=1, max_steps=N
                                dtype=torch.float32)
         gumbel = mtf.negative(mtf.log(mtf.negative(mtf.log(u))))
 
-    def cond_fn(position, ids, *unused_states):
+    def done_fn(position, ids):
         is_done = mtf.greater_equal(position, length_dim.size)
         if max_steps:
             is_done = mtf.logical_or(is_done, mtf.greater_equal(position - initial_position, max_steps))
@@ -84,36 +89,37 @@ def sample_autoregressive(model, partial_sequences, stop_at_token=1, max_steps=N
             eos_count = mtf.reduce_sum(mtf.to_int32(mtf.equal(ids, stop_at_token)), reduced_dim=length_dim)
             extra = mtf.greater(eos_count, eos_before) if eos_before is not None else mtf.greater(eos_count, 0)
             is_done = mtf.logical_or(is_done, extra)
-        return mtf.logical_not(mtf.reduce_all(is_done))
+        return is_done
 
-    def body_fn(position, ids, *states):
+    def logits_fn(position, ids, states):
         inputs_this_step = mtf.gather(ids, position - 1, length_dim)
         if bos_id:
             inputs_this_step += mtf.cast(mtf.equal(position, 0), ids_dtype) * bos_id
         inc = context("incremental", position=position, states=states, constant_states=constant_states,
                       read_priority=position, inputs=inputs_this_step)
         with mtf.variable_scope(model.name, reuse=True):
-            logits = model._call_internal(inc, inputs_this_step)
+            logits = call(inc, inputs_this_step)
             if never_end:
                 logits += mtf.one_hot(mtf.constant(mesh, stop_at_token, [], torch.int32), vocab_dim,
                                       on_value=-1e9, off_value=0.0, dtype=logits.dtype)
+        return logits, inc.new_states
+
+    def choose_fn(position, ids, logits):
         if sampling_keep_top_k != -1:
             k_largest = mtf.nth_largest_element(logits, sampling_keep_top_k, vocab_dim)
             logits = mtf.where(mtf.less_equal(logits, k_largest), mtf.ones_like(logits) * -1e6, logits)
         if gumbel is not None:
             here = mtf.one_hot(position, length_dim, dtype=gumbel.dtype)
             logits = logits + mtf.reduce_sum(gumbel * here, reduced_dim=length_dim) * float(temperature)
-        ids_this_step = mtf.cast(mtf.argmax(logits, vocab_dim), ids_dtype)
-        new_ids = ids + ids_this_step * mtf.one_hot(position, length_dim, dtype=ids_dtype)
-        return [position + 1, new_ids] + inc.new_states
+        return mtf.cast(mtf.argmax(logits, vocab_dim), ids_dtype)
 
-    outputs = mtf.while_loop(cond_fn, body_fn, [initial_position, inputs] + initial_states)
-    return outputs[1]
+    return beam_search_lib.decode_loop(logits_fn, inputs, initial_position, choose_fn, done_fn, initial_states)
 
 
-def beam_search(model, inputs, decode_length, variable_dtype=None, encoder_output=None, encoder_sequence_id=None,
+def beam_search(model, call, inputs, decode_length, variable_dtype=None, encoder_output=None, encoder_sequence_id=None,
                 encoder_inputs=None, alpha=0.6, shared_params=None, encoder_layer_outputs=None, bos_id=0):
-    """See :meth:`meshtorch.transformer.transformer.Unitransformer.beam_search`."""
+    """See :meth:`meshtorch.transformer.transformer.Unitransformer.beam_search`; ``call`` as in
+    :func:`sample_autoregressive`."""
     if not model.autoregressive:
         raise ValueError("must be autoregressive")
     batch_dims = list(inputs.shape.dims[:-2])
@@ -138,7 +144,7 @@ def beam_search(model, inputs, decode_length, variable_dtype=None, encoder_outpu
     first = context("first_part", position=length_range, position_is_default=True, initial_position=initial_position,
                     constant_states=[], read_priority=length_range, inputs=inputs)
     with mtf.variable_scope(model.name):
-        model._call_internal(first, autoregressive_inputs(inputs))
+        call(first, autoregressive_inputs(inputs))
     initial_states = [mtf.zeros_like(t) for t in first.new_states]  # no partial targets
     constant_states = first.constant_states
 
@@ -149,7 +155,7 @@ def beam_search(model, inputs, decode_length, variable_dtype=None, encoder_outpu
         inc = context("incremental", position=step_num, states=states, constant_states=constant_states,
                       read_priority=step_num, inputs=inputs_this_step)
         with mtf.variable_scope(model.name, reuse=True):
-            logits = model._call_internal(inc, inputs_this_step)
+            logits = call(inc, inputs_this_step)
         return mtf.cast(logits, torch.float32), inc.new_states
 
     beams, _ = beam_search_lib.beam_search(logits_fn, inputs, alpha, states=initial_states,

@@ -281,7 +281,8 @@ class Unitransformer:
             NotImplementedError: ``remove_partial_sequences`` with partial sequences (needs ``dynamic_shift``).
         """
         return _sample_autoregressive(
-            self, partial_sequences, stop_at_token=stop_at_token, max_steps=max_steps, temperature=temperature,
+            self, self._call_internal, partial_sequences, stop_at_token=stop_at_token, max_steps=max_steps,
+            temperature=temperature,
             variable_dtype=variable_dtype, encoder_output=encoder_output, encoder_sequence_id=encoder_sequence_id,
             encoder_inputs=encoder_inputs, shared_params=shared_params, has_partial_sequences=has_partial_sequences,
             encoder_layer_outputs=encoder_layer_outputs, never_end=never_end,
@@ -304,6 +305,7 @@ class Unitransformer:
             ValueError: not autoregressive. NotImplementedError: more than one batch dim, or
             ``input_full_attention``.
         """
-        return _beam_search(self, inputs, decode_length, variable_dtype=variable_dtype, encoder_output=encoder_output,
+        return _beam_search(self, self._call_internal, inputs, decode_length, variable_dtype=variable_dtype,
+                            encoder_output=encoder_output,
                             encoder_sequence_id=encoder_sequence_id, encoder_inputs=encoder_inputs, alpha=alpha,
                             shared_params=shared_params, encoder_layer_outputs=encoder_layer_outputs, bos_id=bos_id)
