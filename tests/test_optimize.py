@@ -96,6 +96,40 @@ def test_mesh_tf_momentum_folds_the_rate_into_v(mesh_shape, layout):
         assert rel_error(got[f"{n}_momentum_v"], torch.from_numpy(v)) < 1e-5
 
 
+def _torch_sgd_momentum(params, grads_seq, lr_of_step, momentum=0.9):
+    """``torch.optim.SGD(momentum=m)`` on copies of the parameters (float64), the rate set per step."""
+    ws = {n: v.double().clone().requires_grad_(True) for n, v in params.items()}
+    opt = torch.optim.SGD(list(ws.values()), lr=lr_of_step(0), momentum=momentum)
+    for step, grads in enumerate(grads_seq):
+        for group in opt.param_groups:
+            group["lr"] = lr_of_step(step)
+        for n, w in ws.items():
+            w.grad = grads[n].double()
+        opt.step()
+    return {n: w.detach() for n, w in ws.items()}
+
+
+@pytest.mark.parametrize("mesh_shape,layout", LAYOUTS)
+def test_both_momentum_optimizers_are_torch_s_sgd_momentum_at_a_constant_rate(mesh_shape, layout):
+    """mtf.optim's (torch's form) and mtf.optimize's (Mesh TF's, the rate folded into v) momentum are one
+    implementation; at a constant rate both equal torch.optim.SGD(momentum=0.9); under a schedule torch's
+    form still does and Mesh TF's does not (its v keeps the old rates)."""
+    params, grads = _params(), _grads(3)
+    want = _torch_sgd_momentum(params, grads, lambda step: 0.1)
+    for opt in (mtf.optim.MomentumOptimizer(0.1, 0.9), mtf.optimize.MomentumOptimizer(0.1, 0.9)):
+        got = _run(opt, params, grads, mesh_shape, layout)
+        for n in SHAPES:
+            assert rel_error(got[n], want[n]) < 1e-5, (type(opt).__name__, n)
+    schedule = lambda step: (step + 1.0) * 0.1  # noqa: E731
+    want = _torch_sgd_momentum(params, grads, schedule)
+    got = _run(mtf.optim.MomentumOptimizer(schedule, 0.9), params, grads, mesh_shape, layout)
+    folded = _run(mtf.optimize.MomentumOptimizer(schedule, 0.9), params, grads, mesh_shape, layout)
+    for n in SHAPES:
+        assert rel_error(got[n], want[n]) < 1e-5, n
+        assert rel_error(folded[n], want[n]) > 1e-3, n
+    assert isinstance(mtf.optimize.MomentumOptimizer(0.1, 0.9), mtf.optim.MomentumOptimizer)
+
+
 def _np_adafactor_step(w, g, step, stacked_axes, param_scale, lr=None, eps1=1e-30, eps2=1e-3):
     """One unfactored Adafactor update of mesh_tensorflow/optimize.py from zero slots (float64)."""
     decay = 1.0 - (step + 1.0) ** -0.8

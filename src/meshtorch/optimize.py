@@ -1,7 +1,8 @@
 """``mtf.optimize``: Mesh TF's optimizer module names (mesh_tensorflow/optimize.py) on :mod:`meshtorch.optim`.
 
 Same objects as ``mtf.optim`` where the update is the same; ``MomentumOptimizer`` here is Mesh TF's
-(learning rate folded into the momentum), ``mtf.optim.MomentumOptimizer`` is torch's.
+(learning rate folded into the momentum, slot ``{var}_momentum_v``): a configuration of
+``mtf.optim.MomentumOptimizer`` (torch's form), with which it agrees for a constant learning rate.
 """
 
 from meshtorch.optim.adafactor import (
@@ -19,7 +20,7 @@ from meshtorch.optim.multi_lr import (
     make_optimizer,
     product_learning_rate,
 )
-from meshtorch.optim.multi_lr import MeshTFMomentumOptimizer as MomentumOptimizer
+from meshtorch.optim.sgd import MeshTFMomentumOptimizer as MomentumOptimizer
 from meshtorch.optim.sgd import SgdOptimizer
 
 __all__ = ["Optimizer", "SgdOptimizer", "MomentumOptimizer", "AdamWeightDecayOptimizer", "AdafactorOptimizer",

@@ -1,20 +1,18 @@
 """Mesh TF's learning-rate products, per-variable schedules and optimizer factories (mesh_tensorflow/optimize.py).
 
 ``product_learning_rate``, ``compute_lr_for_step``, ``AdafactorWithMultiLRSchedule``, ``make_optimizer``,
-``adafactor_optimizer_from_hparams``, and ``MeshTFMomentumOptimizer`` (Mesh TF's momentum update,
-exported as ``mtf.optimize.MomentumOptimizer``). No gin: ``factors`` and schedules are passed directly.
+``adafactor_optimizer_from_hparams``, and (re-exported from :mod:`meshtorch.optim.sgd`)
+``MeshTFMomentumOptimizer`` (Mesh TF's momentum update, exported as ``mtf.optimize.MomentumOptimizer``).
+No gin: ``factors`` and schedules are passed directly.
 """
 
 from __future__ import annotations
 
 import functools
 
-from meshtorch.ops.initializers import zeros_initializer
-from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.adafactor import AdafactorOptimizer, adafactor_decay_rate_adam, adafactor_decay_rate_pow
 from meshtorch.optim.adam_weight_decay import lr_for_variable
-from meshtorch.optim.base import Optimizer, check_grad
-from meshtorch.optim.sgd import SgdOptimizer
+from meshtorch.optim.sgd import MeshTFMomentumOptimizer, SgdOptimizer
 
 __all__ = ["product_learning_rate", "compute_lr_for_step", "AdafactorWithMultiLRSchedule", "make_optimizer",
            "adafactor_optimizer_from_hparams", "MeshTFMomentumOptimizer"]
@@ -106,22 +104,3 @@ def make_optimizer(hparams, lr):
     if hparams.optimizer == "Adafactor":
         return adafactor_optimizer_from_hparams(hparams, lr)
     raise ValueError(f"Unknown Optimizer {hparams.optimizer!r}; use 'SGD' or 'Adafactor'.")
-
-
-class MeshTFMomentumOptimizer(Optimizer):
-    """SGD with momentum as Mesh TF computes it: ``v <- lr g + m v; w <- w - v`` (slot ``{var}_momentum_v``).
-
-    Exported as ``mtf.optimize.MomentumOptimizer``. ``mtf.optim.MomentumOptimizer`` follows
-    ``torch.optim.SGD`` instead (``v <- m v + g; w <- w - lr v``); they agree for a constant rate.
-    """
-
-    def __init__(self, learning_rate, momentum):
-        super().__init__(learning_rate)
-        self.momentum = float(momentum)
-
-    def apply_grad(self, grad, var):
-        check_grad(grad, var, "MomentumOptimizer")
-        v = get_variable(var.mesh, f"{var.name}_momentum_v", var.shape, initializer=zeros_initializer(),
-                         dtype=var.dtype, trainable=False)
-        new_v = grad * self.lr_for(var) + v * self.momentum
-        return [Assign([v.operation, var], [new_v, var.value - new_v], name=f"{var.name}/sgd_momentum")]

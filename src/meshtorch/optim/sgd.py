@@ -10,7 +10,7 @@ from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.base import Optimizer, check_grad
 
-__all__ = ["Optimizer", "SgdOptimizer", "MomentumOptimizer"]
+__all__ = ["Optimizer", "SgdOptimizer", "MomentumOptimizer", "MeshTFMomentumOptimizer"]
 
 
 class SgdOptimizer(Optimizer):
@@ -36,8 +36,10 @@ class MomentumOptimizer(Optimizer):
     """Heavy-ball momentum as ``torch.optim.SGD(momentum=m)``: ``v <- m v + g; w <- w - lr v``.
 
     The momentum slot ``{var}/momentum`` is a non-trainable variable laid out like ``var``. Mesh
-    TF's ``MomentumOptimizer`` folds the learning rate into ``v`` instead (``v <- lr g + m v``); the
-    two agree for a constant learning rate; we follow torch so torch recipes port unchanged.
+    TF's ``MomentumOptimizer`` (:class:`MeshTFMomentumOptimizer`, ``mtf.optimize.MomentumOptimizer``) is this
+    class with the learning rate folded into ``v`` (``v <- lr g + m v; w <- w - v``) and Mesh TF's slot name:
+    the two agree for a constant learning rate and differ under a schedule (Mesh TF's ``v`` keeps the
+    old rates); we follow torch here so torch recipes port unchanged.
 
     Args:
         learning_rate: float, scalar Tensor, or schedule ``fn(step) -> Tensor``.
@@ -45,17 +47,43 @@ class MomentumOptimizer(Optimizer):
         weight_decay: L2 coefficient added to the gradient (default 0).
     """
 
+    #: Mesh TF's form: ``v`` holds ``lr g + m v`` (the rate folded in)
+    fold_learning_rate = False
+
     def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay=0.0):
         super().__init__(learning_rate)
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
 
+    def slot_name(self, var) -> str:
+        """The momentum slot variable's name."""
+        return f"{var.name}/momentum"
+
     def apply_grad(self, grad, var):
         check_grad(grad, var, "MomentumOptimizer")
         if self.weight_decay:
             grad = grad + var.value * self.weight_decay
-        v = get_variable(var.mesh, f"{var.name}/momentum", var.shape, initializer=zeros_initializer(),
+        v = get_variable(var.mesh, self.slot_name(var), var.shape, initializer=zeros_initializer(),
                          dtype=var.dtype, trainable=False)
+        if self.fold_learning_rate:
+            new_v = grad * self.lr_for(var) + v * self.momentum
+            return [Assign([v.operation, var], [new_v, var.value - new_v], name=f"{var.name}/sgd_momentum")]
         new_v = v * self.momentum + grad
         return [Assign([v.operation, var], [new_v, var.value - new_v * self.lr_for(var)],
                        name=f"{var.name}/momentum_update")]
+
+
+class MeshTFMomentumOptimizer(MomentumOptimizer):
+    """SGD with momentum as Mesh TF computes it: ``v <- lr g + m v; w <- w - v`` (slot ``{var}_momentum_v``).
+
+    Exported as ``mtf.optimize.MomentumOptimizer`` (Mesh TF's signature: no weight decay). The update is
+    :class:`MomentumOptimizer`'s with the rate folded into ``v``: the same numbers for a constant rate.
+    """
+
+    fold_learning_rate = True
+
+    def __init__(self, learning_rate, momentum):
+        super().__init__(learning_rate, momentum)
+
+    def slot_name(self, var) -> str:
+        return f"{var.name}_momentum_v"
