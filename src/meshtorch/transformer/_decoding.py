@@ -56,17 +56,11 @@ def sample_autoregressive(model, call, partial_sequences, stop_at_token=1, max_s
     else:
         read_priority = write_priority = length_range
 
-    def context(mode, **kw):
-        return Context(model=model, mesh=mesh, batch_dims=batch_dims, length_dim=length_dim,
-                       variable_dtype=variable_dtype, mode=mode, new_states=[], sequence_id=sequence_id,
-                       encoder_output=encoder_output, encoder_sequence_id=encoder_sequence_id,
-                       shared_params=shared_params, encoder_layer_outputs=encoder_layer_outputs,
-                       write_priority=write_priority, encoder_inputs=encoder_inputs, **kw)
-
-    first = context("first_part", position=length_range, position_is_default=True, initial_position=initial_position,
-                    constant_states=[], read_priority=read_priority, inputs=inputs)
-    with mtf.variable_scope(model.name):
-        call(first, autoregressive_inputs(inputs))
+    passes = _Passes(model, call, batch_dims, length_dim, variable_dtype, write_priority, bos_id,
+                     dict(sequence_id=sequence_id, encoder_output=encoder_output,
+                          encoder_sequence_id=encoder_sequence_id, shared_params=shared_params,
+                          encoder_layer_outputs=encoder_layer_outputs, encoder_inputs=encoder_inputs))
+    first = passes.first_part(inputs, length_range, initial_position, read_priority)
     constant_states = first.constant_states
     if not has_partial_sequences:
         initial_states = [mtf.zeros_like(t) for t in first.new_states]
@@ -92,17 +86,11 @@ def sample_autoregressive(model, call, partial_sequences, stop_at_token=1, max_s
         return is_done
 
     def logits_fn(position, ids, states):
-        inputs_this_step = mtf.gather(ids, position - 1, length_dim)
-        if bos_id:
-            inputs_this_step += mtf.cast(mtf.equal(position, 0), ids_dtype) * bos_id
-        inc = context("incremental", position=position, states=states, constant_states=constant_states,
-                      read_priority=position, inputs=inputs_this_step)
-        with mtf.variable_scope(model.name, reuse=True):
-            logits = call(inc, inputs_this_step)
-            if never_end:
-                logits += mtf.one_hot(mtf.constant(mesh, stop_at_token, [], torch.int32), vocab_dim,
-                                      on_value=-1e9, off_value=0.0, dtype=logits.dtype)
-        return logits, inc.new_states
+        logits, new_states = passes.step(position, ids, states, constant_states)
+        if never_end:
+            logits += mtf.one_hot(mtf.constant(mesh, stop_at_token, [], torch.int32), vocab_dim,
+                                  on_value=-1e9, off_value=0.0, dtype=logits.dtype)
+        return logits, new_states
 
     def choose_fn(position, ids, logits):
         if sampling_keep_top_k != -1:
@@ -133,32 +121,53 @@ def beam_search(model, call, inputs, decode_length, variable_dtype=None, encoder
     length_range = mtf.range(mesh, length_dim, torch.int32)
     sequence_id = 1 if encoder_sequence_id is not None else None
 
-    def context(mode, **kw):
-        return Context(model=model, mesh=mesh, batch_dims=batch_dims + [beam_dim], length_dim=length_dim,
-                       variable_dtype=variable_dtype, mode=mode, new_states=[], sequence_id=sequence_id,
-                       encoder_output=encoder_output, encoder_sequence_id=encoder_sequence_id,
-                       shared_params=shared_params, encoder_layer_outputs=encoder_layer_outputs,
-                       write_priority=length_range, encoder_inputs=encoder_inputs, **kw)
-
+    passes = _Passes(model, call, batch_dims + [beam_dim], length_dim, variable_dtype, length_range, bos_id,
+                     dict(sequence_id=sequence_id, encoder_output=encoder_output,
+                          encoder_sequence_id=encoder_sequence_id, shared_params=shared_params,
+                          encoder_layer_outputs=encoder_layer_outputs, encoder_inputs=encoder_inputs))
     initial_position = mtf.reduce_sum(mtf.to_int32(mtf.not_equal(inputs, 0)), reduced_dim=length_dim)
-    first = context("first_part", position=length_range, position_is_default=True, initial_position=initial_position,
-                    constant_states=[], read_priority=length_range, inputs=inputs)
-    with mtf.variable_scope(model.name):
-        call(first, autoregressive_inputs(inputs))
+    first = passes.first_part(inputs, length_range, initial_position, length_range)
     initial_states = [mtf.zeros_like(t) for t in first.new_states]  # no partial targets
     constant_states = first.constant_states
 
     def logits_fn(step_num, ids, states):
-        inputs_this_step = mtf.gather(ids, step_num - 1, length_dim)
-        if bos_id:
-            inputs_this_step += mtf.cast(mtf.equal(step_num, 0), ids.dtype) * bos_id
-        inc = context("incremental", position=step_num, states=states, constant_states=constant_states,
-                      read_priority=step_num, inputs=inputs_this_step)
-        with mtf.variable_scope(model.name, reuse=True):
-            logits = call(inc, inputs_this_step)
-        return mtf.cast(logits, torch.float32), inc.new_states
+        logits, new_states = passes.step(step_num, ids, states, constant_states)
+        return mtf.cast(logits, torch.float32), new_states
 
     beams, _ = beam_search_lib.beam_search(logits_fn, inputs, alpha, states=initial_states,
                                            decode_length=decode_length, dtype=torch.float32,
                                            mesh_shape=model.mesh_shape, layout=model.layout)
     return mtf.gather(beams, mtf.constant(mesh, 0, [], torch.int32), beam_dim)
+
+
+class _Passes:
+    """The model's passes when decoding (Mesh TF's ``sample_autoregressive`` / ``beam_search`` closures): one
+    ``"first_part"`` pass over the given tokens, then ``"incremental"`` steps of one position each."""
+
+    def __init__(self, model, call, batch_dims, length_dim, variable_dtype, write_priority, bos_id, extra: dict):
+        self.model, self.call, self.length_dim, self.bos_id = model, call, length_dim, bos_id
+        self.common = dict(model=model, batch_dims=batch_dims, length_dim=length_dim, variable_dtype=variable_dtype,
+                           write_priority=write_priority, **extra)
+
+    def _context(self, mode, mesh, **kw) -> Context:
+        return Context(mesh=mesh, mode=mode, new_states=[], **self.common, **kw)  # a fresh list per pass
+
+    def first_part(self, inputs, position, initial_position, read_priority) -> Context:
+        """Run the model over ``autoregressive_inputs(inputs)``; the context holds the recorded states."""
+        first = self._context("first_part", inputs.mesh, position=position, position_is_default=True,
+                              initial_position=initial_position, constant_states=[], read_priority=read_priority,
+                              inputs=inputs)
+        with mtf.variable_scope(self.model.name):
+            self.call(first, autoregressive_inputs(inputs))
+        return first
+
+    def step(self, position, ids, states, constant_states):
+        """``(logits, new_states)`` of the token at ``position - 1`` (``bos_id`` at position 0)."""
+        inputs_this_step = mtf.gather(ids, position - 1, self.length_dim)
+        if self.bos_id:
+            inputs_this_step += mtf.cast(mtf.equal(position, 0), ids.dtype) * self.bos_id
+        inc = self._context("incremental", ids.mesh, position=position, states=states,
+                            constant_states=constant_states, read_priority=position, inputs=inputs_this_step)
+        with mtf.variable_scope(self.model.name, reuse=True):
+            logits = self.call(inc, inputs_this_step)
+        return logits, inc.new_states
