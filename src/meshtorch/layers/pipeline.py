@@ -13,6 +13,9 @@ so autodiff gives the GPipe backward pass (the gradient of ``shift(+1)`` is ``sh
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from collections.abc import Callable
 
 import torch
@@ -24,12 +27,44 @@ from meshtorch.core.graph import Tensor
 from meshtorch.core.pipeline import PipelineSchedule
 from meshtorch.core.scopes import scoped_variable_name, variable_scope
 from meshtorch.ops.einsum import einsum
+from meshtorch.ops.initializers import Initializer, convert_initializer
 from meshtorch.ops.reduce import reduce_sum
 from meshtorch.ops.sequence import shift
 from meshtorch.ops.shape import where
 from meshtorch.ops.variables import constant, import_tensor
 
-__all__ = ["pipeline", "StackedVariables"]
+__all__ = ["pipeline", "StackedVariables", "StackedInitializer"]
+
+
+def _k_stacked_slice(begin, sizes, device=None, *, rows, lead) -> torch.Tensor:
+    """A slice of a stacked initial value: each leading index's block drawn by its row kernel (row-major)."""
+    n = len(lead)
+    blocks = []
+    for idx in itertools.product(*(range(b, b + k) for b, k in zip(begin[:n], sizes[:n], strict=True))):
+        flat = 0
+        for i, size in zip(idx, lead, strict=True):
+            flat = flat * size + i
+        blocks.append(rows[flat](tuple(begin[n:]), tuple(sizes[n:]), device))
+    return torch.stack(blocks).reshape(tuple(int(s) for s in sizes))
+
+
+class StackedInitializer(Initializer):
+    """Initial values of a stacked variable ``[lead dims..., shape...]``: the block at leading index ``i``
+    (row-major) is what ``inner`` draws for a variable named ``keys[i]`` of shape ``shape``, so a pipelined
+    layer stack starts from exactly the weights of the unstacked layers (counter-based draws keyed by name)."""
+
+    def __init__(self, inner, lead: tuple[int, ...], keys: tuple[str, ...]):
+        if len(keys) != math.prod(lead):
+            raise ValueError(f"StackedInitializer: {len(keys)} keys for {math.prod(lead)} stacked rows.")
+        self.inner, self.lead, self.keys = convert_initializer(inner), tuple(lead), tuple(keys)
+
+    def slice_fn(self, shape, dtype, seed, key, out_dtype=None):
+        inner_shape = Shape(shape.dims[len(self.lead):])
+        rows = tuple(self.inner.slice_fn(inner_shape, dtype, seed, k, out_dtype) for k in self.keys)
+        return functools.partial(_k_stacked_slice, rows=rows, lead=self.lead)
+
+    def __repr__(self):
+        return f"StackedInitializer({self.inner!r}, {self.lead}, {self.keys[0]!r}...)"
 
 
 class StackedVariables:
@@ -37,15 +72,18 @@ class StackedVariables:
 
     A ``get_variable(mesh, "{prefix}/{kind}", shape)`` made by the layer code of one iteration becomes
     the variable ``{variable_prefix}/{kind}`` of shape ``[stage, (repeat,) shape...]`` (created at the first
-    request, with the layer's initializer and dtype; shared by every iteration), and the layer code gets
+    request, with the layer's dtype and initializer: with ``layer_names``, row ``[s, r]`` draws the values of
+    the variable ``{layer_names(r * S + s)}/{kind}``; shared by every iteration), and the layer code gets
     ``[stage, shape...]``: the variable itself when ``repeats == 1``, else each stage's row of the repeat it
     runs in this iteration (an einsum with a ``[stage, repeat]`` one-hot constant: local when ``stage`` is
     split). Initializers see the stacked shape: fans must come from explicit dims (VarianceScaling with
     ``reduced_dims``/``new_dims``, constants), as every meshtorch layer's are.
     """
 
-    def __init__(self, stage: Dimension, repeat: Dimension | None, variable_prefix: str):
+    def __init__(self, stage: Dimension, repeat: Dimension | None, variable_prefix: str,
+                 layer_names: Callable[[int], str] | None = None):
         self.stage, self.repeat, self.variable_prefix = stage, repeat, variable_prefix
+        self.layer_names = layer_names
         self.variables: dict[str, Tensor] = {}  # kind -> stacked variable value
         self.frozen = False
 
@@ -66,6 +104,11 @@ class StackedVariables:
                 for d in lead:
                     if d.name in shape:
                         raise ShapeError(f"pipeline: variable {kind!r} {shape} already has dimension {d.name!r}.")
+                if self.layer_names is not None:  # row [s, r] starts as layer r * S + s would
+                    S, R = self.stage.size, (self.repeat.size if self.repeat is not None else 1)
+                    keys = tuple(f"{self.layer_names(r * S + s)}/{kind}" for s in range(S) for r in range(R))
+                    kwargs["initializer"] = StackedInitializer(kwargs.get("initializer"), tuple(d.size for d in lead),
+                                                               keys)
                 self.variables[kind] = getter(mesh, f"{self.variable_prefix}/{kind}", Shape(lead + shape.dims),
                                               **kwargs)
             w = self.variables[kind]
@@ -83,7 +126,7 @@ def _mask(mesh, stage: Dimension, values, name) -> Tensor:
 def pipeline(stage_fn: Callable[[Tensor, str], Tensor], microbatches: list[Tensor], schedule: PipelineSchedule,
              stage_dim: str = "stage", repeat_dim: str = "repeat", variable_prefix: str = "stack",
              name: str = "pipeline", remat: bool = True, remat_keep: Callable | None = None,
-             bubble_fill: float = 0.0) -> list[Tensor]:
+             bubble_fill: float = 0.0, layer_names: Callable[[int], str] | None = None) -> list[Tensor]:
     """Run ``S * R`` layers over ``M`` microbatches as an ``S``-stage pipeline (GPipe; circular when ``R > 1``).
 
     Layer ``r * S + s`` (stage ``s``, repeat ``r``) is ``stage_fn`` with the weights ``[s, r]`` of the stacked
@@ -107,6 +150,8 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], microbatches: list[Tenso
         remat: recompute each iteration's layer in the backward pass (:func:`meshtorch.autodiff.recompute_grad`),
             so activation memory does not grow with ``M``. ``remat_keep``: recompute_grad's ``keep`` (ops kept).
         bubble_fill: the value bubble slots hold before the mask (0; tests use NaN to show it never leaks).
+        layer_names: ``layer_names(i)`` names layer ``i`` of the unpipelined stack (e.g. ``f"layer_{i}"``): the
+            stacked variables then start from the values those layers' variables would have.
 
     Returns:
         the ``M`` outputs, in microbatch order, each of the microbatches' shape.
@@ -129,7 +174,7 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], microbatches: list[Tenso
     stage = Dimension(stage_dim, S)
     repeat = Dimension(repeat_dim, R) if R > 1 else None
     state_shape = Shape([stage] + x0.shape.dims)
-    stacker = StackedVariables(stage, repeat, variable_prefix)
+    stacker = StackedVariables(stage, repeat, variable_prefix, layer_names)
     first, last = _mask(mesh, stage, [s == 0 for s in range(S)], f"{name}/first_stage"), None
     if S > 1:
         last = _mask(mesh, stage, [s == S - 1 for s in range(S)], f"{name}/last_stage")

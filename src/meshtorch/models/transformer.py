@@ -272,7 +272,7 @@ def _pipelined_blocks(c, d, x, train):
     xs = unstack(reshape(x, micro, name="pipeline/microbatch"), "microbatches", name="pipeline/unstack")
     ys = layers.pipeline(lambda h, name: _block(c, d, h, name, train, []), xs, sched,
                          remat=c.pipeline_remat, remat_keep=_keeps_matmuls if c.remat == "selective" else None,
-                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0)
+                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0, layer_names=lambda i: f"layer_{i}")
     return reshape(stack(ys, "microbatches", axis=1, name="pipeline/stack"), x.shape, name="pipeline/unbatch")
 
 
