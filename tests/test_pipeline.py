@@ -137,20 +137,27 @@ def _by_kind(counters):
 
 @pytest.mark.parametrize("S,M,R,mesh_shape,layout,data", [(4, 4, 1, "pipe:4", "stage:pipe", 1),
                                                           (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", 2)])
-def test_executed_permutes_per_step(S, M, R, mesh_shape, layout, data):
+def test_executed_collectives_per_step(S, M, R, mesh_shape, layout, data):
     """Each iteration but the first shifts the state buffer once forward and once in the backward pass: 2 (M R +
-    S - 2) neighbour exchanges per step, each of one processor's state slice [1, B / M / data, length, d_model]."""
+    S - 2) neighbour exchanges per step, each of one processor's state slice [1, B / M / data, length, d_model].
+    Over ``pipe`` besides: one all-reduce of the last stage's outputs (B / data x length x d_model) and the
+    gradients of the two embedding tables (partial sums over ``pipe``: only stage 0 reads them); cutting the batch
+    into microbatches moves nothing."""
     ref_lm, ref_lw = _reference(S, R)
     lm, lw = _pipelined(S, M, R, mesh_shape, layout, ref_lw, remat=True)
     steps = 2
     for step in range(steps):
         _run(lm, lw, step)
     count, nbytes = _by_kind(lw.counters)
+    B, L, D, V = CFG["batch_size"], CFG["length"], CFG["d_model"], CFG["vocab_size"]
     permutes = 2 * (M * R + S - 2) * steps
-    slice_bytes = (CFG["batch_size"] // M // data) * CFG["length"] * CFG["d_model"] * 4
     assert count[PERMUTE_KIND, ("pipe",)] == permutes
-    assert nbytes[PERMUTE_KIND, ("pipe",)] == permutes * slice_bytes
+    assert nbytes[PERMUTE_KIND, ("pipe",)] == permutes * (B // M // data) * L * D * 4
+    over_pipe = ("pipe",) if data == 1 else ("pipe", "data")
+    assert count["allreduce", ("pipe",)] + (count["allreduce", over_pipe] if data > 1 else 0) == 3 * steps
+    assert nbytes["allreduce", ("pipe",)] == steps * ((B // data) * L * D + (0 if data > 1 else V * D + L * D)) * 4
     assert {k for k, _ in count} <= {PERMUTE_KIND, "allreduce"}
+    assert not [c for c in lw.counters.records if c.op.startswith("pipeline/microbatch")]
 
 
 def test_schedule_table():
