@@ -200,6 +200,15 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     ``layer_{i}/moe/wo/kernel`` [experts, d_ff, d_model]), norm scales ``.../scale`` [d_model], and
     ``logits/kernel`` [d_model, vocab].
 
+    Pipelined (``pipeline_stages`` S > 1, :func:`meshtorch.layers.pipeline.pipeline`): the per-layer variables
+    are replaced by stacked ones, ``stack/{kind}`` of shape ``[stage, kind's shape]`` (``[stage, repeat, ...]``
+    when ``pipeline_repeats`` R > 1) for each ``layer_{i}/{kind}`` above (``stack/attention/q``
+    [stage, d_model, heads, d_kv], ``stack/ffn/wi/kernel``, ``stack/attention_norm/scale``, ...): row ``[s, r]``
+    is layer ``r * S + s`` and starts from exactly that layer's initial values. Embeddings, final norm and
+    logits keep their names. An unpipelined checkpoint does not load into a pipelined model (other names and
+    shapes), nor the reverse. The batch is cut into ``microbatches`` (rows m, M + m, ... form microbatch m), so
+    dropout masks differ from the unpipelined model's; without dropout the losses and gradients are the same.
+
     Args:
         config: the LMConfig.
         seed: graph seed (initial values and dropout).
@@ -208,7 +217,8 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         clip_norm: clip gradients to this global norm before the optimizer (``meshtorch.optim.clip_by_global_norm``).
 
     Raises:
-        ValueError: MoE layers with ``gated=True`` (not implemented).
+        ValueError: MoE layers with ``gated=True`` (not implemented); bad pipeline fields (see
+            :func:`check_pipeline_config`, run when the config is made).
     """
     c = config
     if c.remat not in REMAT_POLICIES:
