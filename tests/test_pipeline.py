@@ -104,6 +104,8 @@ CASES = [  # S, M, R, mesh, layout, storage
     (2, 2, 2, "pipe:2", "stage:pipe", ""),  # M == S: the wrap-around feeds the next repeat directly
     (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_model:data"),
     (2, 4, 1, "pipe:2,model:2", "stage:pipe;heads:model;d_ff:model", ""),
+    (2, 4, 1, "pipe:2,data:2,model:2", "stage:pipe;batch:data;heads:model;d_ff:model;vocab:pipe", ""),
+    (4, 4, 1, "pipe:2", "stage:pipe", ""),  # two stages per processor: the shift moves one of them
 ]
 
 
