@@ -64,7 +64,8 @@ class LMConfig:
     pipeline_stages: int = 0  # S > 1: the blocks run as an S-stage pipeline on a ``stage`` dim (0 or 1: no pipeline)
     microbatches: int = 1  # M: the batch is cut into M microbatches that flow through the pipeline
     pipeline_repeats: int = 1  # R > 1: circular pipeline, stage s runs layers s, S + s, ..., (R - 1) * S + s
-    pipeline_remat: bool = True  # recompute each pipeline iteration's block in the backward pass
+    pipeline_remat: bool = True  # recompute each pipeline iteration's block in the backward pass (pipelines
+    # use this instead of ``remat``; ``remat="selective"`` then keeps the matmul and attention outputs)
     pipeline_poison_bubbles: bool = False  # tests only: bubbles hold NaN (not zeros) before they are masked
 
     def __post_init__(self):
