@@ -327,3 +327,36 @@ def test_variable_scope_custom_getter_wraps_and_nests():
     v3 = mtf.get_variable(mesh, "w", [mtf.Dimension("x", 2)])
     assert [v.operation.name for v in (v1, v2, v3)] == ["a/w_o", "a/b/w_i_o", "w"]
     assert seen == [("outer", "a/w"), ("inner", "a/b/w"), ("outer", "a/b/w_i")]
+
+
+def test_pipeline_layer_names_variables_inside_the_enclosing_scope():
+    """``layers.pipeline`` on a two-dense stage function inside ``variable_scope("net")``: variables
+    ``net/stack/{kind}`` [stage, ...], rows starting as ``net/layer_{i}/{kind}`` would, output equal to the layers
+    applied in turn on each microbatch (plain PyTorch)."""
+    from meshtorch import layers
+
+    g = mtf.Graph(seed=1)
+    mesh = mtf.Mesh(g, "mesh")
+    b, mb, h = mtf.Dimension("batch", 2), mtf.Dimension("microbatches", 4), mtf.Dimension("hidden", 4)
+    x_val = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+    x = mtf.import_tensor(mesh, x_val, [b, mb, h])
+
+    def stage_fn(t, name):
+        return t + mtf.tanh(layers.dense(t, h, reduced_dims=[h], name=f"{name}/dense"))
+
+    with mtf.variable_scope("net"):
+        y = layers.pipeline(stage_fn, x, PipelineSchedule(2, 4, 2), layer_names=lambda i: f"net/layer_{i}")
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("pipe:2", "stage:pipe")})
+    assert sorted(v.name for v in g.trainable_variables) == ["net/stack/dense/bias", "net/stack/dense/kernel"]
+    kernel, bias = lw.variable_value("net/stack/dense/kernel"), lw.variable_value("net/stack/dense/bias")
+    assert kernel.shape == (2, 2, 4, 4) and bias.shape == (2, 2, 4)
+    want = x_val
+    for i in range(4):
+        s, r = i % 2, i // 2
+        want = want + torch.tanh(want @ kernel[s, r] + bias[s, r])
+    torch.testing.assert_close(lw.run(y), want, rtol=1e-5, atol=1e-6)
+    g2 = mtf.Graph(seed=1)  # the unstacked layer 3 draws the same initial kernel as row [1, 1]
+    w3 = layers.dense(mtf.import_tensor(mtf.Mesh(g2, "mesh"), x_val, [b, mb, h]), h, reduced_dims=[h],
+                      name="net/layer_3/dense")
+    ref = mtf.Lowering(g2, {w3.mesh: mtf.PlacementMeshImpl("", "")})
+    torch.testing.assert_close(ref.variable_value("net/layer_3/dense/kernel"), kernel[1, 1], rtol=0, atol=0)
