@@ -102,6 +102,9 @@ CASES = [  # S, M, R, mesh, layout, storage
     (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", ""),
     (4, 8, 2, "pipe:4", "stage:pipe", ""),
     (2, 2, 2, "pipe:2", "stage:pipe", ""),  # M == S: the wrap-around feeds the next repeat directly
+    (4, 8, 1, "pipe:4", "stage:pipe", ""),
+    (4, 4, 2, "pipe:4", "stage:pipe", ""),
+    (2, 8, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_ff:data"),
     (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_model:data"),
     (2, 4, 1, "pipe:2,model:2", "stage:pipe;heads:model;d_ff:model", ""),
     (2, 4, 1, "pipe:2,data:2,model:2", "stage:pipe;batch:data;heads:model;d_ff:model;vocab:pipe", ""),
