@@ -241,12 +241,13 @@ def test_train_cli_pipeline_losses_equal_unpipelined(tmp_path):
     (["--layout", "batch:pipe", "--microbatches", "2"], "--microbatches / --pipeline-repeats need a pipeline"),
     (["--layout", "stage:pipe", "--pipeline-stages", "3", "--layers", "3"], "multiple of the size 2"),
     (["--layout", "stage:pipe", "--layers", "4", "--pipeline-repeats", "2", "--microbatches", "1"], ">= --pipeline"),
+    (["--mesh", "pipe:2,data:2", "--layout", "stage:pipe;batch:data", "--microbatches", "8"], "over mesh axis 'data'"),
 ])
 def test_train_cli_pipeline_flag_errors(tmp_path, extra, match):
     from meshtorch.core.errors import UsageError
 
     with pytest.raises(UsageError, match=match):
-        _train_cli(tmp_path, "--mesh", "pipe:2", *extra)
+        _train_cli(tmp_path, *([] if "--mesh" in extra else ["--mesh", "pipe:2"]), *extra)
 
 
 def test_pipeline_on_4_gloo_ranks_equals_unpipelined():
