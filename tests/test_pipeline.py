@@ -364,3 +364,18 @@ def test_pipeline_layer_names_variables_inside_the_enclosing_scope():
                       name="net/layer_3/dense")
     ref = mtf.Lowering(g2, {w3.mesh: mtf.PlacementMeshImpl("", "")})
     torch.testing.assert_close(ref.variable_value("net/layer_3/dense/kernel"), kernel[1, 1], rtol=0, atol=0)
+
+
+def test_pipelined_program_as_json_initialises_and_runs():
+    """The lowered pipelined LM is data (``Lowering.to_json``): a program read back draws the stacked variables'
+    initial values itself (StackedInitializer's kernel is plain data) and computes the same loss."""
+    lm = build_lm(_config(2, 4, 2), train=False)
+    lw = lm.lowering("pipe:2", "stage:pipe")
+    program = mtf.Program.from_json(lw.to_json([lm.loss]))
+    impls = {"mesh": mtf.PlacementMeshImpl("pipe:2", "stage:pipe")}
+    store = mtf.VariableStore(program, impls)
+    for v in lm.graph.trainable_variables:
+        assert torch.equal(store.value(v.name), lw.variable_value(v.name)), v.name
+    x, y = _data()
+    got = mtf.Session(program, impls, store).run((("tensor", lm.loss.name),), {"inputs": x, "targets": y})[0]
+    assert torch.equal(got, lw.run(lm.loss, feeds={lm.inputs: x, lm.targets: y}))
