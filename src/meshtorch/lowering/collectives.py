@@ -1,7 +1,7 @@
 """Each collective declared once: one :class:`CollectiveKind` record per kind, read by every pass.
 
 A collective step of a program (:class:`~meshtorch.lowering.program.Step`) names its kind by a string
-(``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``, ``"receive"``; a bucket of
+(``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``, ``"collective_permute"``; a bucket of
 several is ``"<kind>_bucket"``, :mod:`~meshtorch.lowering.schedule`). Everything a pass needs to know
 about a kind lives in its record here, in the style of JAX's collective primitives (shape rule,
 lowering and transpose registered together), instead of string switches spread over the executor,
@@ -68,10 +68,10 @@ KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
         bucket_params=lambda sts: {"mesh_axes": tuple(sts[0].params["mesh_axes"]), "reduction": "SUM"},
         bucket_key=_allreduce_bucket_key, bucket_workspace=_none),
     CollectiveKind(
-        "allgather", "allconcat", lambda b, g: b * g, lambda b, g: (g - 1) * b,
+        "allgather", "all_gather", lambda b, g: b * g, lambda b, g: (g - 1) * b,
         # the flat gather, then the reordered copy (none when the pieces concatenate on axis 0)
         lambda p, in_b, out_b: sum(out_b) if p.get("concat_axis") else 0, transpose="reduce_scatter",
-        weight_gather=True, bucket="allgather_bucket", bucket_method="allconcat_many",
+        weight_gather=True, bucket="allgather_bucket", bucket_method="all_gather_many",
         bucket_params=lambda sts: {"mesh_axis": sts[0].params["mesh_axis"],
                                    "concat_axes": tuple(st.params["concat_axis"] for st in sts)},
         bucket_key=lambda st: None,  # weight gathers are bucketed by bucket_gathers, in plan order
@@ -90,7 +90,8 @@ KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
         "alltoall", "alltoall", _same, lambda b, g: (g - 1) / g * b,
         lambda p, in_b, out_b: 2 * sum(in_b),  # the moved send buffer and the receive buffer
         transpose="alltoall"),
-    CollectiveKind("receive", "receive", _same, lambda b, g: b, _none, transpose="receive"),
+    CollectiveKind("collective_permute", "collective_permute", _same, lambda b, g: b, _none,
+                   transpose="collective_permute"),
 )}
 
 #: bucket step kind -> the record of the kind it buckets

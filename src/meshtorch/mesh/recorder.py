@@ -1,7 +1,7 @@
 """The flight recorder: every collective a mesh implementation actually executes, in a ring buffer.
 
 Each collective primitive of a mesh implementation (all-reduce, all-gather, reduce-scatter,
-all-to-all, receive and their buckets; :mod:`meshtorch.mesh.placement`, :mod:`meshtorch.mesh.spmd`)
+all-to-all, collective-permute and their buckets; :mod:`meshtorch.mesh.placement`, :mod:`meshtorch.mesh.spmd`)
 appends one :class:`CollectiveRecord` per call it makes: the kind it ran, the mesh axes, the bytes
 each processor contributes (per value, so a bucket is one call of several values), the dtype on the
 wire, the rank, and the wall time. The record is made when the call starts and its time is filled in
@@ -50,7 +50,8 @@ class CollectiveRecord:
 
     Attributes:
         seq: this process's running number of the call (0, 1, ...).
-        kind: what ran: ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``, ``"receive"``.
+        kind: what ran: ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``,
+            ``"collective_permute"``.
         mesh_axes: names of the mesh axes it communicated over.
         parts: bytes each processor contributed, per value moved (one entry for a single collective,
             one per value of a bucket call).
