@@ -176,6 +176,16 @@ class PlacementMeshImpl(MeshImpl):
         _finish(rec)
         return out
 
+    def broadcast(self, x, mesh_axis, root):
+        """Every member of each group along ``mesh_axis`` gets the slice of the member at coordinate ``root``."""
+        rec = self._record("broadcast", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
+        out = [None] * self.size
+        for group in self.processor_groups([mesh_axis]):
+            for p in group:
+                out[p] = self._to(x[group[root]], p)
+        _finish(rec)
+        return out
+
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
         shape = full.shape
         out = []

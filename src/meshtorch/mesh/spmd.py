@@ -337,6 +337,19 @@ class SpmdMeshImpl(MeshImpl):
         self.collectives.exchange(sends, out, None if src is None or src == me else ranks[src])
         return self._result(None, functools.partial(back, out), rec)
 
+    def broadcast(self, x, mesh_axis, root):
+        """Every member along ``mesh_axis`` gets the slice of the member at coordinate ``root``: the SUM
+        all-reduce of the slice masked to zeros off the root (JAX's ``psum`` of a masked value; exact, as
+        the other terms are zeros, and traceable with either strategy)."""
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
+            return self._trivial("broadcast", (mesh_axis,), [x])[0]
+        _, group, buf, back = on
+        rec = self._record("broadcast", (mesh_axis,), (_nbytes(buf),), buf.dtype, asynchronous=self.async_collectives)
+        masked = buf.clone() if self.coords[mesh_axis] == root else torch.zeros_like(buf)
+        work, out = self.collectives.all_reduce(masked, "SUM", group, owned=True)
+        return self._result(work, functools.partial(back, out), rec)
+
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
         t = full
         for i, a in enumerate(layout):
