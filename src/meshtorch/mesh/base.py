@@ -20,6 +20,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
 
 REDUCTIONS = ("SUM", "MAX", "MIN")
+_is_compiling = torch.compiler.is_compiling  # looked up once: the flight recorder asks on every collective
 
 
 class MeshImpl:
@@ -119,16 +120,17 @@ class MeshImpl:
     def _record(self, kind: str, mesh_axes, parts, dtype, reduction: str = "", members=None,
                 asynchronous: bool = False) -> CollectiveRecord | None:
         """Record a collective call starting now in the flight recorder (see :mod:`meshtorch.mesh.recorder`);
-        ``mesh_axes``: indices; ``parts``: bytes per processor of each value moved. Call ``finish()`` on the
+        ``mesh_axes``: indices; ``parts``: a tuple, bytes per processor of each value moved. Call ``finish()`` on the
         returned record (None when recording is off) when the call ends."""
-        if not self.recorder.enabled or torch.compiler.is_compiling():
+        recorder = self.recorder
+        if not recorder.enabled or _is_compiling():
             return None  # nothing to record (tracing executes no collective; a compiled graph calls no method)
-        key = tuple(mesh_axes)
+        key = mesh_axes if type(mesh_axes) is tuple else tuple(mesh_axes)
         names = self._axis_names.get(key)
         if names is None:
             names = self._axis_names[key] = tuple(self.shape.dims[a].name for a in key)
-        return self.recorder.new(kind, names, tuple(parts), dtype, reduction, self.size, self.recorder_rank,
-                                 members, asynchronous)
+        return recorder.new(kind, names, parts, dtype, reduction, self.size, self.recorder_rank, members,
+                            asynchronous)
 
     # ------------------------------------------------------------------ primitives (abstract)
     def laid_out_constant(self, fn: Callable[[int], object]):

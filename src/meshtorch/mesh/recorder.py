@@ -42,6 +42,7 @@ DEFAULT_CAPACITY = 4096
 #: records per rank printed on a failure
 DUMP_RECORDS = 8
 _DTYPES: dict = {}  # torch dtype -> its name ("float32"), made once
+_now = time.perf_counter
 
 
 @dataclass(slots=True, eq=False)
@@ -93,7 +94,7 @@ class CollectiveRecord:
     def finish(self) -> None:
         """Mark the call finished now (its ``seconds`` from ``start``); a second call changes nothing."""
         if self.seconds is None:
-            self.seconds = time.perf_counter() - self.start
+            self.seconds = _now() - self.start
 
     def __str__(self) -> str:
         ops = "" if not self.tag else " for " + ",".join(sorted({c.op for c in self.tag}))[:60]
@@ -143,7 +144,7 @@ class FlightRecorder:
         if name is None:
             name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
         rec = CollectiveRecord(self._seq, kind, mesh_axes, parts, members, name, reduction, num_processors, rank,
-                               time.perf_counter(), None, asynchronous, self.tag)
+                               _now(), None, asynchronous, self.tag)
         self._seq += 1
         self._ring.append(rec)
         if self.sink is not None:
