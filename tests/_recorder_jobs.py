@@ -84,9 +84,10 @@ def primitive_records(impl) -> dict:
     axis 0 (8x4 float32 slices, rank-dependent values)."""
     n = impl.shape[0].size
     x = impl.from_local_slices([torch.full((8, 4), float(p)) for p in impl.local_pnums()])
-    calls = {"allreduce": lambda: impl.allreduce(x, [0]), "allgather": lambda: impl.allconcat(x, 0, 1),
+    calls = {"allreduce": lambda: impl.allreduce(x, [0]), "allgather": lambda: impl.all_gather(x, 0, 1),
              "reduce_scatter": lambda: impl.reduce_scatter(x, 0, 0), "alltoall": lambda: impl.alltoall(x, 0, 0, 1),
-             "receive": lambda: impl.receive(x, 0, [(c + 1) % n for c in range(n)])}
+             "collective_permute": lambda: impl.collective_permute(x, 0, [(c + 1) % n for c in range(n)]),
+             "broadcast": lambda: impl.broadcast(x, 0, n - 1)}
     out = {}
     for kind, call in calls.items():
         impl.local_slices(call())  # wait for it

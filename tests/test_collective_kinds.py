@@ -36,8 +36,8 @@ def test_every_step_kind_of_an_fsdp_tp_plan_is_declared_with_a_primitive():
 
 
 def test_transposes_pair_up():
-    for c in KINDS.values():
-        assert KINDS[c.transpose].transpose == c.name, c.name
+    for c in KINDS.values():  # None: no single declared kind (broadcast's transpose, a sum into the root)
+        assert c.transpose is None or KINDS[c.transpose].transpose == c.name, c.name
     assert KINDS["allgather"].transpose == "reduce_scatter"
     assert set(BUCKETS) == {c.bucket for c in KINDS.values() if c.bucket}
 
@@ -51,10 +51,11 @@ def test_output_bytes_rule_matches_the_primitives(mesh_shape):
         x = [torch.randn(8, 4, generator=g) for _ in range(impl.size)]
         b = x[0].numel() * x[0].element_size()
         rec = flight_recorder()
-        calls = {"allreduce": lambda: impl.allreduce(x, [axis]), "allgather": lambda: impl.allconcat(x, axis, 1),
+        calls = {"allreduce": lambda: impl.allreduce(x, [axis]), "allgather": lambda: impl.all_gather(x, axis, 1),
                  "reduce_scatter": lambda: impl.reduce_scatter(x, axis, 0),
                  "alltoall": lambda: impl.alltoall(x, axis, 0, 1),
-                 "receive": lambda: impl.receive(x, axis, [(c + 1) % n for c in range(n)])}
+                 "collective_permute": lambda: impl.collective_permute(x, axis, [(c + 1) % n for c in range(n)]),
+                 "broadcast": lambda: impl.broadcast(x, axis, n - 1)}
         assert set(calls) == set(KINDS)
         for kind, call in calls.items():
             out = call()

@@ -314,13 +314,13 @@ TRANSPOSE_CASES = [
      [], [("allreduce", "SUM", ("all",), 1)]),
     ("broadcast<->allreduce 2x2", g_einsum, t_einsum, ["w"], ("rows:2;cols:2", "b:rows;h:cols"),
      [("allreduce", "SUM", ("cols",), 1)], [("allreduce", "SUM", ("rows",), 1)]),
-    # shift(+k) <-> shift(-k): one receive per part (a whole block, or the two parts of a block)
+    # shift(+k) <-> shift(-k): one collective-permute per part (a whole block, or the two parts of a block)
     ("shift+2 wrap", g_shift(2, True), t_shift(2, True), ["x"], ("all:4", "h:all"),
-     [("receive", "", ("all",), 1)], [("receive", "", ("all",), 1)]),
+     [("collective_permute", "", ("all",), 1)], [("collective_permute", "", ("all",), 1)]),
     ("shift+3 zero-fill", g_shift(3, False), t_shift(3, False), ["x"], ("all:4", "h:all"),
-     [("receive", "", ("all",), 2)], [("receive", "", ("all",), 2)]),
+     [("collective_permute", "", ("all",), 2)], [("collective_permute", "", ("all",), 2)]),
     ("shift-4 wrap 2x2", g_shift(-4, True), t_shift(-4, True), ["x"], ("rows:2;cols:2", "b:rows;h:cols"),
-     [("receive", "", ("cols",), 1)], [("receive", "", ("cols",), 1)]),
+     [("collective_permute", "", ("cols",), 1)], [("collective_permute", "", ("cols",), 1)]),
     # all-to-all (split axis j, concat axis i) <-> all-to-all (split i, concat j)
     ("alltoall<->alltoall", g_reshape, t_reshape, ["x"], ("all:4", "h:all;b2:all"),
      [("alltoall", "", ("all",), 1)], [("alltoall", "", ("all",), 1)]),

@@ -7,6 +7,7 @@ import torch
 import meshtorch as mtf
 from meshtorch.core.mesh_spec import MeshSpec, convert_to_mesh_spec
 from meshtorch.lowering import Session
+from meshtorch.mesh.factory import make_mesh_impl, placement_mesh_impl
 
 
 def test_spec_is_immutable_hashable_and_replaceable():
@@ -103,3 +104,12 @@ def test_session_refuses_a_backend_of_another_spec():
         Session(lw.program, {"mesh": other}, lw.store)
     with pytest.raises(TypeError, match="MeshImpl or a MeshSpec"):
         mtf.Lowering(graph, {mesh: "rows:2;cols:2"})
+
+
+def test_placement_mesh_impl_is_the_one_placement_factory():
+    spec = MeshSpec("rows:2;cols:2", "batch:rows", storage="d:cols")
+    assert placement_mesh_impl(spec).spec is spec
+    on_cpu = placement_mesh_impl("all:2", "batch:all", device="cpu", storage="d:all")
+    assert on_cpu.devices == [torch.device("cpu")] * 2 and str(on_cpu.storage_rules) == "d:all"
+    single = make_mesh_impl("all:2", "batch:all", storage="d:all")  # one process: the same placement mesh
+    assert type(single) is type(on_cpu) and single.spec == on_cpu.spec

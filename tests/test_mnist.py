@@ -269,7 +269,7 @@ def test_cli_conv_model_on_synthetic_data(tmp_path, capsys):
                    "--data-dir", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0 and "epoch 1/1: train loss" in out
-    assert "receive" in out  # the halo exchange between processors of the spatially partitioned layout
+    assert "collective_permute" in out  # the halo exchange between processors of the spatially partitioned layout
     assert "meshtorch mnist (conv, relu)" in out
 
 

@@ -206,14 +206,14 @@ def _blocks_lowering(layout, mesh_shape="rows:2;cols:2", k=3):
 
 def test_halo_crosses_processors_only_when_blocks_split():
     kinds = [c.kind for c in _blocks_lowering("hb:rows;wb:cols").counters.records]
-    assert kinds.count("receive") >= 4  # forward: left/right per split dim; backward: the transposes
+    assert kinds.count("collective_permute") >= 4  # forward: left/right per split dim; backward: the transposes
     local = _blocks_lowering("b:rows")
-    assert not any(c.kind == "receive" for c in local.counters.records)
+    assert not any(c.kind == "collective_permute" for c in local.counters.records)
 
 
 def test_halo_sends_only_boundary_rows():
     lw = _blocks_lowering("hb:rows")
-    recs = [c for c in lw.counters.records if c.kind == "receive" and "halo" in c.op and "grad" not in c.op]
+    recs = [c for c in lw.counters.records if c.kind == "collective_permute" and "halo" in c.op and "grad" not in c.op]
     assert recs
     # one halo row (3x3 filter) of a [b:2, wb:4, w:4, cin:2] slice, float32
     assert all(c.bytes_per_processor == 2 * 4 * 4 * 2 * 4 for c in recs), recs

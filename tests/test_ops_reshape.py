@@ -76,7 +76,7 @@ def test_reshape_collectives(name, old, new, mesh_shape, layout, expected):
     outs, _, lw = run_layout(lambda mesh, x: mtf.reshape(x, new), {"x": (old, x)}, mesh_shape, layout, grad=False)
     assert torch.equal(outs[0], x.reshape(_sizes(new)))
     c = lw.counters
-    for kind in ("allgather", "alltoall", "allreduce", "receive"):
+    for kind in ("allgather", "alltoall", "allreduce", "collective_permute"):
         got = sum(n for _, n in c.collectives(kind=kind, op="reshape"))
         assert got == expected.get(kind, 0), f"{name}: {kind} x{got}\n{c.summary()}"
     assert c.count() == sum(expected.values())

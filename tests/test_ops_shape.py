@@ -108,7 +108,7 @@ def test_shift_split_dim_sends_only_boundary():
     x = _r(4, 16)
     outs, c = _collectives(lambda mesh, x: mtf.shift(x, 1, "s", False), {"x": ("b:4,s:16", x)}, "all:4", "s:all")
     assert torch.equal(outs[0], _shift_ref(x, 1, 1, False))
-    recv = c.collectives(kind="receive")
+    recv = c.collectives(kind="collective_permute")
     assert c.count() == 1 and len(recv) == 1
     assert recv[0][0].bytes_per_processor == 4 * 1 * 4  # b:4 rows x 1 boundary element x float32
     assert c.count("allgather") == 0 and c.count("allreduce") == 0
@@ -118,7 +118,7 @@ def test_shift_by_whole_blocks_is_one_receive_of_the_slice():
     x = _r(4, 16)
     outs, c = _collectives(lambda mesh, x: mtf.shift(x, -8, "s", True), {"x": ("b:4,s:16", x)}, "all:4", "s:all")
     assert torch.equal(outs[0], torch.roll(x, -8, 1))
-    assert c.count() == 1 and c.collectives(kind="receive")[0][0].bytes_per_processor == 4 * 4 * 4
+    assert c.count() == 1 and c.collectives(kind="collective_permute")[0][0].bytes_per_processor == 4 * 4 * 4
 
 
 def test_cumsum_split_gathers_only_totals():

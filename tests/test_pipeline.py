@@ -23,7 +23,7 @@ from meshtorch.testing.spmd import run_spmd
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 #: the collective kind of a shift over a split dim (a neighbour exchange); main renames it ``collective_permute``
-PERMUTE_KIND = "receive"
+PERMUTE_KIND = "collective_permute"
 
 CFG = dict(vocab_size=16, d_model=16, num_heads=2, d_kv=8, d_ff=32, length=8, batch_size=8)
 

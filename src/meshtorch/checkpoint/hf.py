@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from meshtorch.checkpoint.hf_read import BoxReader
 from meshtorch.core.errors import CheckpointError
 from meshtorch.lowering import Lowering
-from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.mesh.factory import placement_mesh_impl
 from meshtorch.models.hf import HFGraph, build_hf_lm
 from meshtorch.models.hf_config import (
     BUFFER_SUFFIXES,
@@ -294,7 +294,7 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
     check_files(path, cfg)
     cfg = cfg.with_shape(batch_size, length or min(cfg.max_positions, 1024))
     model = build(cfg, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
-    impl = mesh_impl if mesh_impl is not None else PlacementMeshImpl(mesh_shape, layout)
+    impl = mesh_impl if mesh_impl is not None else placement_mesh_impl(mesh_shape, layout)
     lw = Lowering(model.graph, {model.mesh: impl}, materialize=False)  # no initial values drawn yet
     done = set(load_hf_weights(lowering=lw, model=model, path=path, check=False))
     lw.store.initialize([v.name for v in lw.variables if v.name not in done])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.runtime.hf_jobs import run_train
-from meshtorch.runtime.train import DEFAULT_LAYOUT, DEFAULT_MESH
+from meshtorch.runtime.train_config import DEFAULT_LAYOUT, DEFAULT_MESH
 
 _OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model width"),
               ("heads", int, "attention heads"), ("d-kv", int, "size of each head"),
@@ -16,7 +16,7 @@ _OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model wid
 
 def add_train_subcommand(subparsers) -> None:
     """Register ``meshtorch train`` on an argparse sub-parsers object. Every flag is checked before data is loaded
-    (:func:`meshtorch.runtime.train.check_args`)."""
+    (:meth:`meshtorch.runtime.train_config.TrainConfig.checked`; a new flag also gets a field there)."""
     p = subparsers.add_parser("train", help="train a Transformer LM (the main job)", formatter_class=HelpFormatter)
     p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size preset")
     for flag, typ, what in _OVERRIDES:

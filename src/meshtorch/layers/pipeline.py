@@ -6,7 +6,7 @@ weights of layer ``r * S + s`` are row ``[s, r]`` of variables ``[stage, repeat,
 live in a state buffer ``[stage, microbatch dims...]``, and ONE call of the layer code per iteration
 computes every stage at once, ``stage`` being a batch dim of each einsum. Splitting ``stage`` over a mesh
 axis (layout rule ``stage:pipe``) makes each processor compute only its own stage, and the shift of the
-buffer by one stage between iterations becomes a neighbour exchange over that axis (the ``receive``
+buffer by one stage between iterations becomes a neighbour exchange over that axis (the ``collective_permute``
 collective). The loop is unrolled (``M * R + S - 1`` iterations, :class:`~meshtorch.core.pipeline.PipelineSchedule`),
 so autodiff gives the GPipe backward pass (the gradient of ``shift(+1)`` is ``shift(-1)``).
 """

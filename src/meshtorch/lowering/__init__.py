@@ -30,7 +30,7 @@ from meshtorch.lowering.program import Program, Step, SubProgram, program_str
 from meshtorch.lowering.session import Session
 from meshtorch.lowering.variables import VariableStore
 from meshtorch.mesh.base import MeshImpl
-from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.mesh.factory import placement_mesh_impl
 
 __all__ = ["Lowering", "Program", "Session", "Step", "SubProgram", "VariableStore", "Collective", "Counters",
            "Planner"]
@@ -45,7 +45,7 @@ def _backend(x) -> MeshImpl:
     if isinstance(x, MeshImpl):
         return x
     if isinstance(x, MeshSpec):
-        return PlacementMeshImpl(x)
+        return placement_mesh_impl(x)
     raise TypeError(f"Lowering: expected a MeshImpl or a MeshSpec per mesh, got {type(x).__name__}.")
 
 

@@ -1,11 +1,11 @@
 """Each collective declared once: one :class:`CollectiveKind` record per kind, read by every pass.
 
 A collective step of a program (:class:`~meshtorch.lowering.program.Step`) names its kind by a string
-(``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``, ``"receive"``; a bucket of
-several is ``"<kind>_bucket"``, :mod:`~meshtorch.lowering.schedule`). Everything a pass needs to know
-about a kind lives in its record here, in the style of JAX's collective primitives (shape rule,
-lowering and transpose registered together), instead of string switches spread over the executor,
-the scheduler, the memory walk and the cost model:
+(``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``, ``"collective_permute"``,
+``"broadcast"``; a bucket of several is ``"<kind>_bucket"``, :mod:`~meshtorch.lowering.schedule`).
+Everything a pass needs to know about a kind lives in its record here, in the style of JAX's
+collective primitives (shape rule, lowering and transpose registered together), instead of string
+switches spread over the executor, the scheduler, the memory walk and the cost model:
 
 - ``method`` / ``bucket_method``: the :class:`~meshtorch.mesh.base.MeshImpl` primitive the executor
   calls for one collective / for a bucket of them;
@@ -18,7 +18,8 @@ the scheduler, the memory walk and the cost model:
   bucket step's parameters; ``bucket_key(step)``: which reductions may share a bucket (None: none);
 - ``hoisted``: reductions moved up to just after their input's producer (:func:`~meshtorch.lowering.
   program.hoist_collectives`); ``weight_gather``: an all-gather FSDP buckets and prefetches;
-- ``transpose``: the kind of its transpose (the gradient's collective, docs/collectives.md).
+- ``transpose``: the kind of its transpose (the gradient's collective, docs/collectives.md); None when the
+  transpose is no single declared kind.
 
 :func:`kind_of` looks a step kind up and raises ValueError for an unknown one: a new collective that is
 not declared here fails at once, never falls through a default.
@@ -39,7 +40,7 @@ class CollectiveKind:
     output_bytes: Callable[[int, int], int]
     wire_bytes: Callable[[int, int], float]
     workspace: Callable[[dict, list, list], int]
-    transpose: str
+    transpose: str | None
     hoisted: bool = False
     weight_gather: bool = False
     bucket: str | None = None
@@ -68,10 +69,10 @@ KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
         bucket_params=lambda sts: {"mesh_axes": tuple(sts[0].params["mesh_axes"]), "reduction": "SUM"},
         bucket_key=_allreduce_bucket_key, bucket_workspace=_none),
     CollectiveKind(
-        "allgather", "allconcat", lambda b, g: b * g, lambda b, g: (g - 1) * b,
+        "allgather", "all_gather", lambda b, g: b * g, lambda b, g: (g - 1) * b,
         # the flat gather, then the reordered copy (none when the pieces concatenate on axis 0)
         lambda p, in_b, out_b: sum(out_b) if p.get("concat_axis") else 0, transpose="reduce_scatter",
-        weight_gather=True, bucket="allgather_bucket", bucket_method="allconcat_many",
+        weight_gather=True, bucket="allgather_bucket", bucket_method="all_gather_many",
         bucket_params=lambda sts: {"mesh_axis": sts[0].params["mesh_axis"],
                                    "concat_axes": tuple(st.params["concat_axis"] for st in sts)},
         bucket_key=lambda st: None,  # weight gathers are bucketed by bucket_gathers, in plan order
@@ -90,7 +91,12 @@ KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
         "alltoall", "alltoall", _same, lambda b, g: (g - 1) / g * b,
         lambda p, in_b, out_b: 2 * sum(in_b),  # the moved send buffer and the receive buffer
         transpose="alltoall"),
-    CollectiveKind("receive", "receive", _same, lambda b, g: b, _none, transpose="receive"),
+    CollectiveKind("collective_permute", "collective_permute", _same, lambda b, g: b, _none,
+                   transpose="collective_permute"),
+    # one member's slice to the whole group (params: mesh_axis, root); the SPMD backend all-reduces the slice
+    # masked to zeros off the root (JAX's idiom), hence an all-reduce's wire bytes. Its transpose, a sum
+    # into the root, is no declared kind: the gradient sends the cotangents with collective-permutes
+    CollectiveKind("broadcast", "broadcast", _same, lambda b, g: 2 * (g - 1) / g * b, _none, transpose=None),
 )}
 
 #: bucket step kind -> the record of the kind it buckets

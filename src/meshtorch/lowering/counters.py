@@ -25,7 +25,7 @@ class Collective:
     """One collective in the program.
 
     Attributes:
-        kind: ``"allreduce"``, ``"allgather"``, ``"alltoall"``, ``"receive"`` (shift), ...
+        kind: ``"allreduce"``, ``"allgather"``, ``"alltoall"``, ``"collective_permute"`` (shift), ...
         mesh_axes: names of the mesh axes it communicates over.
         op: name of the graph operation whose lowering emitted it.
         tensor: name of the tensor being communicated.

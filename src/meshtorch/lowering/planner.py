@@ -383,7 +383,7 @@ class Planner:
         local = self.slice_shape(t) if local_shape is None else local_shape
         return self.collective("allreduce", slot, t, mesh_axes, local, mesh_axes=mesh_axes, reduction=reduction)
 
-    def allconcat(self, slot: int, mesh_axis: int, concat_axis: int, t: Tensor, local_shape=None) -> int:
+    def all_gather(self, slot: int, mesh_axis: int, concat_axis: int, t: Tensor, local_shape=None) -> int:
         """All-gather ``t``'s slices (each of ``local_shape``, default ``t``'s slice shape) along ``concat_axis``."""
         local = self.slice_shape(t) if local_shape is None else local_shape
         return self.collective("allgather", slot, t, [mesh_axis], local, mesh_axis=mesh_axis, concat_axis=concat_axis)
@@ -401,10 +401,11 @@ class Planner:
         return self.collective("reduce_scatter", slot, t, [mesh_axis], local, mesh_axis=mesh_axis,
                                scatter_axis=scatter_axis)
 
-    def receive(self, slot: int, mesh_axis: int, source_pcoord, t: Tensor, local_shape=None) -> int:
-        """Coordinate ``c`` on ``mesh_axis`` gets the slice of ``source_pcoord[c]`` (None: zeros)."""
+    def collective_permute(self, slot: int, mesh_axis: int, source_pcoord, t: Tensor, local_shape=None) -> int:
+        """Coordinate ``c`` on ``mesh_axis`` gets the slice of ``source_pcoord[c]`` (None: zeros): XLA's
+        CollectivePermute (JAX ``lax.ppermute``) written per target, Mesh TF's ``receive``."""
         local = self.slice_shape(t) if local_shape is None else local_shape
-        return self.collective("receive", slot, t, [mesh_axis], local, mesh_axis=mesh_axis,
+        return self.collective("collective_permute", slot, t, [mesh_axis], local, mesh_axis=mesh_axis,
                                source_pcoord=tuple(source_pcoord))
 
     def redistribute(self, slot: int, t: Tensor, src_axes, dst_axes, src_partial=(), dst_partial=()) -> int:

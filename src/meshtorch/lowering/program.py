@@ -5,7 +5,7 @@ a flat list of :class:`Step` records over integer *slots* (each slot holds one l
 plus the slots of placeholders, variable reads, constants and fetchable tensors. A step is
 ``(kind, op, inputs, outputs, kernel, params)``: ``kind`` is ``"slicewise"`` (a kernel applied
 to each processor's slices), a collective (``"allreduce"``, ``"allgather"``, ``"alltoall"``,
-``"reduce_scatter"``, ``"receive"``), or ``"call"`` (a kernel that needs the executor's context,
+``"reduce_scatter"``, ``"collective_permute"``), or ``"call"`` (a kernel that needs the executor's context,
 e.g. a while loop running its sub-programs). Nothing in a program refers to a mesh
 implementation: an executor (:mod:`meshtorch.lowering.executor`) binds it to one, so the same
 program runs on a placement mesh and on torchrun ranks. ``Program.to_json`` / ``from_json``

@@ -68,7 +68,7 @@ class Session:
     (:func:`~meshtorch.lowering.executor.run_steps`); both give bitwise-equal results.
     ``"compile"`` hands the generated function to ``torch.compile`` (inductor fuses the kernels; an
     SPMD mesh's collectives become functional collectives, nodes of the same graph, see
-    :meth:`~meshtorch.mesh.base.MeshImpl.traceable`; only ``receive`` breaks the graph): the first
+    :meth:`~meshtorch.mesh.base.MeshImpl.traceable`; only ``collective_permute`` breaks the graph): the first
     run of each fetch set compiles (tens of seconds on a CPU), :attr:`compile_seconds` records it;
     results agree to float rounding. A plan
     with random ops (dropout) is not compiled (``compile_seconds`` None): their key includes the run

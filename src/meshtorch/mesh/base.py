@@ -20,6 +20,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
 
 REDUCTIONS = ("SUM", "MAX", "MIN")
+_is_compiling = torch.compiler.is_compiling  # looked up once: the flight recorder asks on every collective
 
 
 class MeshImpl:
@@ -119,16 +120,17 @@ class MeshImpl:
     def _record(self, kind: str, mesh_axes, parts, dtype, reduction: str = "", members=None,
                 asynchronous: bool = False) -> CollectiveRecord | None:
         """Record a collective call starting now in the flight recorder (see :mod:`meshtorch.mesh.recorder`);
-        ``mesh_axes``: indices; ``parts``: bytes per processor of each value moved. Call ``finish()`` on the
+        ``mesh_axes``: indices; ``parts``: a tuple, bytes per processor of each value moved. Call ``finish()`` on the
         returned record (None when recording is off) when the call ends."""
-        if not self.recorder.enabled or torch.compiler.is_compiling():
+        recorder = self.recorder
+        if not recorder.enabled or _is_compiling():
             return None  # nothing to record (tracing executes no collective; a compiled graph calls no method)
-        key = tuple(mesh_axes)
+        key = mesh_axes if type(mesh_axes) is tuple else tuple(mesh_axes)
         names = self._axis_names.get(key)
         if names is None:
             names = self._axis_names[key] = tuple(self.shape.dims[a].name for a in key)
-        return self.recorder.new(kind, names, tuple(parts), dtype, reduction, self.size, self.recorder_rank,
-                                 members, asynchronous)
+        return recorder.new(kind, names, parts, dtype, reduction, self.size, self.recorder_rank, members,
+                            asynchronous)
 
     # ------------------------------------------------------------------ primitives (abstract)
     def laid_out_constant(self, fn: Callable[[int], object]):
@@ -148,15 +150,16 @@ class MeshImpl:
         implementation can (a gradient bucket); returns a tuple. Default: one all-reduce each."""
         return tuple(self.allreduce(x, mesh_axes, reduction) for x in xs)
 
-    def allconcat(self, x, mesh_axis: int, concat_axis: int):
-        """All-gather: concatenate the group's slices along tensor axis ``concat_axis``."""
+    def all_gather(self, x, mesh_axis: int, concat_axis: int):
+        """All-gather: concatenate the group's slices along tensor axis ``concat_axis`` (JAX's
+        ``all_gather(..., tiled=True)``; Mesh TF's ``allconcat``, kept as an alias)."""
         raise NotImplementedError
 
-    def allconcat_many(self, *xs, mesh_axis: int, concat_axes: Sequence[int]):
+    def all_gather_many(self, *xs, mesh_axis: int, concat_axes: Sequence[int]):
         """All-gather several laid-out values along one mesh axis in one collective call where the
         implementation can (FSDP's flat-parameter gather of a bucket of weights); ``concat_axes[i]``
-        is value ``i``'s tensor axis. Returns a tuple. Default: one :meth:`allconcat` each."""
-        return tuple(self.allconcat(x, mesh_axis, a) for x, a in zip(xs, concat_axes, strict=True))
+        is value ``i``'s tensor axis. Returns a tuple. Default: one :meth:`all_gather` each."""
+        return tuple(self.all_gather(x, mesh_axis, a) for x, a in zip(xs, concat_axes, strict=True))
 
     def reduce_scatter_many(self, *xs, mesh_axis: int, scatter_axes: Sequence[int]):
         """Reduce-scatter several laid-out values along one mesh axis in one collective call where the
@@ -171,18 +174,30 @@ class MeshImpl:
     def reduce_scatter(self, x, mesh_axis: int, scatter_axis: int):
         """Sum over the group along ``mesh_axis``; member ``c`` keeps piece ``c`` (of ``n`` equal pieces)
         of tensor axis ``scatter_axis``: JAX's ``psum_scatter(..., tiled=True)``, the transpose of
-        :meth:`allconcat`."""
+        :meth:`all_gather`."""
         raise NotImplementedError
 
-    def receive(self, x, mesh_axis: int, source_pcoord: Sequence[int | None]):
-        """Processor at coordinate c on ``mesh_axis`` gets the slice of ``source_pcoord[c]`` (None: zeros)."""
+    def collective_permute(self, x, mesh_axis: int, source_pcoord: Sequence[int | None]):
+        """Processor at coordinate c on ``mesh_axis`` gets the slice of ``source_pcoord[c]`` (None: zeros).
+
+        XLA's CollectivePermute / JAX's ``lax.ppermute`` written per target (a source may feed several
+        targets); Mesh TF's ``receive``, kept as an alias."""
         raise NotImplementedError
 
     def shift_by_n_processors(self, x, mesh_axis: int, offset: int, wrap: bool):
         """Coordinate c receives from c - offset (mod n if ``wrap``, else zeros off the end)."""
         n = self.shape[mesh_axis].size
         source = [((c - offset) % n) if wrap else (c - offset if 0 <= c - offset < n else None) for c in range(n)]
-        return self.receive(x, mesh_axis, source)
+        return self.collective_permute(x, mesh_axis, source)
+
+    # ------------------------------------------------------------------ Mesh TF's names for the primitives
+    def allconcat(self, x, mesh_axis: int, concat_axis: int):
+        """Mesh TF's ``MeshImpl.allconcat``: :meth:`all_gather`."""
+        return self.all_gather(x, mesh_axis, concat_axis)
+
+    def receive(self, x, mesh_axis: int, source_pcoord: Sequence[int | None]):
+        """Mesh TF's ``MeshImpl.receive``: :meth:`collective_permute`."""
+        return self.collective_permute(x, mesh_axis, source_pcoord)
 
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
         """Laid-out value from a full (logical) tensor: each processor keeps its slice."""

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.mesh.base import MeshImpl
 from meshtorch.mesh.placement import PlacementMeshImpl
 from meshtorch.mesh.process import init_distributed
@@ -31,11 +32,20 @@ def make_mesh_impl(mesh_shape, layout, device=None, storage=None, async_collecti
         if str(device) == "cuda":  # one GPU per rank
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return SpmdMeshImpl(mesh_shape, layout, device=device, storage=storage, async_collectives=async_collectives)
-    impl = PlacementMeshImpl(mesh_shape, layout, storage=storage)
-    if device is not None:
-        devices = placement_devices(device, impl.size, torch.cuda.device_count() if str(device) == "cuda" else 0)
-        impl = PlacementMeshImpl(mesh_shape, layout, devices=devices, storage=storage)
-    return impl
+    return placement_mesh_impl(mesh_shape, layout, device=device, storage=storage)
+
+
+def placement_mesh_impl(mesh_shape, layout="", device=None, storage=None) -> PlacementMeshImpl:
+    """The mesh simulated in this one process, whatever the environment: ``PlacementMeshImpl(mesh_shape,
+    layout, storage=storage)`` (``mesh_shape`` may be a :class:`~meshtorch.core.mesh_spec.MeshSpec`, then
+    without layout or storage), its processors' slices on ``device`` (None: cpu; see
+    :func:`placement_devices`, ``"cuda"`` spreading them over the visible GPUs)."""
+    rules = {} if isinstance(mesh_shape, MeshSpec) else {"layout": layout, "storage": storage}
+    if device is None:
+        return PlacementMeshImpl(mesh_shape, **rules)
+    size = (mesh_shape if isinstance(mesh_shape, MeshSpec) else MeshSpec(mesh_shape, layout or "")).size
+    devices = placement_devices(device, size, torch.cuda.device_count() if str(device) == "cuda" else 0)
+    return PlacementMeshImpl(mesh_shape, devices=devices, **rules)
 
 
 def placement_devices(device, size: int, visible_gpus: int = 0) -> list[torch.device]:

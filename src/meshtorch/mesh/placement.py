@@ -109,21 +109,21 @@ class PlacementMeshImpl(MeshImpl):
         return self._record(kind, mesh_axes, tuple(_nbytes(x[0]) for x in xs), xs[0][0].dtype, reduction,
                             members=tuple(range(len(xs))))
 
-    def allconcat(self, x, mesh_axis, concat_axis):
+    def all_gather(self, x, mesh_axis, concat_axis):
         rec = self._record("allgather", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
-        out = self._allconcat(x, mesh_axis, concat_axis)
+        out = self._all_gather(x, mesh_axis, concat_axis)
         _finish(rec)
         return out
 
-    def allconcat_many(self, *xs, mesh_axis, concat_axes):
+    def all_gather_many(self, *xs, mesh_axis, concat_axes):
         if not xs:
             return ()
         rec = self._record_bucket("allgather", (mesh_axis,), xs)
-        out = tuple(self._allconcat(x, mesh_axis, a) for x, a in zip(xs, concat_axes, strict=True))
+        out = tuple(self._all_gather(x, mesh_axis, a) for x, a in zip(xs, concat_axes, strict=True))
         _finish(rec)
         return out
 
-    def _allconcat(self, x, mesh_axis, concat_axis):
+    def _all_gather(self, x, mesh_axis, concat_axis):
         out = [None] * self.size
         for group in self.processor_groups([mesh_axis]):
             full = torch.cat([self._to(x[p], group[0]) for p in group], dim=concat_axis)
@@ -166,13 +166,23 @@ class PlacementMeshImpl(MeshImpl):
                 out[group[c]] = self._to(piece, group[c])
         return out
 
-    def receive(self, x, mesh_axis, source_pcoord):
-        rec = self._record("receive", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
+    def collective_permute(self, x, mesh_axis, source_pcoord):
+        rec = self._record("collective_permute", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
         out = [None] * self.size
         for group in self.processor_groups([mesh_axis]):
             for c, p in enumerate(group):
                 src = source_pcoord[c]
                 out[p] = torch.zeros_like(x[p]) if src is None else self._to(x[group[src]], p)
+        _finish(rec)
+        return out
+
+    def broadcast(self, x, mesh_axis, root):
+        """Every member of each group along ``mesh_axis`` gets the slice of the member at coordinate ``root``."""
+        rec = self._record("broadcast", (mesh_axis,), (_nbytes(x[0]),), x[0].dtype)
+        out = [None] * self.size
+        for group in self.processor_groups([mesh_axis]):
+            for p in group:
+                out[p] = self._to(x[group[root]], p)
         _finish(rec)
         return out
 

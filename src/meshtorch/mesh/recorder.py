@@ -1,7 +1,7 @@
 """The flight recorder: every collective a mesh implementation actually executes, in a ring buffer.
 
 Each collective primitive of a mesh implementation (all-reduce, all-gather, reduce-scatter,
-all-to-all, receive and their buckets; :mod:`meshtorch.mesh.placement`, :mod:`meshtorch.mesh.spmd`)
+all-to-all, collective-permute and their buckets; :mod:`meshtorch.mesh.placement`, :mod:`meshtorch.mesh.spmd`)
 appends one :class:`CollectiveRecord` per call it makes: the kind it ran, the mesh axes, the bytes
 each processor contributes (per value, so a bucket is one call of several values), the dtype on the
 wire, the rank, and the wall time. The record is made when the call starts and its time is filled in
@@ -42,6 +42,7 @@ DEFAULT_CAPACITY = 4096
 #: records per rank printed on a failure
 DUMP_RECORDS = 8
 _DTYPES: dict = {}  # torch dtype -> its name ("float32"), made once
+_now = time.perf_counter
 
 
 @dataclass(slots=True, eq=False)
@@ -50,7 +51,8 @@ class CollectiveRecord:
 
     Attributes:
         seq: this process's running number of the call (0, 1, ...).
-        kind: what ran: ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``, ``"receive"``.
+        kind: what ran: ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``,
+            ``"collective_permute"``.
         mesh_axes: names of the mesh axes it communicated over.
         parts: bytes each processor contributed, per value moved (one entry for a single collective,
             one per value of a bucket call).
@@ -92,7 +94,7 @@ class CollectiveRecord:
     def finish(self) -> None:
         """Mark the call finished now (its ``seconds`` from ``start``); a second call changes nothing."""
         if self.seconds is None:
-            self.seconds = time.perf_counter() - self.start
+            self.seconds = _now() - self.start
 
     def __str__(self) -> str:
         ops = "" if not self.tag else " for " + ",".join(sorted({c.op for c in self.tag}))[:60]
@@ -142,7 +144,7 @@ class FlightRecorder:
         if name is None:
             name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
         rec = CollectiveRecord(self._seq, kind, mesh_axes, parts, members, name, reduction, num_processors, rank,
-                               time.perf_counter(), None, asynchronous, self.tag)
+                               _now(), None, asynchronous, self.tag)
         self._seq += 1
         self._ring.append(rec)
         if self.sink is not None:

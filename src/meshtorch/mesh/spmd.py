@@ -177,7 +177,7 @@ class SpmdMeshImpl(MeshImpl):
         """This mesh (same spec, rank, device and process groups) issuing its collectives as functional
         collectives (:class:`~meshtorch.mesh.spmd_strategy.FunctionalCollectives`), so ``torch.compile``
         holds them in one graph; made once, on first call (every rank calls it in the same order, as
-        for any group). ``receive`` (the shift ops) stays a graph break. The mesh itself is unchanged."""
+        for any group). ``collective_permute`` (the shift ops) stays a graph break. The mesh itself is unchanged."""
         if self._traceable is None:
             self._traceable = SpmdMeshImpl(self.spec, device=self._device, collectives=FunctionalCollectives())
         return self._traceable
@@ -268,7 +268,7 @@ class SpmdMeshImpl(MeshImpl):
         group, _ = self._group([mesh_axis])
         return (n, group, *_wire(x))
 
-    def allconcat(self, x, mesh_axis, concat_axis):
+    def all_gather(self, x, mesh_axis, concat_axis):
         on = self._on_axis(x, mesh_axis)
         if on is None:
             return self._trivial("allgather", (mesh_axis,), [x])[0]
@@ -278,7 +278,7 @@ class SpmdMeshImpl(MeshImpl):
         work, out = self.collectives.all_gather(buf.reshape(-1), n, group)
         return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back), rec)
 
-    def allconcat_many(self, *xs, mesh_axis, concat_axes):
+    def all_gather_many(self, *xs, mesh_axis, concat_axes):
         on = self._on_axis(xs[0], mesh_axis) if xs else None
         if on is None:
             return self._trivial("allgather", (mesh_axis,), xs)
@@ -320,12 +320,12 @@ class SpmdMeshImpl(MeshImpl):
         work, out = self.collectives.reduce_scatter(moved, n, group)
         return self._result(work, functools.partial(_moved_back, out, scatter_axis, back), rec)
 
-    def receive(self, x, mesh_axis, source_pcoord):
+    def collective_permute(self, x, mesh_axis, source_pcoord):
         _, ranks = self._group([mesh_axis])
         me = self.coords[mesh_axis]
         buf, back = _wire(x)
         buf = buf.contiguous()
-        rec = self._record("receive", (mesh_axis,), (_nbytes(buf),), buf.dtype)
+        rec = self._record("collective_permute", (mesh_axis,), (_nbytes(buf),), buf.dtype)
         src = source_pcoord[me]
         sends = [(buf, ranks[c]) for c, s in enumerate(source_pcoord) if s == me and c != me]
         if src is None:
@@ -336,6 +336,19 @@ class SpmdMeshImpl(MeshImpl):
             out = torch.empty_like(buf)
         self.collectives.exchange(sends, out, None if src is None or src == me else ranks[src])
         return self._result(None, functools.partial(back, out), rec)
+
+    def broadcast(self, x, mesh_axis, root):
+        """Every member along ``mesh_axis`` gets the slice of the member at coordinate ``root``: the SUM
+        all-reduce of the slice masked to zeros off the root (JAX's ``psum`` of a masked value; exact, as
+        the other terms are zeros, and traceable with either strategy)."""
+        on = self._on_axis(x, mesh_axis)
+        if on is None:
+            return self._trivial("broadcast", (mesh_axis,), [x])[0]
+        _, group, buf, back = on
+        rec = self._record("broadcast", (mesh_axis,), (_nbytes(buf),), buf.dtype, asynchronous=self.async_collectives)
+        masked = buf.clone() if self.coords[mesh_axis] == root else torch.zeros_like(buf)
+        work, out = self.collectives.all_reduce(masked, "SUM", group, owned=True)
+        return self._result(work, functools.partial(back, out), rec)
 
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
         t = full

@@ -9,7 +9,7 @@ neighbouring block, the *halo*:
 * :class:`HaloExchangeOperation` widens each block from ``h`` to ``h + 2 * halo`` rows. On each
   processor the local blocks are laid end to end (a "strip" of ``local_blocks * h`` rows); the rows
   before and after the strip come from the neighbouring processors along the mesh axis that splits
-  the block dim, with ``lw.receive`` (a neighbour shift, only the boundary rows travel); past the
+  the block dim, with ``lw.collective_permute`` (a neighbour shift, only the boundary rows travel); past the
   image border they are zeros (SAME padding). A halo wider than a processor's strip takes several
   hops (from processors 1, 2, ... away). Neighbouring blocks on the same processor take their halo
   from the strip by slicing: no communication. Without a block dim the op is plain zero padding.
@@ -153,7 +153,7 @@ class HaloExchangeOperation(Operation):
 
     ``x [.., blocks_dim, .., size_dim:h, ..]`` -> ``[.., blocks_dim, .., size_dim:h + 2 * halo, ..]``.
     ``blocks_dim=None``: the image is one block along ``size_dim`` (zero padding). ``size_dim`` is
-    unsplittable; ``blocks_dim`` may be split (halo via ``lw.receive`` from neighbouring processors).
+    unsplittable; ``blocks_dim`` may be split (halo via ``lw.collective_permute`` from neighbouring processors).
     """
 
     def __init__(self, x: Tensor, blocks_dim, size_dim, halo: int, name=None):
@@ -183,8 +183,8 @@ class HaloExchangeOperation(Operation):
             tail = lw.slicewise(functools.partial(_k_rows, start=-r, stop=0), strip)
             head = lw.slicewise(functools.partial(_k_rows, start=0, stop=r), strip)
             # left halo of coordinate c: the tail of c - i; right halo: the head of c + i (None: zeros)
-            lefts.append(lw.receive(tail, axis, [c - i if c - i >= 0 else None for c in range(n)], x, rows))
-            rights.append(lw.receive(head, axis, [c + i if c + i < n else None for c in range(n)], x, rows))
+            lefts.append(lw.collective_permute(tail, axis, [c - i if c - i >= 0 else None for c in range(n)], x, rows))
+            rights.append(lw.collective_permute(head, axis, [c + i if c + i < n else None for c in range(n)], x, rows))
         f = functools.partial(_k_assemble, nhops=len(hops), zl=self.halo - sum(hops), h=self.halo, b=self.size.size,
                               **sa)
         lw.set(out, lw.slicewise(f, strip, *lefts, *rights))
@@ -201,7 +201,7 @@ class HaloReduceOperation(Operation):
 
     ``g [.., blocks_dim, .., size_dim:h + 2 * halo, ..]`` -> ``[.., blocks_dim, .., size_dim:h, ..]``
     (``size_dim`` is given with its narrow size ``h``). Halo rows from other processors are sent back
-    with ``lw.receive``; rows past the image border are dropped.
+    with ``lw.collective_permute``; rows past the image border are dropped.
     """
 
     def __init__(self, g: Tensor, blocks_dim, size_dim, halo: int, name=None):
@@ -231,9 +231,10 @@ class HaloReduceOperation(Operation):
             left_part = lw.slicewise(functools.partial(_k_rows, start=lo, stop=lo + r), ext)
             right_part = lw.slicewise(functools.partial(_k_rows, start=-lo - r, stop=-lo), ext)
             # my left part belongs to coordinate c - i (its last r rows): so c receives from c + i
-            incoming.append(lw.receive(left_part, axis, [c + i if c + i < n else None for c in range(n)], out, rows))
-            incoming.append(lw.receive(right_part, axis, [c - i if c - i >= 0 else None for c in range(n)], out,
-                                       rows))
+            from_right = [c + i if c + i < n else None for c in range(n)]
+            from_left = [c - i if c - i >= 0 else None for c in range(n)]
+            incoming.append(lw.collective_permute(left_part, axis, from_right, out, rows))
+            incoming.append(lw.collective_permute(right_part, axis, from_left, out, rows))
         f = functools.partial(_k_finish, hops=tuple(hops), h=h, b=b, **sa)
         lw.set(out, lw.slicewise(f, ext, *incoming))
 
@@ -316,7 +317,7 @@ def conv2d_with_blocks(conv_input: Tensor, conv_filter: Tensor, strides=(1, 1), 
         strides: int or pair (block sizes must divide by them); padding: only ``"SAME"``.
         h_blocks_dim, w_blocks_dim: the block dims (or None: that spatial dim is one block). They may
             be split over mesh axes: each block gets a halo of ``fh // 2`` rows / ``fw // 2`` columns
-            from its neighbours (same processor: slicing; other processors: ``lw.receive``).
+            from its neighbours (same processor: slicing; other processors: ``lw.collective_permute``).
         spatial_dims: names of ``(h, w)``; default the last two dims other than ``in`` and the block dims.
 
     Returns:

@@ -187,7 +187,7 @@ class GatherOperation(Operation):
         (wslot, islot), pending = lw.inputs(self, blocked=ind_axes)
         n = lw.slice_shape(w)[vpos]
         if v_axis is not None and v_axis in ind_axes:
-            wslot = lw.allconcat(wslot, v_axis, vpos, w)
+            wslot = lw.all_gather(wslot, v_axis, vpos, w)
             n *= impl.shape[v_axis].size
             v_axis = None
         begins = _dim_begin_constant(lw, w, vpos) if v_axis is not None else lw.pnum_constant(
@@ -270,8 +270,8 @@ class ScatterAddOperation(Operation):
         if v_axis is not None and v_axis in split_idx:
             # the axis splitting dim also splits an indices dim: gather updates and indices along it
             name = split_idx.pop(v_axis)
-            uslot = lw.allconcat(uslot, v_axis, upd.shape.get_dim_index(name), upd)
-            islot = lw.allconcat(islot, v_axis, ind.shape.get_dim_index(name), ind)
+            uslot = lw.all_gather(uslot, v_axis, upd.shape.get_dim_index(name), upd)
+            islot = lw.all_gather(islot, v_axis, ind.shape.get_dim_index(name), ind)
         n = lw.slice_shape(out)[vpos]
         begins = _dim_begin_constant(lw, out, vpos) if v_axis is not None else lw.pnum_constant(
             out, functools.partial(value_of, values=(0,) * lw.mesh_spec(out).size))

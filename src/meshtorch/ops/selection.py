@@ -129,8 +129,8 @@ class TopKOperation(Operation):
         v, i = lw.slicewise(functools.partial(_k_local_top, dim=r, kk=kk), xslot, begins, num_outputs=2)
         cand = local[:r] + local[r + 1:] + [kk]  # each processor's candidates
         last = len(local) - 1
-        v = lw.allconcat(v, axis, last, values, local_shape=cand)
-        i = lw.allconcat(i, axis, last, indices, local_shape=cand)
+        v = lw.all_gather(v, axis, last, values, local_shape=cand)
+        i = lw.all_gather(i, axis, last, indices, local_shape=cand)
         v, i = lw.slicewise(functools.partial(_k_merge, k=k, squeeze=squeeze), v, i, num_outputs=2)
         lw.set(values, v)
         lw.set(indices, i)

@@ -6,7 +6,7 @@ Lowering when the dimension is split over mesh axis ``a`` (n processors, blocks 
 * shift by ``offset = q*b + r`` (0 <= r < b): in processor c's output block, positions [r, b)
   are the first b - r elements of input block c - q and positions [0, r) the last r elements
   of block c - q - 1 (modulo n with ``wrap``, else zeros off the end). Each part moves by one
-  ``lw.receive`` (a neighbour exchange) carrying only those elements, so a shift by less than a
+  ``lw.collective_permute`` (a neighbour exchange) carrying only those elements, so a shift by less than a
   block sends just the r boundary elements; nothing moves for parts that stay on the processor.
   Mesh TF handles only |offset| <= b here.
 * cumsum: a local ``torch.cumsum`` (linear work), an all-gather of each slice's total (n numbers
@@ -146,7 +146,7 @@ def _move(lw, part: int, a: int, n: int, procs: int, wrap: bool, t: Tensor, loca
         return part
     if all(s is None for s in src):
         return lw.slicewise(torch.zeros_like, part)
-    return lw.receive(part, a, src, t, local_shape=local_shape)
+    return lw.collective_permute(part, a, src, t, local_shape=local_shape)
 
 
 def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
@@ -158,7 +158,7 @@ def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
         wrap: True: rotate (``torch.roll``); False: fill with zeros.
 
     Returns:
-        Tensor of ``x.shape`` and dtype. Layouts: all. A split ``dim`` costs one or two receives
+        Tensor of ``x.shape`` and dtype. Layouts: all. A split ``dim`` costs one or two collective-permutes
         (neighbour exchanges) of boundary elements, none of the whole slice for small offsets.
 
     Raises:
@@ -192,7 +192,7 @@ class CumsumOperation(Operation):
         totals = lw.slicewise(functools.partial(_k_sum_keepdim, axis=ax), slot)
         tshape = list(lw.slice_shape(x))
         tshape[ax] = 1
-        gathered = lw.allconcat(totals, a, ax, x, local_shape=tshape)  # n totals per row: small
+        gathered = lw.all_gather(totals, a, ax, x, local_shape=tshape)  # n totals per row: small
         add_prefix = functools.partial(_k_add_prefix, axis=ax, n=n, reverse=rev)
         lw.set(out, lw.slicewise(add_prefix, res, gathered, coordinate_constant(lw, x, a)), pending)
 

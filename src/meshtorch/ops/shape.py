@@ -5,7 +5,7 @@ follow Mesh TensorFlow (``mesh_tensorflow/ops.py``). As in Mesh TF, slice, pad, 
 keep a dimension's *name* while changing its size, so the result is laid out by the same rule.
 
 Where Mesh TF refuses a layout (slicing, padding, concatenating or unstacking a split dim), we
-lower it correctly instead: the input is all-gathered along that dim (``lw.allconcat``), the op
+lower it correctly instead: the input is all-gathered along that dim (``lw.all_gather``), the op
 runs on the whole dim, and each processor keeps its piece of the output (a local slice). When
 the dim is not split there is no communication. stack onto a split new dim needs none either.
 """

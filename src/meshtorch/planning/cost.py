@@ -27,13 +27,13 @@ class CostModel:
     processors (the product of its mesh-axis sizes) whose members each contribute ``b`` bytes
     costs ``latency + wire_bytes / bandwidth`` with the ring-algorithm wire bytes:
 
-    =============  =====================
-    all-reduce     ``2 (g - 1) / g * b``
-    all-gather     ``(g - 1) * b``
-    all-to-all     ``(g - 1) / g * b``
-    reduce-scatter ``(g - 1) / g * b``
-    receive/shift  ``b``
-    =============  =====================
+    ==================  =====================
+    all-reduce          ``2 (g - 1) / g * b``
+    all-gather          ``(g - 1) * b``
+    all-to-all          ``(g - 1) / g * b``
+    reduce-scatter      ``(g - 1) / g * b``
+    collective-permute  ``b`` (a shift)
+    ==================  =====================
 
     Defaults (order of magnitude of one data-centre GPU with NVLink-class links): ``flop_rate``
     1e14 FLOP/s, ``bandwidth`` 1e11 B/s, ``latency`` 1e-5 s per collective.

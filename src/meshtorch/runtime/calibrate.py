@@ -38,8 +38,7 @@ from meshtorch.core.errors import UsageError
 from meshtorch.core.graph import Graph, Mesh
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.collectives import kind_of
-from meshtorch.mesh.placement import PlacementMeshImpl
-from meshtorch.mesh.spmd import SpmdMeshImpl
+from meshtorch.mesh.factory import make_mesh_impl, placement_mesh_impl
 from meshtorch.ops.variables import placeholder
 from meshtorch.planning.command import main_plan
 from meshtorch.planning.cost import CostModel, _wire
@@ -208,7 +207,7 @@ def _kernel_overhead(n_ops: int = 200) -> float:
     y = x
     for _ in range(n_ops):
         y = y * 1.0001
-    lw = Lowering(graph, {mesh: PlacementMeshImpl("", "")})
+    lw = Lowering(graph, {mesh: placement_mesh_impl("")})
     feed = {x: torch.ones(16)}
     return _best_seconds(lambda: lw.run(y, feeds=feed), reps=5, min_s=0.05) / n_ops
 
@@ -233,7 +232,7 @@ def _run_collective(impl, kind: str, x):
 
 
 def _placement_collectives() -> dict:
-    impl = PlacementMeshImpl("all:2", "")
+    impl = placement_mesh_impl("all:2")
     out = {}
     for kind in KINDS:
         times = {}
@@ -248,8 +247,8 @@ def _spmd_worker(rank: int, port: int, backend: str, threads: int, path: str):
     torch.set_num_threads(threads)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        impl = SpmdMeshImpl("all:2", "", device=f"cuda:{rank}" if backend == "nccl" else "cpu",
-                            async_collectives=False)
+        impl = make_mesh_impl("all:2", "", device=f"cuda:{rank}" if backend == "nccl" else "cpu",
+                              async_collectives=False)
         dist.barrier()
         compute = _compute_rates()  # both ranks at once, as in a job
         out = {}

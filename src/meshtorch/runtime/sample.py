@@ -15,8 +15,7 @@ import torch
 from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.data.text import ByteTokenizer, SentencePieceTokenizer
-from meshtorch.mesh.factory import placement_devices
-from meshtorch.mesh.placement import PlacementMeshImpl
+from meshtorch.mesh.factory import placement_mesh_impl
 from meshtorch.models.transformer import LMConfig, build_lm
 from meshtorch.runtime import checks, runs
 from meshtorch.runtime.generate import beam_search, sample
@@ -33,11 +32,7 @@ def load_lm(checkpoint_dir: str, mesh_shape: str = "", layout: str = "", device:
                                   "'meshtorch train'?")
     cfg = LMConfig(**extra["config"])
     lm = build_lm(cfg, seed=(manifest.get("rng") or {}).get("graph_seed", 0), train=False)
-    impl = PlacementMeshImpl(mesh_shape, layout)
-    if device is not None:
-        count = torch.cuda.device_count() if device == "cuda" else 0
-        impl = PlacementMeshImpl(mesh_shape, layout, devices=placement_devices(device, impl.size, count))
-    lowering = lm.lowering(mesh_impl=impl)
+    lowering = lm.lowering(mesh_impl=placement_mesh_impl(mesh_shape, layout, device=device))
     restore(lowering, checkpoint_dir)
     return lm, lowering
 

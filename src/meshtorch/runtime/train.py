@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,17 +44,12 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
-from meshtorch.planning.command import parse_bytes
 from meshtorch.runtime import checks, runs
-from meshtorch.runtime.autolayout import choose_layout
-from meshtorch.runtime.calibrate import cached
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
 from meshtorch.runtime.report import CompileClock, plot_history
-
-DEFAULT_MESH = "data:2,model:2"
-DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
+from meshtorch.runtime.train_config import TrainConfig, older_hint, resume_point
 
 
 def vocab_multiple(mesh_shape: str, layout: str) -> int:
@@ -134,215 +131,154 @@ def evaluate(lowering, lm, dataset, batches: int) -> float:
     return total / max(n, 1)
 
 
-def check_args(args) -> runs.RunPaths:
-    """Check every ``meshtorch train`` flag before data is loaded or the model built; returns the run's
-    name and paths (:func:`meshtorch.runtime.runs.resolve_run`; ``args.checkpoint_dir`` and ``args.plot``
-    are set to the resolved paths).
+@dataclass
+class _Job:
+    """What the steps of :func:`main_train` build and share: the checked config, the run's paths and record,
+    the mesh, the data, the model and its lowerings (and the twin without dropout for evaluation)."""
 
-    Raises:
-        UsageError: naming the flag (a number out of range, an unwritable output path, a missing
-            input file, a mesh size that is not a positive integer, a prompt longer than the context,
-            a ``--resume`` with nothing to resume).
-        LayoutError: naming a ``--layout``/``--storage`` rule that matches no dimension of the model or no
-            axis of the mesh, listing both.
-    """
-    for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "steps", "eval_every",
-                 "eval_batches", "vocab_size", "keep"):
-        checks.positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    if args.experts is not None:
-        checks.non_negative("--experts", args.experts)
-    for flag in ("threads", "warmup_steps", "weight_decay", "clip_norm", "checkpoint_every", "sample", "temperature",
-                 "top_k", "bucket_mb"):
-        if getattr(args, flag, None) is not None:
-            checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
-    checks.positive("--peak-tflops", getattr(args, "peak_tflops", None))
-    checks.fraction("--dropout", args.dropout)
-    if args.optimizer == "adafactor":
-        checks.number("--lr", args.lr)  # <= 0: Adafactor's own schedule
-    else:
-        checks.positive("--lr", args.lr)
-    mesh = checks.mesh_shape("--mesh", args.mesh)
-    checks.device("--device", getattr(args, "device", None))
-    if args.resume and args.checkpoint_dir == "":
-        raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints), not ''.")
-    if getattr(args, "resume_from", None) and not os.path.isdir(args.resume_from):
-        raise UsageError(f"--resume-from {args.resume_from!r} is not a checkpoint directory.")
-    paths = runs.resolve_run(args)
-    args.checkpoint_dir, args.plot = paths.checkpoint_dir, paths.plot
-    if args.resume and not getattr(args, "resume_from", None):
-        point = resume_point(args.checkpoint_dir, None) if os.path.isdir(args.checkpoint_dir) else (None,)
-        if point[0] is None:  # a damaged newest checkpoint was reported by resume_point, before any work
-            raise runs.nothing_to_resume("--resume", args.checkpoint_dir)
-    args.data = checks.input_files("--data", args.data)
-    runs.check_paths(paths, resuming=bool(args.resume or getattr(args, "resume_from", None)))
-    if getattr(args, "log_dir", ""):
-        checks.writable_dir("--log-dir", args.log_dir)
-        optional_module("tensorboard", "meshtorch train --log-dir")
-    if args.sample and not args.prompt:
-        raise UsageError("--prompt is empty; sampling needs at least one prompt character (or --sample 0).")
-    base = preset(args.preset, num_layers=args.layers, batch_size=args.batch_size)
-    pipe = checks.pipeline_fields(args.layout, mesh, getattr(args, "pipeline_stages", None),
-                                  getattr(args, "microbatches", None), getattr(args, "pipeline_repeats", None),
-                                  base.num_layers, base.batch_size)
-    args.pipeline_stages, args.microbatches, args.pipeline_repeats = pipe.values()  # resolved for main_train
-    cfg = preset(args.preset, num_layers=max(pipe["pipeline_stages"], 1) * pipe["pipeline_repeats"],
-                 d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, length=args.length,
-                 batch_size=args.batch_size, gated=args.gated or None, vocab_size=256, num_experts=args.experts,
-                 **pipe)
-    if args.sample and args.tokenizer == "byte" and len(args.prompt.encode("utf-8")) >= cfg.length:
-        raise UsageError(f"--prompt is {len(args.prompt.encode('utf-8'))} bytes, but the model's context is "
-                         f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
-    if args.layout == "auto" or getattr(args, "storage", "") == "auto":
-        _choose_layout(args)
-    names = checks.graph_dim_names(build_lm(cfg).graph)
-    checks.layout_rules("--layout", args.layout, names, mesh)
-    checks.layout_rules("--storage", getattr(args, "storage", ""), names, mesh)
-    return paths
+    cfg: TrainConfig
+    paths: runs.RunPaths
+    impl: object
+    say: Callable
+    tok: object = None
+    dataset: PackedDataset | None = None
+    model: object = None  # the LM's config (meshtorch.models.transformer.LMConfig)
+    record: dict = field(default_factory=dict)
+    lm: object = None
+    lowering: Lowering | None = None
+    eval_lm: object = None
+    eval_lowering: Lowering | None = None
+    trace: list | None = None  # --trace-collectives: the flight recorder's records of the training steps
 
-
-def _choose_layout(args) -> None:
-    """``--layout auto`` / ``--storage auto``: replace them by the layout (and storage rules) the calibrated
-    cost model ranks fastest for this model and mesh within ``--memory-limit``
-    (:func:`meshtorch.runtime.autolayout.choose_layout`); under torchrun the calibration must be cached
-    (every rank reads the same file, so all choose alike).
-
-    Raises:
-        UsageError: ``--layout auto`` with explicit ``--storage`` rules that the search cannot keep, under
-            torchrun without a cached calibration, or when no layout fits ``--memory-limit``.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    backend = "placement" if world == 1 else ("nccl" if str(getattr(args, "device", "") or "").startswith("cuda")
-                                               else "gloo")
-    threads = args.threads or torch.get_num_threads()
-    if world > 1 and cached(backend, threads) is None:
-        raise UsageError(f"--layout auto under torchrun needs this machine's calibration: run 'meshtorch plan "
-                         f"--calibrate --backend {backend} --threads {threads}' once first.")
-    storage = getattr(args, "storage", "") or ""
-    if args.layout != "auto":
-        raise UsageError("--storage auto needs --layout auto (the search picks the storage rules together with "
-                         "the layout).")
-    limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
-    vocab = 256 if args.tokenizer == "byte" else args.vocab_size
-
-    def config(multiple):
-        return preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
-                      d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
-                      gated=args.gated or None, vocab_size=vocab, vocab_multiple=multiple, num_experts=args.experts)
-
-    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
-    args.layout, chosen_storage = choose_layout(config, args.mesh, storage=storage, memory_limit=limit,
-                                                backend=backend, threads=threads, print_fn=say)
-    args.storage = chosen_storage if storage in ("", "auto") else storage  # "": storage rules to fit the limit
-
-
-def _older_hint(older: list[str]) -> str:
-    if not older:
-        return "there is no older checkpoint; start without --resume"
-    return f"older checkpoints: {', '.join(older)}; resume from one with --resume-from {older[0]}"
-
-
-def resume_point(checkpoint_dir: str, resume_from: str | None):
-    """``(path, older)``: the checkpoint to resume from (``resume_from``, or the newest ``ckpt-<step>`` in
-    ``checkpoint_dir``; None if there is none) and the older ones.
-
-    Raises:
-        CheckpointError: if the newest checkpoint directory has no readable manifest, naming it and the
-            older ones to pass to ``--resume-from``.
-    """
-    if resume_from:
-        return resume_from, []
-    dirs = checks.step_dirs(checkpoint_dir)
-    if not dirs:
-        return None, []
-    try:
-        load_manifest(dirs[0])
-    except CheckpointError as e:
-        raise CheckpointError(f"--resume: the newest checkpoint {dirs[0]!r} is unreadable ({e}); "
-                              f"{_older_hint(dirs[1:])}.") from None
-    return dirs[0], dirs[1:]
+    @property
+    def main_process(self) -> bool:
+        return self.impl.is_leader()
 
 
 def main_train(args) -> dict:
-    """Run ``meshtorch train`` from its parsed arguments (:mod:`meshtorch.cli.train`); returns the history,
-    bits per byte, tokens/s, the lowering, the LM and the sample ids.
+    """Run ``meshtorch train`` from its parsed arguments (:mod:`meshtorch.cli.train`; an argparse Namespace or
+    a :class:`~meshtorch.runtime.train_config.TrainConfig`); returns the history, bits per byte, tokens/s, the
+    lowering, the LM and the sample ids.
+
+    Steps: check the config (:meth:`TrainConfig.checked`), join the mesh, read and tokenize the data, build
+    the model and its lowering, resume, train (evaluating and saving on the way), report and sample.
 
     Raises:
         MeshtorchError: if tqdm (the ``meshtorch[cli]`` extra) is not installed.
     """
     tqdm = optional_module("tqdm", "meshtorch train's progress bar").tqdm
-    paths = check_args(args)
-    torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = getattr(args, "device", None)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the job before anything prints
+    cfg, paths = TrainConfig.from_args(args).checked()
+    job = _start(cfg, paths)
+    resuming = _load_data(job)
+    _build_model(job)
+    peak, peak_what = _peak_flops(job)
+    history, start, peak, saved, wall, comp = _train_loop(job, resuming, peak, tqdm)
+    return _report(job, history, start, peak, peak_what, saved, wall, comp)
+
+
+def _start(cfg: TrainConfig, paths: runs.RunPaths) -> _Job:
+    """Seed, threads, the torchrun job (joined before anything prints) and the mesh implementation."""
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = cfg.device
+    if _world() > 1:  # under torchrun: join the job before anything prints
         init_distributed(backend=None if device is None else ("nccl" if device.startswith("cuda") else "gloo"))
-    impl = make_mesh_impl(args.mesh, args.layout, device=device, storage=getattr(args, "storage", "") or None,
-                          async_collectives=getattr(args, "async_collectives", None))
+    impl = make_mesh_impl(cfg.mesh, cfg.layout, device=device, storage=cfg.storage or None,
+                          async_collectives=cfg.async_collectives)
     main_process = impl.is_leader()
 
     def say(*a):
         if main_process:
             print(*a, flush=True)
 
-    docs = load_documents(args.data)
+    return _Job(cfg, paths, impl, say)
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _load_data(job: _Job) -> tuple | None:
+    """Documents, tokenizer, the LM's config and the packed dataset; the run's record, and the checkpoint to
+    resume checked against it (None: a new run)."""
+    cfg = job.cfg
+    docs = load_documents(list(cfg.data) if cfg.data is not None else None)
     fingerprint = runs.data_fingerprint(docs)
-    if args.tokenizer == "sentencepiece":
-        tok = SentencePieceTokenizer(docs, vocab_size=args.vocab_size)
-        if args.checkpoint_dir and main_process:
-            tok.save(os.path.join(args.checkpoint_dir, "tokenizer.model"))
+    if cfg.tokenizer == "sentencepiece":
+        tok = SentencePieceTokenizer(docs, vocab_size=cfg.vocab_size)
+        if cfg.checkpoint_dir and job.main_process:
+            tok.save(os.path.join(cfg.checkpoint_dir, "tokenizer.model"))
     else:
         tok = ByteTokenizer()
-    cfg = preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv,
-                 d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
-                 activation=args.activation, norm=args.norm, gated=args.gated or None, vocab_size=tok.vocab_size,
-                 vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts,
-                 remat=getattr(args, "remat", None),
-                 **{f: getattr(args, f, None) for f in ("pipeline_stages", "microbatches", "pipeline_repeats")})
-    if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
-        raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
-                         f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
-    record = runs.run_record(paths, args, cfg.to_dict(), fingerprint, len(docs))
-    resuming = _resume_check(args, record) if args.resume or getattr(args, "resume_from", None) else None
-    dataset = PackedDataset.from_documents(docs, tok, cfg.length + 1)
-    bpt = dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
-    lm = build_lm(cfg, seed=args.seed, optimizer=make_optimizer(args), clip_norm=args.clip_norm or None)
-    executor = getattr(args, "executor", "codegen")
+    model = preset(cfg.preset, num_layers=cfg.layers, d_model=cfg.d_model, num_heads=cfg.heads, d_kv=cfg.d_kv,
+                   d_ff=cfg.d_ff, length=cfg.length, batch_size=cfg.batch_size, dropout=cfg.dropout,
+                   activation=cfg.activation, norm=cfg.norm, gated=cfg.gated or None, vocab_size=tok.vocab_size,
+                   vocab_multiple=vocab_multiple(cfg.mesh, cfg.layout), num_experts=cfg.experts, remat=cfg.remat,
+                   **cfg.pipeline_fields())
+    if cfg.sample and len(tok.encode(cfg.prompt)) >= model.length:  # SentencePiece: known once it is trained
+        raise UsageError(f"--prompt is {len(tok.encode(cfg.prompt))} tokens, but the model's context is "
+                         f"{model.length} tokens (--length); give a shorter prompt or a longer --length.")
+    job.tok, job.model = tok, model
+    job.record = runs.run_record(job.paths, cfg, model.to_dict(), fingerprint, len(docs))
+    resuming = _resume_check(cfg, job.record) if cfg.resuming else None
+    job.dataset = PackedDataset.from_documents(docs, tok, model.length + 1)
+    return resuming
+
+
+def _build_model(job: _Job) -> None:
+    """The LM with its optimizer, its lowering on the mesh, and the twin without dropout for evaluation."""
+    cfg, model = job.cfg, job.model
+    job.lm = build_lm(model, seed=cfg.seed, optimizer=make_optimizer(cfg), clip_norm=cfg.clip_norm or None)
     try:
-        lowering = Lowering(lm.graph, {lm.mesh: impl}, mode=executor,
-                            bucket_bytes=int(getattr(args, "bucket_mb", 0.0) * 2 ** 20))
+        job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, mode=cfg.executor,
+                                bucket_bytes=cfg.bucket_bytes)
     except LayoutError as e:  # e.g. a dimension size the mesh axis does not divide
-        raise LayoutError(f"--layout {args.layout!r}: {e}") from None
-    eval_lm, eval_lowering = lm, lowering
-    if cfg.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
-        eval_lm = build_lm(cfg, seed=args.seed, train=False)
-        eval_impl = make_mesh_impl(args.mesh, args.layout, device=device, storage=getattr(args, "storage", "") or None)
-        eval_lowering = Lowering(eval_lm.graph, {eval_lm.mesh: eval_impl})
-    n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
-    say(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
-          f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
-          f"batch {cfg.batch_size} x length {cfg.length}")
-    say(f"mesh {args.mesh!r} layout {args.layout!r} storage {getattr(args, 'storage', '') or '(as the layout)'!r}; "
-        f"{len(dataset.train)} train / "
-          f"{len(dataset.validation)} validation sequences")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+        raise LayoutError(f"--layout {cfg.layout!r}: {e}") from None
+    job.eval_lm, job.eval_lowering = job.lm, job.lowering
+    if model.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
+        job.eval_lm = build_lm(model, seed=cfg.seed, train=False)
+        eval_impl = make_mesh_impl(cfg.mesh, cfg.layout, device=cfg.device, storage=cfg.storage or None)
+        job.eval_lowering = Lowering(job.eval_lm.graph, {job.eval_lm.mesh: eval_impl})
+    n_params = sum(v.shape.size for v in job.lm.graph.trainable_variables)
+    job.say(f"model: {model.num_layers} layers, d_model {model.d_model}, {model.num_heads} heads x d_kv "
+            f"{model.d_kv}, d_ff {model.d_ff}, vocab {model.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
+            f"batch {model.batch_size} x length {model.length}")
+    job.say(f"mesh {cfg.mesh!r} layout {cfg.layout!r} storage {cfg.storage or '(as the layout)'!r}; "
+            f"{len(job.dataset.train)} train / {len(job.dataset.validation)} validation sequences")
+
+
+def _peak_flops(job: _Job) -> tuple[float, str]:
+    """The MFU denominator (FLOP/s of the whole job) and where it comes from."""
+    impl, world = job.impl, _world()
     gpus = sorted({str(impl.device(p)) for p in impl.local_pnums() if impl.device(p).type == "cuda"})
-    if getattr(args, "peak_tflops", None):
-        peak, peak_what = args.peak_tflops * 1e12, "--peak-tflops"
-    elif gpus:  # the slices live on GPUs: their matmul rate, times the GPUs of the job
-        peak = measure_peak_flops(device=gpus[0]) * len(gpus) * world
-        peak_what = f"a float32 matmul measured on {gpus[0]}, x {len(gpus) * world} GPU(s)"
-    else:
-        peak = job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
-                              int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world)
-        peak_what = (f"a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
-                     f"x {world} process{'es' if world > 1 else ''}")
-    fpt = flops_per_token(cfg)
+    if job.cfg.peak_tflops:
+        return job.cfg.peak_tflops * 1e12, "--peak-tflops"
+    if gpus:  # the slices live on GPUs: their matmul rate, times the GPUs of the job
+        return (measure_peak_flops(device=gpus[0]) * len(gpus) * world,
+                f"a float32 matmul measured on {gpus[0]}, x {len(gpus) * world} GPU(s)")
+    peak = job_peak_flops(measure_peak_flops(), torch.get_num_threads(),
+                          int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world)
+    return peak, (f"a float32 matmul measured on this process's share of {torch.get_num_threads()} thread(s), "
+                  f"x {world} process{'es' if world > 1 else ''}")
+
+
+def _train_loop(job: _Job, resuming, peak: float, tqdm):
+    """Resume, then train to ``--steps`` (evaluating every ``--eval-every`` steps and saving every
+    ``--checkpoint-every``); returns ``(history, first step, peak, last checkpoint, wall seconds, CompileClock)``.
+
+    Raises:
+        RunFailure: the loss or the gradient norm diverged (nothing after the last good step is saved).
+    """
+    cfg, paths, record, say, main_process = job.cfg, job.paths, job.record, job.say, job.main_process
+    lm, lowering, model, world = job.lm, job.lowering, job.model, _world()
+    bpt = job.dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
+    fpt = flops_per_token(model)
     metrics = None
-    if getattr(args, "log_dir", "") and main_process:
-        metrics = MetricsLog(args.log_dir, {"config": cfg.to_dict(), "mesh": args.mesh, "layout": args.layout,
-                                            "storage": getattr(args, "storage", ""), "processes": world})
-    tokens_per_step = cfg.batch_size * cfg.length
+    if cfg.log_dir and main_process:
+        metrics = MetricsLog(cfg.log_dir, {"config": model.to_dict(), "mesh": cfg.mesh, "layout": cfg.layout,
+                                           "storage": cfg.storage, "processes": world})
+    tokens_per_step = model.batch_size * model.length
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
     fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
@@ -350,24 +286,24 @@ def main_train(args) -> dict:
     if resuming is not None:
         start, epoch, in_epoch = _resume(resuming, lowering, record, history, say)
         paths.name = record["run"]  # the resumed run goes on (its retention covers its earlier checkpoints)
-    if args.checkpoint_dir and main_process:
-        runs.write_run_manifest(args.checkpoint_dir, record)
+    if cfg.checkpoint_dir and main_process:
+        runs.write_run_manifest(cfg.checkpoint_dir, record)
         if paths.default_layout:
-            runs.point_latest(args.runs_dir, paths.name)
-    if args.checkpoint_dir:
-        say(f"run {paths.name!r}: checkpoints in {args.checkpoint_dir} (run manifest: "
-            f"{os.path.join(args.checkpoint_dir, runs.RUN_MANIFEST)})")
+            runs.point_latest(cfg.runs_dir, paths.name)
+    if cfg.checkpoint_dir:
+        say(f"run {paths.name!r}: checkpoints in {cfg.checkpoint_dir} (run manifest: "
+            f"{os.path.join(cfg.checkpoint_dir, runs.RUN_MANIFEST)})")
     saved = None
-    batches = dataset.stream(cfg.batch_size, args.seed, epoch, in_epoch)
-    bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
+    batches = job.dataset.stream(model.batch_size, cfg.seed, epoch, in_epoch)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=not main_process)
     t_start, first_loss = time.perf_counter(), None
     comp = CompileClock(lowering.session, bar, tqdm.write if main_process else (lambda _m: None))
     trace = None
-    if getattr(args, "trace_collectives", False):  # every collective this process runs, for the report below
+    if cfg.trace_collectives:  # every collective this process runs, for the report
         trace = flight_recorder().sink = []
     try:
-        for step in range(start, args.steps):
+        for step in range(start, cfg.steps):
             epoch, in_epoch, batch = next(batches)
             comp.before("training step")
             t0 = time.perf_counter()
@@ -384,7 +320,7 @@ def main_train(args) -> dict:
                 what = f"the gradient norm is {gnorm}"
             if what:
                 raise RunFailure(f"training diverged: {what} at step {step + 1}; nothing after step {step} was "
-                                 f"saved. {_last_good(args.checkpoint_dir)} {_advice(args)}")
+                                 f"saved. {_last_good(cfg.checkpoint_dir)} {_advice(cfg)}")
             history["step"].append(step)
             history["loss"].append(loss)
             tps = tokens_per_step / dt
@@ -392,17 +328,10 @@ def main_train(args) -> dict:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", mfu=f"{100 * mfu(tps * fpt, peak):.1f}%")
             if metrics is not None:
                 metrics.log(step + 1, loss=loss, bits_per_byte=loss / math.log(2) / bpt,
-                            learning_rate=host_lr(args, step), grad_norm=gnorm, tokens_per_s=tps,
+                            learning_rate=host_lr(cfg, step), grad_norm=gnorm, tokens_per_s=tps,
                             tokens_per_s_per_process=tps / world, mfu=mfu(tps * fpt, peak))
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                if eval_lowering is not lowering:
-                    for name in lowering.variable_names:
-                        if name in eval_lowering.variable_names:
-                            eval_lowering.set_variable_value(name, lowering.variable_value(name))
-                comp.before("evaluation step")
-                t0 = time.perf_counter()
-                val = evaluate(eval_lowering, eval_lm, dataset, args.eval_batches)
-                comp.after("evaluation step", time.perf_counter() - t0, steps=0, session=eval_lowering.session)
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                val = _evaluate_now(job, comp)
                 history["val_step"].append(step + 1)
                 history["val_loss"].append(val)
                 if metrics is not None:
@@ -410,10 +339,10 @@ def main_train(args) -> dict:
                 if main_process:
                     tqdm.write(f"step {step + 1}: validation loss {val:.4f} nats/token, "
                                f"{val / math.log(2) / bpt:.4f} bits per byte")
-            if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
-                                        or step + 1 == args.steps):
-                _check_finite(lowering, step + 1, args)
-                saved = save(lowering, args.checkpoint_dir, step=step + 1, keep=args.keep, run=paths.name,
+            if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+                                       or step + 1 == cfg.steps):
+                _check_finite(lowering, step + 1, cfg)
+                saved = save(lowering, cfg.checkpoint_dir, step=step + 1, keep=cfg.keep, run=paths.name,
                              extra={**record, "data": {"epoch": epoch, "batch": in_epoch}, "history": history})
                 if main_process:
                     tqdm.write(f"saved checkpoint {saved}")
@@ -423,44 +352,69 @@ def main_train(args) -> dict:
         if trace is not None:
             flight_recorder().sink = None
     if not history["val_loss"] or history["val_step"][-1] <= start:
-        raise UsageError(f"--steps {args.steps}: nothing to train, the checkpoint is already at step {start}; "
+        raise UsageError(f"--steps {cfg.steps}: nothing to train, the checkpoint is already at step {start}; "
                          "give a larger --steps to continue.")
     wall = time.perf_counter() - t_start
-    steady_steps = args.steps - start - comp.steps  # throughput: steady-state steps only, compiling excluded
-    tps = max(steady_steps, 1) * tokens_per_step / max(wall - comp.seconds, 1e-9)
-    val = history["val_loss"][-1]
     if metrics is not None:
         metrics.close()
+    job.trace = trace
+    return history, start, peak, saved, wall, comp
+
+
+def _evaluate_now(job: _Job, comp) -> float:
+    """The validation loss now (the training weights copied into the evaluation twin first, if any)."""
+    lowering, eval_lowering = job.lowering, job.eval_lowering
+    if eval_lowering is not lowering:
+        for name in lowering.variable_names:
+            if name in eval_lowering.variable_names:
+                eval_lowering.set_variable_value(name, lowering.variable_value(name))
+    comp.before("evaluation step")
+    t0 = time.perf_counter()
+    val = evaluate(eval_lowering, job.eval_lm, job.dataset, job.cfg.eval_batches)
+    comp.after("evaluation step", time.perf_counter() - t0, steps=0, session=eval_lowering.session)
+    return val
+
+
+def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, saved, wall: float, comp) -> dict:
+    """Print throughput, MFU, the validation result, the communication summary (and the flight recorder's
+    report), where the checkpoint is; plot the loss curve; sample. Returns :func:`main_train`'s result."""
+    cfg, paths, model, say, world = job.cfg, job.paths, job.model, job.say, _world()
+    bpt = job.dataset.bytes_per_token
+    fpt = flops_per_token(model)
+    tokens_per_step = model.batch_size * model.length
+    steady_steps = cfg.steps - start - comp.steps  # throughput: steady-state steps only, compiling excluded
+    tps = max(steady_steps, 1) * tokens_per_step / max(wall - comp.seconds, 1e-9)
+    val = history["val_loss"][-1]
     if comp.seconds:
         say(f"compile seconds: {comp.seconds:.1f} ({comp.describe()}); excluded from tokens/s and MFU below")
-    say(f"done: {args.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s ({tps / world:.0f} per process, "
+    say(f"done: {cfg.steps - start} steps in {wall:.1f} s, {tps:.0f} tokens/s ({tps / world:.0f} per process, "
         f"{world} process{'es' if world > 1 else ''}), MFU {100 * mfu(tps * fpt, peak):.2f}% (of {peak / 1e9:.1f} "
         f"GFLOP/s: {peak_what})")
     say(f"validation: {val:.4f} nats/token, {val / math.log(2) / bpt:.4f} bits per byte")
-    say(lowering.counters.summary(detail=getattr(args, "comm_detail", False),
-                                  header=f"mesh {args.mesh!r}, layout {args.layout!r}, storage "
-                                         f"{getattr(args, 'storage', '') or '(none: as the layout)'!r}"))
-    if trace is not None:
-        say(collective_report(trace, top=5))
+    say(job.lowering.counters.summary(detail=cfg.comm_detail,
+                                      header=f"mesh {cfg.mesh!r}, layout {cfg.layout!r}, storage "
+                                             f"{cfg.storage or '(none: as the layout)'!r}"))
+    if job.trace is not None:
+        say(collective_report(job.trace, top=5))
     if saved:
-        how = "meshtorch sample" if paths.default_layout else f"meshtorch sample --checkpoint-dir {args.checkpoint_dir}"
+        how = "meshtorch sample" if paths.default_layout else f"meshtorch sample --checkpoint-dir {cfg.checkpoint_dir}"
         say(f"checkpoint: {saved} (decode it: {how}; continue it: meshtorch train --resume"
-            f"{'' if paths.default_layout else ' --checkpoint-dir ' + args.checkpoint_dir} --steps N)")
-    if args.plot and main_process:
-        plot_history(history, args.plot, bpt, title=f"{cfg.num_layers} layers x d_model {cfg.d_model}; mesh "
-              f"{args.mesh or '(1 processor)'}; layout {args.layout or '(replicated)'}"
-              + (f"; storage {args.storage}" if getattr(args, "storage", "") else ""))
-        say(f"loss curve: {args.plot}")
+            f"{'' if paths.default_layout else ' --checkpoint-dir ' + cfg.checkpoint_dir} --steps N)")
+    if cfg.plot and job.main_process:
+        plot_history(history, cfg.plot, bpt, title=f"{model.num_layers} layers x d_model {model.d_model}; mesh "
+                     f"{cfg.mesh or '(1 processor)'}; layout {cfg.layout or '(replicated)'}"
+                     + (f"; storage {cfg.storage}" if cfg.storage else ""))
+        say(f"loss curve: {cfg.plot}")
     ids = None
-    if args.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
-        ids = sample(eval_lowering, eval_lm, tok.encode(args.prompt), max_new_tokens=args.sample,
-                     temperature=args.temperature, top_k=args.top_k, seed=args.seed)[0]
-        say("sample:\n" + args.prompt + tok.decode(ids))
+    if cfg.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
+        ids = sample(job.eval_lowering, job.eval_lm, job.tok.encode(cfg.prompt), max_new_tokens=cfg.sample,
+                     temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed)[0]
+        say("sample:\n" + cfg.prompt + job.tok.decode(ids))
     return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
-            "lowering": lowering, "lm": lm, "sample_ids": ids}
+            "lowering": job.lowering, "lm": job.lm, "sample_ids": ids}
 
 
-def _resume_check(args, record: dict) -> tuple:
+def _resume_check(args: TrainConfig, record: dict) -> tuple:
     """The checkpoint ``--resume`` / ``--resume-from`` names, checked against this run's model and data before
     the model is built: ``(path, older checkpoints, its extra, whether --force-data applies)``.
 
@@ -468,13 +422,13 @@ def _resume_check(args, record: dict) -> tuple:
         UsageError: naming ``--resume`` and the differing field, if the checkpoint's model config or tokenizer
             differ, or its data fingerprint differs without ``--force-data``; or nothing to resume.
     """
-    flag = "--resume-from" if getattr(args, "resume_from", None) else "--resume"
-    point, older = resume_point(args.checkpoint_dir, getattr(args, "resume_from", None))
+    flag = "--resume-from" if args.resume_from else "--resume"
+    point, older = resume_point(args.checkpoint_dir, args.resume_from)
     if point is None:
         raise runs.nothing_to_resume(flag, args.checkpoint_dir)
     saved = load_manifest(point).get("extra") or {}
     bad = runs.resume_mismatch(saved, record)
-    force = bad is not None and bad[0] == "data" and getattr(args, "force_data", False)
+    force = bad is not None and bad[0] == "data" and args.force_data
     if bad is not None and not force:
         raise UsageError(f"{flag} {point}: {bad[1]}.")
     return point, older, saved, force
@@ -492,7 +446,7 @@ def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple
     try:
         meta = restore(lowering, point)
     except CheckpointError as e:
-        raise CheckpointError(f"{e} ({_older_hint(older)})") from None
+        raise CheckpointError(f"{e} ({older_hint(older)})") from None
     pos = {} if force else saved.get("data", {})
     start, epoch, in_epoch = meta["step"], pos.get("epoch", 0), pos.get("batch", 0)
     record["run"] = saved.get("run") or record["run"]

@@ -1,0 +1,281 @@
+"""``meshtorch train``'s typed configuration: one frozen :class:`TrainConfig`, built from the parsed
+arguments once (:meth:`TrainConfig.from_args`) and checked once (:meth:`TrainConfig.checked`) before data
+is loaded or the model built; :func:`meshtorch.runtime.train.main_train` reads only it.
+
+A new ``meshtorch train`` flag: add its argparse line in :mod:`meshtorch.cli.train` and a field here with
+the same name (the argparse ``dest``) and the same default, in the group it belongs to;
+``tests/test_train_config.py`` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from meshtorch.checkpoint import load_manifest
+from meshtorch.core.errors import CheckpointError, UsageError
+from meshtorch.models.transformer import build_lm, preset
+from meshtorch.planning.command import parse_bytes
+from meshtorch.runtime import checks, runs
+from meshtorch.runtime.autolayout import choose_layout
+from meshtorch.runtime.calibrate import cached
+from meshtorch.runtime.optional import optional_module
+
+DEFAULT_MESH = "data:2,model:2"
+DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every ``meshtorch train`` setting, named as its flag (``--d-model`` -> ``d_model``) with the flag's
+    default (see ``meshtorch train --help`` and docs/cli-train.md for each meaning). Frozen: a resolved
+    value (the run's checkpoint directory, ``--layout auto``'s choice) is a new config
+    (:meth:`checked`), never a changed one."""
+
+    # model: a preset and its overrides (None: the preset's value)
+    preset: str = "small"
+    layers: int | None = None
+    d_model: int | None = None
+    heads: int | None = None
+    d_kv: int | None = None
+    d_ff: int | None = None
+    length: int | None = None
+    batch_size: int | None = None
+    dropout: float | None = None
+    experts: int | None = None
+    activation: str | None = None
+    gated: bool = False
+    norm: str | None = None
+    remat: str = "none"
+    # pipeline (docs/pipeline.md): None = resolved by checked() (stages from the layout's 'stage' axis)
+    pipeline_stages: int | None = None
+    microbatches: int | None = None
+    pipeline_repeats: int | None = None
+    # mesh and layout
+    mesh: str = DEFAULT_MESH
+    layout: str = DEFAULT_LAYOUT
+    memory_limit: str | None = None
+    device: str | None = None
+    storage: str = ""
+    # data
+    data: tuple[str, ...] | None = None
+    tokenizer: str = "byte"
+    vocab_size: int = 1024
+    # optimization
+    steps: int = 600
+    optimizer: str = "adamw"
+    lr: float = 6e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    eval_every: int = 200
+    eval_batches: int = 8
+    seed: int = 0
+    # execution
+    threads: int = 1
+    executor: str = "codegen"
+    peak_tflops: float | None = None
+    bucket_mb: float = 25.0
+    async_collectives: bool | None = None
+    # runs, outputs and reports
+    runs_dir: str = "runs"
+    run_name: str | None = None
+    plot: str | None = None
+    trace_collectives: bool = False
+    comm_detail: bool = False
+    log_dir: str = ""
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    resume_from: str | None = None
+    force_data: bool = False
+    # sampling after training
+    sample: int = 200
+    prompt: str = "The "
+    temperature: float = 0.8
+    top_k: int = 40
+    # fine-tuning a Hugging Face model instead (meshtorch.runtime.hf_jobs)
+    init_from: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> TrainConfig:
+        """The config of an argparse Namespace (or any object with these attributes; a TrainConfig is
+        returned as it is). An attribute the object lacks takes the field's default; others are ignored."""
+        if isinstance(args, cls):
+            return args
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        if values.get("data") is not None:
+            values["data"] = tuple(values["data"])
+        return cls(**values)
+
+    def replace(self, **changes) -> TrainConfig:
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def resuming(self) -> bool:
+        """``--resume`` or ``--resume-from`` was given."""
+        return bool(self.resume or self.resume_from)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``--bucket-mb`` in bytes."""
+        return int(self.bucket_mb * 2 ** 20)
+
+    def checked(self) -> tuple[TrainConfig, runs.RunPaths]:
+        """Check every flag before data is loaded or the model built; returns the config with its run's
+        paths, data files and ``--layout auto`` / ``--storage auto`` resolved, and the run's name and paths
+        (:func:`meshtorch.runtime.runs.resolve_run`).
+
+        Raises:
+            UsageError: naming the flag (a number out of range, an unwritable output path, a missing
+                input file, a mesh size that is not a positive integer, a prompt longer than the context,
+                a ``--resume`` with nothing to resume).
+            LayoutError: naming a ``--layout``/``--storage`` rule that matches no dimension of the model or no
+                axis of the mesh, listing both.
+        """
+        self._check_numbers()
+        mesh = checks.mesh_shape("--mesh", self.mesh)
+        checks.device("--device", self.device)
+        if self.resume and self.checkpoint_dir == "":
+            raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints), not ''.")
+        if self.resume_from and not os.path.isdir(self.resume_from):
+            raise UsageError(f"--resume-from {self.resume_from!r} is not a checkpoint directory.")
+        paths = runs.resolve_run(self)
+        cfg = self.replace(checkpoint_dir=paths.checkpoint_dir, plot=paths.plot)
+        if cfg.resume and not cfg.resume_from:
+            point = resume_point(cfg.checkpoint_dir, None) if os.path.isdir(cfg.checkpoint_dir) else (None,)
+            if point[0] is None:  # a damaged newest checkpoint was reported by resume_point, before any work
+                raise runs.nothing_to_resume("--resume", cfg.checkpoint_dir)
+        data = checks.input_files("--data", cfg.data)
+        cfg = cfg.replace(data=None if data is None else tuple(data))
+        runs.check_paths(paths, resuming=cfg.resuming)
+        if cfg.log_dir:
+            checks.writable_dir("--log-dir", cfg.log_dir)
+            optional_module("tensorboard", "meshtorch train --log-dir")
+        cfg = cfg._resolve_pipeline(mesh)
+        cfg._check_prompt()
+        if cfg.layout == "auto" or cfg.storage == "auto":
+            cfg = cfg._choose_layout()
+        names = checks.graph_dim_names(build_lm(cfg._probe_model()).graph)
+        checks.layout_rules("--layout", cfg.layout, names, mesh)
+        checks.layout_rules("--storage", cfg.storage, names, mesh)
+        return cfg, paths
+
+    def _check_numbers(self) -> None:
+        for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "steps", "eval_every",
+                     "eval_batches", "vocab_size", "keep"):
+            checks.positive("--" + flag.replace("_", "-"), getattr(self, flag))
+        if self.experts is not None:
+            checks.non_negative("--experts", self.experts)
+        for flag in ("threads", "warmup_steps", "weight_decay", "clip_norm", "checkpoint_every", "sample",
+                     "temperature", "top_k", "bucket_mb"):
+            if getattr(self, flag) is not None:
+                checks.non_negative("--" + flag.replace("_", "-"), getattr(self, flag))
+        checks.positive("--peak-tflops", self.peak_tflops)
+        checks.fraction("--dropout", self.dropout)
+        if self.optimizer == "adafactor":
+            checks.number("--lr", self.lr)  # <= 0: Adafactor's own schedule
+        else:
+            checks.positive("--lr", self.lr)
+
+    def _resolve_pipeline(self, mesh) -> TrainConfig:
+        """The config with ``--pipeline-stages/--microbatches/--pipeline-repeats`` resolved (stages from the mesh
+        axis the layout maps ``stage`` to; :func:`meshtorch.runtime.checks.pipeline_fields` raises UsageError
+        naming the flag for a combination the model or mesh cannot run)."""
+        base = preset(self.preset, num_layers=self.layers, batch_size=self.batch_size)
+        pipe = checks.pipeline_fields(self.layout, mesh, self.pipeline_stages, self.microbatches,
+                                      self.pipeline_repeats, base.num_layers, base.batch_size)
+        return self.replace(**pipe)
+
+    def pipeline_fields(self) -> dict:
+        """The resolved pipeline fields of the model config (``LMConfig.pipeline_stages`` etc.)."""
+        return {f: getattr(self, f) for f in ("pipeline_stages", "microbatches", "pipeline_repeats")}
+
+    def _probe_model(self):
+        """The model config with one layer (one pipeline of S x R layers) and the byte vocabulary: enough for
+        the dimension names and the context length, cheap to build."""
+        pipe = {k: v for k, v in self.pipeline_fields().items() if v is not None}
+        layers = max(pipe.get("pipeline_stages", 0), 1) * pipe.get("pipeline_repeats", 1)
+        return preset(self.preset, num_layers=layers, d_model=self.d_model, num_heads=self.heads, d_kv=self.d_kv,
+                      d_ff=self.d_ff, length=self.length, batch_size=self.batch_size, gated=self.gated or None,
+                      vocab_size=256, num_experts=self.experts, **pipe)
+
+    def _check_prompt(self) -> None:
+        if self.sample and not self.prompt:
+            raise UsageError("--prompt is empty; sampling needs at least one prompt character (or --sample 0).")
+        length = self._probe_model().length
+        if self.sample and self.tokenizer == "byte" and len(self.prompt.encode("utf-8")) >= length:
+            raise UsageError(f"--prompt is {len(self.prompt.encode('utf-8'))} bytes, but the model's context is "
+                             f"{length} tokens (--length); give a shorter prompt or a longer --length.")
+
+    def _choose_layout(self) -> TrainConfig:
+        """``--layout auto`` / ``--storage auto``: the config with the layout (and storage rules) the calibrated
+        cost model ranks fastest for this model and mesh within ``--memory-limit``
+        (:func:`meshtorch.runtime.autolayout.choose_layout`); under torchrun the calibration must be cached
+        (every rank reads the same file, so all choose alike).
+
+        Raises:
+            UsageError: ``--storage auto`` without ``--layout auto``, under torchrun without a cached
+                calibration, or when no layout fits ``--memory-limit``.
+        """
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        backend = "placement" if world == 1 else ("nccl" if str(self.device or "").startswith("cuda") else "gloo")
+        threads = self.threads or torch.get_num_threads()
+        if world > 1 and cached(backend, threads) is None:
+            raise UsageError(f"--layout auto under torchrun needs this machine's calibration: run 'meshtorch plan "
+                             f"--calibrate --backend {backend} --threads {threads}' once first.")
+        storage = self.storage or ""
+        if self.layout != "auto":
+            raise UsageError("--storage auto needs --layout auto (the search picks the storage rules together with "
+                             "the layout).")
+        limit = parse_bytes(self.memory_limit) if self.memory_limit else None
+        vocab = 256 if self.tokenizer == "byte" else self.vocab_size
+
+        def config(multiple):
+            return preset(self.preset, num_layers=self.layers, d_model=self.d_model, num_heads=self.heads,
+                          d_kv=self.d_kv, d_ff=self.d_ff, length=self.length, batch_size=self.batch_size,
+                          gated=self.gated or None, vocab_size=vocab, vocab_multiple=multiple,
+                          num_experts=self.experts)
+
+        say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
+        layout, chosen_storage = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
+                                               backend=backend, threads=threads, print_fn=say)
+        # "": storage rules to fit the limit
+        return self.replace(layout=layout, storage=chosen_storage if storage in ("", "auto") else storage)
+
+
+def older_hint(older: list[str]) -> str:
+    """What to do when a checkpoint cannot be resumed: the older checkpoints to pass to ``--resume-from``."""
+    if not older:
+        return "there is no older checkpoint; start without --resume"
+    return f"older checkpoints: {', '.join(older)}; resume from one with --resume-from {older[0]}"
+
+
+def resume_point(checkpoint_dir: str, resume_from: str | None):
+    """``(path, older)``: the checkpoint to resume from (``resume_from``, or the newest ``ckpt-<step>`` in
+    ``checkpoint_dir``; None if there is none) and the older ones.
+
+    Raises:
+        CheckpointError: if the newest checkpoint directory has no readable manifest, naming it and the
+            older ones to pass to ``--resume-from``.
+    """
+    if resume_from:
+        return resume_from, []
+    dirs = checks.step_dirs(checkpoint_dir)
+    if not dirs:
+        return None, []
+    try:
+        load_manifest(dirs[0])
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: the newest checkpoint {dirs[0]!r} is unreadable ({e}); "
+                              f"{older_hint(dirs[1:])}.") from None
+    return dirs[0], dirs[1:]
+
+
+__all__ = ["DEFAULT_LAYOUT", "DEFAULT_MESH", "TrainConfig", "older_hint", "resume_point"]
