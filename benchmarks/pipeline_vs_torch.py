@@ -1,0 +1,324 @@
+"""A 4-stage pipeline on 4 gloo ranks: meshtorch's pipelined LM vs ``torch.distributed.pipelining`` GPipe.
+
+Model: :func:`meshtorch.models.transformer.build_lm` (default 8 layers, d_model 256, 4 heads x 64, d_ff 1024,
+vocab 256, length 64, batch 16), AdamW (no weight decay), ``--microbatches`` M (default 8), ``--stages`` S
+(default 4) gloo ranks with one CPU thread each (``meshtorch.testing.spmd.run_spmd``,
+``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS). Two jobs, alternated ``--rounds`` times
+(meshtorch, torch, meshtorch, torch, ...) so slow periods of a shared host hit both:
+
+* ``meshtorch``: ``LMConfig(pipeline_stages=S, microbatches=M)`` on ``SpmdMeshImpl("pipe:S", "stage:pipe")``
+  (``meshtorch train --mesh pipe:4 --layout stage:pipe --microbatches 8``): the layers' weights stacked on a
+  ``stage`` dimension split over ``pipe``, M*R+S-1 unrolled iterations, the state shifted along ``stage``
+  by a collective-permute each iteration (GSPMD / praxis style); embedding, final norm and logits are
+  replicated over ``pipe``.
+* ``torch``: the same architecture (:class:`meshtorch.testing.torch_lm.TorchLM`, the LM's plain-PyTorch twin)
+  split by hand as the PyTorch pipelining docs and TorchTitan do (each rank keeps its layers, stage 0 the
+  embeddings, the last stage the final norm and logits; :class:`StageLM`), wrapped in
+  ``PipelineStage`` and run by ``ScheduleGPipe(stage, M, loss_fn)``; ``torch.optim.AdamW``.
+
+Both start from the same weights (the unpipelined meshtorch LM's initial values) and train on the same
+batches, so their losses must agree (printed, max relative difference). Each job: a tiny warm-up model
+(lazy allocations of torch and gloo), RSS reset, the model built, one warm-up step, then ``--steps``
+timed steps, each between two barriers. Printed: the median step time of each run over all rounds with its
+spread (min-max) and the ratio meshtorch / torch (goal <= 1.0); peak RSS growth per rank (VmHWM after the
+reset minus the RSS before the build: variables, activations, transients); the time each rank spends waiting
+in point-to-point transfers (torch: ``_wait_batch_p2p``; meshtorch: its collective-permutes, from the flight
+recorder) as a fraction of the step; the measured bubble fraction; and beside them the planner's
+predictions (:func:`meshtorch.planning.memory_report` on a dry run: bubble fraction and per-rank total).
+
+Measured bubble fraction. torch (GPipe): the idle share of a rank's step, ``1 - busy / step``, where busy
+is the step minus its waits for transfers; in GPipe the waits are the fill and drain bubble (plus the
+transfer time). meshtorch: every stage computes in every iteration (the bubble is work on empty slots, not
+waiting), so the flight recorder's permute start times cut each rank's step into its iterations, and the
+bubble is the time of the iterations the schedule table leaves that rank without a microbatch (forward and
+backward), over the time of all iterations.
+
+Run: ``python benchmarks/pipeline_vs_torch.py [--rounds 3] [--steps 3] [--stages 4] [--microbatches 8]
+[--layers 8] [--runs meshtorch,torch]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+from host import describe  # noqa: E402
+from rss import peak_rss_bytes, reset_peak  # noqa: E402
+
+from meshtorch.models.transformer import LMConfig, preset  # noqa: E402
+from meshtorch.testing.torch_lm import TorchLM  # noqa: E402
+
+MIB = 2 ** 20
+LR = 1e-3
+
+
+def config(kw: dict) -> LMConfig:
+    """The unpipelined LM of the benchmark (``kw``: LMConfig fields overriding the defaults)."""
+    base = dict(vocab_size=256, d_model=256, num_heads=4, d_kv=64, d_ff=1024, num_layers=8, length=64,
+                batch_size=16)
+    base.update(kw)
+    return preset("tiny", **base)
+
+
+def batches(cfg: LMConfig, n: int = 4) -> list:
+    """``n`` fixed (inputs, targets) int64 ``[batch, length]`` pairs (targets: inputs shifted by one)."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        seq = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.length + 1), generator=g)
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def initial_state(cfg: LMConfig) -> dict:
+    """``{torch name: tensor}`` of the unpipelined meshtorch LM's initial weights (both runs start there)."""
+    import meshtorch as mtf
+    from meshtorch.models.transformer import build_lm
+
+    lm = build_lm(cfg, seed=0)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec("", "")})
+    return {n.replace("/", "."): lw.variable_value(n) for n in lw.variable_names}
+
+
+class StageLM(TorchLM):
+    """Stage ``stage`` of ``stages`` of :class:`TorchLM`, split by hand (the PyTorch pipelining tutorial's and
+    TorchTitan's manual split): layers ``stage * L/S .. (stage + 1) * L/S - 1``, the embeddings on stage 0,
+    final norm and logits on the last stage; the others are deleted. ``forward``: int64 ids ``[mb, length]``
+    (stage 0) or hidden states ``[mb, length, d_model]`` -> hidden states, or logits on the last stage."""
+
+    def __init__(self, c: LMConfig, stage: int, stages: int):
+        super().__init__(c)
+        if c.num_layers % stages:
+            raise ValueError(f"StageLM: {c.num_layers} layers do not split into {stages} stages.")
+        per = c.num_layers // stages
+        self.stage, self.stages = stage, stages
+        self.owned = list(range(stage * per, (stage + 1) * per))
+        for i in range(c.num_layers):
+            if i not in self.owned:
+                delattr(self, f"layer_{i}")
+        if stage != 0:
+            del self.embedding, self.pos_embedding
+        if stage != stages - 1:
+            del self.final_norm, self.logits
+
+    def forward(self, x):
+        if self.stage == 0:
+            x = self.embedding[x] + self.pos_embedding[: x.shape[1]]
+        for i in self.owned:
+            x, _ = self.block(i, x)
+        return self.head(x) if self.stage == self.stages - 1 else x
+
+
+def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None):
+    """``(step_fn, waits, None)`` of this rank's GPipe stage; ``step_fn(x, y)`` returns the loss on the last
+    stage (None elsewhere); ``waits[0]`` accumulates the seconds spent waiting for transfers."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import schedules as sched_mod
+
+    rank = dist.get_rank()
+    model = StageLM(cfg, rank, stages)
+    if state is not None:
+        own = dict(model.named_parameters())
+        model.load_state_dict({k: v for k, v in state.items() if k in own})
+    stage = PipelineStage(model, rank, stages, torch.device("cpu"))
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    sched = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    waits = [0.0]
+    wait = sched_mod._wait_batch_p2p
+    if not getattr(wait, "_timed", False):
+        def timed_wait(work):
+            t0 = time.perf_counter()
+            try:
+                return wait(work)
+            finally:
+                waits[0] += time.perf_counter() - t0
+        timed_wait._timed = True
+        sched_mod._wait_batch_p2p = timed_wait
+    else:  # a second job in this process: reuse the wrapper's counter
+        waits = wait._waits
+    sched_mod._wait_batch_p2p._waits = waits
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        elif rank == stages - 1:
+            losses = []
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+        opt.step()
+        return float(torch.stack(losses).mean()) if rank == stages - 1 else None
+
+    return step, waits, None
+
+
+def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None):
+    """``(step_fn, waits, bubble_fn)`` of this rank's share of the pipelined meshtorch LM."""
+    import torch.distributed as dist
+
+    import meshtorch as mtf
+    from meshtorch.mesh.recorder import flight_recorder
+    from meshtorch.models.transformer import build_lm
+    from pipeline_common import load_unpipelined_state, measured_bubble
+
+    pcfg = replace(cfg, pipeline_stages=stages, microbatches=microbatches)
+    lm = build_lm(pcfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
+    impl = mtf.SpmdMeshImpl(f"pipe:{stages}", "stage:pipe")
+    lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
+    if state is not None:
+        load_unpipelined_state(lw, lm, state)
+    fetches = [lm.loss] + lm.updates
+    rec = flight_recorder()
+    waits = [0.0]
+    last: list = []
+
+    def step(x, y):
+        rec.sink = records = []
+        try:
+            out = lw.run(fetches, feeds={lm.inputs: x, lm.targets: y})
+        finally:
+            rec.sink = None
+        mine = [r for r in records if r.kind in ("receive", "collective_permute") and r.seconds is not None]
+        waits[0] += sum(r.seconds for r in mine)
+        last[:] = [mine]
+        return float(out[0]) if dist.get_rank() == stages - 1 else None
+
+    def bubble(step_start, step_end):
+        return measured_bubble(last[0], lm.pipeline if hasattr(lm, "pipeline") else lm.graph.pipeline_schedule,
+                               dist.get_rank(), step_start, step_end)
+
+    return step, waits, bubble
+
+
+def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, threads: int) -> dict:
+    """One gloo rank of ``run`` (``"meshtorch"`` or ``"torch"``): warm-up, RSS reset, build, timed steps."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, HERE)
+    torch.set_num_threads(threads)
+    job = _meshtorch_job if run == "meshtorch" else _torch_job
+    tiny = config(dict(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_layers=stages, length=8,
+                       batch_size=microbatches))
+    step, _, _ = job(tiny, stages, microbatches, None)
+    x, y = batches(tiny, 1)[0]
+    step(x, y)
+    cfg = config(cfg_kw)
+    data = batches(cfg)
+    state = initial_state(cfg)
+    base = reset_peak()
+    step, waits, bubble = job(cfg, stages, microbatches, state)
+    losses, times, wait_s, bubbles = [], [], [], []
+    for s in range(steps + 1):
+        x, y = data[s % len(data)]
+        dist.barrier()
+        w0, t0 = waits[0], time.perf_counter()
+        losses.append(step(x, y))
+        t1 = time.perf_counter()
+        dist.barrier()
+        t = time.perf_counter() - t0
+        if s:  # the first step is a warm-up
+            times.append(t)
+            wait_s.append(waits[0] - w0)
+            bubbles.append(bubble(t0, t1) if bubble is not None else 1 - (t - (waits[0] - w0)) / t)
+    return {"growth": peak_rss_bytes() - base, "times": times, "waits": wait_s, "bubbles": bubbles,
+            "losses": losses, "rank": dist.get_rank()}
+
+
+def predicted(cfg: LMConfig, stages: int, microbatches: int) -> dict:
+    """The planner's bubble fraction and per-rank total for the meshtorch run (dry run, nothing allocated)."""
+    import meshtorch as mtf
+    from meshtorch.models.transformer import build_lm
+    from meshtorch.planning import plan_memory
+
+    pcfg = replace(cfg, pipeline_stages=stages, microbatches=microbatches)
+    lm = build_lm(pcfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
+    rep = plan_memory(lm.graph, lm.mesh, [lm.loss] + lm.updates, f"pipe:{stages}", "stage:pipe")
+    return {"bubble": rep.pipeline.bubble_fraction, "total": rep.total_bytes, "report": rep}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", type=int, default=4, help="pipeline stages = gloo ranks")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--d-ff", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per job (after one warm-up step)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two jobs")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--runs", default="meshtorch,torch")
+    args = ap.parse_args(argv)
+    from meshtorch.testing.spmd import run_spmd
+
+    cfg_kw = dict(num_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, batch_size=args.batch,
+                  length=args.length)
+    cfg = config(cfg_kw)
+    S, M = args.stages, args.microbatches
+    n_params = sum(v.numel() for v in initial_state(cfg).values())
+    print(describe())
+    print(f"LM: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x {cfg.d_kv}, d_ff {cfg.d_ff}, "
+          f"vocab {cfg.vocab_size}, length {cfg.length}, batch {cfg.batch_size}: {n_params / 1e6:.2f}M parameters; "
+          f"AdamW; {S} stages on {S} gloo ranks x {args.threads} thread(s), {M} microbatches; all eager; "
+          "host shared with other jobs", flush=True)
+    runs = args.runs.split(",")
+    results: dict = {r: [] for r in runs}
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    for rnd in range(args.rounds):
+        for run in runs:
+            res = run_spmd("pipeline_vs_torch:worker", args=(run, cfg_kw, S, M, args.steps, args.threads),
+                           nprocs=S, timeout_s=1800, dist_timeout_s=600, extra_path=[HERE], env=env).check().results
+            results[run].append(res)
+            t = [x for r in res for x in r["times"]]
+            print(f"  round {rnd} {run}: step s median {statistics.median(t):.3f} (min {min(t):.3f}, max "
+                  f"{max(t):.3f}); losses {[round(v, 5) for v in res[-1]['losses']]}", flush=True)
+    print(f"\n{'run':<11}{'step s median':>14}{'spread':>14}{'peak RSS growth per rank, MiB':>32}"
+          f"{'wait/step per rank':>26}{'bubble per rank':>24}")
+    med = {}
+    for run, rounds in results.items():
+        t = [x for res in rounds for r in res for x in r["times"]]
+        med[run] = statistics.median(t)
+        growth = [max(res[k]["growth"] for res in rounds) / MIB for k in range(S)]
+        wait = [statistics.median(w / s for res in rounds for w, s in zip(res[k]["waits"], res[k]["times"],
+                                                                           strict=True)) for k in range(S)]
+        bub = [statistics.median(b for res in rounds for b in res[k]["bubbles"]) for k in range(S)]
+        med[run + "_rss"] = growth
+        med[run + "_bubble"] = statistics.median(bub)
+        print(f"{run:<11}{med[run]:>14.3f}{f'{min(t):.3f}-{max(t):.3f}':>14}"
+              f"{' '.join(f'{g:.1f}' for g in growth):>32}{' '.join(f'{w:.2f}' for w in wait):>26}"
+              f"{' '.join(f'{b:.3f}' for b in bub):>24}")
+    if "meshtorch" in med and "torch" in med:
+        print(f"meshtorch / torch step time: {med['meshtorch'] / med['torch']:.3f} (goal <= 1.0)")
+        ml = results["meshtorch"][0][S - 1]["losses"]
+        tl = results["torch"][0][S - 1]["losses"]
+        err = max(abs(a - b) / abs(b) for a, b in zip(ml, tl, strict=True))
+        print(f"losses (last rank, round 0): meshtorch {[round(v, 5) for v in ml]}, torch {[round(v, 5) for v in tl]}"
+              f" (max rel. diff {err:.1e})")
+    if "meshtorch" in med:
+        p = predicted(cfg, S, M)
+        growth = max(med["meshtorch_rss"])
+        print(f"bubble fraction: planner {p['bubble']:.3f} = (S-1)/(M*R+S-1); measured meshtorch "
+              f"{med['meshtorch_bubble']:.3f}" + (f", torch {med['torch_bubble']:.3f}" if "torch" in med else ""))
+        print(f"per-rank memory: planner {p['total'] / MIB:.1f} MiB, measured peak RSS growth (max over ranks) "
+              f"{growth:.1f} MiB (planner / measured {p['total'] / MIB / growth:.2f})")
+
+
+if __name__ == "__main__":
+    main()
