@@ -90,6 +90,52 @@ def initial_state(cfg: LMConfig) -> dict:
     return {n.replace("/", "."): lw.variable_value(n) for n in lw.variable_names}
 
 
+def load_unpipelined_state(lw, lm, state: dict) -> None:
+    """Set the pipelined lowering's variables from an unpipelined ``{torch name: tensor}`` state: the stacked
+    ``stack/<kind>`` ``[stage, (repeat,) ...]`` gets layer ``r * S + s``'s ``<kind>`` at ``[s, r]``
+    (:class:`meshtorch.layers.pipeline.StackedVariables`), every other variable its own tensor."""
+    sched = lm.pipeline
+    S, R = sched.stages, sched.repeats
+    for name in lw.variable_names:
+        if name.startswith("stack/"):
+            kind = name[len("stack/"):].replace("/", ".")
+            rows = [torch.stack([state[f"layer_{sched.layer(s, r)}.{kind}"] for r in range(R)]) for s in range(S)]
+            value = torch.stack(rows)
+            lw.set_variable_value(name, value if R > 1 else value[:, 0])
+        elif name.replace("/", ".") in state:
+            lw.set_variable_value(name, state[name.replace("/", ".")])
+
+
+def measured_bubble(records, schedule, rank: int, start: float, end: float) -> float:
+    """The bubble share of one step on ``rank``: the flight recorder's collective-permutes over the stage axis
+    (``records``, in call order: one per iteration in the forward pass, then one per iteration in the backward
+    pass) cut the step into iterations; an iteration of the forward pass ``t`` (the time from permute ``t`` to
+    permute ``t + 1``) or its mirror in the backward pass is a bubble on stage ``rank`` when the schedule table
+    gives that stage no microbatch. Returns bubble time / time of all iterations (nan if the records do not
+    match the schedule's shape)."""
+    it = schedule.iterations()
+    shifts = len(records) // 2
+    if shifts < it - 1 or len(records) % 2:
+        return float("nan")
+    starts = [r.start for r in records]
+    table = schedule.table()
+    fwd, bwd = starts[:shifts], starts[shifts:]
+    busy = bubble = 0.0
+    # forward: iteration t runs after its shift (t >= it - shifts), up to the next shift (the last: to the first
+    # backward shift); backward: mirrored
+    edges_f = fwd + [bwd[0]]
+    for k in range(shifts):
+        t = it - shifts + k
+        dt = edges_f[k + 1] - edges_f[k]
+        (busy, bubble) = (busy + dt, bubble) if table[t][rank] is not None else (busy, bubble + dt)
+    edges_b = bwd + [end]
+    for k in range(shifts):
+        t = it - 1 - k
+        dt = edges_b[k + 1] - edges_b[k]
+        (busy, bubble) = (busy + dt, bubble) if table[t][rank] is not None else (busy, bubble + dt)
+    return bubble / (busy + bubble) if busy + bubble > 0 else float("nan")
+
+
 class StageLM(TorchLM):
     """Stage ``stage`` of ``stages`` of :class:`TorchLM`, split by hand (the PyTorch pipelining tutorial's and
     TorchTitan's manual split): layers ``stage * L/S .. (stage + 1) * L/S - 1``, the embeddings on stage 0,
@@ -175,7 +221,6 @@ def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | 
     import meshtorch as mtf
     from meshtorch.mesh.recorder import flight_recorder
     from meshtorch.models.transformer import build_lm
-    from pipeline_common import load_unpipelined_state, measured_bubble
 
     pcfg = replace(cfg, pipeline_stages=stages, microbatches=microbatches)
     lm = build_lm(pcfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
@@ -200,8 +245,7 @@ def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | 
         return float(out[0]) if dist.get_rank() == stages - 1 else None
 
     def bubble(step_start, step_end):
-        return measured_bubble(last[0], lm.pipeline if hasattr(lm, "pipeline") else lm.graph.pipeline_schedule,
-                               dist.get_rank(), step_start, step_end)
+        return measured_bubble(last[0], lm.pipeline, dist.get_rank(), step_start, step_end)
 
     return step, waits, bubble
 

@@ -60,6 +60,30 @@ def candidate_layouts(dim_names: Sequence[str], mesh_axes: Sequence[str], dim_si
     return out
 
 
+def pipeline_layouts(graph, mesh_shape, axis: str, stage_dim: str = "stage") -> list[str]:
+    """Layout rules of a pipelined ``graph`` that split ``stage_dim`` over mesh axis ``axis``: ``stage:<axis>``
+    alone, then with each :func:`candidate_layouts` rule set of the other axes (dims not divisible skipped).
+
+    Raises:
+        ValueError: ``axis`` is not an axis of ``mesh_shape``, or the graph has no ``stage_dim``.
+    """
+    axis_sizes = {d.name: d.size for d in MeshSpec(mesh_shape).shape}
+    if axis not in axis_sizes:
+        raise ValueError(f"pipeline_layouts: mesh {mesh_shape!r} has no axis {axis!r}.")
+    names = graph_dimensions(graph)
+    if stage_dim not in names:
+        raise ValueError(f"pipeline_layouts: the graph has no dimension {stage_dim!r} (not pipelined).")
+    sizes: dict[str, set] = defaultdict(set)
+    for op in graph.operations:
+        for t in op.outputs:
+            for d in t.shape:
+                sizes[d.name].add(d.size)
+    others = [a for a in axis_sizes if a != axis]
+    rest = candidate_layouts([n for n in names if n != stage_dim], others, sizes,
+                             {a: axis_sizes[a] for a in others}) if others else [""]
+    return [";".join(filter(None, (f"{stage_dim}:{axis}", r))) for r in rest]
+
+
 def storage_candidates(graph, mesh_shape, layout: str = "") -> list[str]:
     """Single storage rules worth trying for ``graph`` on ``mesh_shape`` (FSDP / ZeRO-3 candidates).
 
