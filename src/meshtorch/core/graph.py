@@ -36,6 +36,8 @@ class Graph:
         self.name_to_variable: dict = {}
         self._names: dict[str, int] = {}
         self._storage_depth = 0
+        #: the :class:`~meshtorch.core.pipeline.PipelineSchedule` of a pipelined model (set by its builder), or None
+        self.pipeline_schedule = None
 
     @contextlib.contextmanager
     def storage_scope(self):

@@ -27,6 +27,7 @@ The scope stack is per thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 __all__ = ["VariableScope", "variable_scope", "get_variable_scope", "name_scope", "current_name_scope",
@@ -39,9 +40,11 @@ AUTO_REUSE = "auto_reuse"
 class VariableScope:
     """A variable scope: its full ``name`` ("" at the top) and ``reuse`` flag (TF ``tf.VariableScope``)."""
 
-    def __init__(self, name: str, reuse=None):
+    def __init__(self, name: str, reuse=None, custom_getter=None):
         self.name = name
         self.reuse = reuse
+        #: ``custom_getter(getter, mesh, full_name, shape, **kwargs)`` wrapping variable creation (TF1), or None
+        self.custom_getter = custom_getter
         #: name of the name scope opened with it (ops created inside are prefixed by it)
         self.original_name_scope = name + "/" if name else ""
 
@@ -93,7 +96,8 @@ def _unique_default(parent: str, default_name: str) -> str:
 
 
 @contextlib.contextmanager
-def variable_scope(name_or_scope=None, default_name: str | None = None, values=None, reuse=None, **unused_kwargs):
+def variable_scope(name_or_scope=None, default_name: str | None = None, values=None, reuse=None, custom_getter=None,
+                   **unused_kwargs):
     """Context manager naming the variables created inside it (TF1 ``tf.variable_scope``, as Mesh TF uses it).
 
     Args:
@@ -103,6 +107,11 @@ def variable_scope(name_or_scope=None, default_name: str | None = None, values=N
         values: ignored (TF uses it to find the graph).
         reuse: True, :data:`AUTO_REUSE` or None (inherit). ``mtf.get_variable`` returns an existing
             variable of the same full name in every case, as Mesh TF does.
+        custom_getter: TF1's ``custom_getter``: ``get_variable`` inside the scope returns
+            ``custom_getter(getter, mesh, full_name, shape, dtype=..., initializer=..., trainable=...)``
+            instead of the variable, where ``getter`` (same arguments) creates or finds the variable. Nested
+            scopes inherit it; a nested scope's own getter wraps the outer one (TF1 composes them).
+            meshtorch's pipelined layer stacks use it to stack each layer's weights on a ``stage`` dim.
         **unused_kwargs: TF's other arguments (initializer, dtype, ...) are accepted and ignored.
 
     Yields:
@@ -122,7 +131,10 @@ def variable_scope(name_or_scope=None, default_name: str | None = None, values=N
         full = _join(parent.name, _unique_default(parent.name, default_name))
     else:
         raise ValueError("variable_scope: give a name (or a VariableScope) or a default_name.")
-    scope = VariableScope(full, reuse if reuse is not None else parent.reuse)
+    getter = parent.custom_getter
+    if custom_getter is not None:
+        getter = custom_getter if getter is None else functools.partial(_compose_getters, custom_getter, getter)
+    scope = VariableScope(full, reuse if reuse is not None else parent.reuse, getter)
     _STATE.var_stack.append(scope)
     _STATE.name_stack.append(full)
     try:
@@ -130,6 +142,11 @@ def variable_scope(name_or_scope=None, default_name: str | None = None, values=N
     finally:
         _STATE.name_stack.pop()
         _STATE.var_stack.pop()
+
+
+def _compose_getters(inner, outer, getter, *args, **kwargs):
+    """``inner``'s view of variable creation is ``outer`` wrapping ``getter`` (TF1's nesting of custom getters)."""
+    return inner(functools.partial(outer, getter), *args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from meshtorch.layers.misc import *  # noqa: F403
 from meshtorch.layers.moe import expert_capacity, moe_apply, moe_ffn, top_k_gating
 from meshtorch.layers.mtf_attention import *  # noqa: F403
 from meshtorch.layers.norms import layer_norm, rms_norm
+from meshtorch.layers.pipeline import StackedVariables, pipeline
 
 __all__ = ["dense", "get_dense_kernel_weights", "softmax_cross_entropy_with_logits", "layer_norm", "rms_norm",
            "scaled_dot_product_attention", "grouped_query_attention", "multihead_attention_layer", "AttentionOperation",
@@ -42,5 +43,5 @@ __all__ = ["dense", "get_dense_kernel_weights", "softmax_cross_entropy_with_logi
            "conv2d_with_blocks", "conv3d_with_blocks", "conv2d_transpose", "conv3d_transpose",
            "conv2d_transpose_with_blocks", "conv3d_transpose_with_blocks", "embedding", "embedding_weights",
            "attention_mask_autoregressive", "attention_mask_ignore_padding", "attention_mask_same_segment",
-           "rename_length_to_memory_length", "weights_nonzero"]
+           "rename_length_to_memory_length", "weights_nonzero", "pipeline", "StackedVariables"]
 __all__ += dense_extra.__all__ + local_attention.__all__ + misc.__all__ + mtf_attention.__all__

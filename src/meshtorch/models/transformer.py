@@ -19,9 +19,10 @@ import torch
 
 from meshtorch import layers, optim
 from meshtorch.autodiff import gradients, recompute_grad
-from meshtorch.core.dims import Dimension
+from meshtorch.core.dims import Dimension, Shape
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.core.pipeline import PipelineSchedule
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
 from meshtorch.ops.einsum import EinsumOperation
@@ -29,7 +30,8 @@ from meshtorch.ops.indexing import gather, one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal_initializer
 from meshtorch.ops.random import dropout
 from meshtorch.ops.reduce import reduce_mean
-from meshtorch.ops.shape import add_n
+from meshtorch.ops.reshape import reshape
+from meshtorch.ops.shape import add_n, stack, unstack
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
 
@@ -59,6 +61,26 @@ class LMConfig:
     moe_top_k: int = 2
     moe_min_capacity: int = 4  # Mesh TF's minimum expert capacity
     remat: str = "none"  # activation checkpointing of the (dense) blocks: "none", "block" or "selective"
+    pipeline_stages: int = 0  # S > 1: the blocks run as an S-stage pipeline on a ``stage`` dim (0 or 1: no pipeline)
+    microbatches: int = 1  # M: the batch is cut into M microbatches that flow through the pipeline
+    pipeline_repeats: int = 1  # R > 1: circular pipeline, stage s runs layers s, S + s, ..., (R - 1) * S + s
+    pipeline_remat: bool = True  # recompute each pipeline iteration's block in the backward pass
+    pipeline_poison_bubbles: bool = False  # tests only: bubbles hold NaN (not zeros) before they are masked
+
+    def __post_init__(self):
+        check_pipeline_config(self)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the blocks run as a pipeline (``pipeline_stages > 1``)."""
+        return self.pipeline_stages > 1
+
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule | None:
+        """The :class:`~meshtorch.core.pipeline.PipelineSchedule` of a pipelined config, else None."""
+        if not self.pipelined:
+            return None
+        return PipelineSchedule(self.pipeline_stages, self.microbatches, self.pipeline_repeats)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` (0-based) has a Mixture-of-Experts feed-forward."""
@@ -71,6 +93,37 @@ class LMConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_pipeline_config(c: LMConfig) -> None:
+    """Check the pipeline fields of ``c`` (called when an LMConfig is made).
+
+    Raises:
+        ValueError: one line naming the field and what to do: ``pipeline_stages`` negative or not dividing
+            ``num_layers`` as ``num_layers == pipeline_stages * pipeline_repeats``; ``microbatches`` not dividing
+            ``batch_size``, or fewer than ``pipeline_stages`` with ``pipeline_repeats > 1``; ``microbatches`` or
+            ``pipeline_repeats`` other than 1 without a pipeline; MoE layers in a pipeline.
+    """
+    S, M, R = c.pipeline_stages, c.microbatches, c.pipeline_repeats
+    for field, v, low in (("pipeline_stages", S, 0), ("microbatches", M, 1), ("pipeline_repeats", R, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"LMConfig: {field} must be an int >= {low}, got {v!r}.")
+    if S <= 1:
+        if M != 1 or R != 1:
+            raise ValueError(f"LMConfig: microbatches={M} / pipeline_repeats={R} need a pipeline; set pipeline_stages "
+                             "> 1 (or leave them at 1).")
+        return
+    if c.num_layers != S * R:
+        raise ValueError(f"LMConfig: num_layers ({c.num_layers}) must equal pipeline_stages x pipeline_repeats "
+                         f"({S} x {R}); change num_layers or pipeline_repeats.")
+    if c.batch_size % M:
+        raise ValueError(f"LMConfig: batch_size ({c.batch_size}) must be a multiple of microbatches ({M}).")
+    if R > 1 and M < S:
+        raise ValueError(f"LMConfig: microbatches ({M}) must be >= pipeline_stages ({S}) with pipeline_repeats > 1 "
+                         "(circular schedule); raise microbatches.")
+    if c.num_experts > 0 and any(c.is_moe_layer(i) for i in range(c.num_layers)):
+        raise ValueError("LMConfig: MoE layers (num_experts > 0) cannot be pipelined; set num_experts=0 or "
+                         "pipeline_stages=0.")
 
 
 PRESETS = {
@@ -102,6 +155,7 @@ class LMGraph:
     step: object | None = None
     aux_loss: Tensor | None = None  # sum of the MoE layers' load-balancing losses (before the coef)
     task_loss: Tensor | None = None  # ``loss`` without the MoE auxiliary term (what evaluation reports)
+    pipeline: PipelineSchedule | None = None  # the schedule of a pipelined LM (also ``graph.pipeline_schedule``)
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
         """Lower the graph on ``mesh_impl`` (any ``MeshImpl``, e.g. from :func:`meshtorch.mesh.make_mesh_impl`,
@@ -173,11 +227,14 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
                            initializer=random_normal_initializer(0.0, 0.02))
     x = _embed(inputs, emb, d) + pos
     x = _dropout(c, x, train)
-    for i in range(c.num_layers):
-        if c.remat == "none" or c.is_moe_layer(i):
-            x = _block(c, d, x, i, train, aux_losses)
+    if c.pipelined:
+        x = _pipelined_blocks(c, d, x, train)
+    for i in range(0 if c.pipelined else c.num_layers):
+        moe = c.is_moe_layer(i)
+        if c.remat == "none" or moe:
+            x = _block(c, d, x, f"layer_{i}", train, aux_losses, moe)
         else:  # activation checkpointing: the block's activations are recomputed in the backward pass
-            x = recompute_grad(lambda t, i=i: _block(c, d, t, i, train, aux_losses), [x],
+            x = recompute_grad(lambda t, i=i: _block(c, d, t, f"layer_{i}", train, aux_losses), [x],
                                keep=_keeps_matmuls if c.remat == "selective" else None)
     x = _norm(c, x, d["d_model"], "final_norm")
     logits = layers.dense(x, d["vocab"], use_bias=False, name="logits",
@@ -199,23 +256,41 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         aux_loss = add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
         loss = loss + aux_loss * c.moe_aux_loss_coef
     updates, step = training_updates(graph, loss, optimizer, clip_norm), None
-    return LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
+    lm = LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
+    lm.pipeline = graph.pipeline_schedule = c.pipeline_schedule
+    return lm
 
 
-def _block(c, d, x, i, train, aux_losses):
-    """Layer ``i``: pre-norm self-attention and feed-forward (or MoE) sublayers with residuals."""
-    h = _norm(c, x, d["d_model"], f"layer_{i}/attention_norm")
+def _pipelined_blocks(c, d, x, train):
+    """The blocks as a ``pipeline_stages``-stage pipeline (:func:`meshtorch.layers.pipeline.pipeline`):
+    ``x`` ``[batch, length, d_model]`` is read as ``[batch / M, microbatches, length, d_model]`` (row-major,
+    so a split of ``batch`` stays local: microbatch m holds rows m, M + m, 2M + m, ...), the M microbatches
+    run through the stages, and the outputs are put back in ``x``'s row order."""
+    sched = c.pipeline_schedule
+    M = sched.microbatches
+    micro = Shape([Dimension("batch", c.batch_size // M), Dimension("microbatches", M), d["length"], d["d_model"]])
+    xs = unstack(reshape(x, micro, name="pipeline/microbatch"), "microbatches", name="pipeline/unstack")
+    ys = layers.pipeline(lambda h, name: _block(c, d, h, name, train, []), xs, sched,
+                         remat=c.pipeline_remat, remat_keep=_keeps_matmuls if c.remat == "selective" else None,
+                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0)
+    return reshape(stack(ys, "microbatches", axis=1, name="pipeline/stack"), x.shape, name="pipeline/unbatch")
+
+
+def _block(c, d, x, name, train, aux_losses, moe=False):
+    """One pre-norm block named ``name``: self-attention and feed-forward (or MoE) sublayers with residuals.
+    ``x`` ``[..., length, d_model]`` may carry leading dims (a pipeline's ``stage``): every op treats them as batch."""
+    h = _norm(c, x, d["d_model"], f"{name}/attention_norm")
     h = layers.multihead_attention_layer(h, d["heads"], d["d_kv"], "length", causal=True,
-                                         scale=1.0 / math.sqrt(c.d_kv), name=f"layer_{i}/attention")
+                                         scale=1.0 / math.sqrt(c.d_kv), name=f"{name}/attention")
     x = x + _dropout(c, h, train)
-    h = _norm(c, x, d["d_model"], f"layer_{i}/ffn_norm")
-    if c.is_moe_layer(i):
+    h = _norm(c, x, d["d_model"], f"{name}/ffn_norm")
+    if moe:
         h, aux = layers.moe_ffn(h, d["experts"], d["d_ff"], capacity_factor=c.expert_capacity_factor,
                                 top_k=c.moe_top_k, min_expert_capacity=c.moe_min_capacity,
-                                activation=c.activation, name=f"layer_{i}/moe")
+                                activation=c.activation, name=f"{name}/moe")
         aux_losses.append(aux)
     else:
-        h = layers.dense_act_dense(h, d["d_ff"], activation=c.activation, gated=c.gated, name=f"layer_{i}/ffn")
+        h = layers.dense_act_dense(h, d["d_ff"], activation=c.activation, gated=c.gated, name=f"{name}/ffn")
     return x + _dropout(c, h, train)
 
 

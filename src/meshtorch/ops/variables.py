@@ -16,7 +16,7 @@ import torch
 from meshtorch.core.dims import combine_shapes, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Mesh, Operation, Tensor
-from meshtorch.core.scopes import scoped_variable_name
+from meshtorch.core.scopes import get_variable_scope, scoped_variable_name
 from meshtorch.ops._kernels import filled
 from meshtorch.ops._util import align_fn
 from meshtorch.ops.elementwise import cast
@@ -143,6 +143,14 @@ def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype
         dtype = VariableDType(master_dtype or base.master_dtype, slice_dtype or base.slice_dtype,
                               activation_dtype or base.activation_dtype)
     full_name = scoped_variable_name(name)
+    custom = get_variable_scope().custom_getter
+    if custom is not None:
+        return custom(_get_variable, mesh, full_name, shape, dtype=dtype, initializer=initializer, trainable=trainable)
+    return _get_variable(mesh, full_name, shape, dtype=dtype, initializer=initializer, trainable=trainable)
+
+
+def _get_variable(mesh: Mesh, full_name: str, shape, dtype=torch.float32, initializer=None, trainable=True) -> Tensor:
+    """:func:`get_variable` by full name (no scope prefix, no custom getter): the getter custom getters call."""
     var = mesh.graph.name_to_variable.get(full_name)
     if var is None:
         var = Variable(mesh, full_name, shape, dtype, initializer, trainable)

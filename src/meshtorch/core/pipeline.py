@@ -1,0 +1,75 @@
+"""The pipeline schedule as data: which microbatch each stage works on at each iteration.
+
+A pipelined layer stack (:func:`meshtorch.layers.pipeline.pipeline`) runs ``S`` stages on a state buffer
+``[stage, ...]``; at every iteration each stage applies its layer to its slot and the buffer shifts one
+stage forward. Microbatch ``m`` enters stage 0 at iteration ``r * M + m`` for repeat ``r`` (circular
+schedule, ``R`` repeats: layer ``r * S + s`` runs on stage ``s``), so stage ``s`` works at iteration ``t``
+on work item ``k = t - s`` (microbatch ``k % M``, repeat ``k // M``) when ``0 <= k < M * R``, and idles
+(a bubble) otherwise. This is GPipe's fill-drain schedule (Huang et al. 2019) for ``R = 1`` and the
+circular schedule of praxis' ``CircularLayerwiseShardablePipelined`` / MaxText's ``Pipeline`` for
+``R > 1`` (which needs ``M >= S``: a microbatch's next repeat enters stage 0 only after its previous
+repeat left the last stage).
+
+Pure metadata, no graph: the planner reads it from ``LMGraph.pipeline`` / ``graph.pipeline_schedule``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PipelineSchedule"]
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """``stages`` (S) x ``microbatches`` (M) x ``repeats`` (R) pipeline schedule.
+
+    Raises:
+        ValueError: a count below 1, or ``repeats > 1`` with ``microbatches < stages``.
+    """
+
+    stages: int
+    microbatches: int = 1
+    repeats: int = 1
+
+    def __post_init__(self):
+        for field in ("stages", "microbatches", "repeats"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PipelineSchedule: {field} must be an int >= 1, got {v!r}.")
+        if self.repeats > 1 and self.microbatches < self.stages:
+            raise ValueError(f"PipelineSchedule: circular repeats ({self.repeats}) need microbatches >= stages, got "
+                             f"{self.microbatches} < {self.stages}; raise microbatches.")
+
+    def iterations(self) -> int:
+        """Number of iterations of the loop: ``M * R + S - 1``."""
+        return self.microbatches * self.repeats + self.stages - 1
+
+    def bubble_fraction(self) -> float:
+        """Fraction of (iteration, stage) slots that idle: ``(S - 1) / (M * R + S - 1)``."""
+        return (self.stages - 1) / self.iterations()
+
+    def work(self, iteration: int, stage: int) -> tuple[int, int] | None:
+        """``(microbatch, repeat)`` that ``stage`` processes at ``iteration``, or None in a bubble."""
+        k = iteration - stage
+        if 0 <= k < self.microbatches * self.repeats:
+            return k % self.microbatches, k // self.microbatches
+        return None
+
+    def layer(self, stage: int, repeat: int) -> int:
+        """Index of the (unpipelined) layer that ``stage`` runs in ``repeat``: ``repeat * S + stage``."""
+        return repeat * self.stages + stage
+
+    def table(self) -> list[list[int | None]]:
+        """The schedule: one row per iteration, one entry per stage, the microbatch index or None (a bubble)."""
+        return [[None if (w := self.work(t, s)) is None else w[0] for s in range(self.stages)]
+                for t in range(self.iterations())]
+
+    def valid(self, iteration: int) -> list[bool]:
+        """Per stage: whether it works (not a bubble) at ``iteration``."""
+        return [self.work(iteration, s) is not None for s in range(self.stages)]
+
+    def outputs_at(self, iteration: int) -> int | None:
+        """The microbatch whose final output (last stage, last repeat) is produced at ``iteration``, or None."""
+        w = self.work(iteration, self.stages - 1)
+        return w[0] if w is not None and w[1] == self.repeats - 1 else None

@@ -1,0 +1,170 @@
+"""Pipeline parallelism as a layout (issue 24): the LM's blocks stacked on a ``stage`` dim split over a mesh axis.
+
+The reference is the unpipelined LM (``pipeline_stages=0``) on one processor, with the same initial values (each
+layer's variables copied into row ``[stage, repeat]`` of the stacked ones: layer ``r * S + s``): the pipelined
+LM's loss and the gradients of every variable (stacked gradients cut back into layers) must equal it, under
+``stage:pipe`` alone, with ``batch:data``, with Megatron rules and with storage (FSDP) rules. Executed
+counters (the flight recorder's) are checked against the permutes the schedule needs, derived here from
+S, M, R and the state slice shape.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import meshtorch as mtf
+from meshtorch.autodiff import gradients
+from meshtorch.core.pipeline import PipelineSchedule
+from meshtorch.models.transformer import LMConfig, build_lm, preset
+
+#: the collective kind of a shift over a split dim (a neighbour exchange); main renames it ``collective_permute``
+PERMUTE_KIND = "receive"
+
+CFG = dict(vocab_size=16, d_model=16, num_heads=2, d_kv=8, d_ff=32, length=8, batch_size=8)
+
+
+def _config(S=0, M=1, R=1, **extra):
+    layers = max(S, 1) * R if S else extra.pop("num_layers", 2)
+    return preset("tiny", **{**CFG, **extra}, num_layers=layers, pipeline_stages=S, microbatches=M, pipeline_repeats=R)
+
+
+def _data(step=0, batch=8):
+    ids = torch.randint(0, CFG["vocab_size"], (batch, CFG["length"] + 1), generator=torch.Generator().manual_seed(step))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _build(config):
+    """The LM (no optimizer) with ``lm._grads``: the loss's gradients w.r.t. every trainable variable."""
+    lm = build_lm(config, train=False)
+    lm._grads = gradients([lm.loss], lm.graph.trainable_variables)
+    return lm
+
+
+def _run(lm, lw, step=0):
+    """Loss and the gradients of every trainable variable (by name) on batch ``step``."""
+    vs = lm.graph.trainable_variables
+    x, y = _data(step, lm.config.batch_size)
+    out = lw.run([lm.loss] + lm._grads, feeds={lm.inputs: x, lm.targets: y})
+    return out[0].item(), {v.name: g.clone() for v, g in zip(vs, out[1:], strict=True)}
+
+
+def _stacked_from_layers(value_of, var, S, R):
+    """The stacked variable ``stack/{kind}``'s value built from the per-layer values ``layer_{r*S+s}/{kind}``."""
+    kind = var.name[len("stack/"):]
+    rows = [[value_of(f"layer_{r * S + s}/{kind}") for r in range(R)] for s in range(S)]
+    return torch.stack([torch.stack(row) if R > 1 else row[0] for row in rows])
+
+
+def _reference(S, R, **extra):
+    """The unpipelined LM with S * R layers and its lowering on one processor."""
+    lm = _build(_config(num_layers=S * R, **extra))
+    return lm, lm.lowering()
+
+
+def _pipelined(S, M, R, mesh_shape, layout, ref_lw, storage="", **extra):
+    lm = _build(_config(S, M, R, pipeline_remat=extra.pop("remat", False), **extra))
+    lw = lm.lowering(mesh_impl=mtf.PlacementMeshImpl(mesh_shape, layout, storage=storage) if storage else None,
+                     mesh_shape=mesh_shape, layout=layout)
+    for v in lm.graph.trainable_variables:
+        if v.name.startswith("stack/"):
+            lw.set_variable_value(v.name, _stacked_from_layers(ref_lw.variable_value, v, S, R))
+        else:
+            lw.set_variable_value(v.name, ref_lw.variable_value(v.name))
+    return lm, lw
+
+
+def _assert_same(S, R, ref, got):
+    (ref_loss, ref_grads), (loss, grads) = ref, got
+    assert loss == pytest.approx(ref_loss, abs=1e-6, rel=0)
+    kinds = [n[len("stack/"):] for n in grads if n.startswith("stack/")]
+    covered = {n for n in grads if not n.startswith("stack/")} | {f"layer_{i}/{k}" for k in kinds for i in range(S * R)}
+    assert covered == set(ref_grads)
+    for name, g in grads.items():
+        if name.startswith("stack/"):
+            kind = name[len("stack/"):]
+            for s in range(S):
+                for r in range(R):
+                    want = ref_grads[f"layer_{r * S + s}/{kind}"]
+                    torch.testing.assert_close(g[s, r] if R > 1 else g[s], want, rtol=0, atol=1e-6, msg=name)
+        else:
+            torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=1e-6, msg=name)
+
+
+CASES = [  # S, M, R, mesh, layout, storage
+    (2, 4, 1, "pipe:2", "stage:pipe", ""),
+    (2, 8, 1, "pipe:2,data:2", "stage:pipe;batch:data", ""),
+    (4, 4, 1, "pipe:4", "stage:pipe", ""),
+    (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", ""),
+    (4, 8, 2, "pipe:4", "stage:pipe", ""),
+    (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_model:data"),
+    (2, 4, 1, "pipe:2,model:2", "stage:pipe;heads:model;d_ff:model", ""),
+]
+
+
+@pytest.mark.parametrize("S,M,R,mesh_shape,layout,storage", CASES)
+def test_pipelined_lm_equals_unpipelined(S, M, R, mesh_shape, layout, storage):
+    batch = max(CFG["batch_size"], 2 * M if "data" in layout else M)
+    ref_lm, ref_lw = _reference(S, R, batch_size=batch)
+    ref = _run(ref_lm, ref_lw)
+    lm, lw = _pipelined(S, M, R, mesh_shape, layout, ref_lw, storage, batch_size=batch)
+    assert lm.pipeline == PipelineSchedule(S, M, R) == lm.graph.pipeline_schedule
+    _assert_same(S, R, ref, _run(lm, lw))
+
+
+def test_pipeline_remat_and_poisoned_bubbles_keep_losses_and_gradients():
+    """Per-iteration recompute on; bubbles hold NaN before the mask: the loss and gradients stay finite and equal."""
+    S, M, R = 2, 4, 2
+    ref_lm, ref_lw = _reference(S, R)
+    ref = _run(ref_lm, ref_lw)
+    lm, lw = _pipelined(S, M, R, "pipe:2", "stage:pipe", ref_lw, remat=True, pipeline_poison_bubbles=True)
+    got = _run(lm, lw)
+    assert all(torch.isfinite(g).all() for g in got[1].values())
+    _assert_same(S, R, ref, got)
+
+
+def _by_kind(counters):
+    count, nbytes = Counter(), Counter()
+    for c, n in counters.records.items():
+        count[c.kind, c.mesh_axes] += n
+        nbytes[c.kind, c.mesh_axes] += n * c.bytes_per_processor
+    return count, nbytes
+
+
+@pytest.mark.parametrize("S,M,R,mesh_shape,layout,data", [(4, 4, 1, "pipe:4", "stage:pipe", 1),
+                                                          (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", 2)])
+def test_executed_permutes_per_step(S, M, R, mesh_shape, layout, data):
+    """Each iteration but the first shifts the state buffer once forward and once in the backward pass: 2 (M R +
+    S - 2) neighbour exchanges per step, each of one processor's state slice [1, B / M / data, length, d_model]."""
+    ref_lm, ref_lw = _reference(S, R)
+    lm, lw = _pipelined(S, M, R, mesh_shape, layout, ref_lw, remat=True)
+    steps = 2
+    for step in range(steps):
+        _run(lm, lw, step)
+    count, nbytes = _by_kind(lw.counters)
+    permutes = 2 * (M * R + S - 2) * steps
+    slice_bytes = (CFG["batch_size"] // M // data) * CFG["length"] * CFG["d_model"] * 4
+    assert count[PERMUTE_KIND, ("pipe",)] == permutes
+    assert nbytes[PERMUTE_KIND, ("pipe",)] == permutes * slice_bytes
+    assert {k for k, _ in count} <= {PERMUTE_KIND, "allreduce"}
+
+
+def test_schedule_table():
+    sched = PipelineSchedule(stages=2, microbatches=3, repeats=2)
+    assert sched.iterations() == 7
+    assert sched.bubble_fraction() == pytest.approx(1 / 7)
+    assert sched.table() == [[0, None], [1, 0], [2, 1], [0, 2], [1, 0], [2, 1], [None, 2]]
+    with pytest.raises(ValueError, match="microbatches >= stages"):
+        PipelineSchedule(stages=4, microbatches=2, repeats=2)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(num_layers=3, pipeline_stages=2), "num_layers"),
+    (dict(num_layers=2, pipeline_stages=2, microbatches=3), "batch_size"),
+    (dict(num_layers=8, pipeline_stages=4, pipeline_repeats=2, microbatches=2), "microbatches"),
+    (dict(num_layers=2, microbatches=2), "pipeline_stages"),
+    (dict(num_layers=2, pipeline_stages=2, num_experts=4), "MoE"),
+])
+def test_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        LMConfig(**{**CFG, **fields})
