@@ -1,6 +1,6 @@
 """A 4-stage pipeline on 4 gloo ranks: meshtorch's pipelined LM vs ``torch.distributed.pipelining`` GPipe.
 
-Model: :func:`meshtorch.models.transformer.build_lm` (default 8 layers, d_model 256, 4 heads x 64, d_ff 1024,
+Model: :func:`meshtorch.models.transformer.build_lm` (default 4 layers, d_model 256, 4 heads x 64, d_ff 1024,
 vocab 256, length 64, batch 16), AdamW (no weight decay), ``--microbatches`` M (default 8), ``--stages`` S
 (default 4) gloo ranks with one CPU thread each (``meshtorch.testing.spmd.run_spmd``,
 ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS). Two jobs, alternated ``--rounds`` times
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -64,10 +65,16 @@ LR = 1e-3
 
 def config(kw: dict) -> LMConfig:
     """The unpipelined LM of the benchmark (``kw``: LMConfig fields overriding the defaults)."""
-    base = dict(vocab_size=256, d_model=256, num_heads=4, d_kv=64, d_ff=1024, num_layers=8, length=64,
+    base = dict(vocab_size=256, d_model=256, num_heads=4, d_kv=64, d_ff=1024, num_layers=4, length=64,
                 batch_size=16)
     base.update(kw)
     return preset("tiny", **base)
+
+
+def pipelined(cfg: LMConfig, stages: int, microbatches: int) -> LMConfig:
+    """``cfg`` as an S-stage pipeline: one layer per stage and repeat (R = layers / S, circular when R > 1)."""
+    return replace(cfg, pipeline_stages=stages, microbatches=microbatches,
+                   pipeline_repeats=cfg.num_layers // stages)
 
 
 def batches(cfg: LMConfig, n: int = 4) -> list:
@@ -97,7 +104,7 @@ def load_unpipelined_state(lw, lm, state: dict) -> None:
     sched = lm.pipeline
     S, R = sched.stages, sched.repeats
     for name in lw.variable_names:
-        if name.startswith("stack/"):
+        if name.startswith("stack/") and f"layer_0.{name[len('stack/'):].replace('/', '.')}" in state:
             kind = name[len("stack/"):].replace("/", ".")
             rows = [torch.stack([state[f"layer_{sched.layer(s, r)}.{kind}"] for r in range(R)]) for s in range(S)]
             value = torch.stack(rows)
@@ -106,34 +113,39 @@ def load_unpipelined_state(lw, lm, state: dict) -> None:
             lw.set_variable_value(name, state[name.replace("/", ".")])
 
 
-def measured_bubble(records, schedule, rank: int, start: float, end: float) -> float:
-    """The bubble share of one step on ``rank``: the flight recorder's collective-permutes over the stage axis
-    (``records``, in call order: one per iteration in the forward pass, then one per iteration in the backward
-    pass) cut the step into iterations; an iteration of the forward pass ``t`` (the time from permute ``t`` to
-    permute ``t + 1``) or its mirror in the backward pass is a bubble on stage ``rank`` when the schedule table
-    gives that stage no microbatch. Returns bubble time / time of all iterations (nan if the records do not
-    match the schedule's shape)."""
+_ITER = re.compile(r"/iter_(\d+)/shift(_grad)?$")
+
+
+def measured_bubble(records, schedule, rank: int, step_s: float) -> tuple[float, float]:
+    """``(bubble share of the pipeline loop, bubble share of the step)`` measured on ``rank`` in one step.
+
+    Every stage computes in every iteration, so the bubble is the time of the iterations in which the schedule
+    gives this rank's stage no microbatch. The flight recorder's collective-permutes over the stage axis
+    (``records``; each tagged with its op, ``.../iter_<t>/shift`` in the forward pass, ``.../iter_<t>/shift_grad``
+    in the backward pass) delimit the iterations: forward block ``t`` runs from the start of shift ``t`` to the
+    start of shift ``t + 1``, its backward pass from the end of ``shift_grad`` ``t + 1`` to the start of
+    ``shift_grad`` ``t``. The first and last iterations have no permute on one side; they are given the median
+    time of the others. Returns nan, nan when the records do not show the iterations."""
     it = schedule.iterations()
-    shifts = len(records) // 2
-    if shifts < it - 1 or len(records) % 2:
-        return float("nan")
-    starts = [r.start for r in records]
+    fwd, bwd = {}, {}
+    for r in records:
+        for c in r.tag or ():
+            m = _ITER.search(c.op)
+            if m:
+                (bwd if m.group(2) else fwd)[int(m.group(1))] = r
+    d = {}
+    for t in range(1, it - 1):
+        if t in fwd and t + 1 in fwd and t in bwd and t + 1 in bwd:
+            f = fwd[t + 1].start - fwd[t].start
+            b = bwd[t].start - (bwd[t + 1].start + bwd[t + 1].seconds)
+            d[t] = f + b
+    if not d:
+        return float("nan"), float("nan")
+    tau = statistics.median(d.values())
+    times = [d.get(t, tau) for t in range(it)]
     table = schedule.table()
-    fwd, bwd = starts[:shifts], starts[shifts:]
-    busy = bubble = 0.0
-    # forward: iteration t runs after its shift (t >= it - shifts), up to the next shift (the last: to the first
-    # backward shift); backward: mirrored
-    edges_f = fwd + [bwd[0]]
-    for k in range(shifts):
-        t = it - shifts + k
-        dt = edges_f[k + 1] - edges_f[k]
-        (busy, bubble) = (busy + dt, bubble) if table[t][rank] is not None else (busy, bubble + dt)
-    edges_b = bwd + [end]
-    for k in range(shifts):
-        t = it - 1 - k
-        dt = edges_b[k + 1] - edges_b[k]
-        (busy, bubble) = (busy + dt, bubble) if table[t][rank] is not None else (busy, bubble + dt)
-    return bubble / (busy + bubble) if busy + bubble > 0 else float("nan")
+    bubble = sum(x for t, x in enumerate(times) if table[t][rank] is None)
+    return bubble / sum(times), bubble / step_s
 
 
 class StageLM(TorchLM):
@@ -211,6 +223,12 @@ def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None
         opt.step()
         return float(torch.stack(losses).mean()) if rank == stages - 1 else None
 
+    def var_bytes():
+        tensors = list(model.parameters()) + [v for st in opt.state.values() for v in st.values()
+                                              if torch.is_tensor(v) and v.dim() > 0]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    step.var_bytes = var_bytes
     return step, waits, None
 
 
@@ -222,8 +240,8 @@ def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | 
     from meshtorch.mesh.recorder import flight_recorder
     from meshtorch.models.transformer import build_lm
 
-    pcfg = replace(cfg, pipeline_stages=stages, microbatches=microbatches)
-    lm = build_lm(pcfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
+    lm = build_lm(pipelined(cfg, stages, microbatches), seed=0,
+                  optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
     impl = mtf.SpmdMeshImpl(f"pipe:{stages}", "stage:pipe")
     lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
     if state is not None:
@@ -244,8 +262,13 @@ def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | 
         last[:] = [mine]
         return float(out[0]) if dist.get_rank() == stages - 1 else None
 
-    def bubble(step_start, step_end):
-        return measured_bubble(last[0], lm.pipeline, dist.get_rank(), step_start, step_end)
+    def bubble(step_s):
+        return measured_bubble(last[0], lm.pipeline, dist.get_rank(), step_s)
+
+    def var_bytes():
+        return sum(x.numel() * x.element_size() for v in lw.variables.values() for x in impl.local_slices(v))
+
+    step.var_bytes = var_bytes
 
     return step, waits, bubble
 
@@ -273,14 +296,15 @@ def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, t
         dist.barrier()
         w0, t0 = waits[0], time.perf_counter()
         losses.append(step(x, y))
-        t1 = time.perf_counter()
         dist.barrier()
         t = time.perf_counter() - t0
         if s:  # the first step is a warm-up
             times.append(t)
             wait_s.append(waits[0] - w0)
-            bubbles.append(bubble(t0, t1) if bubble is not None else 1 - (t - (waits[0] - w0)) / t)
+            share = (waits[0] - w0) / t  # torch: the waits are the bubble (and the transfers)
+            bubbles.append(bubble(t) if bubble is not None else (float("nan"), share))
     return {"growth": peak_rss_bytes() - base, "times": times, "waits": wait_s, "bubbles": bubbles,
+            "var_bytes": step.var_bytes(),
             "losses": losses, "rank": dist.get_rank()}
 
 
@@ -290,8 +314,8 @@ def predicted(cfg: LMConfig, stages: int, microbatches: int) -> dict:
     from meshtorch.models.transformer import build_lm
     from meshtorch.planning import plan_memory
 
-    pcfg = replace(cfg, pipeline_stages=stages, microbatches=microbatches)
-    lm = build_lm(pcfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
+    lm = build_lm(pipelined(cfg, stages, microbatches), seed=0,
+                  optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
     rep = plan_memory(lm.graph, lm.mesh, [lm.loss] + lm.updates, f"pipe:{stages}", "stage:pipe")
     return {"bubble": rep.pipeline.bubble_fraction, "total": rep.total_bytes, "report": rep}
 
@@ -300,7 +324,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages = gloo ranks")
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="a multiple of --stages (meshtorch: R = layers / stages, circular; torch: layers / stages "
+                         "consecutive layers per stage)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
@@ -333,23 +359,24 @@ def main(argv=None):
             t = [x for r in res for x in r["times"]]
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.3f} (min {min(t):.3f}, max "
                   f"{max(t):.3f}); losses {[round(v, 5) for v in res[-1]['losses']]}", flush=True)
-    print(f"\n{'run':<11}{'step s median':>14}{'spread':>14}{'peak RSS growth per rank, MiB':>32}"
-          f"{'wait/step per rank':>26}{'bubble per rank':>24}")
+    print(f"\n{'run':<11}{'step s median':>14}{'spread':>14}{'RSS growth/rank MiB':>26}{'variables/rank MiB':>26}"
+          f"{'wait/step per rank':>24}{'bubble/step per rank':>24}")
     med = {}
     for run, rounds in results.items():
         t = [x for res in rounds for r in res for x in r["times"]]
         med[run] = statistics.median(t)
         growth = [max(res[k]["growth"] for res in rounds) / MIB for k in range(S)]
+        var = [rounds[0][k]["var_bytes"] / MIB for k in range(S)]
         wait = [statistics.median(w / s for res in rounds for w, s in zip(res[k]["waits"], res[k]["times"],
                                                                            strict=True)) for k in range(S)]
-        bub = [statistics.median(b for res in rounds for b in res[k]["bubbles"]) for k in range(S)]
-        med[run + "_rss"] = growth
-        med[run + "_bubble"] = statistics.median(bub)
+        loop = [statistics.median(b[0] for res in rounds for b in res[k]["bubbles"]) for k in range(S)]
+        step = [statistics.median(b[1] for res in rounds for b in res[k]["bubbles"]) for k in range(S)]
+        med[run + "_rss"], med[run + "_var"], med[run + "_loop"], med[run + "_step"] = growth, var, loop, step
         print(f"{run:<11}{med[run]:>14.3f}{f'{min(t):.3f}-{max(t):.3f}':>14}"
-              f"{' '.join(f'{g:.1f}' for g in growth):>32}{' '.join(f'{w:.2f}' for w in wait):>26}"
-              f"{' '.join(f'{b:.3f}' for b in bub):>24}")
+              f"{' '.join(f'{g:.1f}' for g in growth):>26}{' '.join(f'{v:.2f}' for v in var):>26}"
+              f"{' '.join(f'{w:.2f}' for w in wait):>24}{' '.join(f'{b:.2f}' for b in step):>24}")
     if "meshtorch" in med and "torch" in med:
-        print(f"meshtorch / torch step time: {med['meshtorch'] / med['torch']:.3f} (goal <= 1.0)")
+        print(f"meshtorch / torch step time (ratio of medians): {med['meshtorch'] / med['torch']:.3f} (goal <= 1.0)")
         ml = results["meshtorch"][0][S - 1]["losses"]
         tl = results["torch"][0][S - 1]["losses"]
         err = max(abs(a - b) / abs(b) for a, b in zip(ml, tl, strict=True))
@@ -357,11 +384,19 @@ def main(argv=None):
               f" (max rel. diff {err:.1e})")
     if "meshtorch" in med:
         p = predicted(cfg, S, M)
-        growth = max(med["meshtorch_rss"])
-        print(f"bubble fraction: planner {p['bubble']:.3f} = (S-1)/(M*R+S-1); measured meshtorch "
-              f"{med['meshtorch_bubble']:.3f}" + (f", torch {med['torch_bubble']:.3f}" if "torch" in med else ""))
-        print(f"per-rank memory: planner {p['total'] / MIB:.1f} MiB, measured peak RSS growth (max over ranks) "
-              f"{growth:.1f} MiB (planner / measured {p['total'] / MIB / growth:.2f})")
+        loop = statistics.mean(med["meshtorch_loop"])
+        print(f"bubble fraction of the pipeline loop: planner {p['bubble']:.3f} = (S-1)/(M*R+S-1); measured meshtorch "
+              f"{loop:.3f} (mean over ranks; per rank {' '.join(f'{b:.3f}' for b in med['meshtorch_loop'])}; "
+              f"measured / planner {loop / p['bubble']:.2f})")
+        print(f"bubble share of the whole step: meshtorch {statistics.mean(med['meshtorch_step']):.3f}"
+              + (f", torch (waits) {statistics.mean(med['torch_step']):.3f}" if "torch" in med else "")
+              + " (mean over ranks)")
+        growth, var = max(med["meshtorch_rss"]), max(med["meshtorch_var"])
+        rep = p["report"]
+        print(f"per-rank memory, meshtorch: planner total {p['total'] / MIB:.2f} MiB vs measured peak RSS growth (max "
+              f"over ranks) {growth:.2f} MiB (planner / measured {p['total'] / MIB / growth:.2f}); planner variables "
+              f"{rep.variable_bytes / MIB:.2f} MiB vs held variable slices {var:.2f} MiB (planner / measured "
+              f"{rep.variable_bytes / MIB / var:.3f})")
 
 
 if __name__ == "__main__":
