@@ -71,10 +71,15 @@ def config(kw: dict) -> LMConfig:
     return preset("tiny", **base)
 
 
-def pipelined(cfg: LMConfig, stages: int, microbatches: int) -> LMConfig:
+#: meshtorch's runs: name -> per-iteration recompute (``LMConfig.pipeline_remat``; the default, True, keeps one
+#: state per iteration; False keeps every block's activations, as ``ScheduleGPipe`` does)
+MESHTORCH_RUNS = {"meshtorch": True, "meshtorch_noremat": False}
+
+
+def pipelined(cfg: LMConfig, stages: int, microbatches: int, remat: bool = True) -> LMConfig:
     """``cfg`` as an S-stage pipeline: one layer per stage and repeat (R = layers / S, circular when R > 1)."""
     return replace(cfg, pipeline_stages=stages, microbatches=microbatches,
-                   pipeline_repeats=cfg.num_layers // stages)
+                   pipeline_repeats=cfg.num_layers // stages, pipeline_remat=remat)
 
 
 def batches(cfg: LMConfig, n: int = 4) -> list:
@@ -232,7 +237,7 @@ def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None
     return step, waits, None
 
 
-def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None):
+def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None, remat: bool = True):
     """``(step_fn, waits, bubble_fn)`` of this rank's share of the pipelined meshtorch LM."""
     import torch.distributed as dist
 
@@ -240,7 +245,7 @@ def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | 
     from meshtorch.mesh.recorder import flight_recorder
     from meshtorch.models.transformer import build_lm
 
-    lm = build_lm(pipelined(cfg, stages, microbatches), seed=0,
+    lm = build_lm(pipelined(cfg, stages, microbatches, remat), seed=0,
                   optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
     impl = mtf.SpmdMeshImpl(f"pipe:{stages}", "stage:pipe")
     lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
@@ -279,7 +284,13 @@ def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, t
 
     sys.path.insert(0, HERE)
     torch.set_num_threads(threads)
-    job = _meshtorch_job if run == "meshtorch" else _torch_job
+    if run in MESHTORCH_RUNS:
+        def job(*a):
+            return _meshtorch_job(*a, remat=MESHTORCH_RUNS[run])
+    elif run == "torch":
+        job = _torch_job
+    else:
+        raise ValueError(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, 'torch'])}.")
     tiny = config(dict(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_layers=stages, length=8,
                        batch_size=microbatches))
     step, _, _ = job(tiny, stages, microbatches, None)
@@ -308,13 +319,13 @@ def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, t
             "losses": losses, "rank": dist.get_rank()}
 
 
-def predicted(cfg: LMConfig, stages: int, microbatches: int) -> dict:
+def predicted(cfg: LMConfig, stages: int, microbatches: int, remat: bool = True) -> dict:
     """The planner's bubble fraction and per-rank total for the meshtorch run (dry run, nothing allocated)."""
     import meshtorch as mtf
     from meshtorch.models.transformer import build_lm
     from meshtorch.planning import plan_memory
 
-    lm = build_lm(pipelined(cfg, stages, microbatches), seed=0,
+    lm = build_lm(pipelined(cfg, stages, microbatches, remat), seed=0,
                   optimizer=mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
     rep = plan_memory(lm.graph, lm.mesh, [lm.loss] + lm.updates, f"pipe:{stages}", "stage:pipe")
     return {"bubble": rep.pipeline.bubble_fraction, "total": rep.total_bytes, "report": rep}
@@ -334,7 +345,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per job (after one warm-up step)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two jobs")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--runs", default="meshtorch,torch")
+    ap.add_argument("--runs", default="meshtorch,meshtorch_noremat,torch",
+                    help="jobs per round, alternated: meshtorch (per-iteration recompute, the LM's default), "
+                         "meshtorch_noremat (keeps every block's activations, as GPipe does), torch")
     args = ap.parse_args(argv)
     from meshtorch.testing.spmd import run_spmd
 
@@ -375,26 +388,26 @@ def main(argv=None):
         print(f"{run:<11}{med[run]:>14.3f}{f'{min(t):.3f}-{max(t):.3f}':>14}"
               f"{' '.join(f'{g:.1f}' for g in growth):>26}{' '.join(f'{v:.2f}' for v in var):>26}"
               f"{' '.join(f'{w:.2f}' for w in wait):>24}{' '.join(f'{b:.2f}' for b in step):>24}")
-    if "meshtorch" in med and "torch" in med:
-        print(f"meshtorch / torch step time (ratio of medians): {med['meshtorch'] / med['torch']:.3f} (goal <= 1.0)")
-        ml = results["meshtorch"][0][S - 1]["losses"]
-        tl = results["torch"][0][S - 1]["losses"]
-        err = max(abs(a - b) / abs(b) for a, b in zip(ml, tl, strict=True))
-        print(f"losses (last rank, round 0): meshtorch {[round(v, 5) for v in ml]}, torch {[round(v, 5) for v in tl]}"
-              f" (max rel. diff {err:.1e})")
-    if "meshtorch" in med:
-        p = predicted(cfg, S, M)
-        loop = statistics.mean(med["meshtorch_loop"])
-        print(f"bubble fraction of the pipeline loop: planner {p['bubble']:.3f} = (S-1)/(M*R+S-1); measured meshtorch "
-              f"{loop:.3f} (mean over ranks; per rank {' '.join(f'{b:.3f}' for b in med['meshtorch_loop'])}; "
+    for run in [r for r in runs if r in MESHTORCH_RUNS]:
+        print(f"\n{run} (per-iteration recompute {'on' if MESHTORCH_RUNS[run] else 'off'}):")
+        if "torch" in med:
+            print(f"  {run} / torch step time (ratio of medians): {med[run] / med['torch']:.3f} (goal <= 1.0)")
+            ml, tl = results[run][0][S - 1]["losses"], results["torch"][0][S - 1]["losses"]
+            err = max(abs(a - b) / abs(b) for a, b in zip(ml, tl, strict=True))
+            print(f"  losses (last rank, round 0): {run} {[round(v, 5) for v in ml]}, torch "
+                  f"{[round(v, 5) for v in tl]} (max rel. diff {err:.1e})")
+        p = predicted(cfg, S, M, MESHTORCH_RUNS[run])
+        loop = statistics.mean(med[run + "_loop"])
+        print(f"  bubble fraction of the pipeline loop: planner {p['bubble']:.3f} = (S-1)/(M*R+S-1); measured "
+              f"{loop:.3f} (mean over ranks; per rank {' '.join(f'{b:.3f}' for b in med[run + '_loop'])}; "
               f"measured / planner {loop / p['bubble']:.2f})")
-        print(f"bubble share of the whole step: meshtorch {statistics.mean(med['meshtorch_step']):.3f}"
+        print(f"  bubble share of the whole step: {run} {statistics.mean(med[run + '_step']):.3f}"
               + (f", torch (waits) {statistics.mean(med['torch_step']):.3f}" if "torch" in med else "")
               + " (mean over ranks)")
-        growth, var = max(med["meshtorch_rss"]), max(med["meshtorch_var"])
+        growth, var = max(med[run + "_rss"]), max(med[run + "_var"])
         rep = p["report"]
-        print(f"per-rank memory, meshtorch: planner total {p['total'] / MIB:.2f} MiB vs measured peak RSS growth (max "
-              f"over ranks) {growth:.2f} MiB (planner / measured {p['total'] / MIB / growth:.2f}); planner variables "
+        print(f"  per-rank memory: planner total {p['total'] / MIB:.2f} MiB vs measured peak RSS growth (max over "
+              f"ranks) {growth:.2f} MiB (planner / measured {p['total'] / MIB / growth:.2f}); planner variables "
               f"{rep.variable_bytes / MIB:.2f} MiB vs held variable slices {var:.2f} MiB (planner / measured "
               f"{rep.variable_bytes / MIB / var:.3f})")
 

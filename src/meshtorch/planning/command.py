@@ -28,7 +28,7 @@ from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
 from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_table
-from meshtorch.planning.search import pipeline_layouts, search_layouts
+from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
@@ -325,6 +325,13 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     if not ranked:
         raise SystemExit(f"meshtorch plan: {failure}") from None
     ranked.sort(key=lambda r: (r[1].estimated_time["total_s"], r[1].total_bytes))
+    sizes, seen, unique = {d.name: d.size for d in spec.shape}, set(), []
+    for lay, r in ranked:  # the pipelined searches ran apart: drop their mesh-axis swaps here
+        key = (layout_key(lay, r.storage, sizes), r.pipeline is not None)
+        if key not in seen:
+            seen.add(key)
+            unique.append((lay, r))
+    ranked = unique
     within = f" within {_human(memory_limit)}" if memory_limit is not None else ""
     print_fn(f"{len(ranked)} legal layouts{within}; best {top}:")
     print_fn(f"  {'rank':>4}  {'layout':<50}{'time ms':>10}{'compute':>10}{'comm':>10}"

@@ -103,6 +103,17 @@ def storage_candidates(graph, mesh_shape, layout: str = "") -> list[str]:
             if (d, a) not in compute and all(s % n == 0 for s in dims[d])]
 
 
+def layout_key(rules: str, storage: str, axis_sizes: dict) -> frozenset:
+    """What a layout and its storage rules are up to swapping mesh axes of one size (the cost model cannot tell
+    ``batch:data;heads:model`` from ``heads:data;batch:model`` on a 2x2 mesh): per mesh axis, its size and the
+    sets of compute and storage dims it splits. ``axis_sizes``: ``{mesh axis: size}``."""
+    groups = defaultdict(lambda: (set(), set()))  # mesh axis -> (compute dims, storage dims)
+    for which, text in ((0, rules), (1, storage)):
+        for d, a in _rule_pairs(text):
+            groups[a][which].add(d)
+    return frozenset((axis_sizes.get(a, a), frozenset(c), frozenset(st)) for a, (c, st) in groups.items())
+
+
 def _rule_pairs(rules: str) -> list[tuple[str, str]]:
     return [tuple(p.split(":")) for p in rules.replace(",", ";").split(";") if p.strip()]
 
@@ -241,11 +252,7 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
     results, seen = [], set()
     for (rules, storage), r in sorted(((k, r) for k, r in scored.items() if r is not None),
                                       key=lambda kr: rank(kr[1])):
-        groups = defaultdict(lambda: (set(), set()))  # mesh axis -> (compute dims, storage dims)
-        for which, text in ((0, rules), (1, storage)):
-            for d, a in _rule_pairs(text):
-                groups[a][which].add(d)
-        key = frozenset((axis_sizes.get(a, a), frozenset(c), frozenset(st)) for a, (c, st) in groups.items())
+        key = layout_key(rules, storage, axis_sizes)
         if key not in seen and (limit is None or r.total_bytes <= limit):
             seen.add(key)
             results.append((rules, r))
