@@ -8,6 +8,7 @@ counters (the flight recorder's) are checked against the permutes the schedule n
 S, M, R and the state slice shape.
 """
 
+import os
 from collections import Counter
 
 import pytest
@@ -17,6 +18,9 @@ import meshtorch as mtf
 from meshtorch.autodiff import gradients
 from meshtorch.core.pipeline import PipelineSchedule
 from meshtorch.models.transformer import LMConfig, build_lm, preset
+from meshtorch.testing.spmd import run_spmd
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 #: the collective kind of a shift over a split dim (a neighbour exchange); main renames it ``collective_permute``
 PERMUTE_KIND = "receive"
@@ -133,20 +137,27 @@ def _by_kind(counters):
 
 @pytest.mark.parametrize("S,M,R,mesh_shape,layout,data", [(4, 4, 1, "pipe:4", "stage:pipe", 1),
                                                           (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", 2)])
-def test_executed_permutes_per_step(S, M, R, mesh_shape, layout, data):
+def test_executed_collectives_per_step(S, M, R, mesh_shape, layout, data):
     """Each iteration but the first shifts the state buffer once forward and once in the backward pass: 2 (M R +
-    S - 2) neighbour exchanges per step, each of one processor's state slice [1, B / M / data, length, d_model]."""
+    S - 2) neighbour exchanges per step, each of one processor's state slice [1, B / M / data, length, d_model].
+    Over ``pipe`` besides: one all-reduce of the last stage's outputs (B / data x length x d_model) and the
+    gradients of the two embedding tables (partial sums over ``pipe``: only stage 0 reads them); cutting the batch
+    into microbatches moves nothing."""
     ref_lm, ref_lw = _reference(S, R)
     lm, lw = _pipelined(S, M, R, mesh_shape, layout, ref_lw, remat=True)
     steps = 2
     for step in range(steps):
         _run(lm, lw, step)
     count, nbytes = _by_kind(lw.counters)
+    B, L, D, V = CFG["batch_size"], CFG["length"], CFG["d_model"], CFG["vocab_size"]
     permutes = 2 * (M * R + S - 2) * steps
-    slice_bytes = (CFG["batch_size"] // M // data) * CFG["length"] * CFG["d_model"] * 4
     assert count[PERMUTE_KIND, ("pipe",)] == permutes
-    assert nbytes[PERMUTE_KIND, ("pipe",)] == permutes * slice_bytes
+    assert nbytes[PERMUTE_KIND, ("pipe",)] == permutes * (B // M // data) * L * D * 4
+    over_pipe = ("pipe",) if data == 1 else ("pipe", "data")
+    assert count["allreduce", ("pipe",)] + (count["allreduce", over_pipe] if data > 1 else 0) == 3 * steps
+    assert nbytes["allreduce", ("pipe",)] == steps * ((B // data) * L * D + (0 if data > 1 else V * D + L * D)) * 4
     assert {k for k, _ in count} <= {PERMUTE_KIND, "allreduce"}
+    assert not [c for c in lw.counters.records if c.op.startswith("pipeline/microbatch")]
 
 
 def test_schedule_table():
@@ -168,3 +179,96 @@ def test_schedule_table():
 def test_config_errors(fields, match):
     with pytest.raises(ValueError, match=match):
         LMConfig(**{**CFG, **fields})
+
+
+def test_stacked_variables_start_from_the_unpipelined_layers_values():
+    """Row [s, r] of each stacked variable is drawn as layer r * S + s's variable (same counter-based keys)."""
+    S, R = 2, 2
+    ref_lm, ref_lw = _reference(S, R)
+    lm = build_lm(_config(S, 4, R), train=False)
+    lw = lm.lowering("pipe:2", "stage:pipe")
+    stacked = [v for v in lm.graph.trainable_variables if v.name.startswith("stack/")]
+    assert len(stacked) == 8  # attention norm, q, k, v, o, ffn norm, wi, wo
+    for v in stacked:
+        torch.testing.assert_close(lw.variable_value(v.name), _stacked_from_layers(ref_lw.variable_value, v, S, R),
+                                   rtol=0, atol=0)
+
+
+def _train_cli(tmp_path, *extra):
+    import argparse
+
+    from meshtorch.cli.train import add_train_subcommand
+
+    p = argparse.ArgumentParser()
+    add_train_subcommand(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["train", "--preset", "tiny", "--layers", "2", "--d-model", "16", "--heads", "2", "--d-kv", "8",
+                         "--d-ff", "32", "--length", "8", "--batch-size", "8", "--eval-batches", "1", "--sample", "0",
+                         "--plot", "", "--checkpoint-dir", "", "--steps", "3", "--eval-every", "3", "--runs-dir",
+                         str(tmp_path), *extra])
+    return args.func(args)
+
+
+def test_train_cli_pipeline_losses_equal_unpipelined(tmp_path):
+    ref = _train_cli(tmp_path, "--mesh", "pipe:2,data:2", "--layout", "batch:data")
+    out = _train_cli(tmp_path, "--mesh", "pipe:2,data:2", "--layout", "stage:pipe;batch:data", "--microbatches", "4")
+    assert out["lm"].pipeline == PipelineSchedule(2, 4, 1)
+    assert ref["lm"].pipeline is None
+    torch.testing.assert_close(out["history"]["loss"], ref["history"]["loss"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--layout", "stage:pipe", "--microbatches", "3"], "--microbatches 3 must divide --batch-size 8"),
+    (["--layout", "stage:pipe", "--layers", "3"], "--layers 3 must equal --pipeline-stages 2"),
+    (["--layout", "batch:pipe", "--microbatches", "2"], "--microbatches / --pipeline-repeats need a pipeline"),
+    (["--layout", "stage:pipe", "--pipeline-stages", "3", "--layers", "3"], "multiple of the size 2"),
+    (["--layout", "stage:pipe", "--layers", "4", "--pipeline-repeats", "2", "--microbatches", "1"], ">= --pipeline"),
+])
+def test_train_cli_pipeline_flag_errors(tmp_path, extra, match):
+    from meshtorch.core.errors import UsageError
+
+    with pytest.raises(UsageError, match=match):
+        _train_cli(tmp_path, "--mesh", "pipe:2", *extra)
+
+
+def test_pipeline_on_4_gloo_ranks_equals_unpipelined():
+    """Two configurations as 4 gloo processes (SpmdMeshImpl): loss and gradients equal the unpipelined LM's on one
+    processor; executed neighbour exchanges as the schedule needs (one step: forward + backward)."""
+    import _spmd_pipeline as W
+
+    run = run_spmd("_spmd_pipeline:pipeline_worker", nprocs=4, timeout_s=300, extra_path=[TESTS_DIR]).check()
+    for i, (S, M, R, _mesh, layout, _storage) in enumerate(W.SPMD_CASES):
+        ref_lm, ref_lw = _reference(S, R)
+        ref = _run(ref_lm, ref_lw)
+        data = 2 if "batch:data" in layout else 1
+        permutes = 2 * (M * R + S - 2)
+        for rank, results in enumerate(run.results):
+            loss, grads, count, nbytes, _ = results[i]
+            _assert_same(S, R, ref, (loss, grads))
+            assert count[PERMUTE_KIND, ("pipe",)] == permutes, (rank, count)
+            slice_bytes = (CFG["batch_size"] // M // data) * CFG["length"] * CFG["d_model"] * 4
+            assert nbytes[PERMUTE_KIND, ("pipe",)] == permutes * slice_bytes, (rank, nbytes)
+
+
+def memory_config(S):
+    """A 4-layer LM whose blocks hold most of the parameters (as at scale), pipelined on S stages (0: not)."""
+    return preset("tiny", vocab_size=256, d_model=64, num_heads=4, d_kv=16, d_ff=256, num_layers=4, length=32,
+                  batch_size=8, pipeline_stages=S, microbatches=max(S, 1))
+
+
+def test_parameter_memory_per_rank_with_4_stages():
+    """Parameter bytes each of 4 gloo ranks holds: with ``stage:pipe;vocab:pipe`` at most 1.05 / 4 of the
+    unpipelined model's (replicated on every rank); without ``vocab:pipe`` the embeddings stay replicated over
+    ``pipe``. Expected bytes are also counted here from the config, independently of the lowering."""
+    cases = [(0, "pipe:4", ""), (4, "pipe:4", "stage:pipe"), (4, "pipe:4", "stage:pipe;vocab:pipe")]
+    run = run_spmd("_spmd_pipeline:parameter_bytes_worker", args=(cases,), nprocs=4, timeout_s=300,
+                   extra_path=[TESTS_DIR]).check()
+    c = memory_config(4)
+    block = 4 * c.d_model * c.num_heads * c.d_kv + 2 * c.d_model * c.d_ff + 2 * c.d_model
+    embeddings = 2 * c.vocab_size * c.d_model  # embedding and logits kernel
+    other = c.length * c.d_model + c.d_model  # position embedding, final norm
+    full = 4 * (c.num_layers * block + embeddings + other)
+    for base, stage, stage_vocab in run.results:
+        assert base == full
+        assert stage == 4 * (block + embeddings + other)
+        assert stage_vocab == 4 * (block + embeddings // 4 + other)
+        assert stage_vocab <= 1.05 / 4 * base, stage_vocab / base  # measured: 238336 / 928000 = 0.257

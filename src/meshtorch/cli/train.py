@@ -29,6 +29,17 @@ def add_train_subcommand(subparsers) -> None:
                    help="activation checkpointing: none; block (recompute each block's activations in the backward "
                         "pass, keep only block inputs); selective (keep matmul and attention outputs, recompute the "
                         "elementwise ops). The planner's memory check counts it")
+    p.add_argument("--pipeline-stages", type=int, default=None,
+                   help="run the blocks as a pipeline of this many stages, their weights stacked on a 'stage' "
+                        "dimension that the layout splits (e.g. --layout 'stage:pipe;batch:data'); default: the size "
+                        "of the mesh axis the layout maps 'stage' to (no pipeline if it names none). --layers must "
+                        "equal stages x --pipeline-repeats (docs/pipeline.md)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline: microbatches per step, a divisor of --batch-size (default: the stages); the idle "
+                        "fraction is (stages - 1) / (microbatches x repeats + stages - 1)")
+    p.add_argument("--pipeline-repeats", type=int, default=None,
+                   help="pipeline: circular repeats R, stage s running layers s, S + s, ... (default 1; R > 1 needs "
+                        "--microbatches >= stages)")
     p.add_argument("--mesh", default=DEFAULT_MESH,
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
                         "processor")

@@ -31,7 +31,7 @@ from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal
 from meshtorch.ops.random import dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.reshape import reshape
-from meshtorch.ops.shape import add_n, stack, unstack
+from meshtorch.ops.shape import add_n
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
 
@@ -269,11 +269,11 @@ def _pipelined_blocks(c, d, x, train):
     sched = c.pipeline_schedule
     M = sched.microbatches
     micro = Shape([Dimension("batch", c.batch_size // M), Dimension("microbatches", M), d["length"], d["d_model"]])
-    xs = unstack(reshape(x, micro, name="pipeline/microbatch"), "microbatches", name="pipeline/unstack")
+    xs = reshape(x, micro, name="pipeline/microbatch")
     ys = layers.pipeline(lambda h, name: _block(c, d, h, name, train, []), xs, sched,
                          remat=c.pipeline_remat, remat_keep=_keeps_matmuls if c.remat == "selective" else None,
-                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0)
-    return reshape(stack(ys, "microbatches", axis=1, name="pipeline/stack"), x.shape, name="pipeline/unbatch")
+                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0, layer_names=lambda i: f"layer_{i}")
+    return reshape(ys, x.shape, name="pipeline/unbatch")
 
 
 def _block(c, d, x, name, train, aux_losses, moe=False):

@@ -181,3 +181,51 @@ def step_dirs(checkpoint_dir: str) -> list[str]:
     """``ckpt-<step>`` directories of ``checkpoint_dir``, newest first (complete or not)."""
     names = [d for d in os.listdir(checkpoint_dir) if d.startswith("ckpt-") and d[5:].isdigit()]
     return [os.path.join(checkpoint_dir, d) for d in sorted(names, key=lambda d: -int(d[5:]))]
+
+
+def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: int | None, repeats: int | None,
+                    num_layers: int, batch_size: int) -> dict:
+    """``LMConfig``'s pipeline fields from ``--pipeline-stages``, ``--microbatches``, ``--pipeline-repeats`` and the
+    layout (None: a flag not given).
+
+    ``--pipeline-stages`` defaults to the size of the mesh axis the layout maps ``stage`` to (no pipeline when
+    the layout names no ``stage``); ``--microbatches`` defaults to the number of stages, ``--pipeline-repeats``
+    to 1.
+
+    Returns:
+        ``{"pipeline_stages": S, "microbatches": M, "pipeline_repeats": R}`` (S = 0: no pipeline).
+
+    Raises:
+        UsageError: naming the flag: a count below 1; ``--microbatches`` / ``--pipeline-repeats`` without a pipeline;
+            stages not a multiple of the ``stage`` mesh axis; ``--layers`` other than stages x repeats; a batch
+            size that ``--microbatches`` does not divide; fewer microbatches than stages with repeats.
+    """
+    for flag, v in (("--pipeline-stages", stages), ("--microbatches", microbatches), ("--pipeline-repeats", repeats)):
+        if v is not None:
+            number(flag, v, 1)
+    try:
+        axis = dict(LayoutRules(layout or "").pairs).get("stage")
+    except LayoutError as e:
+        raise LayoutError(f"--layout: {e}") from None
+    n = mesh.get_dim_by_name(axis).size if axis is not None and axis in mesh.dimension_names else 1
+    if stages is None:
+        stages = n if axis is not None else 0
+    if stages <= 1:
+        if (microbatches or 1) > 1 or (repeats or 1) > 1:
+            raise UsageError("--microbatches / --pipeline-repeats need a pipeline: add 'stage:<mesh axis>' to --layout "
+                             "or give --pipeline-stages > 1.")
+        return {"pipeline_stages": 0, "microbatches": 1, "pipeline_repeats": 1}
+    if stages % n:
+        raise UsageError(f"--pipeline-stages {stages} must be a multiple of the size {n} of mesh axis {axis!r} (the "
+                         f"layout's 'stage:{axis}').")
+    repeats = repeats or 1
+    microbatches = microbatches or stages
+    if num_layers != stages * repeats:
+        raise UsageError(f"--layers {num_layers} must equal --pipeline-stages {stages} x --pipeline-repeats {repeats}; "
+                         "change --layers, the stage mesh axis or --pipeline-repeats.")
+    if batch_size % microbatches:
+        raise UsageError(f"--microbatches {microbatches} must divide --batch-size {batch_size}.")
+    if repeats > 1 and microbatches < stages:
+        raise UsageError(f"--microbatches {microbatches} must be >= --pipeline-stages {stages} with "
+                         "--pipeline-repeats > 1 (circular schedule).")
+    return {"pipeline_stages": stages, "microbatches": microbatches, "pipeline_repeats": repeats}

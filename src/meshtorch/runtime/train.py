@@ -180,9 +180,15 @@ def check_args(args) -> runs.RunPaths:
         optional_module("tensorboard", "meshtorch train --log-dir")
     if args.sample and not args.prompt:
         raise UsageError("--prompt is empty; sampling needs at least one prompt character (or --sample 0).")
-    cfg = preset(args.preset, num_layers=1, d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv,
-                 d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, gated=args.gated or None,
-                 vocab_size=256, num_experts=args.experts)
+    base = preset(args.preset, num_layers=args.layers, batch_size=args.batch_size)
+    pipe = checks.pipeline_fields(args.layout, mesh, getattr(args, "pipeline_stages", None),
+                                  getattr(args, "microbatches", None), getattr(args, "pipeline_repeats", None),
+                                  base.num_layers, base.batch_size)
+    args.pipeline_stages, args.microbatches, args.pipeline_repeats = pipe.values()  # resolved for main_train
+    cfg = preset(args.preset, num_layers=max(pipe["pipeline_stages"], 1) * pipe["pipeline_repeats"],
+                 d_model=args.d_model, num_heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, length=args.length,
+                 batch_size=args.batch_size, gated=args.gated or None, vocab_size=256, num_experts=args.experts,
+                 **pipe)
     if args.sample and args.tokenizer == "byte" and len(args.prompt.encode("utf-8")) >= cfg.length:
         raise UsageError(f"--prompt is {len(args.prompt.encode('utf-8'))} bytes, but the model's context is "
                          f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")
@@ -291,7 +297,8 @@ def main_train(args) -> dict:
                  d_ff=args.d_ff, length=args.length, batch_size=args.batch_size, dropout=args.dropout,
                  activation=args.activation, norm=args.norm, gated=args.gated or None, vocab_size=tok.vocab_size,
                  vocab_multiple=vocab_multiple(args.mesh, args.layout), num_experts=args.experts,
-                 remat=getattr(args, "remat", None))
+                 remat=getattr(args, "remat", None),
+                 **{f: getattr(args, f, None) for f in ("pipeline_stages", "microbatches", "pipeline_repeats")})
     if args.sample and len(tok.encode(args.prompt)) >= cfg.length:  # SentencePiece: known once it is trained
         raise UsageError(f"--prompt is {len(tok.encode(args.prompt))} tokens, but the model's context is "
                          f"{cfg.length} tokens (--length); give a shorter prompt or a longer --length.")

@@ -1,0 +1,47 @@
+"""Run inside the 4 gloo processes of tests/test_pipeline.py (meshtorch.testing.spmd.run_spmd): the pipelined LM on
+SpmdMeshImpl, one process per processor. Returns plain values; the parent compares them with the unpipelined LM
+on one processor (it never trusts the workers' own comparisons)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+#: (S, M, R, mesh, layout, storage) run on 4 ranks
+SPMD_CASES = [(4, 4, 1, "pipe:4", "stage:pipe", ""),
+              (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_model:data")]
+
+
+def pipeline_worker():
+    """Per case: loss, {variable: full gradient}, executed {(kind, axes): (count, bytes)} of one step, and the
+    bytes of the trainable variables' slices this rank holds."""
+    import meshtorch as mtf
+    import test_pipeline as P
+
+    out = []
+    for S, M, R, mesh_shape, layout, storage in SPMD_CASES:
+        lm = P._build(P._config(S, M, R))
+        lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage or None)})
+        loss, grads = P._run(lm, lw)
+        count, nbytes = Counter(), Counter()
+        for c, n in lw.counters.records.items():
+            count[c.kind, c.mesh_axes] += n
+            nbytes[c.kind, c.mesh_axes] += n * c.bytes_per_processor
+        held = sum(lw.variables[v].numel() * lw.variables[v].element_size() for v in lm.graph.trainable_variables)
+        out.append((loss, grads, dict(count), dict(nbytes), held))
+    return out
+
+
+def parameter_bytes_worker(cases):
+    """Per ``(S, mesh, layout)`` case: bytes of the trainable variables' slices this rank holds, for the LM of
+    ``test_pipeline.memory_config(S)``."""
+    import meshtorch as mtf
+    import test_pipeline as P
+    from meshtorch.models.transformer import build_lm
+
+    out = []
+    for S, mesh_shape, layout in cases:
+        lm = build_lm(P.memory_config(S), train=False)
+        lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh_shape, layout)})
+        out.append(sum(lw.variables[v].numel() * lw.variables[v].element_size()
+                       for v in lm.graph.trainable_variables))
+    return out
