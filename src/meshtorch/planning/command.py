@@ -48,18 +48,17 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def pipeline_fields(mesh_shape: str, layout: str, microbatches: int | None = None,
-                    repeats: int | None = None) -> dict:
-    """The LMConfig pipeline fields a layout asks for: with a rule ``stage:<axis>``, ``pipeline_stages`` = that
-    axis's size and ``microbatches`` / ``pipeline_repeats`` as given (``--microbatches``,
-    ``--pipeline-repeats``; None: the preset's, 1); without one, ``{}`` (no pipeline)."""
-    if layout in ("", "auto"):
-        return {}
-    stages = MeshSpec(mesh_shape, layout).axis_size_for(STAGE_DIM)
+def pipeline_fields(mesh_shape: str, layout: str, microbatches: int | None = None, repeats: int | None = None,
+                    stages: int | None = None) -> dict:
+    """The LMConfig pipeline fields of the flags, as ``meshtorch train`` resolves them: ``pipeline_stages`` =
+    ``stages`` (``--pipeline-stages``) or the size of the mesh axis of the layout's ``stage:<axis>`` rule,
+    ``microbatches`` (``--microbatches``, default: the stages), ``pipeline_repeats`` (``--pipeline-repeats``,
+    default 1); ``{}`` (no pipeline) without a ``stage`` rule and ``stages``."""
+    if stages is None:
+        stages = MeshSpec(mesh_shape, layout).axis_size_for(STAGE_DIM) if layout not in ("", "auto") else 0
     if stages <= 1:
         return {}
-    fields = {k: v for k, v in (("microbatches", microbatches), ("pipeline_repeats", repeats)) if v is not None}
-    return {**fields, "pipeline_stages": stages}
+    return {"pipeline_stages": stages, "microbatches": microbatches or stages, "pipeline_repeats": repeats or 1}
 
 
 def _config(args, vocab_multiple: int, layout: str | None = None):
@@ -68,7 +67,8 @@ def _config(args, vocab_multiple: int, layout: str | None = None):
                   d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
                   vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple,
                   **pipeline_fields(args.mesh, layout or "", getattr(args, "microbatches", None),
-                                    getattr(args, "pipeline_repeats", None)))
+                                    getattr(args, "pipeline_repeats", None),
+                                    getattr(args, "pipeline_stages", None) if layout is not None else None))
 
 
 def _positive(flag: str, value) -> None:
@@ -85,7 +85,7 @@ def check_args(args) -> None:
             matching no dimension of the model or no axis of the mesh, naming it and listing both.
     """
     for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "vocab", "top", "flop_rate",
-                 "bandwidth", "microbatches", "pipeline_repeats"):
+                 "bandwidth", "microbatches", "pipeline_repeats", "pipeline_stages"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag, None))
     if args.experts is not None and args.experts < 0:
         raise UsageError(f"--experts must be >= 0, got {args.experts}.")
@@ -111,7 +111,7 @@ def check_args(args) -> None:
     if not cfg.pipelined and not args.search and ((getattr(args, "microbatches", None) or 1) > 1
                                                   or (getattr(args, "pipeline_repeats", None) or 1) > 1):
         raise UsageError("--microbatches/--pipeline-repeats need a pipeline: add the layout rule stage:<mesh axis> "
-                         "(e.g. --mesh pipe:2 --layout stage:pipe).")
+                         "(e.g. --mesh pipe:2 --layout stage:pipe) or --pipeline-stages > 1.")
     small = cfg.pipeline_stages * cfg.pipeline_repeats if cfg.pipelined else 1  # a pipeline needs S*R layers
     cfg = preset(args.preset, **{**cfg.to_dict(), "num_layers": small})
     names = set()

@@ -46,8 +46,8 @@ class PipelinePlan:
         stage_collectives: ``{kind: (count per step, bytes per processor per step)}`` over ``stage_axis`` alone:
             ``receive`` (the collective-permute): one shift per iteration after the first, in the forward pass
             and again (its transpose) in the backward pass, ``2 (M*R+S-2)`` per step, each the state slice
-            ``[micro_batch, length, d_model]``; ``allreduce``: the masked sums that read each microbatch's output
-            off the last stage and, in the backward pass, its input gradient off stage 0 (``2 M``).
+            ``[micro_batch, length, d_model]``; ``allreduce``: the masked sum that reads the outputs off the last
+            stage and, in the backward pass, the gradients of what is replicated over the stage axis.
         stacked_bytes: per processor, the slices of the trainable variables that have a ``stage`` dimension.
         stacked_bytes_full: the same variables unsplit (the whole stack, every stage).
         other_bytes: per processor, the other trainable variables' slices.
@@ -84,8 +84,10 @@ class PipelinePlan:
                f" bubble fraction (S-1)/(M*R+S-1) = {self.bubble_fraction:.3f}; stage {axis}"]
         if self.stage_axis and self.stage_collectives:
             for kind, (n, b) in sorted(self.stage_collectives.items()):
-                out.append(f"  {kind} over {self.stage_axis}: {n} per step ({n / 2:g} per pass, forward and backward, "
-                           f"of {it} iterations), {_human(b)} per processor per step ({_human(b // max(n, 1))} each)")
+                what = (" (the shift: one per iteration after the first, forward and backward)"
+                        if n == 2 * (it - 1) else "")
+                out.append(f"  {kind} over {self.stage_axis}: {n} per step{what}, {_human(b)} per processor per step "
+                           f"({_human(b // max(n, 1))} on average)")
         elif self.stage_axis:
             out.append(f"  no collective over {self.stage_axis}")
         share = f"1/{self.stage_split} of the stack" if self.stage_split > 1 else "the whole stack"
