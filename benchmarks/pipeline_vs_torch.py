@@ -1,40 +1,40 @@
 """A 4-stage pipeline on 4 gloo ranks: meshtorch's pipelined LM vs ``torch.distributed.pipelining`` GPipe.
 
 Model: :func:`meshtorch.models.transformer.build_lm` (default 4 layers, d_model 256, 4 heads x 64, d_ff 1024,
-vocab 256, length 64, batch 16), AdamW (no weight decay), ``--microbatches`` M (default 8), ``--stages`` S
-(default 4) gloo ranks with one CPU thread each (``meshtorch.testing.spmd.run_spmd``,
-``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS). Two jobs, alternated ``--rounds`` times
-(meshtorch, torch, meshtorch, torch, ...) so slow periods of a shared host hit both:
+vocab 256, length 64, batch 16: 3.3M parameters), AdamW (no weight decay), ``--microbatches`` M (default 8),
+``--stages`` S (default 4) gloo ranks with one CPU thread each (``meshtorch.testing.spmd.run_spmd``,
+``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS). The jobs of ``--runs`` alternate ``--rounds``
+times (meshtorch, meshtorch_noremat, torch, meshtorch, ...) so slow periods of a shared host hit all:
 
 * ``meshtorch``: ``LMConfig(pipeline_stages=S, microbatches=M)`` on ``SpmdMeshImpl("pipe:S", "stage:pipe")``
-  (``meshtorch train --mesh pipe:4 --layout stage:pipe --microbatches 8``): the layers' weights stacked on a
-  ``stage`` dimension split over ``pipe``, M*R+S-1 unrolled iterations, the state shifted along ``stage``
-  by a collective-permute each iteration (GSPMD / praxis style); embedding, final norm and logits are
-  replicated over ``pipe``.
+  (``meshtorch train --mesh pipe:4 --layout stage:pipe --layers 4 --microbatches 8``): the layers' weights
+  stacked on a ``stage`` dimension split over ``pipe``, M*R+S-1 unrolled iterations, the state shifted along
+  ``stage`` by a collective-permute each iteration (GSPMD / praxis style), each iteration's block recomputed
+  in the backward pass (the LM's default); embedding, final norm and logits replicated over ``pipe``.
+* ``meshtorch_noremat``: the same with ``pipeline_remat=False`` (every block's activations kept, as GPipe does).
 * ``torch``: the same architecture (:class:`meshtorch.testing.torch_lm.TorchLM`, the LM's plain-PyTorch twin)
-  split by hand as the PyTorch pipelining docs and TorchTitan do (each rank keeps its layers, stage 0 the
-  embeddings, the last stage the final norm and logits; :class:`StageLM`), wrapped in
-  ``PipelineStage`` and run by ``ScheduleGPipe(stage, M, loss_fn)``; ``torch.optim.AdamW``.
+  split by hand as the PyTorch pipelining tutorial and TorchTitan do (each rank keeps its layers, stage 0 the
+  embeddings, the last stage the final norm and logits; :class:`StageLM`), wrapped in ``PipelineStage`` and
+  run by ``ScheduleGPipe(stage, M, loss_fn)``; ``torch.optim.AdamW``.
 
-Both start from the same weights (the unpipelined meshtorch LM's initial values) and train on the same
+All start from the same weights (the unpipelined meshtorch LM's initial values) and train on the same
 batches, so their losses must agree (printed, max relative difference). Each job: a tiny warm-up model
-(lazy allocations of torch and gloo), RSS reset, the model built, one warm-up step, then ``--steps``
-timed steps, each between two barriers. Printed: the median step time of each run over all rounds with its
-spread (min-max) and the ratio meshtorch / torch (goal <= 1.0); peak RSS growth per rank (VmHWM after the
-reset minus the RSS before the build: variables, activations, transients); the time each rank spends waiting
-in point-to-point transfers (torch: ``_wait_batch_p2p``; meshtorch: its collective-permutes, from the flight
-recorder) as a fraction of the step; the measured bubble fraction; and beside them the planner's
-predictions (:func:`meshtorch.planning.memory_report` on a dry run: bubble fraction and per-rank total).
+(lazy allocations of torch and gloo), RSS reset, the model built, one warm-up step, then ``--steps`` timed
+steps, each between two barriers. Printed: the median step time of each run over all rounds and ranks with
+its spread (min-max) and the ratio to torch (goal <= 1.0); per rank the peak RSS growth (VmHWM after the
+reset minus the RSS before the build: variables, activations, transients) and the bytes of the variables
+(parameters, optimizer state) it holds; the share of the step each rank waits in point-to-point transfers
+(torch: ``_wait_batch_p2p``; meshtorch: its collective-permutes, from the flight recorder); the measured
+bubble; and the planner's predictions (:func:`meshtorch.planning.memory_report`, dry run) beside them.
 
-Measured bubble fraction. torch (GPipe): the idle share of a rank's step, ``1 - busy / step``, where busy
-is the step minus its waits for transfers; in GPipe the waits are the fill and drain bubble (plus the
-transfer time). meshtorch: every stage computes in every iteration (the bubble is work on empty slots, not
-waiting), so the flight recorder's permute start times cut each rank's step into its iterations, and the
-bubble is the time of the iterations the schedule table leaves that rank without a microbatch (forward and
-backward), over the time of all iterations.
+Measured bubble. torch (GPipe): a rank idles in the fill and drain, so its bubble is its waiting time (plus
+the transfers) over the step. meshtorch: every stage computes in every iteration (the bubble is work on
+zeroed slots, not waiting), so :func:`measured_bubble` cuts each rank's step into iterations at its
+collective-permutes and sums the iterations in which the schedule table gives that rank no microbatch:
+over the pipeline loop (what the planner's ``(S-1)/(M*R+S-1)`` predicts) and over the whole step.
 
 Run: ``python benchmarks/pipeline_vs_torch.py [--rounds 3] [--steps 3] [--stages 4] [--microbatches 8]
-[--layers 8] [--runs meshtorch,torch]``
+[--layers 4] [--runs meshtorch,meshtorch_noremat,torch]``
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def main(argv=None):
             t = [x for r in res for x in r["times"]]
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.3f} (min {min(t):.3f}, max "
                   f"{max(t):.3f}); losses {[round(v, 5) for v in res[-1]['losses']]}", flush=True)
-    print(f"\n{'run':<11}{'step s median':>14}{'spread':>14}{'RSS growth/rank MiB':>26}{'variables/rank MiB':>26}"
+    print(f"\n{'run':<19}{'step s median':>14}{'spread':>14}{'RSS growth/rank MiB':>26}{'variables/rank MiB':>26}"
           f"{'wait/step per rank':>24}{'bubble/step per rank':>24}")
     med = {}
     for run, rounds in results.items():
@@ -385,7 +385,7 @@ def main(argv=None):
         loop = [statistics.median(b[0] for res in rounds for b in res[k]["bubbles"]) for k in range(S)]
         step = [statistics.median(b[1] for res in rounds for b in res[k]["bubbles"]) for k in range(S)]
         med[run + "_rss"], med[run + "_var"], med[run + "_loop"], med[run + "_step"] = growth, var, loop, step
-        print(f"{run:<11}{med[run]:>14.3f}{f'{min(t):.3f}-{max(t):.3f}':>14}"
+        print(f"{run:<19}{med[run]:>14.3f}{f'{min(t):.3f}-{max(t):.3f}':>14}"
               f"{' '.join(f'{g:.1f}' for g in growth):>26}{' '.join(f'{v:.2f}' for v in var):>26}"
               f"{' '.join(f'{w:.2f}' for w in wait):>24}{' '.join(f'{b:.2f}' for b in step):>24}")
     for run in [r for r in runs if r in MESHTORCH_RUNS]:
