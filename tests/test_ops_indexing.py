@@ -186,3 +186,19 @@ def test_build_errors_name_the_problem():
         mtf.nth_largest_element(w, -1, "v")
     with pytest.raises(mtf.ShapeError):
         mtf.nth_largest_element(w, 8, "v")
+
+
+@pytest.mark.parametrize("mesh_shape,layout", [("all:2", "k:all;vocab:all"), ("all:2", "k:all")])
+def test_scatter_add_of_a_partial_sum_into_a_dim_split_over_the_same_axis(mesh_shape, layout):
+    """Updates that are a partial sum over a mesh axis (a contraction of a dim split over it) scattered into an
+    output whose gathered dim is split over that same axis (an embedding gradient with ``vocab`` and the producing
+    contraction on one axis, as a pipeline's ``stage:pipe;vocab:pipe`` gives) equal the unsplit result."""
+    x, w, ind = _randn(4, 6, seed=11), _randn(6, 3, seed=12), _randint(8, 4, seed=13)
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g, "mesh")
+    b, k, d, v = mtf.Dimension("b", 4), mtf.Dimension("k", 6), mtf.Dimension("d", 3), mtf.Dimension("vocab", 8)
+    u = mtf.einsum([mtf.import_tensor(mesh, x, [b, k]), mtf.import_tensor(mesh, w, [k, d])], output_shape=[b, d])
+    out = mtf.scatter_add(u, mtf.import_tensor(mesh, ind, [b]), v, [v, d])
+    got = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)}).run(out)
+    want = torch.zeros(8, 3).index_add_(0, ind, x @ w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -101,8 +101,11 @@ CASES = [  # S, M, R, mesh, layout, storage
     (4, 4, 1, "pipe:4", "stage:pipe", ""),
     (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", ""),
     (4, 8, 2, "pipe:4", "stage:pipe", ""),
+    (2, 2, 2, "pipe:2", "stage:pipe", ""),  # M == S: the wrap-around feeds the next repeat directly
     (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_model:data"),
     (2, 4, 1, "pipe:2,model:2", "stage:pipe;heads:model;d_ff:model", ""),
+    (2, 4, 1, "pipe:2,data:2,model:2", "stage:pipe;batch:data;heads:model;d_ff:model;vocab:pipe", ""),
+    (4, 4, 1, "pipe:2", "stage:pipe", ""),  # two stages per processor: the shift moves one of them
 ]
 
 
@@ -203,17 +206,30 @@ def _train_cli(tmp_path, *extra):
     add_train_subcommand(p.add_subparsers(dest="cmd"))
     args = p.parse_args(["train", "--preset", "tiny", "--layers", "2", "--d-model", "16", "--heads", "2", "--d-kv", "8",
                          "--d-ff", "32", "--length", "8", "--batch-size", "8", "--eval-batches", "1", "--sample", "0",
-                         "--plot", "", "--checkpoint-dir", "", "--steps", "3", "--eval-every", "3", "--runs-dir",
-                         str(tmp_path), *extra])
+                         "--plot", "", "--steps", "3", "--eval-every", "3", "--runs-dir", str(tmp_path),
+                         *(extra if "--checkpoint-dir" in extra else ("--checkpoint-dir", "", *extra))])
     return args.func(args)
 
 
 def test_train_cli_pipeline_losses_equal_unpipelined(tmp_path):
-    ref = _train_cli(tmp_path, "--mesh", "pipe:2,data:2", "--layout", "batch:data")
-    out = _train_cli(tmp_path, "--mesh", "pipe:2,data:2", "--layout", "stage:pipe;batch:data", "--microbatches", "4")
+    """``meshtorch train --mesh pipe:2,data:2 --layout stage:pipe;batch:data --microbatches 4``: the losses of the
+    unpipelined run on the same data; its checkpoint decodes (greedy) to the same tokens on two layouts as the
+    unpipelined run's."""
+    from meshtorch.runtime.generate import sample
+    from meshtorch.runtime.sample import load_lm
+
+    ref = _train_cli(tmp_path, "--mesh", "pipe:2,data:2", "--layout", "batch:data", "--checkpoint-dir",
+                     str(tmp_path / "ref"))
+    out = _train_cli(tmp_path, "--mesh", "pipe:2,data:2", "--layout", "stage:pipe;batch:data", "--microbatches", "4",
+                     "--checkpoint-dir", str(tmp_path / "pipe"))
     assert out["lm"].pipeline == PipelineSchedule(2, 4, 1)
     assert ref["lm"].pipeline is None
     torch.testing.assert_close(out["history"]["loss"], ref["history"]["loss"], rtol=0, atol=1e-5)
+    prompt = torch.tensor([84, 104, 101, 32])
+    tokens = [sample(lw, lm, prompt, 6, temperature=0)
+              for lm, lw in (load_lm(str(tmp_path / "ref"), "", ""), load_lm(str(tmp_path / "pipe"), "", ""),
+                             load_lm(str(tmp_path / "pipe"), "pipe:2", "stage:pipe"))]
+    assert tokens[0] == tokens[1] == tokens[2]
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -272,3 +288,75 @@ def test_parameter_memory_per_rank_with_4_stages():
         assert stage == 4 * (block + embeddings + other)
         assert stage_vocab == 4 * (block + embeddings // 4 + other)
         assert stage_vocab <= 1.05 / 4 * base, stage_vocab / base  # measured: 238336 / 928000 = 0.257
+
+
+def test_activation_memory_does_not_grow_with_microbatches():
+    """Planned peak activation bytes per processor (fixed batch): with per-iteration recompute, only each iteration's
+    state slice is kept, so more microbatches never need more memory, and far less than without recompute."""
+    from meshtorch.planning import memory_report
+
+    def peak(M, remat):
+        lm = build_lm(preset("tiny", **{**CFG, "length": 32, "batch_size": 16}, num_layers=2, pipeline_stages=2,
+                             microbatches=M, pipeline_remat=remat), optimizer=mtf.optim.AdamWOptimizer(1e-2))
+        return memory_report(lm.lowering("pipe:2", "stage:pipe"), [lm.loss] + lm.updates).peak_activation_bytes
+
+    with_remat = {M: peak(M, True) for M in (2, 4, 8)}
+    assert with_remat[8] <= with_remat[4] <= with_remat[2]
+    assert with_remat[4] < 0.5 * peak(4, False)
+
+
+def test_variable_scope_custom_getter_wraps_and_nests():
+    """TF1's ``variable_scope(custom_getter=...)``: get_variable inside returns the getter's result; nested getters
+    compose (the inner one sees the outer one's getter); the full scoped name reaches the getter."""
+    g = mtf.Graph()
+    mesh = mtf.Mesh(g, "mesh")
+    seen = []
+
+    def outer(getter, mesh, name, shape, **kw):
+        seen.append(("outer", name))
+        return getter(mesh, name + "_o", shape, **kw)
+
+    def inner(getter, mesh, name, shape, **kw):
+        seen.append(("inner", name))
+        return getter(mesh, name + "_i", shape, **kw)
+
+    with mtf.variable_scope("a", custom_getter=outer):
+        v1 = mtf.get_variable(mesh, "w", [mtf.Dimension("x", 2)])
+        with mtf.variable_scope("b", custom_getter=inner):
+            v2 = mtf.get_variable(mesh, "w", [mtf.Dimension("x", 2)])
+    v3 = mtf.get_variable(mesh, "w", [mtf.Dimension("x", 2)])
+    assert [v.operation.name for v in (v1, v2, v3)] == ["a/w_o", "a/b/w_i_o", "w"]
+    assert seen == [("outer", "a/w"), ("inner", "a/b/w"), ("outer", "a/b/w_i")]
+
+
+def test_pipeline_layer_names_variables_inside_the_enclosing_scope():
+    """``layers.pipeline`` on a two-dense stage function inside ``variable_scope("net")``: variables
+    ``net/stack/{kind}`` [stage, ...], rows starting as ``net/layer_{i}/{kind}`` would, output equal to the layers
+    applied in turn on each microbatch (plain PyTorch)."""
+    from meshtorch import layers
+
+    g = mtf.Graph(seed=1)
+    mesh = mtf.Mesh(g, "mesh")
+    b, mb, h = mtf.Dimension("batch", 2), mtf.Dimension("microbatches", 4), mtf.Dimension("hidden", 4)
+    x_val = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+    x = mtf.import_tensor(mesh, x_val, [b, mb, h])
+
+    def stage_fn(t, name):
+        return t + mtf.tanh(layers.dense(t, h, reduced_dims=[h], name=f"{name}/dense"))
+
+    with mtf.variable_scope("net"):
+        y = layers.pipeline(stage_fn, x, PipelineSchedule(2, 4, 2), layer_names=lambda i: f"net/layer_{i}")
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("pipe:2", "stage:pipe")})
+    assert sorted(v.name for v in g.trainable_variables) == ["net/stack/dense/bias", "net/stack/dense/kernel"]
+    kernel, bias = lw.variable_value("net/stack/dense/kernel"), lw.variable_value("net/stack/dense/bias")
+    assert kernel.shape == (2, 2, 4, 4) and bias.shape == (2, 2, 4)
+    want = x_val
+    for i in range(4):
+        s, r = i % 2, i // 2
+        want = want + torch.tanh(want @ kernel[s, r] + bias[s, r])
+    torch.testing.assert_close(lw.run(y), want, rtol=1e-5, atol=1e-6)
+    g2 = mtf.Graph(seed=1)  # the unstacked layer 3 draws the same initial kernel as row [1, 1]
+    w3 = layers.dense(mtf.import_tensor(mtf.Mesh(g2, "mesh"), x_val, [b, mb, h]), h, reduced_dims=[h],
+                      name="net/layer_3/dense")
+    ref = mtf.Lowering(g2, {w3.mesh: mtf.PlacementMeshImpl("", "")})
+    torch.testing.assert_close(ref.variable_value("net/layer_3/dense/kernel"), kernel[1, 1], rtol=0, atol=0)

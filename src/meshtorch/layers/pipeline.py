@@ -70,14 +70,15 @@ class StackedInitializer(Initializer):
 class StackedVariables:
     """The custom getter (see :func:`meshtorch.variable_scope`) that stacks a layer's weights.
 
-    A ``get_variable(mesh, "{prefix}/{kind}", shape)`` made by the layer code of one iteration becomes
-    the variable ``{variable_prefix}/{kind}`` of shape ``[stage, (repeat,) shape...]`` (created at the first
-    request, with the layer's dtype and initializer: with ``layer_names``, row ``[s, r]`` draws the values of
-    the variable ``{layer_names(r * S + s)}/{kind}``; shared by every iteration), and the layer code gets
-    ``[stage, shape...]``: the variable itself when ``repeats == 1``, else each stage's row of the repeat it
-    runs in this iteration (an einsum with a ``[stage, repeat]`` one-hot constant: local when ``stage`` is
-    split). Initializers see the stacked shape: fans must come from explicit dims (VarianceScaling with
-    ``reduced_dims``/``new_dims``, constants), as every meshtorch layer's are.
+    A ``get_variable(mesh, "{prefix}/{kind}", shape)`` made by the layer code of one iteration becomes the
+    variable ``{variable_prefix}/{kind}`` (full names, enclosing variable scopes included) of shape
+    ``[stage, (repeat,) shape...]``, created at the first request with the layer's dtype and initializer (with
+    ``layer_names``, row ``[s, r]`` draws the values of the variable ``{layer_names(r * S + s)}/{kind}``) and
+    shared by every iteration. The layer code gets ``[stage, shape...]``: the variable itself when
+    ``repeats == 1``, else each stage's row of the repeat it runs in this iteration (an einsum with a
+    ``[stage, repeat]`` one-hot constant: local when ``stage`` is split). Initializers see the stacked shape:
+    fans must come from explicit dims (VarianceScaling with ``reduced_dims``/``new_dims``, constants), as every
+    meshtorch layer's are.
     """
 
     def __init__(self, stage: Dimension, repeat: Dimension | None, variable_prefix: str,
@@ -150,7 +151,8 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], x: Tensor, schedule: Pip
             ``[batch, microbatches, length, d_model]``).
         schedule: S, M, R.
         microbatch_dim / stage_dim / repeat_dim: dim names (the layout splits ``stage``: ``stage:pipe``).
-        variable_prefix: the stacked variables are ``{variable_prefix}/{kind}`` for each ``{name}/{kind}``.
+        variable_prefix: the stacked variables are ``{variable_prefix}/{kind}`` for each ``{name}/{kind}`` (inside
+            the enclosing variable scopes, as ``get_variable`` names).
         name: names the iterations (``{name}/iter_{t}``).
         remat: recompute each iteration's layer in the backward pass (:func:`meshtorch.autodiff.recompute_grad`),
             so activation memory does not grow with ``M``. ``remat_keep``: recompute_grad's ``keep`` (ops kept).
@@ -176,7 +178,7 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], x: Tensor, schedule: Pip
     stage = Dimension(stage_dim, S)
     repeat = Dimension(repeat_dim, R) if R > 1 else None
     state_shape = Shape([stage] + (x.shape - [microbatch_dim]).dims)
-    stacker = StackedVariables(stage, repeat, variable_prefix, layer_names)
+    stacker = StackedVariables(stage, repeat, scoped_variable_name(variable_prefix), layer_names)
     first, last = _mask(mesh, stage, [s == 0 for s in range(S)], f"{name}/first_stage"), None
     if S > 1:
         last = _mask(mesh, stage, [s == S - 1 for s in range(S)], f"{name}/last_stage")

@@ -64,7 +64,8 @@ class LMConfig:
     pipeline_stages: int = 0  # S > 1: the blocks run as an S-stage pipeline on a ``stage`` dim (0 or 1: no pipeline)
     microbatches: int = 1  # M: the batch is cut into M microbatches that flow through the pipeline
     pipeline_repeats: int = 1  # R > 1: circular pipeline, stage s runs layers s, S + s, ..., (R - 1) * S + s
-    pipeline_remat: bool = True  # recompute each pipeline iteration's block in the backward pass
+    pipeline_remat: bool = True  # recompute each pipeline iteration's block in the backward pass (pipelines
+    # use this instead of ``remat``; ``remat="selective"`` then keeps the matmul and attention outputs)
     pipeline_poison_bubbles: bool = False  # tests only: bubbles hold NaN (not zeros) before they are masked
 
     def __post_init__(self):
@@ -200,6 +201,15 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     ``layer_{i}/moe/wo/kernel`` [experts, d_ff, d_model]), norm scales ``.../scale`` [d_model], and
     ``logits/kernel`` [d_model, vocab].
 
+    Pipelined (``pipeline_stages`` S > 1, :func:`meshtorch.layers.pipeline.pipeline`): the per-layer variables
+    are replaced by stacked ones, ``stack/{kind}`` of shape ``[stage, kind's shape]`` (``[stage, repeat, ...]``
+    when ``pipeline_repeats`` R > 1) for each ``layer_{i}/{kind}`` above (``stack/attention/q``
+    [stage, d_model, heads, d_kv], ``stack/ffn/wi/kernel``, ``stack/attention_norm/scale``, ...): row ``[s, r]``
+    is layer ``r * S + s`` and starts from exactly that layer's initial values. Embeddings, final norm and
+    logits keep their names. An unpipelined checkpoint does not load into a pipelined model (other names and
+    shapes), nor the reverse. The batch is cut into ``microbatches`` (rows m, M + m, ... form microbatch m), so
+    dropout masks differ from the unpipelined model's; without dropout the losses and gradients are the same.
+
     Args:
         config: the LMConfig.
         seed: graph seed (initial values and dropout).
@@ -208,7 +218,8 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         clip_norm: clip gradients to this global norm before the optimizer (``meshtorch.optim.clip_by_global_norm``).
 
     Raises:
-        ValueError: MoE layers with ``gated=True`` (not implemented).
+        ValueError: MoE layers with ``gated=True`` (not implemented); bad pipeline fields (see
+            :func:`check_pipeline_config`, run when the config is made).
     """
     c = config
     if c.remat not in REMAT_POLICIES:

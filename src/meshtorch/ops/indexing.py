@@ -262,7 +262,9 @@ class ScatterAddOperation(Operation):
         plan = self.plan
         vpos = out.shape.get_dim_index(self.dim.name)
         v_axis = lw.tensor_layout(out)[vpos]
-        (uslot, islot), pending = lw.inputs(self)
+        # updates that are partial sums over the axis splitting ``dim`` are summed first: each processor adds
+        # its rows into its own slice of ``dim``, which a later all-reduce over that axis could not combine
+        (uslot, islot), pending = lw.inputs(self, blocked={v_axis} - {None})
         split_idx = {a: name for name, a in zip(ind.shape.dimension_names, lw.tensor_layout(ind), strict=True)
                      if a is not None and name in plan.idx_only}
         if v_axis is not None and v_axis in split_idx:

@@ -114,6 +114,8 @@ def get_variable(mesh: Mesh, name: str, shape, dtype=torch.float32, master_dtype
     names (``transformer/block_000/layer_000/SelfAttention/q``). If the graph already has a
     variable of that full name, it is returned (Mesh TF looks up ``graph.name_to_variable`` first,
     whatever the scope's ``reuse`` flag): this is how decoding loops and shared layers reuse weights.
+    Inside a ``variable_scope(custom_getter=...)`` (TF1's custom getters) the getter decides what is returned
+    (e.g. a pipeline's stacked weights, :class:`meshtorch.layers.pipeline.StackedVariables`).
 
     Args:
         mesh: the Mesh.

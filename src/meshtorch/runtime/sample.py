@@ -109,7 +109,7 @@ def check_args(args) -> tuple[LMConfig, object]:
     if rows > cfg.batch_size:
         flag = "--beam" if args.beam else "--num-samples"
         raise UsageError(f"{flag} {rows} exceeds the model's batch of {cfg.batch_size}.")
-    small = LMConfig(**{**extra["config"], "num_layers": 1})
+    small = cfg if cfg.pipelined else LMConfig(**{**extra["config"], "num_layers": 1})  # a pipeline needs S x R
     checks.layout_rules("--layout", args.layout, checks.graph_dim_names(build_lm(small, train=False).graph), mesh)
     return cfg, tok
 
