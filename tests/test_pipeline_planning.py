@@ -121,6 +121,21 @@ def test_search_proposes_pipeline_layouts_on_a_pipe_mesh():
                                                   pipelines=False))
 
 
+def test_search_chooses_the_pipeline_when_only_it_fits_the_memory_limit():
+    """Stacking the layers on ``stage`` halves the weights and the optimizer state on ``pipe:2`` and keeps one
+    state per iteration (recompute): under a limit just above its total, no other layout fits, even with the
+    FSDP storage rules the search tries, and the search picks ``stage:pipe``."""
+    cfg = preset("tiny", **BASE, num_layers=2, batch_size=16)
+    quiet = dict(print_fn=lambda *a: None, cost=CostModel.cpu())
+    piped = _plan(_lm(num_layers=2, batch_size=16, pipeline_stages=2, microbatches=8), "pipe:2", "stage:pipe")
+    limit = int(piped.total_bytes * 1.05)  # M = 8: the search's default for 16 sequences on 2 stages
+    with pytest.raises(SystemExit, match="no legal layout"):
+        plan_lm(cfg, "pipe:2", search=True, memory_limit=limit, pipelines=False, **quiet)
+    ranked = plan_lm(cfg, "pipe:2", search=True, memory_limit=limit, **quiet)
+    assert ranked[0][0] == "stage:pipe" and ranked[0][1].pipeline is not None
+    assert all(r.total_bytes <= limit for _, r in ranked)
+
+
 def test_search_skips_axes_that_cannot_pipeline_the_model():
     cfg = preset("tiny", **BASE, num_layers=3, batch_size=16)  # 3 layers: no 2-stage pipeline
     ranked = plan_lm(cfg, "pipe:2", search=True, print_fn=lambda *a: None)
