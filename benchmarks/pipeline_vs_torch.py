@@ -391,7 +391,11 @@ def main(argv=None):
     for run in [r for r in runs if r in MESHTORCH_RUNS]:
         print(f"\n{run} (per-iteration recompute {'on' if MESHTORCH_RUNS[run] else 'off'}):")
         if "torch" in med:
-            print(f"  {run} / torch step time (ratio of medians): {med[run] / med['torch']:.3f} (goal <= 1.0)")
+            per_round = [statistics.median(x for r in a for x in r["times"]) / statistics.median(
+                x for r in b for x in r["times"]) for a, b in zip(results[run], results["torch"], strict=True)]
+            print(f"  {run} / torch step time (ratio of medians): {med[run] / med['torch']:.3f} (goal <= 1.0); per "
+                  f"round (the jobs of one round ran back to back): {' '.join(f'{x:.2f}' for x in per_round)}, "
+                  f"median {statistics.median(per_round):.3f}")
             ml, tl = results[run][0][S - 1]["losses"], results["torch"][0][S - 1]["losses"]
             err = max(abs(a - b) / abs(b) for a, b in zip(ml, tl, strict=True))
             print(f"  losses (last rank, round 0): {run} {[round(v, 5) for v in ml]}, torch "
