@@ -102,6 +102,9 @@ CASES = [  # S, M, R, mesh, layout, storage
     (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", ""),
     (4, 8, 2, "pipe:4", "stage:pipe", ""),
     (2, 2, 2, "pipe:2", "stage:pipe", ""),  # M == S: the wrap-around feeds the next repeat directly
+    (4, 8, 1, "pipe:4", "stage:pipe", ""),
+    (4, 4, 2, "pipe:4", "stage:pipe", ""),
+    (2, 8, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_ff:data"),
     (2, 4, 2, "pipe:2,data:2", "stage:pipe;batch:data", "d_model:data"),
     (2, 4, 1, "pipe:2,model:2", "stage:pipe;heads:model;d_ff:model", ""),
     (2, 4, 1, "pipe:2,data:2,model:2", "stage:pipe;batch:data;heads:model;d_ff:model;vocab:pipe", ""),
@@ -238,12 +241,13 @@ def test_train_cli_pipeline_losses_equal_unpipelined(tmp_path):
     (["--layout", "batch:pipe", "--microbatches", "2"], "--microbatches / --pipeline-repeats need a pipeline"),
     (["--layout", "stage:pipe", "--pipeline-stages", "3", "--layers", "3"], "multiple of the size 2"),
     (["--layout", "stage:pipe", "--layers", "4", "--pipeline-repeats", "2", "--microbatches", "1"], ">= --pipeline"),
+    (["--mesh", "pipe:2,data:2", "--layout", "stage:pipe;batch:data", "--microbatches", "8"], "over mesh axis 'data'"),
 ])
 def test_train_cli_pipeline_flag_errors(tmp_path, extra, match):
     from meshtorch.core.errors import UsageError
 
     with pytest.raises(UsageError, match=match):
-        _train_cli(tmp_path, "--mesh", "pipe:2", *extra)
+        _train_cli(tmp_path, *([] if "--mesh" in extra else ["--mesh", "pipe:2"]), *extra)
 
 
 def test_pipeline_on_4_gloo_ranks_equals_unpipelined():
@@ -360,3 +364,18 @@ def test_pipeline_layer_names_variables_inside_the_enclosing_scope():
                       name="net/layer_3/dense")
     ref = mtf.Lowering(g2, {w3.mesh: mtf.PlacementMeshImpl("", "")})
     torch.testing.assert_close(ref.variable_value("net/layer_3/dense/kernel"), kernel[1, 1], rtol=0, atol=0)
+
+
+def test_pipelined_program_as_json_initialises_and_runs():
+    """The lowered pipelined LM is data (``Lowering.to_json``): a program read back draws the stacked variables'
+    initial values itself (StackedInitializer's kernel is plain data) and computes the same loss."""
+    lm = build_lm(_config(2, 4, 2), train=False)
+    lw = lm.lowering("pipe:2", "stage:pipe")
+    program = mtf.Program.from_json(lw.to_json([lm.loss]))
+    impls = {"mesh": mtf.PlacementMeshImpl("pipe:2", "stage:pipe")}
+    store = mtf.VariableStore(program, impls)
+    for v in lm.graph.trainable_variables:
+        assert torch.equal(store.value(v.name), lw.variable_value(v.name)), v.name
+    x, y = _data()
+    got = mtf.Session(program, impls, store).run((("tensor", lm.loss.name),), {"inputs": x, "targets": y})[0]
+    assert torch.equal(got, lw.run(lm.loss, feeds={lm.inputs: x, lm.targets: y}))

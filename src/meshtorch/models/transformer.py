@@ -5,7 +5,10 @@ Dimension names (the layout language talks about these): ``batch``, ``length``, 
 internal ``experts_unsplit``, ``expert_batch``, ``expert_capacity``; see :mod:`meshtorch.layers.moe`).
 Typical layouts on a ``data:2,model:2`` mesh: ``batch:data`` (data parallel),
 ``heads:model;d_ff:model;vocab:model`` (Megatron-style model parallel), or both; with experts on
-``all:4``, ``batch:all;experts:all`` (GShard expert parallelism: all-to-alls). Follows Mesh TF's
+``all:4``, ``batch:all;experts:all`` (GShard expert parallelism: all-to-alls). Pipelined
+(``LMConfig.pipeline_stages`` > 1) the blocks' weights carry ``stage`` (and ``repeat``) dims and the batch
+a ``microbatches`` dim: on ``pipe:2,data:2``, ``stage:pipe;batch:data`` (pipeline parallelism: neighbour
+exchanges over ``pipe``; :mod:`meshtorch.layers.pipeline`). Follows Mesh TF's
 ``transformer`` package (Unitransformer with pre-norm layers) in structure; the parameter naming is
 ours and documented in :func:`build_lm`.
 """

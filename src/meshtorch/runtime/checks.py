@@ -198,16 +198,22 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
     Raises:
         UsageError: naming the flag: a count below 1; ``--microbatches`` / ``--pipeline-repeats`` without a pipeline;
             stages not a multiple of the ``stage`` mesh axis; ``--layers`` other than stages x repeats; a batch
-            size that ``--microbatches`` does not divide; fewer microbatches than stages with repeats.
+            size that ``--microbatches`` does not divide, or microbatches that the ``batch`` mesh axis does not;
+            fewer microbatches than stages with repeats.
     """
     for flag, v in (("--pipeline-stages", stages), ("--microbatches", microbatches), ("--pipeline-repeats", repeats)):
         if v is not None:
             number(flag, v, 1)
     try:
-        axis = dict(LayoutRules(layout or "").pairs).get("stage")
+        rules = dict(LayoutRules(layout or "").pairs)
     except LayoutError as e:
         raise LayoutError(f"--layout: {e}") from None
-    n = mesh.get_dim_by_name(axis).size if axis is not None and axis in mesh.dimension_names else 1
+
+    def axis_size(dim):
+        a = rules.get(dim)
+        return mesh.get_dim_by_name(a).size if a is not None and a in mesh.dimension_names else 1
+
+    axis, n = rules.get("stage"), axis_size("stage")
     if stages is None:
         stages = n if axis is not None else 0
     if stages <= 1:
@@ -225,6 +231,10 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
                          "change --layers, the stage mesh axis or --pipeline-repeats.")
     if batch_size % microbatches:
         raise UsageError(f"--microbatches {microbatches} must divide --batch-size {batch_size}.")
+    if (batch_size // microbatches) % axis_size("batch"):
+        raise UsageError(f"--microbatches {microbatches}: each microbatch's {batch_size // microbatches} sequences "
+                         f"must split over mesh axis {rules['batch']!r} ({axis_size('batch')}, the layout's "
+                         f"'batch:{rules['batch']}'); use fewer microbatches or a larger --batch-size.")
     if repeats > 1 and microbatches < stages:
         raise UsageError(f"--microbatches {microbatches} must be >= --pipeline-stages {stages} with "
                          "--pipeline-repeats > 1 (circular schedule).")
