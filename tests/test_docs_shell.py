@@ -49,7 +49,11 @@ def commands(path: str) -> list[tuple[list[str], str | None]]:
 
 def _cheap(argv: list[str]) -> list[str]:
     if argv[0] == "train":
-        return argv + CHEAP_TRAIN
+        cheap = CHEAP_TRAIN
+        if "--layers" in argv and any("stage:" in a for a in argv):  # a pipeline needs its stages x repeats layers
+            i = cheap.index("--layers")
+            cheap = cheap[:i] + cheap[i + 2:]
+        return argv + cheap
     if argv[0] == "sample":
         return argv + ["--max-new-tokens", "4", "--no-progress"]
     return argv

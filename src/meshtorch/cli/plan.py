@@ -19,6 +19,16 @@ def add_plan_subcommand(subparsers) -> None:
     p.add_argument("--mesh", default=DEFAULT_MESH, help='mesh shape, e.g. "data:2,model:2"; "" = 1 processor')
     p.add_argument("--layout", default=DEFAULT_LAYOUT, help="layout rules tensor_dim:mesh_axis;...")
     p.add_argument("--storage", default="", help='storage layout rules for variables, e.g. "d_model:data" (FSDP)')
+    p.add_argument("--pipeline-stages", type=int, default=None,
+                   help="pipeline stages S (default: the size of the mesh axis of the layout's stage:<axis> rule; "
+                        "--layers must be S x --pipeline-repeats; docs/pipeline.md)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline microbatches M (default: the stages, as meshtorch train); with --search: the "
+                        "pipelined candidates' M (default: the largest divisor of the batch up to 4x the stages)")
+    p.add_argument("--pipeline-repeats", type=int, default=None,
+                   help="circular pipeline repeats R (layers = stages x R; default 1)")
+    p.add_argument("--schedule", action="store_true",
+                   help="with a pipelined --layout: print the schedule table (iteration x stage -> microbatch)")
     p.add_argument("--search", action="store_true",
                    help="rank all layouts of --mesh (and place --layout among them) instead of reporting --layout")
     p.add_argument("--top", type=int, default=10, help="layouts to print with --search")

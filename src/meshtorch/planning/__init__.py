@@ -11,13 +11,16 @@ big for this machine can still be planned.
 * :mod:`~meshtorch.planning.budget`: :func:`check_memory_limit` fails an over-budget configuration
   before training, naming a storage rule (FSDP) that would fit.
 * :mod:`~meshtorch.planning.command`: what ``meshtorch plan`` prints for the LM.
+* :mod:`~meshtorch.planning.pipeline`: :class:`PipelinePlan`, the pipeline section of a pipelined graph's
+  report (bubble fraction, collectives over the stage axis, stacked vs other weights per processor).
 """
 
 from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel, estimate_time, transform_time
 from meshtorch.planning.memory import MemoryReport, memory_report
+from meshtorch.planning.pipeline import PipelinePlan, pipeline_plan, schedule_table
 from meshtorch.planning.search import candidate_layouts, graph_dimensions, search_layouts, storage_candidates
 
-__all__ = ["CostModel", "MemoryLimitError", "MemoryReport", "candidate_layouts", "check_memory_limit",
-           "estimate_time", "graph_dimensions", "memory_report", "plan_memory", "search_layouts",
-           "storage_candidates", "transform_time"]
+__all__ = ["CostModel", "MemoryLimitError", "MemoryReport", "PipelinePlan", "candidate_layouts", "check_memory_limit",
+           "estimate_time", "graph_dimensions", "memory_report", "pipeline_plan", "plan_memory", "schedule_table",
+           "search_layouts", "storage_candidates", "transform_time"]

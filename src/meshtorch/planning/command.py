@@ -27,7 +27,8 @@ from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
-from meshtorch.planning.search import search_layouts
+from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_table
+from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
@@ -47,10 +48,27 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _config(args, vocab_multiple: int):
+def pipeline_fields(mesh_shape: str, layout: str, microbatches: int | None = None, repeats: int | None = None,
+                    stages: int | None = None) -> dict:
+    """The LMConfig pipeline fields of the flags, as ``meshtorch train`` resolves them: ``pipeline_stages`` =
+    ``stages`` (``--pipeline-stages``) or the size of the mesh axis of the layout's ``stage:<axis>`` rule,
+    ``microbatches`` (``--microbatches``, default: the stages), ``pipeline_repeats`` (``--pipeline-repeats``,
+    default 1); ``{}`` (no pipeline) without a ``stage`` rule and ``stages``."""
+    if stages is None:
+        stages = MeshSpec(mesh_shape, layout).axis_size_for(STAGE_DIM) if layout not in ("", "auto") else 0
+    if stages <= 1:
+        return {}
+    return {"pipeline_stages": stages, "microbatches": microbatches or stages, "pipeline_repeats": repeats or 1}
+
+
+def _config(args, vocab_multiple: int, layout: str | None = None):
+    """The LMConfig of the flags; pipelined as ``layout`` asks (None: not pipelined, the base of a search)."""
     return preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
                   d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
-                  vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple)
+                  vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple,
+                  **pipeline_fields(args.mesh, layout or "", getattr(args, "microbatches", None),
+                                    getattr(args, "pipeline_repeats", None),
+                                    getattr(args, "pipeline_stages", None) if layout is not None else None))
 
 
 def _positive(flag: str, value) -> None:
@@ -67,8 +85,8 @@ def check_args(args) -> None:
             matching no dimension of the model or no axis of the mesh, naming it and listing both.
     """
     for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "vocab", "top", "flop_rate",
-                 "bandwidth"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+                 "bandwidth", "microbatches", "pipeline_repeats", "pipeline_stages"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag, None))
     if args.experts is not None and args.experts < 0:
         raise UsageError(f"--experts must be >= 0, got {args.experts}.")
     if args.latency is not None and not (math.isfinite(args.latency) and args.latency >= 0):
@@ -85,8 +103,17 @@ def check_args(args) -> None:
         mesh = MeshSpec(args.mesh).shape
     except ShapeError as e:
         raise UsageError(f"--mesh {args.mesh!r}: {e} Mesh axis sizes must be positive integers.") from None
-    cfg = _config(args, 1)
-    cfg = preset(args.preset, **{**cfg.to_dict(), "num_layers": 1})
+    layout = "" if args.search and args.layout == DEFAULT_LAYOUT else args.layout
+    try:
+        cfg = _config(args, 1, layout)
+    except ValueError as e:  # LMConfig's pipeline checks, naming the field
+        raise UsageError(f"--layout {args.layout!r} with --microbatches/--pipeline-repeats/--layers: {e}") from None
+    if not cfg.pipelined and not args.search and ((getattr(args, "microbatches", None) or 1) > 1
+                                                  or (getattr(args, "pipeline_repeats", None) or 1) > 1):
+        raise UsageError("--microbatches/--pipeline-repeats need a pipeline: add the layout rule stage:<mesh axis> "
+                         "(e.g. --mesh pipe:2 --layout stage:pipe) or --pipeline-stages > 1.")
+    small = cfg.pipeline_stages * cfg.pipeline_repeats if cfg.pipelined else 1  # a pipeline needs S*R layers
+    cfg = preset(args.preset, **{**cfg.to_dict(), "num_layers": small})
     names = set()
     for op in build_lm(cfg).graph.operations:
         for t in op.outputs:
@@ -163,14 +190,16 @@ def main_plan(args) -> list:
     limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
     if not args.search:  # an illegal layout is refused before anything is printed
         spec = MeshSpec(args.mesh, args.layout, storage=storage or None)
-        lm = build_lm(_config(args, spec.axis_size_for("vocab")), optimizer=AdamWOptimizer(1e-3))
+        lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
         try:
             Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
         except LayoutError as e:
             raise LayoutError(f"--layout {args.layout!r} is illegal for this model: {e}") from None
     try:
-        ranked = plan_lm(lambda multiple: _config(args, multiple), args.mesh, args.layout, storage=storage,
-                         memory_limit=limit, search=args.search, top=args.top, cost=cost, hardware=hw)
+        ranked = plan_lm(lambda multiple: _config(args, multiple, None if args.search else args.layout), args.mesh,
+                         args.layout, storage=storage, memory_limit=limit, search=args.search, top=args.top,
+                         cost=cost, hardware=hw, microbatches=getattr(args, "microbatches", None),
+                         schedule=getattr(args, "schedule", False))
     except ValueError as e:
         raise UsageError(f"--search: {e}") from None
     if args.search:
@@ -189,7 +218,7 @@ def your_layout_line(args, ranked, cost) -> str:
                 f"{t['total_s'] * 1e3:.3f} ms")
     # not among the candidates tried: lower it and place it by its estimated time
     spec = MeshSpec(args.mesh, args.layout)
-    lm = build_lm(_config(args, spec.axis_size_for("vocab")), optimizer=AdamWOptimizer(1e-3))
+    lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
     try:
         lw = Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
     except LayoutError as e:
@@ -205,7 +234,8 @@ def your_layout_line(args, ranked, cost) -> str:
 
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
-            hardware: str = "") -> list:
+            hardware: str = "", microbatches: int | None = None, schedule: bool = False,
+            pipelines: bool = True) -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -220,9 +250,18 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             the :class:`~meshtorch.planning.budget.MemoryLimitError` message (the limit, the prediction,
             a storage rule that fits). With ``search``: layouts over it are dropped.
         cost: the :class:`CostModel` (default ``CostModel()``); ``hardware``: its name, printed.
+        microbatches: with ``search`` (and ``pipelines``), the microbatches of the pipelined candidates
+            (:func:`~meshtorch.planning.pipeline.pipeline_candidates`; None: the largest divisor of the batch up to
+            4 x the stages).
+        schedule: print the pipeline schedule table (:func:`~meshtorch.planning.pipeline.schedule_table`) of a
+            pipelined ``config`` (no ``search``).
+        pipelines: with ``search``, also rank pipelined variants of the model: for every mesh axis whose size
+            divides the layers, the layers stacked on ``stage`` split over that axis (``stage:<axis>`` plus the
+            layouts of the other axes; ``report.pipeline`` says S, M and R).
 
     Returns:
-        ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules).
+        ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules,
+        ``report.pipeline`` the schedule of a pipelined layout).
 
     Raises:
         SystemExit: naming the layout, if it is illegal, or if no layout fits ``memory_limit`` in a search.
@@ -256,6 +295,8 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         except LayoutError as e:
             raise SystemExit(f"meshtorch plan: illegal layout {layout!r} / storage {st!r}: {e}") from None
         print_fn(rep.summary())
+        if schedule and lm.pipeline is not None:
+            print_fn(schedule_table(lm.pipeline))
         if memory_limit is not None and rep.total_bytes > memory_limit:
             try:
                 check_memory_limit(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, memory_limit, cost=cost)
@@ -266,19 +307,40 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         storage_rules = "auto"
     else:
         storage_rules = [storage] if storage else None
+    failure = None
     try:
         ranked = search_layouts(lambda: lm, mesh_shape, memory_limit_bytes=memory_limit, fetches_fn=lambda m: fetches,
                                 cost=cost, storage_rules=storage_rules)
     except ValueError as e:
-        raise SystemExit(f"meshtorch plan: {e}") from None
+        ranked, failure = [], e
+    for axis, pcfg in pipeline_candidates(cfg, mesh_shape, microbatches) if pipelines else []:
+        plm = build_lm(pcfg, optimizer=AdamWOptimizer(1e-3))
+        pfetches = [plm.loss] + plm.updates
+        try:
+            ranked += search_layouts(lambda plm=plm: plm, mesh_shape, pipeline_layouts(plm.graph, mesh_shape, axis),
+                                     memory_limit_bytes=memory_limit, fetches_fn=lambda m, f=pfetches: f, cost=cost,
+                                     storage_rules=storage_rules)
+        except ValueError as e:
+            failure = e
+    if not ranked:
+        raise SystemExit(f"meshtorch plan: {failure}") from None
+    ranked.sort(key=lambda r: (r[1].estimated_time["total_s"], r[1].total_bytes))
+    sizes, seen, unique = {d.name: d.size for d in spec.shape}, set(), []
+    for lay, r in ranked:  # the pipelined searches ran apart: drop their mesh-axis swaps here
+        key = (layout_key(lay, r.storage, sizes), r.pipeline is not None)
+        if key not in seen:
+            seen.add(key)
+            unique.append((lay, r))
+    ranked = unique
     within = f" within {_human(memory_limit)}" if memory_limit is not None else ""
     print_fn(f"{len(ranked)} legal layouts{within}; best {top}:")
     print_fn(f"  {'rank':>4}  {'layout':<50}{'time ms':>10}{'compute':>10}{'comm':>10}"
-             f"{'memory/proc':>13}{'comm/proc':>12}  storage")
+             f"{'memory/proc':>13}{'comm/proc':>12}  storage; pipeline")
     for i, (lay, r) in enumerate(ranked[:top]):
         t = r.estimated_time
         comm = sum(b for _, b in r.communication().values())
         print_fn(f"  {i + 1:>4}  {lay or '(replicated)':<50}{t['total_s'] * 1e3:>10.3f}"
                  f"{t['compute_s'] * 1e3:>10.3f}{t['comm_s'] * 1e3:>10.3f}{r.total_bytes / 2 ** 20:>10.1f} MiB"
-                 f"{comm / 2 ** 20:>8.2f} MiB  {r.storage or '-'}")
+                 f"{comm / 2 ** 20:>8.2f} MiB  {r.storage or '-'}"
+                 + (f"; {r.pipeline.describe()}" if r.pipeline else ""))
     return ranked

@@ -26,6 +26,7 @@ from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters, _human
 from meshtorch.lowering.donate import donated_outputs
 from meshtorch.lowering.layout import slice_nbytes
+from meshtorch.planning.pipeline import PipelinePlan, pipeline_plan
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -72,6 +73,9 @@ class MemoryReport:
             variables are no longer shared between replicas, so every processor's kernels run).
         kernel_bytes / kernel_bytes_serial: bytes the slicewise steps write per processor / in a one-process
             simulation (the memory traffic of the elementwise work between the einsums).
+        pipeline: for a pipelined graph (one with a ``pipeline_schedule``), its
+            :class:`~meshtorch.planning.pipeline.PipelinePlan` (bubble fraction, collectives over the stage
+            axis, stacked vs other weights per processor); None otherwise.
     """
 
     num_processors: int
@@ -96,6 +100,7 @@ class MemoryReport:
     kernel_bytes: int = 0
     kernel_bytes_serial: int = 0
     flops_serial: int = 0
+    pipeline: PipelinePlan | None = None
 
     @property
     def parameter_bytes(self) -> int:
@@ -156,6 +161,8 @@ class MemoryReport:
             lines.append(f"  {'collective':<16}{'mesh axes':<16}{'count':>7}{'bytes/processor':>18}")
             for (kind, axes), (count, b) in comm.items():
                 lines.append(f"  {kind:<16}{','.join(axes):<16}{count:>7}{_human(b):>18}")
+        if self.pipeline is not None:
+            lines.extend(self.pipeline.lines())
         if self.estimated_time:
             t = self.estimated_time
             lines.append(f"estimated step time: {t['total_s'] * 1e3:.3f} ms (compute {t['compute_s'] * 1e3:.3f} ms, "
@@ -314,13 +321,15 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
     n_proc = max((spec.size for spec in lowering.mesh_to_spec.values()), default=1)
     serial = n_proc if any_split else 1
     impls = list(lowering.mesh_to_spec.values())
+    counters = lowering.plan_counters(fetches)
     return MemoryReport(
         num_processors=max((i.size for i in impls), default=1), variables=variables, trainable_bytes=trainable,
         non_trainable_bytes=other, constant_bytes=constants, peak_activation_bytes=peak,
         peak_step=(peak_i, peak_op), largest_slot_bytes=largest, estimated_slots=size.estimated,
         einsum_flops=prog.counters.einsum_flops, flops_per_processor=local_flops,
-        counters=lowering.plan_counters(fetches), mesh_axis_sizes=dict(size.axis_sizes),
+        counters=counters, mesh_axis_sizes=dict(size.axis_sizes),
         layout="; ".join(str(i.layout_rules) for i in impls if str(i.layout_rules)),
         gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)),
         kernel_steps=kernel_steps, kernel_calls_serial=kernel_steps * serial, kernel_bytes=kernel_bytes,
-        kernel_bytes_serial=kernel_bytes * serial, flops_serial=local_flops * serial)
+        kernel_bytes_serial=kernel_bytes * serial, flops_serial=local_flops * serial,
+        pipeline=pipeline_plan(lowering, variables, counters, peak))

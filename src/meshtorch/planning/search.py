@@ -60,6 +60,30 @@ def candidate_layouts(dim_names: Sequence[str], mesh_axes: Sequence[str], dim_si
     return out
 
 
+def pipeline_layouts(graph, mesh_shape, axis: str, stage_dim: str = "stage") -> list[str]:
+    """Layout rules of a pipelined ``graph`` that split ``stage_dim`` over mesh axis ``axis``: ``stage:<axis>``
+    alone, then with each :func:`candidate_layouts` rule set of the other axes (dims not divisible skipped).
+
+    Raises:
+        ValueError: ``axis`` is not an axis of ``mesh_shape``, or the graph has no ``stage_dim``.
+    """
+    axis_sizes = {d.name: d.size for d in MeshSpec(mesh_shape).shape}
+    if axis not in axis_sizes:
+        raise ValueError(f"pipeline_layouts: mesh {mesh_shape!r} has no axis {axis!r}.")
+    names = graph_dimensions(graph)
+    if stage_dim not in names:
+        raise ValueError(f"pipeline_layouts: the graph has no dimension {stage_dim!r} (not pipelined).")
+    sizes: dict[str, set] = defaultdict(set)
+    for op in graph.operations:
+        for t in op.outputs:
+            for d in t.shape:
+                sizes[d.name].add(d.size)
+    others = [a for a in axis_sizes if a != axis]
+    rest = candidate_layouts([n for n in names if n != stage_dim], others, sizes,
+                             {a: axis_sizes[a] for a in others}) if others else [""]
+    return [";".join(filter(None, (f"{stage_dim}:{axis}", r))) for r in rest]
+
+
 def storage_candidates(graph, mesh_shape, layout: str = "") -> list[str]:
     """Single storage rules worth trying for ``graph`` on ``mesh_shape`` (FSDP / ZeRO-3 candidates).
 
@@ -77,6 +101,17 @@ def storage_candidates(graph, mesh_shape, layout: str = "") -> list[str]:
     order = sorted(dims, key=lambda n: (n != "d_model", list(dims).index(n)))
     return [f"{d}:{a}" for d in order for a, n in sizes.items()
             if (d, a) not in compute and all(s % n == 0 for s in dims[d])]
+
+
+def layout_key(rules: str, storage: str, axis_sizes: dict) -> frozenset:
+    """What a layout and its storage rules are up to swapping mesh axes of one size (the cost model cannot tell
+    ``batch:data;heads:model`` from ``heads:data;batch:model`` on a 2x2 mesh): per mesh axis, its size and the
+    sets of compute and storage dims it splits. ``axis_sizes``: ``{mesh axis: size}``."""
+    groups = defaultdict(lambda: (set(), set()))  # mesh axis -> (compute dims, storage dims)
+    for which, text in ((0, rules), (1, storage)):
+        for d, a in _rule_pairs(text):
+            groups[a][which].add(d)
+    return frozenset((axis_sizes.get(a, a), frozenset(c), frozenset(st)) for a, (c, st) in groups.items())
 
 
 def _rule_pairs(rules: str) -> list[tuple[str, str]]:
@@ -217,11 +252,7 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
     results, seen = [], set()
     for (rules, storage), r in sorted(((k, r) for k, r in scored.items() if r is not None),
                                       key=lambda kr: rank(kr[1])):
-        groups = defaultdict(lambda: (set(), set()))  # mesh axis -> (compute dims, storage dims)
-        for which, text in ((0, rules), (1, storage)):
-            for d, a in _rule_pairs(text):
-                groups[a][which].add(d)
-        key = frozenset((axis_sizes.get(a, a), frozenset(c), frozenset(st)) for a, (c, st) in groups.items())
+        key = layout_key(rules, storage, axis_sizes)
         if key not in seen and (limit is None or r.total_bytes <= limit):
             seen.add(key)
             results.append((rules, r))

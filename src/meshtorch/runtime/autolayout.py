@@ -15,7 +15,8 @@ from meshtorch.runtime.calibrate import calibrate
 
 
 def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int | None = None,
-                  backend: str = "placement", threads: int = 1, print_fn=print) -> tuple[str, str]:
+                  backend: str = "placement", threads: int = 1, print_fn=print,
+                  microbatches: int | None = None) -> tuple[str, str]:
     """``(layout rules, storage rules)`` of the fastest legal layout of the LM on ``mesh_shape`` under the
     calibrated cost model of ``backend`` with ``threads`` torch threads per process.
 
@@ -26,6 +27,9 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
             searched to bring one under it).
         backend: what runs the job: ``"placement"`` (one process simulating the mesh), ``"gloo"``/``"nccl"``.
         print_fn: receives the calibration summary line and the choice with its reason.
+        microbatches: ``train --microbatches`` (> 1): pipelined layouts (``stage:<axis>``, docs/pipeline.md) with
+            this many microbatches are searched too; None or 1: not (the config's microbatches are what
+            training would use, so only a given M is searched).
 
     Raises:
         UsageError: if no legal layout fits ``memory_limit``, naming the limit.
@@ -34,7 +38,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     cost = cal.cost_model()
     try:
         ranked = plan_lm(config, mesh_shape, search=True, storage=storage, memory_limit=memory_limit, cost=cost,
-                         print_fn=lambda *a: None)
+                         print_fn=lambda *a: None, microbatches=microbatches,
+                         pipelines=microbatches is not None and microbatches > 1)
     except SystemExit as e:
         raise UsageError(f"--layout auto: {e}") from None
     if not ranked:

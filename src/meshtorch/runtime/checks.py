@@ -205,7 +205,7 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
         if v is not None:
             number(flag, v, 1)
     try:
-        rules = dict(LayoutRules(layout or "").pairs)
+        rules = {} if layout == "auto" else dict(LayoutRules(layout or "").pairs)  # auto: chosen later
     except LayoutError as e:
         raise LayoutError(f"--layout: {e}") from None
 

@@ -142,31 +142,38 @@ class TorchLM(nn.Module):
             return F.silu(x)
         return x
 
+    def block(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` on ``x`` ``[batch, length, d_model]``: ``(x after the block, its MoE aux loss or 0)``."""
+        c = self.c
+        layer = getattr(self, f"layer_{i}")
+        h = self._norm(x, layer.attention_norm)
+        a = layer.attention
+        q, k, v = (torch.einsum("bld,dhk->bhlk", h, w) for w in (a.q, a.k, a.v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(c.d_kv))
+        x = x + torch.einsum("bhlk,hkd->bld", o, a.o)
+        h = self._norm(x, layer.ffn_norm)
+        if c.is_moe_layer(i):
+            m = layer.moe
+            cap = expert_capacity(c.length, c.num_experts, c.expert_capacity_factor, c.moe_min_capacity)
+            y, aux = moe_forward(h, m.router.kernel, m.wi.kernel, m.wo.kernel, cap, c.moe_top_k, self._act)
+            return x + y, aux
+        f = layer.ffn
+        u = h @ f.wi.kernel
+        u = self._act(h @ f.wi_gate.kernel) * u if c.gated else self._act(u)
+        return x + u @ f.wo.kernel, torch.zeros(())
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and logits ``[batch, length, vocab]`` of the last block's output ``x``."""
+        return self._norm(x, self.final_norm) @ self.logits.kernel + self.vocab_pad_mask
+
     def forward(self, ids: torch.Tensor, return_aux: bool = False):
         """Logits ``[batch, length, vocab]`` for int64 ``ids`` ``[batch, length]`` (and the summed MoE aux loss)."""
-        c = self.c
         aux = torch.zeros(())
         x = self.embedding[ids] + self.pos_embedding[: ids.shape[1]]
-        for i in range(c.num_layers):
-            layer = getattr(self, f"layer_{i}")
-            h = self._norm(x, layer.attention_norm)
-            a = layer.attention
-            q, k, v = (torch.einsum("bld,dhk->bhlk", h, w) for w in (a.q, a.k, a.v))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(c.d_kv))
-            x = x + torch.einsum("bhlk,hkd->bld", o, a.o)
-            h = self._norm(x, layer.ffn_norm)
-            if c.is_moe_layer(i):
-                m = layer.moe
-                cap = expert_capacity(c.length, c.num_experts, c.expert_capacity_factor, c.moe_min_capacity)
-                y, a = moe_forward(h, m.router.kernel, m.wi.kernel, m.wo.kernel, cap, c.moe_top_k, self._act)
-                x, aux = x + y, aux + a
-                continue
-            f = layer.ffn
-            u = h @ f.wi.kernel
-            u = self._act(h @ f.wi_gate.kernel) * u if c.gated else self._act(u)
-            x = x + u @ f.wo.kernel
-        x = self._norm(x, self.final_norm)
-        logits = x @ self.logits.kernel + self.vocab_pad_mask
+        for i in range(self.c.num_layers):
+            x, a = self.block(i, x)
+            aux = aux + a
+        logits = self.head(x)
         return (logits, aux) if return_aux else logits
 
     def loss(self, ids, targets):
