@@ -59,7 +59,7 @@ def test_plan_reports_bubble_permutes_and_weights_per_processor(S, M, R, mesh, l
     assert p.stage_axis == "pipe" and p.stage_split == S
     # the shift: one collective-permute per iteration after the first, forward and backward; each moves the
     # state slice [micro_batch, length, d_model] of one processor (float32)
-    n, b = p.stage_collectives["receive"]
+    n, b = p.stage_collectives["collective_permute"]
     assert n == 2 * (M * R + S - 2)
     assert b == n * (batch // M // data) * BASE["length"] * BASE["d_model"] * 4
     # weights: 1/S of the stack (every layer's weights) plus the embeddings, final norm and logits, whole
@@ -70,7 +70,7 @@ def test_plan_reports_bubble_permutes_and_weights_per_processor(S, M, R, mesh, l
     assert rep.trainable_bytes == p.stacked_bytes + p.other_bytes
     text = rep.summary()
     assert f"bubble fraction (S-1)/(M*R+S-1) = {(S - 1) / (M * R + S - 1):.3f}" in text
-    assert "weights per processor" in text and "receive over pipe" in text
+    assert "weights per processor" in text and "collective_permute over pipe" in text
 
 
 def test_unpipelined_plan_has_no_pipeline_section():

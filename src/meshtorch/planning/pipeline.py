@@ -44,7 +44,7 @@ class PipelinePlan:
             the shift is local).
         stage_split: that axis's size (1 if none).
         stage_collectives: ``{kind: (count per step, bytes per processor per step)}`` over ``stage_axis`` alone:
-            ``receive`` (the collective-permute): one shift per iteration after the first, in the forward pass
+            ``collective_permute``: one shift per iteration after the first, in the forward pass
             and again (its transpose) in the backward pass, ``2 (M*R+S-2)`` per step, each the state slice
             ``[micro_batch, length, d_model]``; ``allreduce``: the masked sum that reads the outputs off the last
             stage and, in the backward pass, the gradients of what is replicated over the stage axis.
