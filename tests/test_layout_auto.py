@@ -67,3 +67,28 @@ def test_layout_auto_refusals(calibration, capsys):
     assert "--layout auto" in capsys.readouterr().err
     assert main(ARGS + ["--storage", "auto", "--threads", "1"]) == 2
     assert "--storage auto needs --layout auto" in capsys.readouterr().err
+
+
+def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(calibration, capsys):
+    """``--layout auto --microbatches M`` ranks pipelined layouts too (docs/pipeline.md): under a limit that only
+    the pipelined layout meets (the planner's own ranking, computed here without the pipelines for the
+    contrast), train picks ``stage:pipe`` with S x R = --layers and runs it; without a limit a non-pipelined
+    choice drops --microbatches instead of failing."""
+    from meshtorch.planning.command import plan_lm
+    argv = ARGS[:ARGS.index("--mesh")] + ["--mesh", "pipe:2", "--layers", "4", "--batch-size", "16", "--threads", "1",
+                                          "--layout", "auto", "--microbatches", "8"]
+
+    def config(multiple):
+        return preset("tiny", num_layers=4, d_model=32, num_heads=4, d_kv=8, d_ff=64, length=16, batch_size=16,
+                      vocab_size=256, vocab_multiple=multiple)
+
+    quiet = dict(print_fn=lambda *a: None, cost=calibration.cost_model())
+    ranked = plan_lm(config, "pipe:2", search=True, microbatches=8, **quiet)
+    limit = int(min(r.total_bytes for _, r in ranked if r.pipeline is not None) * 1.05)
+    with pytest.raises(SystemExit, match="no legal layout"):  # nothing else fits, FSDP storage rules included
+        plan_lm(config, "pipe:2", search=True, memory_limit=limit, pipelines=False, **quiet)
+    assert main(argv + ["--memory-limit", str(limit)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("mesh 'pipe:2' layout"))
+    assert "stage:pipe" in line
+    assert main(argv) == 0, capsys.readouterr().err

@@ -17,6 +17,7 @@ import torch
 
 from meshtorch.checkpoint import load_manifest
 from meshtorch.core.errors import CheckpointError, UsageError
+from meshtorch.core.layout import LayoutRules
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.planning.command import parse_bytes
 from meshtorch.runtime import checks, runs
@@ -158,10 +159,10 @@ class TrainConfig:
         if cfg.log_dir:
             checks.writable_dir("--log-dir", cfg.log_dir)
             optional_module("tensorboard", "meshtorch train --log-dir")
-        cfg = cfg._resolve_pipeline(mesh)
         cfg._check_prompt()
         if cfg.layout == "auto" or cfg.storage == "auto":
-            cfg = cfg._choose_layout()
+            cfg = cfg._choose_layout()  # with --microbatches, pipelined layouts are candidates too
+        cfg = cfg._resolve_pipeline(mesh)
         names = checks.graph_dim_names(build_lm(cfg._probe_model()).graph)
         checks.layout_rules("--layout", cfg.layout, names, mesh)
         checks.layout_rules("--storage", cfg.storage, names, mesh)
@@ -209,7 +210,7 @@ class TrainConfig:
     def _check_prompt(self) -> None:
         if self.sample and not self.prompt:
             raise UsageError("--prompt is empty; sampling needs at least one prompt character (or --sample 0).")
-        length = self._probe_model().length
+        length = preset(self.preset, length=self.length).length
         if self.sample and self.tokenizer == "byte" and len(self.prompt.encode("utf-8")) >= length:
             raise UsageError(f"--prompt is {len(self.prompt.encode('utf-8'))} bytes, but the model's context is "
                              f"{length} tokens (--length); give a shorter prompt or a longer --length.")
@@ -245,9 +246,17 @@ class TrainConfig:
 
         say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
         layout, chosen_storage = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
-                                               backend=backend, threads=threads, print_fn=say)
+                                               backend=backend, threads=threads, print_fn=say,
+                                               microbatches=self.microbatches)
+        changes, rules = {}, dict(LayoutRules(layout).pairs)
+        if self.microbatches is not None and "stage" not in rules:
+            say(f"--layout auto chose no pipeline, so --microbatches {self.microbatches} is not used.")
+            changes = {"microbatches": None, "pipeline_repeats": None}
+        elif "stage" in rules and self.pipeline_repeats is None:  # the search stacks all layers: R = layers / S
+            stages = checks.mesh_shape("--mesh", self.mesh).get_dim_by_name(rules["stage"]).size
+            changes = {"pipeline_repeats": preset(self.preset, num_layers=self.layers).num_layers // stages}
         # "": storage rules to fit the limit
-        return self.replace(layout=layout, storage=chosen_storage if storage in ("", "auto") else storage)
+        return self.replace(layout=layout, storage=chosen_storage if storage in ("", "auto") else storage, **changes)
 
 
 def older_hint(older: list[str]) -> str:
