@@ -24,7 +24,7 @@ def add_plan_subcommand(subparsers) -> None:
                         "--layers must be S x --pipeline-repeats; docs/pipeline.md)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="pipeline microbatches M (default: the stages, as meshtorch train); with --search: the "
-                        "pipelined candidates' M (default: the largest divisor of the batch up to 4x the stages)")
+                        "pipelined candidates' M, else the largest divisor of the batch up to 4x the stages")
     p.add_argument("--pipeline-repeats", type=int, default=None,
                    help="circular pipeline repeats R (layers = stages x R; default 1)")
     p.add_argument("--schedule", action="store_true",
