@@ -22,9 +22,9 @@ from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
-from meshtorch.models.transformer import build_lm, preset
+from meshtorch.models.transformer import REMAT_POLICIES, build_lm, preset
 from meshtorch.optim.adam import AdamWOptimizer
-from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
+from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
 from meshtorch.planning.search import search_layouts
@@ -50,7 +50,8 @@ def parse_bytes(text: str) -> int:
 def _config(args, vocab_multiple: int):
     return preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
                   d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
-                  vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple)
+                  vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple,
+                  remat=getattr(args, "remat", None))
 
 
 def _positive(flag: str, value) -> None:
@@ -203,6 +204,25 @@ def your_layout_line(args, ranked, cost) -> str:
             f"{rep.estimated_time['comm_s'] * 1e3:.3f} comm), {rep.total_bytes / 2 ** 20:.1f} MiB/proc")
 
 
+def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
+    """Over ``memory_limit``: the fastest ``--remat`` policy and storage rules that fit, printed (or why none
+    does); returns its MemoryReport, or None."""
+    def build(remat):
+        lm = build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        return lm.graph, lm.mesh, [lm.loss] + lm.updates
+    options = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
+    try:
+        remat, st, rep = fit_memory_limit(build, options, mesh_shape, layout, storage, memory_limit, cost)
+    except MemoryLimitError as e:
+        print_fn(f"over the memory limit: {e}")
+        return None
+    flags = f"--remat {remat}" + (f" --storage {st!r}" if st != storage else "")
+    print_fn(f"over the memory limit of {_human(memory_limit)} as asked; fits with {flags} (fastest that fits): "
+             f"{_human(rep.total_bytes)} per processor, estimated {rep.estimated_time['total_s'] * 1e3:.3f} ms")
+    print_fn(rep.summary())
+    return rep
+
+
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "") -> list:
@@ -257,20 +277,25 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             raise SystemExit(f"meshtorch plan: illegal layout {layout!r} / storage {st!r}: {e}") from None
         print_fn(rep.summary())
         if memory_limit is not None and rep.total_bytes > memory_limit:
-            try:
-                check_memory_limit(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, memory_limit, cost=cost)
-            except MemoryLimitError as e:
-                print_fn(f"over the memory limit: {e}")
+            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn) or rep
         return [(layout, rep)]
     if storage == "auto" or (memory_limit is not None and not storage):
         storage_rules = "auto"
     else:
         storage_rules = [storage] if storage else None
-    try:
-        ranked = search_layouts(lambda: lm, mesh_shape, memory_limit_bytes=memory_limit, fetches_fn=lambda m: fetches,
-                                cost=cost, storage_rules=storage_rules)
-    except ValueError as e:
-        raise SystemExit(f"meshtorch plan: {e}") from None
+    remats = [cfg.remat] + ([r for r in REMAT_POLICIES if r != cfg.remat] if memory_limit is not None else [])
+    for k, remat in enumerate(remats):  # a heavier --remat only when no layout fits the limit without it
+        lm_r = lm if k == 0 else build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        try:
+            ranked = search_layouts(lambda lm_r=lm_r: lm_r, mesh_shape, memory_limit_bytes=memory_limit,
+                                    fetches_fn=lambda m, lm_r=lm_r: [lm_r.loss] + lm_r.updates, cost=cost,
+                                    storage_rules=storage_rules)
+            break
+        except ValueError as e:
+            if k == len(remats) - 1:
+                raise SystemExit(f"meshtorch plan: {e} (tried --remat {', '.join(remats)})") from None
+    if remat != cfg.remat:
+        print_fn(f"no layout fits {_human(memory_limit)} with --remat {cfg.remat}; with --remat {remat}:")
     within = f" within {_human(memory_limit)}" if memory_limit is not None else ""
     print_fn(f"{len(ranked)} legal layouts{within}; best {top}:")
     print_fn(f"  {'rank':>4}  {'layout':<50}{'time ms':>10}{'compute':>10}{'comm':>10}"
