@@ -138,12 +138,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--sides", default="meshtorch,meshtorch_dense,torch",
-                    help="meshtorch (sparse loss), meshtorch_dense (the one-hot loss of before), torch")
+                    help="meshtorch (sparse loss), meshtorch_dense (the one-hot loss of before), torch "
+                         "(AdamW fused=True), torch_foreach (AdamW foreach=True)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = config(args.layers, args.batch)
     make = {"meshtorch": lambda: meshtorch_step(cfg), "meshtorch_dense": lambda: meshtorch_step(cfg, True),
-            "torch": lambda: torch_step(cfg)}
+            "torch": lambda: torch_step(cfg), "torch_foreach": lambda: torch_step(cfg, "foreach")}
     sides = {k: make[k]() for k in args.sides.split(",")}
     print(f"{args.layers} layers, batch {args.batch} x {cfg.length}, vocab {cfg.vocab_size}, {args.threads} thread(s), "
           f"torch {torch.__version__}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
@@ -155,7 +156,7 @@ def main(argv=None):
             times[name].append(timed(fn, s))
     for name, t in times.items():
         print(f"{name:<10} step s median {statistics.median(t):.3f} (min {min(t):.3f}, max {max(t):.3f})")
-    for a in (k for k in times if k != "torch" and "torch" in times):
+    for a in (k for k in times if k.startswith("meshtorch") and "torch" in times):
         print(f"{a} / torch: {statistics.median(times[a]) / statistics.median(times['torch']):.2f} "
               f"(min/min {min(times[a]) / min(times['torch']):.2f})")
     model_flops = flops_per_token(cfg) * cfg.batch_size * cfg.length

@@ -17,8 +17,9 @@ each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micr
 * ``ddp_foreach`` / ``fsdp2_foreach``: the peers with ``torch.optim.AdamW(foreach=True)`` instead of
   ``--peer-optim``.
 
-``--rounds N`` repeats the job sequence N times (A B A B ...: each run is a job of its own, so two 163M
-replicated jobs never share the host's memory, and the runs are still interleaved in time).
+``--rounds N`` repeats the job sequence N times, reversed every other round (A B B A A B ...: each run is a
+job of its own, so two 163M replicated jobs never share the host's memory, and the runs are still
+interleaved in time; the reversal spreads a trend of the host's load over both sides).
 
 The runs are jobs of their own (a 163M-parameter model replicated with AdamW is ~2.6 GB per rank, so two
 runs cannot share the processes on a 24 GB host); ``--rounds`` repeats the job sequence dp, ddp, fsdp,
@@ -233,7 +234,7 @@ def main(argv=None):
     results: dict = {r: [] for r in runs}
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     for rnd in range(args.rounds):
-        for run in runs:
+        for run in (runs if rnd % 2 == 0 else runs[::-1]):  # A B, B A, ...: a load trend hits both alike
             res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
                            nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
                            env=env).check().results
