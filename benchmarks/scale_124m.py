@@ -10,7 +10,16 @@ each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micr
   (25 MiB buckets), ``torch.optim.AdamW(fused=True)`` (``--peer-optim foreach`` for the foreach one);
 * ``fsdp``: meshtorch with storage ``d_model:data`` (FSDP / ZeRO-3: weights all-gathered per use,
   gradients reduce-scattered);
-* ``fsdp2``: :class:`BlockLM` with ``torch.distributed.fsdp.fully_shard`` on every block and on the root.
+* ``fsdp2``: :class:`BlockLM` with ``torch.distributed.fsdp.fully_shard`` on every block and on the root;
+* ``dp_async`` / ``fsdp_async``: ``dp`` / ``fsdp`` with ``async_collectives=True`` (gradient all-reduce
+  buckets issued asynchronously as soon as their gradients exist, overlapping the rest of the backward pass,
+  as DDP's reducer does; the SPMD default on CPU is synchronous);
+* ``ddp_foreach`` / ``fsdp2_foreach``: the peers with ``torch.optim.AdamW(foreach=True)`` instead of
+  ``--peer-optim``.
+
+``--rounds N`` repeats the job sequence N times, reversed every other round (A B B A A B ...: each run is a
+job of its own, so two 163M replicated jobs never share the host's memory, and the runs are still
+interleaved in time; the reversal spreads a trend of the host's load over both sides).
 
 The runs are jobs of their own (a 163M-parameter model replicated with AdamW is ~2.6 GB per rank, so two
 runs cannot share the processes on a 24 GB host); ``--rounds`` repeats the job sequence dp, ddp, fsdp,
@@ -135,9 +144,12 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
     """A step function ``fn(step) -> loss`` for ``run`` and the planner's predicted bytes (meshtorch only)."""
     rank = torch.distributed.get_rank()
     per = cfg.batch_size // RANKS
-    if run in ("dp", "fsdp"):
+    if run.endswith("_foreach"):
+        run, peer_optim = run[: -len("_foreach")], "foreach"
+    if run in ("dp", "fsdp", "dp_async", "fsdp_async"):
         lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
-        impl = mtf.SpmdMeshImpl(f"data:{RANKS}", "batch:data", storage="d_model:data" if run == "fsdp" else None)
+        impl = mtf.SpmdMeshImpl(f"data:{RANKS}", "batch:data", storage="d_model:data" if "fsdp" in run else None,
+                                async_collectives=run.endswith("_async"))
         lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
         fetches = [lm.loss] + lm.updates
         predicted = memory_report(lw, fetches).total_bytes
@@ -222,7 +234,7 @@ def main(argv=None):
     results: dict = {r: [] for r in runs}
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     for rnd in range(args.rounds):
-        for run in runs:
+        for run in (runs if rnd % 2 == 0 else runs[::-1]):  # A B, B A, ...: a load trend hits both alike
             res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
                            nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
                            env=env).check().results
@@ -231,7 +243,7 @@ def main(argv=None):
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.2f} (min {min(t):.2f}, max "
                   f"{max(t):.2f}); build {res[0]['build_s']:.0f} s; losses rank 0 "
                   f"{[round(v, 3) for v in res[0]['losses']]}", flush=True)
-    print(f"\n{'run':<7}{'step s median':>14}{'spread':>16}{'peak RSS growth per rank, MiB':>34}"
+    print(f"\n{'run':<14}{'step s median':>14}{'spread':>16}{'peak RSS growth per rank, MiB':>34}"
           f"{'planner MiB':>13}")
     med = {}
     for run, rounds in results.items():
@@ -239,10 +251,12 @@ def main(argv=None):
         med[run] = statistics.median(t)
         growth = [max(res[k]["growth"] for res in rounds) / MIB for k in range(RANKS)]
         pred = rounds[0][0]["predicted"]
-        print(f"{run:<7}{med[run]:>14.2f}{f'{min(t):.2f}-{max(t):.2f}':>16}"
+        print(f"{run:<14}{med[run]:>14.2f}{f'{min(t):.2f}-{max(t):.2f}':>16}"
               f"{' '.join(f'{g:.0f}' for g in growth):>34}{'' if pred is None else f'{pred / MIB:.0f}':>13}")
         med[run + "_rss"] = max(growth)
-    for a, b in (("dp", "ddp"), ("fsdp", "fsdp2")):
+    pairs = [(a + x, b + y) for a, b in (("dp", "ddp"), ("fsdp", "fsdp2")) for x in ("", "_async")
+             for y in ("", "_foreach")]
+    for a, b in pairs:
         if a in med and b in med:
             print(f"{a}/{b}: step time {med[a] / med[b]:.2f}, peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
 

@@ -118,7 +118,8 @@ def test_plan_lm_takes_storage_and_memory_limit():
     assert rep.storage == "d_model:data" and any("storage 'd_model:data'" in ln for ln in lines)
     lines.clear()
     plan_lm(CFG, "data:4", "batch:data", memory_limit=rep.total_bytes, print_fn=lines.append)
-    assert any(ln.startswith("over the memory limit") and "would fit" in ln for ln in lines)
+    assert any(ln.startswith("over the memory limit") and "fits with" in ln and "--storage 'd_model:data'" in ln
+               for ln in lines), lines
     lines.clear()
     ranked = plan_lm(CFG, "data:4", search=True, memory_limit=rep.total_bytes, print_fn=lines.append)
     assert ranked and all(r.total_bytes <= rep.total_bytes for _, r in ranked)

@@ -186,3 +186,30 @@ def test_memory_report_counts_in_place_updates_as_no_new_buffers():
                              [loss] + updates) for m in ("", "all:2")}
     state = 3 * 256 * 256 * 4  # the new w, m, v a copying update allocates
     assert reps["all:2"].peak_activation_bytes - reps[""].peak_activation_bytes >= 0.95 * state
+
+
+def test_fused_adam_updates_in_place_under_recompute_grad_with_the_same_values():
+    """recompute_grad reads the block's weights through identities (views of the variables): they are dead
+    before the update, so the update still writes in place; values equal the copying run on all:2."""
+    torch.manual_seed(0)
+    x_val, y_val = torch.randn(8, 8), torch.randn(8, 4)
+    runs = {}
+    for mesh_shape in ("", "all:2"):
+        g = mtf.Graph(seed=1)
+        mesh = mtf.Mesh(g, "m")
+        x = mtf.import_tensor(mesh, x_val, "batch:8,a:8")
+        y = mtf.import_tensor(mesh, y_val, "batch:8,b:4")
+        w1 = mtf.get_variable(mesh, "w1", "a:8,h:8")
+        w2 = mtf.get_variable(mesh, "w2", "h:8,b:4")
+        h = mtf.recompute_grad(lambda t: mtf.relu(mtf.einsum([t, w1], output_shape="batch:8,h:8")), [x])
+        loss = mtf.reduce_mean(mtf.square(mtf.einsum([h, w2], output_shape="batch:8,b:4") - y))
+        grads = mtf.gradients([loss], [w1, w2])
+        updates = optim.AdamWOptimizer(0.01, fused=True).apply_grads(grads, [w1.operation, w2.operation])
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, "")})
+        before = _ptrs(lw)
+        losses = [lw.run([loss] + updates)[0].item() for _ in range(3)]
+        assert _ptrs(lw) == before
+        runs[mesh_shape] = losses, lw.variable_value("w1"), _donated(lw, [loss] + updates)
+    assert len(runs[""][2]) == 2 and runs["all:2"][2] == []
+    torch.testing.assert_close(runs[""][0], runs["all:2"][0], rtol=0, atol=0)
+    torch.testing.assert_close(runs[""][1], runs["all:2"][1], rtol=0, atol=0)

@@ -69,10 +69,10 @@ def test_layout_auto_refusals(calibration, capsys):
     assert "--storage auto needs --layout auto" in capsys.readouterr().err
 
 
-def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(calibration, capsys):
+def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(calibration, capsys, monkeypatch):
     """``--layout auto --microbatches M`` ranks pipelined layouts too (docs/pipeline.md): under a limit that only
-    the pipelined layout meets (the planner's own ranking, computed here without the pipelines for the
-    contrast), train picks ``stage:pipe`` with S x R = --layers and runs it; without a limit a non-pipelined
+    the pipelined layout meets without recomputation (the planner's ranking without the pipelines needs a
+    heavier --remat), train picks ``stage:pipe`` with S x R = --layers and runs it; without a limit a non-pipelined
     choice drops --microbatches instead of failing."""
     from meshtorch.planning.command import plan_lm
     argv = ARGS[:ARGS.index("--mesh")] + ["--mesh", "pipe:2", "--layers", "4", "--batch-size", "16", "--threads", "1",
@@ -85,10 +85,22 @@ def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(cali
     quiet = dict(print_fn=lambda *a: None, cost=calibration.cost_model())
     ranked = plan_lm(config, "pipe:2", search=True, microbatches=8, **quiet)
     limit = int(min(r.total_bytes for _, r in ranked if r.pipeline is not None) * 1.05)
-    with pytest.raises(SystemExit, match="no legal layout"):  # nothing else fits, FSDP storage rules included
-        plan_lm(config, "pipe:2", search=True, memory_limit=limit, pipelines=False, **quiet)
+    said = []  # without pipelines nothing fits but with a heavier --remat (FSDP storage rules included)
+    plan_lm(config, "pipe:2", search=True, memory_limit=limit, pipelines=False, cost=quiet["cost"],
+            print_fn=said.append)
+    assert any(line.startswith("no layout fits") and "with --remat none" in line for line in said), said
+    assert plan_lm(config, "pipe:2", search=True, microbatches=8, memory_limit=limit, **quiet)[0][0] == "stage:pipe"
     assert main(argv + ["--memory-limit", str(limit)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("mesh 'pipe:2' layout"))
     assert "stage:pipe" in line
     assert main(argv) == 0, capsys.readouterr().err
+    # without --microbatches the same limit needs recomputation: train takes the planner's --remat
+    from meshtorch.runtime import train as train_mod
+    built = []
+    monkeypatch.setattr(train_mod, "build_lm", lambda c, *a, **k: built.append(c.remat) or build_lm(c, *a, **k))
+    argv = argv[:argv.index("--microbatches")]
+    assert main(argv + ["--memory-limit", str(limit)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "fits only with --remat" in out, out
+    assert built and set(built) <= {"block", "selective"}, built

@@ -115,6 +115,7 @@ from meshtorch.ops.reduce_more import *  # noqa: F403
 from meshtorch.ops.sequence_more import *  # noqa: F403
 from meshtorch.ops.graph_helpers import *  # noqa: F403
 from meshtorch.ops.rotary import *  # noqa: F403
+from meshtorch.ops.xent import *  # noqa: F403
 from meshtorch.core.processors import *  # noqa: F403
 from meshtorch.core import convert_to_layout_rules
 from meshtorch.layers.conv_backprop import *  # noqa: F403  (built with autodiff: above it)

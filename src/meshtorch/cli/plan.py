@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshtorch.cli._help import HelpFormatter
-from meshtorch.models.transformer import PRESETS
+from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.planning.command import DEFAULT_LAYOUT, DEFAULT_MESH
 from meshtorch.runtime.calibrate import run_plan
 
@@ -32,8 +32,10 @@ def add_plan_subcommand(subparsers) -> None:
     p.add_argument("--search", action="store_true",
                    help="rank all layouts of --mesh (and place --layout among them) instead of reporting --layout")
     p.add_argument("--top", type=int, default=10, help="layouts to print with --search")
-    p.add_argument("--memory-limit", default=None, help="with --search: drop layouts needing more per processor "
-                                                        "(e.g. 16GiB)")
+    p.add_argument("--memory-limit", default=None, help="bytes per processor (e.g. 16GiB): with --search, drop "
+                   "layouts needing more; over it, pick the fastest --remat policy and storage rules that fit")
+    p.add_argument("--remat", default="none", choices=list(REMAT_POLICIES),
+                   help="activation checkpointing to plan (meshtorch train --remat); --memory-limit may pick another")
     p.add_argument("--hardware", default="auto", choices=["auto", "calibrated", "gpu", "cpu"],
                    help="cost model: calibrated = measured on this machine for --backend and --threads (measured "
                         "once, tens of seconds, then cached); auto = the calibration if one is cached, else the "

@@ -9,11 +9,11 @@ from meshtorch.core.scopes import variable_scope
 from meshtorch.ops import binary, reduce
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast, negative, square
-from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import Initializer, VarianceScalingInitializer, zeros_initializer
 from meshtorch.ops.precision import VariableDType
 from meshtorch.ops.reshape import rename_dimension
 from meshtorch.ops.variables import get_variable
+from meshtorch.ops.xent import sparse_softmax_cross_entropy_with_logits
 
 
 def _dims(x):
@@ -140,8 +140,9 @@ def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim
     Args:
         logits: ``[..., vocab_dim]`` float.
         targets: hard targets: an integer Tensor with the dims of ``logits`` other than
-            ``vocab_dim`` (class ids in ``[0, vocab_dim.size)``; one-hot encoded here, in the logits'
-            dtype), or soft targets: a float Tensor with exactly the dims of ``logits``.
+            ``vocab_dim`` (class ids in ``[0, vocab_dim.size)``; computed without a one-hot tensor by
+            :func:`meshtorch.ops.xent.sparse_softmax_cross_entropy_with_logits`, the same numbers), or soft
+            targets: a float Tensor with exactly the dims of ``logits``.
         vocab_dim: the class Dimension (or its name); may be split over a mesh axis (each sum is
             then one lazy all-reduce).
         z_loss: coefficient of the auxiliary loss on ``logsumexp(logits)**2`` (e.g. 1e-4).
@@ -165,7 +166,7 @@ def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim
             raise ShapeError(f"softmax_cross_entropy_with_logits: hard (integer) targets {targets.name!r} "
                              f"{targets.shape} must have the logits' dims other than {vname!r}: {sorted(want)} "
                              f"(logits {logits.shape}).")
-        targets = one_hot(targets, vdim, dtype=logits.dtype)
+        return sparse_softmax_cross_entropy_with_logits(logits, targets, vdim, z_loss=z_loss, name=name)
     elif set(logits.shape.dimension_names) != set(targets.shape.dimension_names):
         raise ShapeError(f"softmax_cross_entropy_with_logits: soft targets {targets.name!r} {targets.shape} must "
                          f"have the same dims as the logits {logits.shape} (or pass integer class ids).")

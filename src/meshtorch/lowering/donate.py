@@ -10,9 +10,11 @@ of those inputs,
 
 * the input is a variable read (the store's own tensor) that the run does not fetch;
 * the step is its last reader;
-* every other step reading it returns tensors that share no storage with their inputs: kernels
-  marked ``fresh_outputs`` (matmuls, gathers, the fused updates) and all-gathers over axes of more
-  than one processor, so no view of the slice outlives the update;
+* every other step reading it returns tensors that share no storage with their inputs (kernels
+  marked ``fresh_outputs``: matmuls, gathers, the fused updates; all-gathers over axes of more than
+  one processor), or returns possibly-aliasing tensors (an identity, e.g. the inputs of a
+  ``recompute_grad`` block, views) that are not results of the run and whose own readers all run
+  before the update and satisfy the same rule: no view of the slice outlives the update;
 * the mesh gives this process one processor (SPMD, or a one-processor mesh): a placement mesh may run
   one kernel call per processor on a shared replicated slice.
 
@@ -44,6 +46,18 @@ def _fresh(st: Step, impl) -> bool:
     return False
 
 
+def _safe_reader(steps: list[Step], readers: dict, k: int, i: int, impl, keep: set, depth: int = 0) -> bool:
+    """May step ``i`` overwrite a slice that step ``k`` reads? Yes if ``k`` is ``i``, or returns new tensors,
+    or (``k`` before ``i``) each of its outputs, possibly a view of the slice, is not kept past the run and
+    is read only by steps before ``i`` that are safe in turn (followed a few aliasing steps deep)."""
+    if k == i or _fresh(steps[k], impl):
+        return True
+    if k > i or depth > 4:
+        return False
+    return all(o not in keep and all(r < i and _safe_reader(steps, readers, r, i, impl, keep, depth + 1)
+                                     for r in readers.get(o, ())) for o in steps[k].outputs)
+
+
 def donated_outputs(st: Step) -> int:
     """How many of ``st``'s leading outputs are its donated inputs updated in place (0 unless
     :func:`donate_inputs` marked it): output ``k`` is input ``donates[k]``, so it allocates nothing."""
@@ -67,6 +81,6 @@ def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict
         slots = [st.inputs[j] for j in donates]
         if len(set(slots)) == len(slots) and all(
                 s in variable_slots and s not in keep and readers[s][-1] == i
-                and all(k == i or _fresh(steps[k], impl) for k in readers[s]) for s in slots):
+                and all(_safe_reader(steps, readers, k, i, impl, keep) for k in readers[s]) for s in slots):
             out[i] = dataclasses.replace(st, fn=functools.partial(st.fn, donate=True))
     return out

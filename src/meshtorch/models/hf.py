@@ -33,7 +33,6 @@ from meshtorch.models.transformer import training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
 from meshtorch.ops.einsum import einsum
-from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.rotary import rotary
@@ -186,8 +185,7 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     head = emb if c.tied else v("lm_head")
     logits = layers.embedding_logits(x, head, d["d_model"], output_shape=[d["batch"], d["length"], d["vocab"]],
                                      name="lm_head_proj")
-    xent = layers.softmax_cross_entropy_with_logits(logits, one_hot(targets, d["vocab"], dtype=logits.dtype),
-                                                    d["vocab"])
+    xent = layers.softmax_cross_entropy_with_logits(logits, targets, d["vocab"])  # integer targets: no one-hot
     loss = reduce_mean(xent, name="loss")
     updates = training_updates(graph, loss, optimizer, clip_norm)
     return HFGraph(c, graph, mesh, inputs, targets, logits, loss, updates, task_loss=loss)

@@ -258,11 +258,12 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         mask = torch.zeros(c.padded_vocab)
         mask[c.vocab_size:] = -1e9
         logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
-    soft = one_hot(targets, d["vocab"], dtype=logits.dtype)
+    soft = targets  # integer ids: a sparse cross entropy, no [batch, length, vocab] one-hot tensor
     if c.label_smoothing:  # spread over the real (unpadded) classes only
         spread = torch.zeros(c.padded_vocab)
         spread[: c.vocab_size] = c.label_smoothing / c.vocab_size
-        soft = soft * (1.0 - c.label_smoothing) + import_tensor(mesh, spread, [d["vocab"]], name="smoothing")
+        soft = one_hot(targets, d["vocab"], dtype=logits.dtype) * (1.0 - c.label_smoothing) + import_tensor(
+            mesh, spread, [d["vocab"]], name="smoothing")
     xent = layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"], z_loss=c.z_loss)
     loss = task_loss = reduce_mean(xent, name="loss")
     aux_loss = None

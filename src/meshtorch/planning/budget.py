@@ -4,7 +4,9 @@ The check plans the training step as a dry run (``Lowering(..., materialize=Fals
 storage), so a configuration too large for the machine fails in seconds with a message that names the
 limit, the predicted bytes per processor and a storage rule (FSDP / ZeRO-3) that would fit, instead of
 running out of memory after allocating. ``meshtorch train`` / ``meshtorch plan`` and
-``benchmarks/fsdp_memory.py`` call it.
+``benchmarks/fsdp_memory.py`` call it. :func:`fit_memory_limit` goes further: over the limit, it tries the
+variants of a graph (``meshtorch plan``: the LM's activation-checkpointing policies, ``--remat``) with the
+given storage rules and with each storage candidate, and returns the fastest configuration that fits.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 from meshtorch.planning.search import storage_candidates
 
-__all__ = ["MemoryLimitError", "check_memory_limit", "plan_memory"]
+__all__ = ["MemoryLimitError", "check_memory_limit", "fit_memory_limit", "plan_memory"]
 
 
 class MemoryLimitError(MeshtorchError, ValueError):
@@ -115,3 +117,47 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
     else:
         msg += " No storage rule applies: use more processors, a smaller batch or a smaller model."
     raise MemoryLimitError(msg, memory_limit, rep, best)
+
+
+def fit_memory_limit(build, options: Sequence, mesh_shape, layout: str = "", storage: str = "",
+                     memory_limit: int | None = None, cost: CostModel | None = None):
+    """The fastest configuration within ``memory_limit``: a graph variant and storage rules.
+
+    Each of ``options`` (e.g. activation-checkpointing policies ``("none", "selective", "block")``) names a
+    variant of the graph; ``build(option)`` returns its ``(graph, mesh, fetches)``. The first option is
+    the one asked for: if it fits with ``storage``, it is returned. Otherwise every option is planned with
+    ``storage`` and, where that does not fit, with ``storage`` plus each storage candidate
+    (:func:`check_memory_limit`'s suggestion); of the configurations that fit, the one with the smallest
+    estimated time (then fewest bytes) wins, so recomputation is chosen only where it is cheaper than
+    sharding or where nothing else fits (the planner's memory walk and FLOP count both see the
+    recomputed steps).
+
+    Returns:
+        ``(option, storage rules, MemoryReport)``.
+
+    Raises:
+        MemoryLimitError: no option fits, with or without a storage rule; the message is the first
+            option's (limit, prediction, breakdown) plus the smallest configuration found.
+        LayoutError: the rules are illegal for the graph.
+    """
+    options = list(options)
+    fits, first_error, smallest = [], None, None
+    for i, opt in enumerate(options):
+        graph, mesh, fetches = build(opt)
+        try:
+            rep = check_memory_limit(graph, mesh, fetches, mesh_shape, layout, storage, memory_limit, cost=cost)
+            if i == 0:
+                return opt, storage, rep
+            fits.append((opt, storage, rep))
+            continue
+        except MemoryLimitError as e:
+            first_error = first_error or e
+            if smallest is None or e.report.total_bytes < smallest[2].total_bytes:
+                smallest = (opt, storage, e.report)
+            if e.suggestion is not None:
+                fits.append((opt, e.suggestion[0], e.suggestion[1]))
+    if fits:
+        return min(fits, key=lambda f: (f[2].estimated_time["total_s"], f[2].total_bytes))
+    raise MemoryLimitError(f"{first_error} With every option of {options}: none fits; the smallest without a "
+                           f"storage rule is {smallest[0]!r}, {_human(smallest[2].total_bytes)} per processor.",
+                           memory_limit, first_error.report)

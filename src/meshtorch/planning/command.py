@@ -22,9 +22,9 @@ from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
-from meshtorch.models.transformer import build_lm, preset
+from meshtorch.models.transformer import REMAT_POLICIES, build_lm, preset
 from meshtorch.optim.adam import AdamWOptimizer
-from meshtorch.planning.budget import MemoryLimitError, check_memory_limit, plan_memory
+from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
 from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_table
@@ -66,6 +66,7 @@ def _config(args, vocab_multiple: int, layout: str | None = None):
     return preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
                   d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
                   vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple,
+                  remat=getattr(args, "remat", None),
                   **pipeline_fields(args.mesh, layout or "", getattr(args, "microbatches", None),
                                     getattr(args, "pipeline_repeats", None),
                                     getattr(args, "pipeline_stages", None) if layout is not None else None))
@@ -232,6 +233,25 @@ def your_layout_line(args, ranked, cost) -> str:
             f"{rep.estimated_time['comm_s'] * 1e3:.3f} comm), {rep.total_bytes / 2 ** 20:.1f} MiB/proc")
 
 
+def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
+    """Over ``memory_limit``: the fastest ``--remat`` policy and storage rules that fit, printed (or why none
+    does); returns its MemoryReport, or None."""
+    def build(remat):
+        lm = build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        return lm.graph, lm.mesh, [lm.loss] + lm.updates
+    options = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
+    try:
+        remat, st, rep = fit_memory_limit(build, options, mesh_shape, layout, storage, memory_limit, cost)
+    except MemoryLimitError as e:
+        print_fn(f"over the memory limit: {e}")
+        return None
+    flags = f"--remat {remat}" + (f" --storage {st!r}" if st != storage else "")
+    print_fn(f"over the memory limit of {_human(memory_limit)} as asked; fits with {flags} (fastest that fits): "
+             f"{_human(rep.total_bytes)} per processor, estimated {rep.estimated_time['total_s'] * 1e3:.3f} ms")
+    print_fn(rep.summary())
+    return rep
+
+
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "", microbatches: int | None = None, schedule: bool = False,
@@ -298,33 +318,40 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         if schedule and lm.pipeline is not None:
             print_fn(schedule_table(lm.pipeline))
         if memory_limit is not None and rep.total_bytes > memory_limit:
-            try:
-                check_memory_limit(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, memory_limit, cost=cost)
-            except MemoryLimitError as e:
-                print_fn(f"over the memory limit: {e}")
+            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn) or rep
         return [(layout, rep)]
     if storage == "auto" or (memory_limit is not None and not storage):
         storage_rules = "auto"
     else:
         storage_rules = [storage] if storage else None
-    failure = None
-    try:
-        ranked = search_layouts(lambda: lm, mesh_shape, memory_limit_bytes=memory_limit, fetches_fn=lambda m: fetches,
-                                cost=cost, storage_rules=storage_rules)
-    except ValueError as e:
-        ranked, failure = [], e
+    piped, failure = [], None
     for axis, pcfg in pipeline_candidates(cfg, mesh_shape, microbatches) if pipelines else []:
         plm = build_lm(pcfg, optimizer=AdamWOptimizer(1e-3))
         pfetches = [plm.loss] + plm.updates
         try:
-            ranked += search_layouts(lambda plm=plm: plm, mesh_shape, pipeline_layouts(plm.graph, mesh_shape, axis),
-                                     memory_limit_bytes=memory_limit, fetches_fn=lambda m, f=pfetches: f, cost=cost,
-                                     storage_rules=storage_rules)
+            piped += search_layouts(lambda plm=plm: plm, mesh_shape, pipeline_layouts(plm.graph, mesh_shape, axis),
+                                    memory_limit_bytes=memory_limit, fetches_fn=lambda m, f=pfetches: f, cost=cost,
+                                    storage_rules=storage_rules)
         except ValueError as e:
             failure = e
-    if not ranked:
-        raise SystemExit(f"meshtorch plan: {failure}") from None
-    ranked.sort(key=lambda r: (r[1].estimated_time["total_s"], r[1].total_bytes))
+    remats = [cfg.remat] + ([r for r in REMAT_POLICIES if r != cfg.remat] if memory_limit is not None else [])
+    for k, remat in enumerate(remats):  # a heavier --remat only when no layout fits the limit without it
+        lm_r = lm if k == 0 else build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        try:
+            plain = search_layouts(lambda lm_r=lm_r: lm_r, mesh_shape, memory_limit_bytes=memory_limit,
+                                   fetches_fn=lambda m, lm_r=lm_r: [lm_r.loss] + lm_r.updates, cost=cost,
+                                   storage_rules=storage_rules)
+        except ValueError as e:
+            plain, failure = [], e
+        if plain or piped:  # a pipeline that fits needs no heavier remat
+            break
+    if not plain and not piped:
+        raise SystemExit(f"meshtorch plan: {failure} (tried --remat {', '.join(remats)})") from None
+    if remat != cfg.remat and plain:
+        print_fn(f"no layout fits {_human(memory_limit)} with --remat {cfg.remat}; with --remat {remat}:")
+        for _, rep in plain:
+            rep.remat = remat
+    ranked = sorted(plain + piped, key=lambda r: (r[1].estimated_time["total_s"], r[1].total_bytes))
     sizes, seen, unique = {d.name: d.size for d in spec.shape}, set(), []
     for lay, r in ranked:  # the pipelined searches ran apart: drop their mesh-axis swaps here
         key = (layout_key(lay, r.storage, sizes), r.pipeline is not None)

@@ -101,6 +101,7 @@ class MemoryReport:
     kernel_bytes_serial: int = 0
     flops_serial: int = 0
     pipeline: PipelinePlan | None = None
+    remat: str | None = None  # set by the search when it needed a heavier ``--remat`` than asked to fit a limit
 
     @property
     def parameter_bytes(self) -> int:

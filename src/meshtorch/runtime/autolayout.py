@@ -16,8 +16,8 @@ from meshtorch.runtime.calibrate import calibrate
 
 def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int | None = None,
                   backend: str = "placement", threads: int = 1, print_fn=print,
-                  microbatches: int | None = None) -> tuple[str, str]:
-    """``(layout rules, storage rules)`` of the fastest legal layout of the LM on ``mesh_shape`` under the
+                  microbatches: int | None = None) -> tuple[str, str, str | None]:
+    """``(layout rules, storage rules, remat)`` of the fastest legal layout of the LM on ``mesh_shape`` under the
     calibrated cost model of ``backend`` with ``threads`` torch threads per process.
 
     Args:
@@ -30,6 +30,10 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
         microbatches: ``train --microbatches`` (> 1): pipelined layouts (``stage:<axis>``, docs/pipeline.md) with
             this many microbatches are searched too; None or 1: not (the config's microbatches are what
             training would use, so only a given M is searched).
+
+    Returns:
+        the layout rules, the storage rules (``""``: none), and None or the heavier ``--remat`` policy
+        (``"block"``/``"selective"``) without which no layout fits ``memory_limit``.
 
     Raises:
         UsageError: if no legal layout fits ``memory_limit``, naming the limit.
@@ -52,4 +56,6 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
              + f": predicted {t['total_s'] * 1e3:.1f} ms per step ({t['compute_s'] * 1e3:.1f} compute, "
              f"{t['comm_s'] * 1e3:.1f} communication), {rep.total_bytes / 2 ** 20:.1f} MiB per processor; best of "
              f"{len(ranked)} legal layouts under {cost.name}. {why_line(ranked)}")
-    return layout, rep.storage or ""
+    if rep.remat:
+        print_fn(f"--layout auto: it fits only with --remat {rep.remat}, which this run uses.")
+    return layout, rep.storage or "", rep.remat

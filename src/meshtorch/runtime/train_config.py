@@ -242,10 +242,10 @@ class TrainConfig:
             return preset(self.preset, num_layers=self.layers, d_model=self.d_model, num_heads=self.heads,
                           d_kv=self.d_kv, d_ff=self.d_ff, length=self.length, batch_size=self.batch_size,
                           gated=self.gated or None, vocab_size=vocab, vocab_multiple=multiple,
-                          num_experts=self.experts)
+                          num_experts=self.experts, remat=self.remat)
 
         say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
-        layout, chosen_storage = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
+        layout, chosen_storage, remat = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
                                                backend=backend, threads=threads, print_fn=say,
                                                microbatches=self.microbatches)
         changes, rules = {}, dict(LayoutRules(layout).pairs)
@@ -255,6 +255,8 @@ class TrainConfig:
         elif "stage" in rules and self.pipeline_repeats is None:  # the search stacks all layers: R = layers / S
             stages = checks.mesh_shape("--mesh", self.mesh).get_dim_by_name(rules["stage"]).size
             changes = {"pipeline_repeats": preset(self.preset, num_layers=self.layers).num_layers // stages}
+        if remat:
+            changes["remat"] = remat
         # "": storage rules to fit the limit
         return self.replace(layout=layout, storage=chosen_storage if storage in ("", "auto") else storage, **changes)
 
