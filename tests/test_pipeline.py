@@ -379,3 +379,16 @@ def test_pipelined_program_as_json_initialises_and_runs():
     x, y = _data()
     got = mtf.Session(program, impls, store).run((("tensor", lm.loss.name),), {"inputs": x, "targets": y})[0]
     assert torch.equal(got, lw.run(lm.loss, feeds={lm.inputs: x, lm.targets: y}))
+
+
+def test_pipeline_repeats_default_to_every_layer_stacked():
+    """--pipeline-repeats defaults to --layers / stages (all layers in the stack); not dividing stays an error."""
+    from meshtorch.core.errors import UsageError
+    from meshtorch.planning.command import pipeline_fields as plan_fields
+    from meshtorch.runtime.checks import mesh_shape, pipeline_fields
+    mesh = mesh_shape("--mesh", "pipe:2,data:2")
+    got = pipeline_fields("stage:pipe;batch:data", mesh, None, None, None, num_layers=6, batch_size=8)
+    assert got == {"pipeline_stages": 2, "microbatches": 2, "pipeline_repeats": 3}
+    assert plan_fields("pipe:2,data:2", "stage:pipe;batch:data", num_layers=6)["pipeline_repeats"] == 3
+    with pytest.raises(UsageError, match="--layers 5 must equal"):
+        pipeline_fields("stage:pipe", mesh, None, None, None, num_layers=5, batch_size=8)

@@ -26,7 +26,7 @@ def add_plan_subcommand(subparsers) -> None:
                    help="pipeline microbatches M (default: the stages, as meshtorch train); with --search: the "
                         "pipelined candidates' M, else the largest divisor of the batch up to 4x the stages")
     p.add_argument("--pipeline-repeats", type=int, default=None,
-                   help="circular pipeline repeats R (layers = stages x R; default 1)")
+                   help="circular pipeline repeats R (layers = stages x R; default: layers / stages)")
     p.add_argument("--schedule", action="store_true",
                    help="with a pipelined --layout: print the schedule table (iteration x stage -> microbatch)")
     p.add_argument("--search", action="store_true",

@@ -38,8 +38,8 @@ def add_train_subcommand(subparsers) -> None:
                    help="pipeline: microbatches per step, a divisor of --batch-size (default: the stages); the idle "
                         "fraction is (stages - 1) / (microbatches x repeats + stages - 1)")
     p.add_argument("--pipeline-repeats", type=int, default=None,
-                   help="pipeline: circular repeats R, stage s running layers s, S + s, ... (default 1; R > 1 needs "
-                        "--microbatches >= stages)")
+                   help="pipeline: circular repeats R, stage s running layers s, S + s, ... (default: --layers / "
+                        "stages; R > 1 needs --microbatches >= stages)")
     p.add_argument("--mesh", default=DEFAULT_MESH,
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
                         "processor")

@@ -49,16 +49,19 @@ def parse_bytes(text: str) -> int:
 
 
 def pipeline_fields(mesh_shape: str, layout: str, microbatches: int | None = None, repeats: int | None = None,
-                    stages: int | None = None) -> dict:
+                    stages: int | None = None, num_layers: int | None = None) -> dict:
     """The LMConfig pipeline fields of the flags, as ``meshtorch train`` resolves them: ``pipeline_stages`` =
     ``stages`` (``--pipeline-stages``) or the size of the mesh axis of the layout's ``stage:<axis>`` rule,
     ``microbatches`` (``--microbatches``, default: the stages), ``pipeline_repeats`` (``--pipeline-repeats``,
-    default 1); ``{}`` (no pipeline) without a ``stage`` rule and ``stages``."""
+    default: ``num_layers / stages`` when that divides, else 1); ``{}`` (no pipeline) without a ``stage`` rule and
+    ``stages``."""
     if stages is None:
         stages = MeshSpec(mesh_shape, layout).axis_size_for(STAGE_DIM) if layout not in ("", "auto") else 0
     if stages <= 1:
         return {}
-    return {"pipeline_stages": stages, "microbatches": microbatches or stages, "pipeline_repeats": repeats or 1}
+    if repeats is None:
+        repeats = num_layers // stages if num_layers and num_layers % stages == 0 else 1
+    return {"pipeline_stages": stages, "microbatches": microbatches or stages, "pipeline_repeats": repeats}
 
 
 def _config(args, vocab_multiple: int, layout: str | None = None):
@@ -69,7 +72,8 @@ def _config(args, vocab_multiple: int, layout: str | None = None):
                   remat=getattr(args, "remat", None),
                   **pipeline_fields(args.mesh, layout or "", getattr(args, "microbatches", None),
                                     getattr(args, "pipeline_repeats", None),
-                                    getattr(args, "pipeline_stages", None) if layout is not None else None))
+                                    getattr(args, "pipeline_stages", None) if layout is not None else None,
+                                    preset(args.preset, num_layers=args.layers).num_layers))
 
 
 def _positive(flag: str, value) -> None:

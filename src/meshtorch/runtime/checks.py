@@ -190,7 +190,7 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
 
     ``--pipeline-stages`` defaults to the size of the mesh axis the layout maps ``stage`` to (no pipeline when
     the layout names no ``stage``); ``--microbatches`` defaults to the number of stages, ``--pipeline-repeats``
-    to 1.
+    to ``num_layers / stages`` (1 when the stages do not divide the layers, which is then refused).
 
     Returns:
         ``{"pipeline_stages": S, "microbatches": M, "pipeline_repeats": R}`` (S = 0: no pipeline).
@@ -224,7 +224,7 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
     if stages % n:
         raise UsageError(f"--pipeline-stages {stages} must be a multiple of the size {n} of mesh axis {axis!r} (the "
                          f"layout's 'stage:{axis}').")
-    repeats = repeats or 1
+    repeats = repeats or (num_layers // stages if num_layers % stages == 0 else 1)  # default: every layer stacked
     microbatches = microbatches or stages
     if num_layers != stages * repeats:
         raise UsageError(f"--layers {num_layers} must equal --pipeline-stages {stages} x --pipeline-repeats {repeats}; "
