@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 import torch
 
@@ -29,3 +30,16 @@ def describe() -> str:
     name = fields.get("model name") or platform.processor() or "unknown CPU"
     family = f" (family {fields['cpu family']} model {fields['model']})" if "cpu family" in fields else ""
     return f"cpu: {name}{family}, {os.cpu_count()} cores; torch {torch.__version__}"
+
+
+def mm_times(m: int, k: int, n: int, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` float32 ``torch.mm`` calls of an ``[m, k] x [k, n]`` product (after one warm-up
+    call); the GEMM rate is ``2 m k n / t``."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.mm(a, b)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        ts.append(time.perf_counter() - t0)
+    return ts

@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from host import describe
+from host import describe, mm_times
 from lm_common import meshtorch_lm, torch_twin
 
 import meshtorch as mtf
@@ -63,14 +63,7 @@ def _gemm_peak(tokens, d_model, d_ff, repeats=10):
     best = 0.0
     for m, k, n in ((tokens, d_model, d_ff), (tokens, d_ff, d_model), (tokens, d_model, d_model),
                     (d_model, tokens, d_ff)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        torch.mm(a, b)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            ts.append(time.perf_counter() - t0)
-        best = max(best, 2.0 * m * k * n / statistics.median(ts))
+        best = max(best, 2.0 * m * k * n / statistics.median(mm_times(m, k, n, repeats)))
     return best
 
 

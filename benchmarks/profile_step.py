@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+from host import mm_times  # noqa: E402
 from scale_124m import BlockLM  # noqa: E402
 
 import meshtorch as mtf  # noqa: E402
@@ -100,14 +101,7 @@ def gemm_rates(shapes, repeats=3):
     best = {}
     for shp in sorted(set(shapes)):
         m, k, n = shp
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        torch.mm(a, b)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            ts.append(time.perf_counter() - t0)
-        best[shp] = 2 * m * k * n / min(ts)
+        best[shp] = 2 * m * k * n / min(mm_times(m, k, n, repeats))
     total_s = sum(2 * m * k * n / best[(m, k, n)] for m, k, n in shapes)
     return best, total_s
 
