@@ -30,7 +30,7 @@ def test_device_cpu_trains_the_same_losses_as_the_default(capsys):
     assert a.func(a)["history"]["loss"] == b.func(b)["history"]["loss"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for --device cuda on a machine without CUDA")
 @pytest.mark.parametrize("cmd", [["train", *TINY], ["sample", "--checkpoint-dir", "."]])
 def test_device_cuda_without_cuda_names_the_flag(cmd, capsys):
     rc = main([*cmd, "--device", "cuda"])

@@ -28,14 +28,18 @@ OPTIMIZERS = {
 LAYOUTS = [("", ""), ("all:2", "b:all"), ("rows:2;cols:2", "batch:rows;h:cols")]
 
 
-def _model(opt_name, x_val, y_val):
+def _model(opt_name, x_val, y_val, remat=False):
+    """A two-layer MLP with ``opt_name``'s updates; ``remat``: the first layer under ``mtf.recompute_grad``."""
     g = mtf.Graph(seed=1)
     mesh = mtf.Mesh(g, "m")
     x = mtf.import_tensor(mesh, x_val, "batch:8,a:8")
     y = mtf.import_tensor(mesh, y_val, "batch:8,b:4")
     w1 = mtf.get_variable(mesh, "w1", "a:8,h:8")
     w2 = mtf.get_variable(mesh, "w2", "h:8,b:4")
-    h = mtf.relu(mtf.einsum([x, w1], output_shape="batch:8,h:8"))
+
+    def layer(t):
+        return mtf.relu(mtf.einsum([t, w1], output_shape="batch:8,h:8"))
+    h = mtf.recompute_grad(layer, [x]) if remat else layer(x)
     out = mtf.einsum([h, w2], output_shape="batch:8,b:4")
     loss = mtf.reduce_mean(mtf.square(out - y))
     grads = mtf.gradients([loss], [w1.operation.outputs[0], w2.operation.outputs[0]])
@@ -195,16 +199,7 @@ def test_fused_adam_updates_in_place_under_recompute_grad_with_the_same_values()
     x_val, y_val = torch.randn(8, 8), torch.randn(8, 4)
     runs = {}
     for mesh_shape in ("", "all:2"):
-        g = mtf.Graph(seed=1)
-        mesh = mtf.Mesh(g, "m")
-        x = mtf.import_tensor(mesh, x_val, "batch:8,a:8")
-        y = mtf.import_tensor(mesh, y_val, "batch:8,b:4")
-        w1 = mtf.get_variable(mesh, "w1", "a:8,h:8")
-        w2 = mtf.get_variable(mesh, "w2", "h:8,b:4")
-        h = mtf.recompute_grad(lambda t: mtf.relu(mtf.einsum([t, w1], output_shape="batch:8,h:8")), [x])
-        loss = mtf.reduce_mean(mtf.square(mtf.einsum([h, w2], output_shape="batch:8,b:4") - y))
-        grads = mtf.gradients([loss], [w1, w2])
-        updates = optim.AdamWOptimizer(0.01, fused=True).apply_grads(grads, [w1.operation, w2.operation])
+        g, mesh, loss, updates = _model("adamw_fused", x_val, y_val, remat=True)
         lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, "")})
         before = _ptrs(lw)
         losses = [lw.run([loss] + updates)[0].item() for _ in range(3)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PipelineSchedule"]
+__all__ = ["PipelineSchedule", "resolve_pipeline_fields"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,23 @@ class PipelineSchedule:
         """The microbatch whose final output (last stage, last repeat) is produced at ``iteration``, or None."""
         w = self.work(iteration, self.stages - 1)
         return w[0] if w is not None and w[1] == self.repeats - 1 else None
+
+
+def resolve_pipeline_fields(stage_axis_size: int, stages: int | None, microbatches: int | None,
+                            repeats: int | None, num_layers: int | None) -> dict:
+    """The pipeline fields of ``LMConfig`` that ``--pipeline-stages``, ``--microbatches`` and ``--pipeline-repeats``
+    (None: not given) resolve to, the one rule ``meshtorch train`` and ``meshtorch plan`` share: ``S`` =
+    ``stages`` or ``stage_axis_size`` (the size of the mesh axis the layout maps ``stage`` to, 1 if none),
+    ``M`` = ``microbatches`` or ``S``, ``R`` = ``repeats`` or ``num_layers / S`` (every layer stacked; 1 when
+    ``S`` does not divide the layers, which the caller then refuses).
+
+    Returns:
+        ``{"pipeline_stages": S, "microbatches": M, "pipeline_repeats": R}``, or ``{}`` when ``S <= 1`` (no
+        pipeline). No validation: see :func:`meshtorch.runtime.checks.pipeline_fields`.
+    """
+    stages = stage_axis_size if stages is None else stages
+    if stages <= 1:
+        return {}
+    if repeats is None:
+        repeats = num_layers // stages if num_layers and num_layers % stages == 0 else 1
+    return {"pipeline_stages": stages, "microbatches": microbatches or stages, "pipeline_repeats": repeats}

@@ -20,6 +20,7 @@ import torch
 from meshtorch.core.errors import LayoutError, ShapeError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm, preset
@@ -50,18 +51,11 @@ def parse_bytes(text: str) -> int:
 
 def pipeline_fields(mesh_shape: str, layout: str, microbatches: int | None = None, repeats: int | None = None,
                     stages: int | None = None, num_layers: int | None = None) -> dict:
-    """The LMConfig pipeline fields of the flags, as ``meshtorch train`` resolves them: ``pipeline_stages`` =
-    ``stages`` (``--pipeline-stages``) or the size of the mesh axis of the layout's ``stage:<axis>`` rule,
-    ``microbatches`` (``--microbatches``, default: the stages), ``pipeline_repeats`` (``--pipeline-repeats``,
-    default: ``num_layers / stages`` when that divides, else 1); ``{}`` (no pipeline) without a ``stage`` rule and
-    ``stages``."""
-    if stages is None:
-        stages = MeshSpec(mesh_shape, layout).axis_size_for(STAGE_DIM) if layout not in ("", "auto") else 0
-    if stages <= 1:
-        return {}
-    if repeats is None:
-        repeats = num_layers // stages if num_layers and num_layers % stages == 0 else 1
-    return {"pipeline_stages": stages, "microbatches": microbatches or stages, "pipeline_repeats": repeats}
+    """The LMConfig pipeline fields of the flags, as ``meshtorch train`` resolves them
+    (:func:`meshtorch.core.pipeline.resolve_pipeline_fields` with the size of the mesh axis of the layout's
+    ``stage:<axis>`` rule); ``{}`` (no pipeline) without a ``stage`` rule and ``stages``."""
+    n = MeshSpec(mesh_shape, layout).axis_size_for(STAGE_DIM) if layout not in ("", "auto") else 1
+    return resolve_pipeline_fields(n, stages, microbatches, repeats, num_layers)
 
 
 def _config(args, vocab_multiple: int, layout: str | None = None):

@@ -15,6 +15,7 @@ import torch
 from meshtorch.core.dims import Shape
 from meshtorch.core.errors import LayoutError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
+from meshtorch.core.pipeline import resolve_pipeline_fields
 
 
 def number(flag: str, value, minimum=None, maximum=None, min_inclusive: bool = True, max_inclusive: bool = True):
@@ -188,9 +189,9 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
     """``LMConfig``'s pipeline fields from ``--pipeline-stages``, ``--microbatches``, ``--pipeline-repeats`` and the
     layout (None: a flag not given).
 
-    ``--pipeline-stages`` defaults to the size of the mesh axis the layout maps ``stage`` to (no pipeline when
-    the layout names no ``stage``); ``--microbatches`` defaults to the number of stages, ``--pipeline-repeats``
-    to ``num_layers / stages`` (1 when the stages do not divide the layers, which is then refused).
+    The defaults are :func:`meshtorch.core.pipeline.resolve_pipeline_fields`' (stages: the size of the mesh axis
+    the layout maps ``stage`` to, no pipeline when it names none; microbatches: the stages; repeats:
+    ``num_layers / stages``); this function checks the result.
 
     Returns:
         ``{"pipeline_stages": S, "microbatches": M, "pipeline_repeats": R}`` (S = 0: no pipeline).
@@ -214,18 +215,16 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
         return mesh.get_dim_by_name(a).size if a is not None and a in mesh.dimension_names else 1
 
     axis, n = rules.get("stage"), axis_size("stage")
-    if stages is None:
-        stages = n if axis is not None else 0
-    if stages <= 1:
+    pipe = resolve_pipeline_fields(n, stages, microbatches, repeats, num_layers)
+    if not pipe:
         if (microbatches or 1) > 1 or (repeats or 1) > 1:
             raise UsageError("--microbatches / --pipeline-repeats need a pipeline: add 'stage:<mesh axis>' to --layout "
                              "or give --pipeline-stages > 1.")
         return {"pipeline_stages": 0, "microbatches": 1, "pipeline_repeats": 1}
+    stages, microbatches, repeats = pipe["pipeline_stages"], pipe["microbatches"], pipe["pipeline_repeats"]
     if stages % n:
         raise UsageError(f"--pipeline-stages {stages} must be a multiple of the size {n} of mesh axis {axis!r} (the "
                          f"layout's 'stage:{axis}').")
-    repeats = repeats or (num_layers // stages if num_layers % stages == 0 else 1)  # default: every layer stacked
-    microbatches = microbatches or stages
     if num_layers != stages * repeats:
         raise UsageError(f"--layers {num_layers} must equal --pipeline-stages {stages} x --pipeline-repeats {repeats}; "
                          "change --layers, the stage mesh axis or --pipeline-repeats.")

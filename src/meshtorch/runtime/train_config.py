@@ -248,13 +248,10 @@ class TrainConfig:
         layout, chosen_storage, remat = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
                                                backend=backend, threads=threads, print_fn=say,
                                                microbatches=self.microbatches)
-        changes, rules = {}, dict(LayoutRules(layout).pairs)
-        if self.microbatches is not None and "stage" not in rules:
+        changes = {}  # a chosen pipeline stacks every layer: _resolve_pipeline's default repeats
+        if self.microbatches is not None and "stage" not in dict(LayoutRules(layout).pairs):
             say(f"--layout auto chose no pipeline, so --microbatches {self.microbatches} is not used.")
             changes = {"microbatches": None, "pipeline_repeats": None}
-        elif "stage" in rules and self.pipeline_repeats is None:  # the search stacks all layers: R = layers / S
-            stages = checks.mesh_shape("--mesh", self.mesh).get_dim_by_name(rules["stage"]).size
-            changes = {"pipeline_repeats": preset(self.preset, num_layers=self.layers).num_layers // stages}
         if remat:
             changes["remat"] = remat
         # "": storage rules to fit the limit
