@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.runtime.hf_jobs import run_train
@@ -93,10 +95,11 @@ def add_train_subcommand(subparsers) -> None:
                         "reduce-scatters) in buckets of at most this many MiB per processor, one collective call "
                         "each (DDP's bucket_cap_mb and its default 25, FSDP's flat parameters; 0: one call per "
                         "variable)")
-    p.add_argument("--async-collectives", action="store_true", default=None,
-                   help="under torchrun: start collectives asynchronously and wait at first use, so they overlap "
-                        "compute (DDP's / FSDP's overlap; the default on CUDA, off on CPU where gloo competes with "
-                        "compute for the cores)")
+    p.add_argument("--async-collectives", action=argparse.BooleanOptionalAction, default=None,
+                   help="under torchrun: start every collective asynchronously and wait at first use, so they "
+                        "overlap compute (DDP's / FSDP's overlap; the default on CUDA); --no-async-collectives: all "
+                        "blocking. Default on CPU: all-reduces of >= 1 MiB (gradient buckets) asynchronous, the rest "
+                        "blocking, as gloo competes with compute for the cores")
     p.add_argument("--runs-dir", default="runs",
                    help="where runs live: each run in <runs-dir>/<run-name>/ (ckpt/, loss.png), and "
                         "<runs-dir>/latest names the newest run")

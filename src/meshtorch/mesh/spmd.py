@@ -65,13 +65,15 @@ class SpmdMeshImpl(MeshImpl):
         backend: used only if the default process group is not initialized yet (it is then
             initialized from torchrun's environment, see :func:`meshtorch.mesh.process.init_distributed`);
             default ``nccl`` for CUDA devices, ``gloo`` otherwise.
-        async_collectives: start all-reduces, all-gathers and reduce-scatters asynchronously
+        async_collectives: True: start all-reduces, all-gathers and reduce-scatters asynchronously
             (``async_op=True``) and wait at the first use of the result, so that independent
             computation overlaps the communication (DDP's overlapped buckets; with storage rules the
-            planner issues each weight's all-gather one gather early, FSDP's prefetch). Default: on
-            for CUDA devices; off on CPU, where gloo's reduction competes with the computation for
-            the same cores (measured on the 2-core test machine, see docs/distributed.md and
-            docs/fsdp.md). ``async_allreduce`` is its older name.
+            planner issues each weight's all-gather one gather early, FSDP's prefetch). False: every
+            call blocks. None (default): True for CUDA devices; on CPU, all-reduces (single or
+            bucketed) of at least :attr:`cpu_async_all_reduce_min_bytes` (1 MiB) per processor start
+            asynchronously and everything else blocks: gloo's work competes with the computation for
+            the same cores, so overlap pays only for large gradient buckets (measured on the 2-core
+            test machine: docs/distributed.md, docs/memory.md). ``async_allreduce`` is its older name.
         storage, reshard_after_forward, prefetch: storage rules for variables (FSDP / ZeRO-3), whether
             the backward pass gathers weights again, and how many weight gathers are issued ahead;
             see :class:`~meshtorch.mesh.base.MeshImpl`.
@@ -91,6 +93,8 @@ class SpmdMeshImpl(MeshImpl):
     """
 
     default_bucket_bytes = 25 * 2 ** 20
+    #: on CPU with ``async_collectives=None``: all-reduces of at least this many bytes start asynchronously
+    cpu_async_all_reduce_min_bytes = 2 ** 20
 
     def __init__(self, mesh_shape, layout_rules=None, device=None, backend=None, async_collectives: bool | None = None,
                  storage=None, reshard_after_forward: bool = True, async_allreduce: bool | None = None,
@@ -104,8 +108,11 @@ class SpmdMeshImpl(MeshImpl):
         if async_collectives is None:
             async_collectives = async_allreduce
         if collectives is None:
-            collectives = EagerCollectives(
-                self._device.type == "cuda" if async_collectives is None else bool(async_collectives))
+            if async_collectives is None and self._device.type != "cuda":
+                collectives = EagerCollectives(False, async_all_reduce_min_bytes=self.cpu_async_all_reduce_min_bytes)
+            else:
+                collectives = EagerCollectives(self._device.type == "cuda" if async_collectives is None
+                                               else bool(async_collectives))
         elif not isinstance(collectives, Collectives):
             raise TypeError(f"SpmdMeshImpl: collectives must be a meshtorch.mesh.spmd_strategy.Collectives, "
                             f"got {type(collectives).__name__}.")
@@ -170,7 +177,8 @@ class SpmdMeshImpl(MeshImpl):
 
     @property
     def async_collectives(self) -> bool:
-        """Collectives return in-flight results waited for at first use (see ``async_collectives``)."""
+        """Every collective returns an in-flight result waited for at first use (``async_collectives=True``;
+        the CPU default starts only large all-reduces so: ``collectives.is_async(kind, nbytes)`` says per call)."""
         return self.collectives.asynchronous
 
     def traceable(self) -> SpmdMeshImpl:
@@ -199,7 +207,7 @@ class SpmdMeshImpl(MeshImpl):
             return self._trivial("allreduce", mesh_axes, [x], reduction)[0]
         buf, back = _wire(x)
         rec = self._record("allreduce", mesh_axes, (_nbytes(buf),), buf.dtype, reduction,
-                           asynchronous=self.async_collectives)
+                           asynchronous=self.collectives.is_async("allreduce", _nbytes(buf)))
         work, out = self.collectives.all_reduce(buf, reduction, group, owned=False)
         return self._result(work, functools.partial(back, out), rec)
 
@@ -236,7 +244,8 @@ class SpmdMeshImpl(MeshImpl):
     def _record_bucket(self, kind, mesh_axes, members, dtype, reduction=""):
         """One record for a bucket call: ``members`` ``[(index, bytes per processor)]``."""
         return self._record(kind, mesh_axes, tuple(b for _, b in members), dtype, reduction,
-                            members=tuple(i for i, _ in members), asynchronous=self.async_collectives)
+                            members=tuple(i for i, _ in members),
+                            asynchronous=self.collectives.is_async(kind, sum(b for _, b in members)))
 
     def _bucketed(self, kind, mesh_axes, buckets, reduction, call, piece):
         """A bucket collective: for each ``(buffer, members, sizes)`` of ``buckets`` one record and one
@@ -274,7 +283,8 @@ class SpmdMeshImpl(MeshImpl):
             return self._trivial("allgather", (mesh_axis,), [x])[0]
         n, group, buf, back = on
         buf = buf.contiguous()
-        rec = self._record("allgather", (mesh_axis,), (_nbytes(buf),), buf.dtype, asynchronous=self.async_collectives)
+        rec = self._record("allgather", (mesh_axis,), (_nbytes(buf),), buf.dtype,
+                           asynchronous=self.collectives.is_async("allgather", _nbytes(buf)))
         work, out = self.collectives.all_gather(buf.reshape(-1), n, group)
         return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back), rec)
 
@@ -315,7 +325,7 @@ class SpmdMeshImpl(MeshImpl):
             return self._trivial("reduce_scatter", (mesh_axis,), [x])[0]
         n, group, buf, back = on
         rec = self._record("reduce_scatter", (mesh_axis,), (_nbytes(buf),), buf.dtype,
-                           asynchronous=self.async_collectives)
+                           asynchronous=self.collectives.is_async("reduce_scatter", _nbytes(buf)))
         moved = buf.movedim(scatter_axis, 0).contiguous()  # piece c = rows [c*s, (c+1)*s)
         work, out = self.collectives.reduce_scatter(moved, n, group)
         return self._result(work, functools.partial(_moved_back, out, scatter_axis, back), rec)
@@ -345,7 +355,8 @@ class SpmdMeshImpl(MeshImpl):
         if on is None:
             return self._trivial("broadcast", (mesh_axis,), [x])[0]
         _, group, buf, back = on
-        rec = self._record("broadcast", (mesh_axis,), (_nbytes(buf),), buf.dtype, asynchronous=self.async_collectives)
+        rec = self._record("broadcast", (mesh_axis,), (_nbytes(buf),), buf.dtype,  # an all-reduce underneath
+                           asynchronous=self.collectives.is_async("allreduce", _nbytes(buf)))
         masked = buf.clone() if self.coords[mesh_axis] == root else torch.zeros_like(buf)
         work, out = self.collectives.all_reduce(masked, "SUM", group, owned=True)
         return self._result(work, functools.partial(back, out), rec)

@@ -50,6 +50,11 @@ class Collectives(abc.ABC):
     asynchronous: bool = False
     traceable: bool = False
 
+    def is_async(self, kind: str, nbytes: int) -> bool:
+        """Whether a ``kind`` call (``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"broadcast"``)
+        moving ``nbytes`` bytes per processor returns a work handle instead of a ready buffer."""
+        return self.asynchronous
+
     @abc.abstractmethod
     def all_reduce(self, t: torch.Tensor, reduction: str, group, owned: bool):
         """Reduce ``t`` (any shape) over ``group`` with ``reduction`` (SUM, MAX, MIN); ``owned``: ``t``
@@ -85,16 +90,39 @@ class Collectives(abc.ABC):
 
 
 class EagerCollectives(Collectives):
-    """``torch.distributed``'s collectives into preallocated buffers; ``asynchronous`` passes
-    ``async_op=True`` (the result is then waited for at its first use, see
-    :class:`~meshtorch.mesh.spmd.SpmdMeshImpl`)."""
+    """``torch.distributed``'s collectives into preallocated buffers; a call started asynchronously
+    (``async_op=True``) is waited for at the first use of its result (see
+    :class:`~meshtorch.mesh.spmd.SpmdMeshImpl`).
 
-    def __init__(self, asynchronous: bool = False):
+    Args:
+        asynchronous: every all-reduce, all-gather and reduce-scatter starts asynchronously.
+        async_all_reduce_min_bytes: with ``asynchronous`` False, all-reduces (single or bucketed) of at least
+            this many bytes per processor still start asynchronously, so a large gradient bucket overlaps
+            the rest of the backward pass (DDP's reducer), while small calls, whose result is needed at once
+            or whose cost is latency, stay blocking; None: none. The CPU default of
+            :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` (docs/distributed.md has the measurements).
+
+    Raises:
+        ValueError: if ``async_all_reduce_min_bytes`` is negative.
+    """
+
+    def __init__(self, asynchronous: bool = False, async_all_reduce_min_bytes: int | None = None):
         self.asynchronous = bool(asynchronous)
+        if async_all_reduce_min_bytes is not None and async_all_reduce_min_bytes < 0:
+            raise ValueError(f"EagerCollectives: async_all_reduce_min_bytes must be >= 0 or None, "
+                             f"got {async_all_reduce_min_bytes}.")
+        self.async_all_reduce_min_bytes = async_all_reduce_min_bytes
+
+    def is_async(self, kind, nbytes):
+        if self.asynchronous:
+            return True
+        return (kind == "allreduce" and self.async_all_reduce_min_bytes is not None
+                and nbytes >= self.async_all_reduce_min_bytes)
 
     def all_reduce(self, t, reduction, group, owned):
         out = t if owned else t.clone()  # all_reduce works in place; never modify an input slot
-        return dist.all_reduce(out, op=_OPS[reduction], group=group, async_op=self.asynchronous), out
+        async_op = self.is_async("allreduce", out.numel() * out.element_size())
+        return dist.all_reduce(out, op=_OPS[reduction], group=group, async_op=async_op), out
 
     def all_gather(self, flat, n, group):
         out = torch.empty((n * flat.numel(),), dtype=flat.dtype, device=flat.device)
@@ -111,7 +139,9 @@ class EagerCollectives(Collectives):
         return None, out
 
     def __repr__(self):
-        return f"EagerCollectives(asynchronous={self.asynchronous})"
+        extra = ("" if self.async_all_reduce_min_bytes is None
+                 else f", async_all_reduce_min_bytes={self.async_all_reduce_min_bytes}")
+        return f"EagerCollectives(asynchronous={self.asynchronous}{extra})"
 
 
 class FunctionalCollectives(Collectives):
