@@ -63,6 +63,35 @@ def storage_side(op: Operation | None) -> bool:
     return op is not None and bool(getattr(op, "storage_side", False))
 
 
+def kept_forward_gathers(ops: Sequence[Operation]) -> frozenset:
+    """Stored values (outputs of storage-side ops: variables) that reshard-after-forward does not gather
+    again for the backward pass: those read by compute ops in the forward and the backward pass with no
+    other stored value read by a compute op in between (in graph order), e.g. the output projection, whose
+    last forward use (the logits) and first backward use (the logits' input gradient) enclose only the
+    loss. Freeing such a copy frees no memory another gathered weight could use, so gathering it again
+    would only cost communication; FSDP2 keeps its root unit's parameters for the same reason, and
+    TorchTitan does not reshard the last block (``reshard_after_forward=False`` on it)."""
+    reads: list[tuple[int, Tensor, bool]] = []  # (op index, stored value, read by a backward op)
+    for i, op in enumerate(ops):
+        if storage_side(op):
+            continue
+        for x in dict.fromkeys(op.inputs):
+            if storage_side(x.operation):
+                reads.append((i, x, bool(op.backward)))
+    spans: dict[Tensor, list[int]] = {}  # value -> [last forward read, first backward read]
+    for i, x, backward in reads:
+        span = spans.setdefault(x, [-1, -1])
+        if not backward:
+            span[0] = i
+        elif span[1] < 0:
+            span[1] = i
+    kept = set()
+    for x, (last_fwd, first_bwd) in spans.items():
+        if 0 <= last_fwd < first_bwd and not any(last_fwd < i < first_bwd and y is not x for i, y, _ in reads):
+            kept.add(x)
+    return frozenset(kept)
+
+
 class Planner:
     """Plans ``graph`` for ``{Mesh: MeshSpec}``; the result is :attr:`program`.
 
@@ -96,6 +125,8 @@ class Planner:
         self._target: list[Step] = self.steps
         #: every redistribution emitted, in order (a run executes those its fetches need)
         self.redistributions: list[Redistribution] = []
+        #: stored values whose forward gather the backward pass reuses (see :func:`kept_forward_gathers`)
+        self.kept_gathers = kept_forward_gathers(graph.operations)
         for op in graph.operations:
             self._lower_op(op)
         self._current_op = None
@@ -296,7 +327,7 @@ class Planner:
         again for the backward pass instead of keeping the forward one alive (FSDP)."""
         op = self._current_op
         return bool(op is not None and op.backward and storage_side(t.operation)
-                    and self.mesh_spec(t).reshard_after_forward)
+                    and self.mesh_spec(t).reshard_after_forward and t not in self.kept_gathers)
 
     def inputs(self, op: Operation, allow: bool = True, blocked=frozenset()) -> tuple[list[int], frozenset]:
         """Slots of ``op``'s inputs and the mesh axes over which its output stays a partial sum, as the
