@@ -192,3 +192,27 @@ def test_bfloat16_reads_gather_bfloat16_and_reduce_scatter_gradients():
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-6
     for n, v in values.items():
         assert v.dtype == torch.float32 and rel_error(v, ref_values[n]) <= 1e-6, n
+
+
+def test_resharded_weight_is_freed_before_its_backward_gather_and_the_kept_one_is_reused():
+    """Reshard-after-forward on the LM, prefetch 0: a block weight's forward copy is freed before the backward
+    pass gathers it again; the output projection's forward copy (only the loss lies between its uses) is the
+    one its backward op reads, gathered once."""
+    mesh_shape, layout, storage = LAYOUTS["fsdp"]
+    lm, variables, grads, updates = build("adamw_clip")
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(mesh_shape, layout, storage=storage, prefetch=0)},
+                      materialize=False)
+    plan = lw.plan([lm.loss] + updates)
+    steps = plan.steps
+
+    def gathers(name):
+        return [i for i, st in enumerate(steps) if st.kind == "allgather" and st.collective.tensor == name]
+
+    block = next(v.name for v in variables if v.name.endswith("wi/kernel"))
+    first, again = gathers(block)
+    forward_copy = steps[first].outputs[0]
+    assert next(i for i, f in enumerate(plan.frees) if forward_copy in f) < again
+    (only,) = gathers("logits/kernel")
+    backward = {op.name for op in lm.graph.operations if op.backward}
+    readers = [st.op for st in steps if steps[only].outputs[0] in st.inputs]
+    assert [op in backward for op in readers] == [False, True], readers  # the forward einsum, then its gradient
