@@ -60,10 +60,42 @@ def _safe_reader(steps: list[Step], readers: dict, k: int, i: int, impl, keep: s
 
 def donated_outputs(st: Step) -> int:
     """How many of ``st``'s leading outputs are its donated inputs updated in place (0 unless
-    :func:`donate_inputs` marked it): output ``k`` is input ``donates[k]``, so it allocates nothing."""
+    :func:`donate_inputs` or :func:`donate_reductions` marked it): output ``k`` is input ``donates[k]``
+    (an all-reduce's output is its input), so it allocates nothing."""
+    if st.kind == "allreduce":
+        return int(bool(st.params.get("donate")))
     if st.kind != "slicewise" or not (isinstance(st.fn, functools.partial) and st.fn.keywords.get("donate")):
         return 0
     return len(getattr(_kernel(st.fn), "donates", ()))
+
+
+def donate_reductions(steps: list[Step], variable_slots: set, keep: set, impls: dict) -> list[Step]:
+    """``steps`` with each single all-reduce that may sum in its input's buffer called with ``donate=True``.
+
+    An all-reduce never modifies its input slot (another step may read it), so it reduces a copy; a
+    gradient too large for a bucket (an embedding table's, 154 MB at the GPT-2 shape) would be copied every
+    step. The copy is skipped when the input is this step's alone: not a variable, not a result of the run,
+    read by no other step, and the single output of a step returning new tensors (``fresh_outputs``
+    kernels: matmuls, gathers, scatter-adds), so no other value shares its storage; and the mesh gives
+    this process one processor. DDP reduces in its bucket views likewise (``gradient_as_bucket_view``)."""
+    readers: dict[int, list[int]] = {}
+    producer: dict[int, int] = {}
+    for i, st in enumerate(steps):
+        for s in st.inputs:
+            readers.setdefault(s, []).append(i)
+        for o in st.outputs:
+            producer[o] = i
+    out = list(steps)
+    for i, st in enumerate(steps):
+        if st.kind != "allreduce" or len(impls[st.mesh].local_pnums()) != 1:
+            continue
+        s = st.inputs[0]
+        p = producer.get(s)
+        if (s in variable_slots or s in keep or readers[s] != [i] or p is None
+                or len(steps[p].outputs) != 1 or not _fresh(steps[p], impls[steps[p].mesh])):
+            continue
+        out[i] = dataclasses.replace(st, params={**st.params, "donate": True})
+    return out
 
 
 def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict) -> list[Step]:

@@ -20,7 +20,7 @@ from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering import codegen, executor
 from meshtorch.lowering.counters import Counters
-from meshtorch.lowering.donate import donate_inputs
+from meshtorch.lowering.donate import donate_inputs, donate_reductions
 from meshtorch.lowering.planner import mesh_record
 from meshtorch.lowering.program import Program, count, frees_after, select_steps
 from meshtorch.lowering.schedule import bucket_gathers, bucket_reductions, prefetch_gathers
@@ -161,7 +161,9 @@ class Session:
         steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, self.bucket_bytes), prefetch),
                                   self.bucket_bytes)
         var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
-        steps = donate_inputs(steps, {s for _, s in var_reads}, keep, self.impls)  # in-place updates
+        variable_slots = {s for _, s in var_reads}
+        steps = donate_inputs(steps, variable_slots, keep, self.impls)  # in-place updates
+        steps = donate_reductions(steps, variable_slots, keep, self.impls)  # all-reduces in their input's buffer
         frees = frees_after(steps, keep)
         return Plan(steps, frees,
                     [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],

@@ -141,8 +141,10 @@ class MeshImpl:
         """Apply ``fn`` to each processor's slices; ``num_outputs`` > 1 returns a tuple."""
         raise NotImplementedError
 
-    def allreduce(self, x, mesh_axes: Sequence[int], reduction: str = "SUM"):
-        """Reduce (SUM, MAX, MIN) over the processor groups along ``mesh_axes``; all get the result."""
+    def allreduce(self, x, mesh_axes: Sequence[int], reduction: str = "SUM", donate: bool = False):
+        """Reduce (SUM, MAX, MIN) over the processor groups along ``mesh_axes``; all get the result.
+        ``donate``: nothing reads ``x`` after this call, so the implementation may reduce in its buffer
+        (the program marks such calls: :func:`meshtorch.lowering.donate.donate_reductions`)."""
         raise NotImplementedError
 
     def allreduce_many(self, *xs, mesh_axes: Sequence[int], reduction: str = "SUM"):

@@ -68,7 +68,7 @@ class PlacementMeshImpl(MeshImpl):
             return out
         return tuple([o[i] for o in out] for i in range(num_outputs))
 
-    def allreduce(self, x, mesh_axes, reduction="SUM"):
+    def allreduce(self, x, mesh_axes, reduction="SUM", donate=False):  # donate: sums are new tensors here anyway
         if reduction not in REDUCTIONS:
             raise ValueError(f"allreduce: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
         if not mesh_axes:

@@ -201,14 +201,15 @@ class SpmdMeshImpl(MeshImpl):
         out = fn(*[_ready(x) for x in inputs])
         return out if num_outputs == 1 else tuple(out)
 
-    def allreduce(self, x, mesh_axes, reduction="SUM"):
+    def allreduce(self, x, mesh_axes, reduction="SUM", donate=False):
         group = self._reduction_group("allreduce", mesh_axes, reduction)
         if group is None:
             return self._trivial("allreduce", mesh_axes, [x], reduction)[0]
         buf, back = _wire(x)
         rec = self._record("allreduce", mesh_axes, (_nbytes(buf),), buf.dtype, reduction,
                            asynchronous=self.collectives.is_async("allreduce", _nbytes(buf)))
-        work, out = self.collectives.all_reduce(buf, reduction, group, owned=False)
+        # donate: the program reads x nowhere else, so the sum may be written into its buffer (no copy)
+        work, out = self.collectives.all_reduce(buf, reduction, group, owned=donate and buf.is_contiguous())
         return self._result(work, functools.partial(back, out), rec)
 
     def _trivial(self, kind, mesh_axes, xs, reduction=""):

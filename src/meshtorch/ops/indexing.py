@@ -224,6 +224,8 @@ def _k_scatter_add(u, idx, begin, *, u_perm, i_perm, nb, n, w_inv):
     return z.reshape(*bshape, n, *rshape).permute(w_inv)
 
 
+_k_scatter_add.fresh_outputs = True  # a new tensor (meshtorch.lowering.donate)
+
 class ScatterAddOperation(Operation):
     """Transpose of gather: ``out[shared, dim, rest] = sum over idx_only of updates where indices == position``.
 

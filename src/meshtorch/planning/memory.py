@@ -259,6 +259,8 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
             peak, peak_i = live + sum(out_b) + transient, i
         live += sum(out_b)
         for f in frees:
+            if in_place and st.kind == "allreduce" and f == st.inputs[0]:
+                continue  # a donated all-reduce: its output (counted 0 above) holds the input's bytes on
             live -= size(f)
     return peak, peak_i, largest
 
