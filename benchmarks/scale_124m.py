@@ -11,9 +11,10 @@ each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micr
 * ``fsdp``: meshtorch with storage ``d_model:data`` (FSDP / ZeRO-3: weights all-gathered per use,
   gradients reduce-scattered);
 * ``fsdp2``: :class:`BlockLM` with ``torch.distributed.fsdp.fully_shard`` on every block and on the root;
-* ``dp_async`` / ``fsdp_async``: ``dp`` / ``fsdp`` with ``async_collectives=True`` (gradient all-reduce
-  buckets issued asynchronously as soon as their gradients exist, overlapping the rest of the backward pass,
-  as DDP's reducer does; the SPMD default on CPU is synchronous);
+* ``dp`` / ``fsdp`` run the SPMD mesh's CPU default (all-reduces of >= 1 MiB, the gradient buckets,
+  asynchronous, overlapping the rest of the backward pass as DDP's reducer does; all other calls blocking);
+  ``dp_async`` / ``fsdp_async``: ``async_collectives=True`` (every call asynchronous);
+  ``dp_blocking`` / ``fsdp_blocking``: ``async_collectives=False`` (every call blocking);
 * ``ddp_foreach`` / ``fsdp2_foreach``: the peers with ``torch.optim.AdamW(foreach=True)`` instead of
   ``--peer-optim``.
 
@@ -146,10 +147,11 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
     per = cfg.batch_size // RANKS
     if run.endswith("_foreach"):
         run, peer_optim = run[: -len("_foreach")], "foreach"
-    if run in ("dp", "fsdp", "dp_async", "fsdp_async"):
+    if run.split("_")[0] in ("dp", "fsdp") and run.split("_")[-1] in ("dp", "fsdp", "async", "blocking"):
         lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
+        asynchronous = {"async": True, "blocking": False}.get(run.split("_")[-1])  # None: the SPMD default
         impl = mtf.SpmdMeshImpl(f"data:{RANKS}", "batch:data", storage="d_model:data" if "fsdp" in run else None,
-                                async_collectives=run.endswith("_async"))
+                                async_collectives=asynchronous)
         lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
         fetches = [lm.loss] + lm.updates
         predicted = memory_report(lw, fetches).total_bytes
@@ -254,7 +256,7 @@ def main(argv=None):
         print(f"{run:<14}{med[run]:>14.2f}{f'{min(t):.2f}-{max(t):.2f}':>16}"
               f"{' '.join(f'{g:.0f}' for g in growth):>34}{'' if pred is None else f'{pred / MIB:.0f}':>13}")
         med[run + "_rss"] = max(growth)
-    pairs = [(a + x, b + y) for a, b in (("dp", "ddp"), ("fsdp", "fsdp2")) for x in ("", "_async")
+    pairs = [(a + x, b + y) for a, b in (("dp", "ddp"), ("fsdp", "fsdp2")) for x in ("", "_async", "_blocking")
              for y in ("", "_foreach")]
     for a, b in pairs:
         if a in med and b in med:
