@@ -454,13 +454,17 @@ def _row_buckets(xs, n, scatter_axes):
     :func:`_flat_buckets`."""
     wired = [_wire(x) for x in xs]
     for idx in _by_dtype(wired):
-        moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]
+        moved = [wired[i][0].movedim(scatter_axes[i], 0) for i in idx]  # views: no copy yet
         members, offset = [], 0
         for i, m in zip(idx, moved, strict=True):
             members.append((i, offset, (m.shape[0] // n, *m.shape[1:]), wired[i][1]))
             offset += m.numel() // n
-        yield (torch.cat([m.reshape(n, -1) for m in moved], dim=1), members,
-               [(i, m.numel() * m.element_size()) for i, m in zip(idx, moved, strict=True)])
+        rows = torch.empty((n, offset), dtype=moved[0].dtype, device=moved[0].device)
+        for (_, off, piece, _), m in zip(members, moved, strict=True):
+            # one strided copy per member, also when its scatter axis is not the first (a reshape first
+            # would copy the moved member once more)
+            rows[:, off:off + m.numel() // n].view(n, *piece).copy_(m.unflatten(0, (n, piece[0])))
+        yield (rows, members, [(i, m.numel() * m.element_size()) for i, m in zip(idx, moved, strict=True)])
 
 
 def _gathered_piece(gathered, n, offset, shape, concat_axis, back):
