@@ -5,20 +5,13 @@ from __future__ import annotations
 import torch
 
 import meshtorch as mtf
+from test_inplace_state import _model
 
 
 def _mlp(x_val, y_val):
-    """A two-layer MLP (batch split over the mesh: its weight gradients are partial sums), SGD updates."""
-    g = mtf.Graph(seed=1)
-    mesh = mtf.Mesh(g, "m")
-    x = mtf.import_tensor(mesh, x_val, "batch:8,a:8")
-    y = mtf.import_tensor(mesh, y_val, "batch:8,b:4")
-    w1 = mtf.get_variable(mesh, "w1", "a:8,h:8")
-    w2 = mtf.get_variable(mesh, "w2", "h:8,b:4")
-    out = mtf.einsum([mtf.relu(mtf.einsum([x, w1], output_shape="batch:8,h:8")), w2], output_shape="batch:8,b:4")
-    loss = mtf.reduce_mean(mtf.square(out - y))
-    grads = mtf.gradients([loss], [w1.operation.outputs[0], w2.operation.outputs[0]])
-    updates = mtf.optim.SgdOptimizer(0.1).apply_grads(grads, [w1.operation, w2.operation])
+    """tests/test_inplace_state.py's two-layer MLP with SGD (batch split over the mesh: its weight gradients
+    are partial sums): ``(graph, mesh, loss, grads, updates)``."""
+    g, mesh, loss, updates, grads = _model("sgd", x_val, y_val, with_grads=True)
     return g, mesh, loss, grads, updates
 
 

@@ -28,8 +28,9 @@ OPTIMIZERS = {
 LAYOUTS = [("", ""), ("all:2", "b:all"), ("rows:2;cols:2", "batch:rows;h:cols")]
 
 
-def _model(opt_name, x_val, y_val, remat=False):
-    """A two-layer MLP with ``opt_name``'s updates; ``remat``: the first layer under ``mtf.recompute_grad``."""
+def _model(opt_name, x_val, y_val, remat=False, with_grads=False):
+    """A two-layer MLP with ``opt_name``'s updates: ``(graph, mesh, loss, updates)``, plus the gradients of w1 and
+    w2 last with ``with_grads``; ``remat``: the first layer under ``mtf.recompute_grad``."""
     g = mtf.Graph(seed=1)
     mesh = mtf.Mesh(g, "m")
     x = mtf.import_tensor(mesh, x_val, "batch:8,a:8")
@@ -44,7 +45,7 @@ def _model(opt_name, x_val, y_val, remat=False):
     loss = mtf.reduce_mean(mtf.square(out - y))
     grads = mtf.gradients([loss], [w1.operation.outputs[0], w2.operation.outputs[0]])
     updates = OPTIMIZERS[opt_name]().apply_grads(grads, [w1.operation, w2.operation])
-    return g, mesh, loss, updates
+    return (g, mesh, loss, updates, grads) if with_grads else (g, mesh, loss, updates)
 
 
 def _ptrs(lw):
