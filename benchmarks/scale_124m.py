@@ -11,6 +11,8 @@ each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micr
 * ``fsdp``: meshtorch with storage ``d_model:data`` (FSDP / ZeRO-3: weights all-gathered per use,
   gradients reduce-scattered);
 * ``fsdp2``: :class:`BlockLM` with ``torch.distributed.fsdp.fully_shard`` on every block and on the root;
+  ``fsdp2_root``: on the root only (one unit: every weight gathered at the start of the forward pass and
+  kept to the backward pass, FSDP2's root is not resharded);
 * ``dp`` / ``fsdp`` run the SPMD mesh's CPU default (all-reduces of >= 1 MiB, the gradient buckets,
   asynchronous, overlapping the rest of the backward pass as DDP's reducer does; all other calls blocking);
   ``dp_async`` / ``fsdp_async``: ``async_collectives=True`` (every call asynchronous);
@@ -164,9 +166,9 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
     model = BlockLM(cfg)
     if run == "ddp":
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-    else:
+    else:  # fsdp2: per block and the root; fsdp2_root: the root unit only (one flat gather per step)
         mesh = init_device_mesh("cpu", (RANKS,))
-        for b in model.blocks:
+        for b in model.blocks if run == "fsdp2" else ():
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = _peer_optimizer(model.parameters(), peer_optim)
@@ -257,7 +259,7 @@ def main(argv=None):
               f"{' '.join(f'{g:.0f}' for g in growth):>34}{'' if pred is None else f'{pred / MIB:.0f}':>13}")
         med[run + "_rss"] = max(growth)
     pairs = [(a + x, b + y) for a, b in (("dp", "ddp"), ("fsdp", "fsdp2")) for x in ("", "_async", "_blocking")
-             for y in ("", "_foreach")]
+             for y in ("", "_foreach", "_root")]
     for a, b in pairs:
         if a in med and b in med:
             print(f"{a}/{b}: step time {med[a] / med[b]:.2f}, peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
