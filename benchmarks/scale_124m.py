@@ -40,9 +40,11 @@ runs cannot share the processes on a 24 GB host); ``--rounds`` repeats the job s
 fsdp2, so slow periods of a shared host spread over all runs. Per rank and job: peak RSS growth (VmHWM
 after a reset, minus the RSS before the model was built: variables + activations + transients), the
 planner's predicted per-rank total (:func:`meshtorch.planning.memory_report`; meshtorch runs only) and the
-step times of ``--steps`` steps after one warm-up step. Printed: per run the median step time over all
-rounds and ranks with its spread (min-max), and peak RSS per rank. Everything runs eager (meshtorch's
-generated code, PyTorch eager): compiled pairs are not measured here.
+step times (wall) and process CPU times (``time.process_time``: all threads of the rank; less sensitive to a
+shared host's load than wall time) of ``--steps`` steps after one warm-up step. Printed: per run the median
+step time over all rounds and ranks with its spread (min-max), the median CPU time, and peak RSS per rank.
+``--profile`` profiles one step of rank 0 per run (``torch.profiler``, self CPU time) instead. Everything runs
+eager (meshtorch's generated code, PyTorch eager): compiled pairs are not measured here.
 
 Run: ``python benchmarks/scale_124m.py [--steps 3] [--rounds 1] [--micro-batch 1] [--runs dp,ddp,fsdp,fsdp2]``
 (``--runs fsdp_tp,fsdp2_tp`` for the 2x2 pair; ``--check`` first)
@@ -236,13 +238,31 @@ def worker(run: str, cfg_kw: dict, steps: int, peer_optim: str, first_step: int)
     t0 = time.perf_counter()
     step, predicted = _build(run, cfg, peer_optim)
     build_s = time.perf_counter() - t0
-    losses, times = [], []
+    losses, times, cpu = [], [], []
     for s in range(steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(first_step + s))
         times.append(time.perf_counter() - t0)
-    return {"growth": peak_rss_bytes() - base, "predicted": predicted, "times": times[1:], "losses": losses,
-            "build_s": build_s}
+        cpu.append(time.process_time() - c0)
+    return {"growth": peak_rss_bytes() - base, "predicted": predicted, "times": times[1:], "cpu": cpu[1:],
+            "losses": losses, "build_s": build_s}
+
+
+def profile_worker(run: str, cfg_kw: dict, rows: int = 25) -> str | None:
+    """``--profile``: a warm-up step, a timed step (wall and process CPU seconds), then one step under
+    ``torch.profiler`` on rank 0; returns rank 0's times and its self-CPU-time table."""
+    step = _build(run, config(**cfg_kw, run=run), "fused")[0]
+    step(0)
+    t0, c0 = time.perf_counter(), time.process_time()
+    step(1)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if torch.distributed.get_rank() != 0:
+        step(2)
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(2)
+    return (f"unprofiled step: {wall:.2f} s wall, {cpu:.2f} s CPU (all threads of rank 0)\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def predict_worker(run: str, cfg_kw: dict) -> int:
@@ -285,7 +305,15 @@ def main(argv=None):
     ap.add_argument("--predict-only", action="store_true", help="print the planner's per-rank totals and stop")
     ap.add_argument("--check", action="store_true",
                     help="tiny-size checks of the TP runs (peer vs unsharded module, fsdp_tp vs dp losses) and stop")
+    ap.add_argument("--profile", action="store_true", help="profile one step of rank 0 of each run and stop")
     args = ap.parse_args(argv)
+    if args.profile:
+        for run in args.runs.split(","):
+            table = run_spmd("scale_124m:profile_worker", args=(run, {"micro_batch": args.micro_batch,
+                             "num_layers": args.layers}), nprocs=RANKS, timeout_s=1800, extra_path=[HERE],
+                             env={"MALLOC_MMAP_THRESHOLD_": "131072"}).check().results[0]
+            print(f"== {run}, rank 0, one step\n{table}", flush=True)
+        return
     if args.check:
         res = run_spmd("scale_124m:check_worker", nprocs=RANKS, timeout_s=900, extra_path=[HERE]).check().results[0]
         print(f"peer TP + FSDP2 on 2x2 = unsharded module (largest gradient difference "
@@ -314,25 +342,28 @@ def main(argv=None):
                            env=env).check().results
             results[run].append(res)
             t = [x for r in res for x in r["times"]]
+            c = [x for r in res for x in r["cpu"]]
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.2f} (min {min(t):.2f}, max "
-                  f"{max(t):.2f}); build {res[0]['build_s']:.0f} s; losses rank 0 "
-                  f"{[round(v, 3) for v in res[0]['losses']]}", flush=True)
-    print(f"\n{'run':<14}{'step s median':>14}{'spread':>16}{'peak RSS growth per rank, MiB':>34}"
-          f"{'planner MiB':>13}")
+                  f"{max(t):.2f}); CPU s per rank median {statistics.median(c):.2f}; build {res[0]['build_s']:.0f} s; "
+                  f"losses rank 0 {[round(v, 3) for v in res[0]['losses']]}", flush=True)
+    print(f"\n{'run':<14}{'step s median':>14}{'spread':>16}{'CPU s median':>14}"
+          f"{'peak RSS growth per rank, MiB':>34}{'planner MiB':>13}")
     med = {}
     for run, rounds in results.items():
         t = [x for res in rounds for r in res for x in r["times"]]
         med[run] = statistics.median(t)
+        med[run + "_cpu"] = statistics.median([x for res in rounds for r in res for x in r["cpu"]])
         growth = [max(res[k]["growth"] for res in rounds) / MIB for k in range(RANKS)]
         pred = rounds[0][0]["predicted"]
-        print(f"{run:<14}{med[run]:>14.2f}{f'{min(t):.2f}-{max(t):.2f}':>16}"
+        print(f"{run:<14}{med[run]:>14.2f}{f'{min(t):.2f}-{max(t):.2f}':>16}{med[run + '_cpu']:>14.2f}"
               f"{' '.join(f'{g:.0f}' for g in growth):>34}{'' if pred is None else f'{pred / MIB:.0f}':>13}")
         med[run + "_rss"] = max(growth)
     pairs = [(a + x, b + y) for a, b in (("dp", "ddp"), ("fsdp", "fsdp2"), ("fsdp_tp", "fsdp2_tp"))
              for x in ("", "_async") for y in ("", "_foreach")]
     for a, b in pairs:
         if a in med and b in med:
-            print(f"{a}/{b}: step time {med[a] / med[b]:.2f}, peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
+            print(f"{a}/{b}: step time {med[a] / med[b]:.2f}, CPU time {med[a + '_cpu'] / med[b + '_cpu']:.2f}, "
+                  f"peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
 
 
 if __name__ == "__main__":
