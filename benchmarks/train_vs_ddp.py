@@ -1,0 +1,221 @@
+"""``meshtorch train`` with default flags under torchrun (2 ranks) vs DistributedDataParallel on the same model.
+
+Side A, ``mtf``: ``torchrun --standalone --nproc-per-node 2 -m meshtorch train`` with the default model, mesh,
+layout and optimizer flags (under torchrun without --mesh/--layout: mesh ``data:2``, layout ``batch:data``;
+the ``small`` preset: 3 layers, d_model 128, 4 heads x 32, d_ff 512, ReLU, RMS norm, no dropout, learned
+positions, untied logits, byte vocabulary 256, batch 16 x length 128 over both ranks; AdamW lr 6e-3 with the
+cosine schedule and 50 warm-up steps, weight decay 0, global-norm clipping 1.0; 25 MiB gradient buckets;
+``--threads 1``; the generated-code executor, eager). Only ``--steps`` changes (the schedule's length) and
+what runs outside the steps is turned off (``--sample 0 --plot '' --checkpoint-dir ''``, one evaluation batch
+at the end). Step times are the train loop's own (``--log-dir``: ``metrics.jsonl``'s ``tokens_per_s`` of
+rank 0 is ``batch x length / seconds of lowering.run``: feeds, forward, backward, all-reduces, clipping,
+update, the loss fetch).
+
+Side B, ``ddp_fused`` / ``ddp_foreach``: the same computation in plain PyTorch
+(:class:`meshtorch.testing.torch_lm.TorchLM`, meshtorch's twin with the same parameter names and shapes,
+with ``F.cross_entropy`` as the loss), starting from meshtorch's initial weights (the same seed drawn on a
+one-process lowering: the values are layout-independent), ``DistributedDataParallel(bucket_cap_mb=25)``,
+``torch.optim.AdamW(fused=True)`` or ``(foreach=True)`` with the same learning rate per step
+(:func:`meshtorch.runtime.train.host_lr`), ``clip_grad_norm_(1.0, foreach=True)``, the same batches
+(the built-in corpus, byte tokenizer, ``PackedDataset.stream`` with seed 0), each rank its half of the rows,
+one torch thread. Timed per step: zero_grad, forward, backward, clipping, ``opt.step()`` and ``loss.item()``.
+
+Every job is a torchrun job of its own (startup excluded), run in the order A B C, C B A, ... (``--rounds``); the
+first ``--warmup`` steps of every job are dropped. Printed: the host, each job's median step time, per side the
+median over all kept steps with the spread of the per-round medians (min-max), the ratio meshtorch / the faster
+DDP, per round too, and the check that both sides compute the same thing: meshtorch's logged (global-batch)
+loss at every step vs the mean of the two DDP ranks' losses (step 0: same weights, same batch), and the
+parameter counts.
+
+Run: ``python benchmarks/train_vs_ddp.py [--steps 40] [--warmup 5] [--rounds 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+SIDES = ("mtf", "ddp_fused", "ddp_foreach")
+NPROC = 2
+
+
+def _torchrun(args: list[str], cwd: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+
+
+def run_mtf(steps: int, workdir: str) -> dict:
+    """One ``meshtorch train`` job with default flags: rank 0's step seconds and (global) losses."""
+    logdir = os.path.join(workdir, "log")
+    _torchrun(["-m", "meshtorch", "train", "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "1",
+               "--sample", "0", "--plot", "", "--checkpoint-dir", "", "--runs-dir", os.path.join(workdir, "runs"),
+               "--log-dir", logdir], workdir)
+    rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
+    rows = [r for r in rows if "tokens_per_s" in r]
+    from meshtorch.models.transformer import preset
+    from meshtorch.runtime.train_config import TrainConfig
+
+    model = preset(TrainConfig().preset)
+    tokens = model.batch_size * model.length  # tokens_per_s counts the global batch
+    return {"times": [tokens / r["tokens_per_s"] for r in rows], "losses": [r["loss"] for r in rows]}
+
+
+def run_ddp(steps: int, optim: str, workdir: str) -> dict:
+    """One DDP job: rank 0's step seconds, the mean of both ranks' losses per step, the parameter count."""
+    out = os.path.join(workdir, "ddp")
+    os.makedirs(out, exist_ok=True)
+    _torchrun([os.path.abspath(__file__), "--ddp-worker", "--optim", optim, "--steps", str(steps), "--out", out],
+              workdir)
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(NPROC)]
+    losses = [sum(r["losses"][s] for r in ranks) / NPROC for s in range(steps)]
+    return {"times": ranks[0]["times"], "losses": losses, "params": ranks[0]["params"]}
+
+
+def ddp_worker(steps: int, optim: str, out: str) -> None:
+    """A torchrun rank of the DDP side (see the module docstring)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import meshtorch as mtf
+    from meshtorch.data.text import ByteTokenizer, PackedDataset, load_documents
+    from meshtorch.models.transformer import build_lm, preset
+    from meshtorch.runtime.train import host_lr
+    from meshtorch.runtime.train_config import TrainConfig
+    from meshtorch.testing.torch_lm import TorchLM, state_dict_from_lowering
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=steps)  # meshtorch train's defaults: model, optimizer, schedule, clipping, seed
+    tok = ByteTokenizer()
+    c = preset(cfg.preset, vocab_size=tok.vocab_size)  # batch:data splits no vocab: vocab_multiple 1
+    assert c.dropout == 0 and not c.gated and cfg.optimizer == "adamw"
+    # meshtorch's initial weights (drawn on one simulated processor: the same values as on any layout)
+    lm = build_lm(c, seed=cfg.seed)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl("", "")})
+    torch.manual_seed(cfg.seed)
+    model = TorchLM(c)
+    model.load_state_dict(state_dict_from_lowering(lw, model), strict=True)
+    del lw, lm
+
+    class LossModule(torch.nn.Module):
+        """TorchLM's forward with ``F.cross_entropy`` (the vocabulary is not padded: no mask needed)."""
+
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, targets):
+            logits = self.m(ids)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    assert c.padded_vocab == c.vocab_size
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = DDP(LossModule(model), bucket_cap_mb=25)
+    params = [p for p in ddp.parameters()]
+    kw = {"fused": True} if optim == "fused" else {"foreach": True}
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)  # betas, eps: torch's = ours
+    docs = load_documents(None)
+    data = PackedDataset.from_documents(docs, tok, c.length + 1)
+    stream = data.stream(c.batch_size, cfg.seed, 0, 0)
+    per = c.batch_size // world
+    times, losses = [], []
+    for step in range(steps):
+        _, _, batch = next(stream)
+        t0 = time.perf_counter()
+        rows = batch[rank * per:(rank + 1) * per]
+        x, y = rows[:, :-1], rows[:, 1:]
+        for g in opt.param_groups:
+            g["lr"] = host_lr(cfg, step)
+        opt.zero_grad(set_to_none=True)
+        loss = ddp(x, y)
+        loss.backward()
+        if cfg.clip_norm:
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm, foreach=True)
+        opt.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in params)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"times": times, "losses": losses, "params": n_params}, f)
+    dist.destroy_process_group()
+
+
+def _mtf_params() -> int:
+    from meshtorch.models.transformer import build_lm, preset
+
+    c = preset("small", vocab_size=256)
+    return sum(v.shape.size for v in build_lm(c).graph.trainable_variables)
+
+
+def main(argv=None) -> None:
+    import host
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40, help="steps per job (the schedule's length too)")
+    ap.add_argument("--warmup", type=int, default=5, help="first steps of each job not timed")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the job sequence (reversed every other round)")
+    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--optim", default="fused", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.ddp_worker:
+        return ddp_worker(args.steps, args.optim, args.out)
+    sides = args.sides.split(",")
+    print(host.describe())
+    print(f"{NPROC} gloo ranks on this host, 1 thread each; small preset, batch 16 x 128 over both ranks; "
+          f"{args.steps} steps per job, first {args.warmup} dropped; all eager", flush=True)
+    res: dict = {s: [] for s in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for side in (sides if rnd % 2 == 0 else sides[::-1]):  # A B C, C B A: a load trend hits all alike
+                d = os.path.join(tmp, f"{side}-{rnd}")
+                os.makedirs(d)
+                r = run_mtf(args.steps, d) if side == "mtf" else run_ddp(args.steps, side[4:], d)
+                r["kept"] = r["times"][args.warmup:]
+                res[side].append(r)
+                print(f"  round {rnd} {side:<12} step ms median {1e3 * statistics.median(r['kept']):7.2f} "
+                      f"(min {1e3 * min(r['kept']):.2f}, max {1e3 * max(r['kept']):.2f})", flush=True)
+    med = {}
+    print(f"\n{'side':<13}{'step ms median':>16}{'per-round medians (spread)':>32}")
+    for side, runs in res.items():
+        allk = [t for r in runs for t in r["kept"]]
+        per_round = [statistics.median(r["kept"]) for r in runs]
+        med[side] = statistics.median(allk)
+        print(f"{side:<13}{1e3 * med[side]:>16.2f}{f'{1e3 * min(per_round):.2f}-{1e3 * max(per_round):.2f}':>32}")
+    ddps = [s for s in sides if s.startswith("ddp")]
+    if "mtf" in med and ddps:
+        best = min(ddps, key=med.get)
+        rounds = [statistics.median(a["kept"]) / statistics.median(b["kept"])
+                  for a, b in zip(res["mtf"], res[best], strict=True)]
+        print(f"\nmeshtorch / DDP ({best}, the faster AdamW): {med['mtf'] / med[best]:.3f} (per round: "
+              f"{', '.join(f'{x:.3f}' for x in rounds)})")
+        ref = res["mtf"][0]["losses"]
+        for side in ddps:
+            other = res[side][0]["losses"]
+            rel = [abs(a - b) / abs(a) for a, b in zip(ref, other, strict=True)]
+            print(f"same computation, {side}: step 0 loss meshtorch {ref[0]:.6f} vs DDP {other[0]:.6f} (rel "
+                  f"{rel[0]:.1e}); max rel over {len(rel)} steps {max(rel):.1e}; last {ref[-1]:.4f} vs "
+                  f"{other[-1]:.4f}")
+        print(f"parameters: meshtorch {_mtf_params()}, DDP {res[ddps[0]][0]['params']}")
+
+
+if __name__ == "__main__":
+    main()
