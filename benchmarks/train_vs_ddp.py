@@ -49,6 +49,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 SIDES = ("mtf", "ddp_fused", "ddp_foreach")
+EXTRA = {"mtf": [], "mtf_async": ["--async-collectives"]}  # mtf_async (not a default side): DDP-style overlap
 NPROC = 2
 
 
@@ -60,12 +61,12 @@ def _torchrun(args: list[str], cwd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
 
-def run_mtf(steps: int, workdir: str) -> dict:
-    """One ``meshtorch train`` job with default flags: rank 0's step seconds and (global) losses."""
+def run_mtf(steps: int, workdir: str, extra=()) -> dict:
+    """One ``meshtorch train`` job with default flags (and ``extra``): rank 0's step seconds and (global) losses."""
     logdir = os.path.join(workdir, "log")
     _torchrun(["-m", "meshtorch", "train", "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "1",
                "--sample", "0", "--plot", "", "--checkpoint-dir", "", "--runs-dir", os.path.join(workdir, "runs"),
-               "--log-dir", logdir], workdir)
+               "--log-dir", logdir, *extra], workdir)
     rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
     rows = [r for r in rows if "tokens_per_s" in r]
     from meshtorch.models.transformer import preset
@@ -87,31 +88,25 @@ def run_ddp(steps: int, optim: str, workdir: str) -> dict:
     return {"times": ranks[0]["times"], "losses": losses, "params": ranks[0]["params"]}
 
 
-def ddp_worker(steps: int, optim: str, out: str) -> None:
-    """A torchrun rank of the DDP side (see the module docstring)."""
+def _ddp_side(cfg, optim: str):
+    """The DDP side for ``cfg`` (a TrainConfig: meshtorch train's defaults): ``(step(batch, step) -> local loss,
+    parameter count)``; the process group must exist (DDP broadcasts rank 0's weights at construction)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import meshtorch as mtf
-    from meshtorch.data.text import ByteTokenizer, PackedDataset, load_documents
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.runtime.train import host_lr
-    from meshtorch.runtime.train_config import TrainConfig
     from meshtorch.testing.torch_lm import TorchLM, state_dict_from_lowering
 
-    torch.set_num_threads(1)
-    cfg = TrainConfig(steps=steps)  # meshtorch train's defaults: model, optimizer, schedule, clipping, seed
-    tok = ByteTokenizer()
-    c = preset(cfg.preset, vocab_size=tok.vocab_size)  # batch:data splits no vocab: vocab_multiple 1
-    assert c.dropout == 0 and not c.gated and cfg.optimizer == "adamw"
+    c = preset(cfg.preset, vocab_size=256)  # the byte tokenizer; batch:data splits no vocab: vocab_multiple 1
+    assert c.dropout == 0 and not c.gated and cfg.optimizer == "adamw" and c.padded_vocab == c.vocab_size
     # meshtorch's initial weights (drawn on one simulated processor: the same values as on any layout)
     lm = build_lm(c, seed=cfg.seed)
     lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl("", "")})
-    torch.manual_seed(cfg.seed)
     model = TorchLM(c)
     model.load_state_dict(state_dict_from_lowering(lw, model), strict=True)
-    del lw, lm
 
     class LossModule(torch.nn.Module):
         """TorchLM's forward with ``F.cross_entropy`` (the vocabulary is not padded: no mask needed)."""
@@ -121,39 +116,103 @@ def ddp_worker(steps: int, optim: str, out: str) -> None:
             self.m = m
 
         def forward(self, ids, targets):
-            logits = self.m(ids)
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            return F.cross_entropy(self.m(ids).flatten(0, 1), targets.flatten())
 
-    assert c.padded_vocab == c.vocab_size
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = DDP(LossModule(model), bucket_cap_mb=25)
-    params = [p for p in ddp.parameters()]
+    params = list(ddp.parameters())
     kw = {"fused": True} if optim == "fused" else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)  # betas, eps: torch's = ours
-    docs = load_documents(None)
-    data = PackedDataset.from_documents(docs, tok, c.length + 1)
-    stream = data.stream(c.batch_size, cfg.seed, 0, 0)
     per = c.batch_size // world
-    times, losses = [], []
-    for step in range(steps):
-        _, _, batch = next(stream)
-        t0 = time.perf_counter()
+
+    def step(batch, s: int) -> float:
         rows = batch[rank * per:(rank + 1) * per]
-        x, y = rows[:, :-1], rows[:, 1:]
         for g in opt.param_groups:
-            g["lr"] = host_lr(cfg, step)
+            g["lr"] = host_lr(cfg, s)
         opt.zero_grad(set_to_none=True)
-        loss = ddp(x, y)
+        loss = ddp(rows[:, :-1], rows[:, 1:])
         loss.backward()
         if cfg.clip_norm:
             torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm, foreach=True)
         opt.step()
-        losses.append(loss.item())
+        return loss.item()
+    return step, sum(p.numel() for p in params)
+
+
+def _batches(cfg):
+    """meshtorch train's batch stream: the built-in corpus, bytes, ``PackedDataset.stream`` (seed, epoch 0)."""
+    from meshtorch.data.text import ByteTokenizer, PackedDataset, load_documents
+    from meshtorch.models.transformer import preset
+
+    c = preset(cfg.preset)
+    data = PackedDataset.from_documents(load_documents(None), ByteTokenizer(), c.length + 1)
+    return (b for _, _, b in data.stream(c.batch_size, cfg.seed, 0, 0))
+
+
+def ddp_worker(steps: int, optim: str, out: str) -> None:
+    """A torchrun rank of the DDP side (see the module docstring)."""
+    import torch.distributed as dist
+
+    from meshtorch.runtime.train_config import TrainConfig
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(steps=steps)  # meshtorch train's defaults: model, optimizer, schedule, clipping, seed
+    dist.init_process_group("gloo")
+    step, n_params = _ddp_side(cfg, optim)
+    batches = _batches(cfg)
+    times, losses = [], []
+    for s in range(steps):
+        batch = next(batches)
+        t0 = time.perf_counter()
+        losses.append(step(batch, s))
         times.append(time.perf_counter() - t0)
-    n_params = sum(p.numel() for p in params)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"times": times, "losses": losses, "params": n_params}, f)
+    dist.destroy_process_group()
+
+
+def paired_worker(steps: int, block: int, optim: str, out: str, async_collectives: bool | None = None) -> None:
+    """One torchrun job holding both sides: meshtorch built as ``meshtorch train`` builds it from its default
+    config (:meth:`TrainConfig.checked` under torchrun: ``data:2`` / ``batch:data``; ``build_lm`` with
+    ``make_optimizer`` and ``--clip-norm``; the lowering with ``--executor`` and ``--bucket-mb``; the loop's
+    fetches and ``batch_feeds``) and the DDP side; blocks of ``block`` steps alternate A B B A ... so that
+    both see the same load. Rank 0 writes each side's step seconds."""
+    import torch.distributed as dist
+
+    from meshtorch.lowering import Lowering
+    from meshtorch.mesh.factory import make_mesh_impl
+    from meshtorch.models.transformer import build_lm, preset
+    from meshtorch.runtime.train import batch_feeds, grad_sum_of_squares, make_optimizer, vocab_multiple
+    from meshtorch.runtime.train_config import TrainConfig
+
+    cfg, _ = TrainConfig(steps=steps, runs_dir=out, checkpoint_dir="", plot="", sample=0,
+                         async_collectives=async_collectives).checked()
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group("gloo")
+    c = preset(cfg.preset, vocab_size=256, vocab_multiple=vocab_multiple(cfg.mesh, cfg.layout))
+    lm = build_lm(c, seed=cfg.seed, optimizer=make_optimizer(cfg), clip_norm=cfg.clip_norm or None)
+    impl = make_mesh_impl(cfg.mesh, cfg.layout, device=cfg.device, async_collectives=cfg.async_collectives)
+    lw = Lowering(lm.graph, {lm.mesh: impl}, mode=cfg.executor, bucket_bytes=cfg.bucket_bytes)
+    fetches = [lm.loss, grad_sum_of_squares(lm.graph), *lm.updates]
+
+    def mtf_step(batch, s):
+        return lw.run(fetches, feeds=batch_feeds(lw, lm, batch), feed_slices=True)[0].item()
+
+    ddp_step, _ = _ddp_side(cfg, optim)
+    sides = {"mtf": [mtf_step, _batches(cfg), [], []], "ddp_" + optim: [ddp_step, _batches(cfg), [], []]}
+    order = list(sides)
+    for b in range(steps // block):
+        for name in (order if b % 2 == 0 else order[::-1]):
+            fn, batches, times, losses = sides[name]
+            for _ in range(block):
+                batch, s = next(batches), len(times)
+                t0 = time.perf_counter()
+                losses.append(fn(batch, s))
+                times.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "paired.json"), "w") as f:
+            json.dump({k: {"times": v[2], "losses": v[3]} for k, v in sides.items()}, f)
     dist.destroy_process_group()
 
 
@@ -164,6 +223,35 @@ def _mtf_params() -> int:
     return sum(v.shape.size for v in build_lm(c).graph.trainable_variables)
 
 
+def paired(args) -> None:
+    """``--paired``: ``--rounds`` torchrun jobs of :func:`paired_worker`; per-side medians of the kept steps
+    (the first ``--warmup`` of each side dropped), the ratio overall and per job."""
+    print(f"{NPROC} gloo ranks, 1 thread each; one job per round holding meshtorch (train's default config"
+          f"{', --async-collectives' if args.mtf_async else ''}) and "
+          f"DDP (AdamW {args.optim}); blocks of {args.block} steps alternating, {args.steps} steps per side, first "
+          f"{args.warmup} dropped; all eager", flush=True)
+    per_job = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            d = os.path.join(tmp, f"paired-{rnd}")
+            os.makedirs(d)
+            _torchrun([os.path.abspath(__file__), "--paired-worker", "--optim", args.optim, "--steps",
+                       str(args.steps), "--block", str(args.block), "--out", d]
+                      + (["--mtf-async"] if args.mtf_async else []), d)
+            res = json.load(open(os.path.join(d, "paired.json")))
+            kept = {k: v["times"][args.warmup:] for k, v in res.items()}
+            per_job.append(kept)
+            print("  job " + str(rnd) + ": " + ", ".join(f"{k} median {1e3 * statistics.median(t):.2f} ms"
+                                                          for k, t in kept.items())
+                  + f"; ratio {statistics.median(kept['mtf']) / statistics.median(kept['ddp_' + args.optim]):.3f}",
+                  flush=True)
+    med = {k: statistics.median([t for job in per_job for t in job[k]]) for k in per_job[0]}
+    ratios = [statistics.median(j["mtf"]) / statistics.median(j["ddp_" + args.optim]) for j in per_job]
+    print("\nmedians: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
+          + f"; meshtorch / DDP {med['mtf'] / med['ddp_' + args.optim]:.3f} (per job {min(ratios):.3f}-"
+            f"{max(ratios):.3f})")
+
+
 def main(argv=None) -> None:
     import host
 
@@ -171,15 +259,26 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps per job (the schedule's length too)")
     ap.add_argument("--warmup", type=int, default=5, help="first steps of each job not timed")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the job sequence (reversed every other round)")
-    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"of {', '.join([*SIDES, 'mtf_async'])}")
+    ap.add_argument("--paired", action="store_true",
+                    help="instead: each round one torchrun job holding both sides (meshtorch built as train builds it, "
+                         "and DDP with the faster --optim), blocks of --block steps alternating A B B A")
+    ap.add_argument("--block", type=int, default=5, help="--paired: steps per block")
+    ap.add_argument("--mtf-async", action="store_true", help="--paired: meshtorch with --async-collectives")
+    ap.add_argument("--paired-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--optim", default="fused", help=argparse.SUPPRESS)
+    ap.add_argument("--optim", default="foreach", choices=["fused", "foreach"],
+                    help="--paired: DDP's AdamW implementation")
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ddp_worker:
         return ddp_worker(args.steps, args.optim, args.out)
-    sides = args.sides.split(",")
+    if args.paired_worker:
+        return paired_worker(args.steps, args.block, args.optim, args.out, args.mtf_async or None)
     print(host.describe())
+    if args.paired:
+        return paired(args)
+    sides = args.sides.split(",")
     print(f"{NPROC} gloo ranks on this host, 1 thread each; small preset, batch 16 x 128 over both ranks; "
           f"{args.steps} steps per job, first {args.warmup} dropped; all eager", flush=True)
     res: dict = {s: [] for s in sides}
@@ -188,7 +287,7 @@ def main(argv=None) -> None:
             for side in (sides if rnd % 2 == 0 else sides[::-1]):  # A B C, C B A: a load trend hits all alike
                 d = os.path.join(tmp, f"{side}-{rnd}")
                 os.makedirs(d)
-                r = run_mtf(args.steps, d) if side == "mtf" else run_ddp(args.steps, side[4:], d)
+                r = run_mtf(args.steps, d, EXTRA[side]) if side in EXTRA else run_ddp(args.steps, side[4:], d)
                 r["kept"] = r["times"][args.warmup:]
                 res[side].append(r)
                 print(f"  round {rnd} {side:<12} step ms median {1e3 * statistics.median(r['kept']):7.2f} "
