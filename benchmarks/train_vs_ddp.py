@@ -13,8 +13,9 @@ update, the loss fetch).
 
 Side B, ``ddp_fused`` / ``ddp_foreach``: the same computation in plain PyTorch
 (:class:`meshtorch.testing.torch_lm.TorchLM`, meshtorch's twin with the same parameter names and shapes,
-with ``F.cross_entropy`` as the loss), starting from meshtorch's initial weights (the same seed drawn on a
-one-process lowering: the values are layout-independent), ``DistributedDataParallel(bucket_cap_mb=25)``,
+with ``F.cross_entropy`` as the loss and no padding mask), starting from meshtorch's initial weights (the same
+seed drawn on a one-process lowering: the values are layout-independent),
+``DistributedDataParallel(bucket_cap_mb=25, broadcast_buffers=False)`` (no buffer to broadcast per step),
 ``torch.optim.AdamW(fused=True)`` or ``(foreach=True)`` with the same learning rate per step
 (:func:`meshtorch.runtime.train.host_lr`), ``clip_grad_norm_(1.0, foreach=True)``, the same batches
 (the built-in corpus, byte tokenizer, ``PackedDataset.stream`` with seed 0), each rank its half of the rows,
@@ -109,17 +110,24 @@ def _ddp_side(cfg, optim: str):
     model.load_state_dict(state_dict_from_lowering(lw, model), strict=True)
 
     class LossModule(torch.nn.Module):
-        """TorchLM's forward with ``F.cross_entropy`` (the vocabulary is not padded: no mask needed)."""
+        """TorchLM's blocks and head with ``F.cross_entropy``, without the padding mask (the vocabulary is not
+        padded: nothing to mask)."""
 
         def __init__(self, m):
             super().__init__()
             self.m = m
 
         def forward(self, ids, targets):
-            return F.cross_entropy(self.m(ids).flatten(0, 1), targets.flatten())
+            m = self.m
+            x = m.embedding[ids] + m.pos_embedding[: ids.shape[1]]
+            for i in range(c.num_layers):
+                x = m.block(i, x)[0]
+            logits = m._norm(x, m.final_norm) @ m.logits.kernel
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = DDP(LossModule(model), bucket_cap_mb=25)
+    # no buffers to keep in sync (TorchLM's padding mask is constant and unused here): no per-step broadcast
+    ddp = DDP(LossModule(model), bucket_cap_mb=25, broadcast_buffers=False)
     params = list(ddp.parameters())
     kw = {"fused": True} if optim == "fused" else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)  # betas, eps: torch's = ours
@@ -230,7 +238,7 @@ def paired(args) -> None:
           f"{', --async-collectives' if args.mtf_async else ''}) and "
           f"DDP (AdamW {args.optim}); blocks of {args.block} steps alternating, {args.steps} steps per side, first "
           f"{args.warmup} dropped; all eager", flush=True)
-    per_job = []
+    per_job, block_ratios = [], []  # block_ratios: meshtorch / DDP of two adjacent blocks (the same load)
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             d = os.path.join(tmp, f"paired-{rnd}")
@@ -241,6 +249,10 @@ def paired(args) -> None:
             res = json.load(open(os.path.join(d, "paired.json")))
             kept = {k: v["times"][args.warmup:] for k, v in res.items()}
             per_job.append(kept)
+            a, b = (res[k]["times"] for k in ("mtf", "ddp_" + args.optim))
+            first = -(-args.warmup // args.block) * args.block  # whole blocks after the warm-up
+            block_ratios.extend(statistics.median(a[i:i + args.block]) / statistics.median(b[i:i + args.block])
+                                for i in range(first, len(a), args.block))
             print("  job " + str(rnd) + ": " + ", ".join(f"{k} median {1e3 * statistics.median(t):.2f} ms"
                                                           for k, t in kept.items())
                   + f"; ratio {statistics.median(kept['mtf']) / statistics.median(kept['ddp_' + args.optim]):.3f}",
@@ -250,6 +262,9 @@ def paired(args) -> None:
     print("\nmedians: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
           + f"; meshtorch / DDP {med['mtf'] / med['ddp_' + args.optim]:.3f} (per job {min(ratios):.3f}-"
             f"{max(ratios):.3f})")
+    q = statistics.quantiles(block_ratios, n=4)
+    print(f"per adjacent block pair: median ratio {statistics.median(block_ratios):.3f} (quartiles {q[0]:.3f}-"
+          f"{q[2]:.3f}, {len(block_ratios)} pairs)")
 
 
 def main(argv=None) -> None:
