@@ -89,9 +89,10 @@ def run_ddp(steps: int, optim: str, workdir: str) -> dict:
     return {"times": ranks[0]["times"], "losses": losses, "params": ranks[0]["params"]}
 
 
-def _ddp_side(cfg, optim: str):
+def _ddp_side(cfg, optim: str, single_world: int = 0):
     """The DDP side for ``cfg`` (a TrainConfig: meshtorch train's defaults): ``(step(batch, step) -> local loss,
-    parameter count)``; the process group must exist (DDP broadcasts rank 0's weights at construction)."""
+    parameter count)``; the process group must exist (DDP broadcasts rank 0's weights at construction).
+    ``single_world`` > 0: no process group and no DDP, rank 0's rows of a job of that many ranks (compute only)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -125,9 +126,12 @@ def _ddp_side(cfg, optim: str):
             logits = m._norm(x, m.final_norm) @ m.logits.kernel
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # no buffers to keep in sync (TorchLM's padding mask is constant and unused here): no per-step broadcast
-    ddp = DDP(LossModule(model), bucket_cap_mb=25, broadcast_buffers=False)
+    if single_world:
+        rank, world, ddp = 0, single_world, LossModule(model)
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # no buffers to keep in sync (TorchLM's padding mask is constant and unused here): no per-step broadcast
+        ddp = DDP(LossModule(model), bucket_cap_mb=25, broadcast_buffers=False)
     params = list(ddp.parameters())
     kw = {"fused": True} if optim == "fused" else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)  # betas, eps: torch's = ours
@@ -179,7 +183,8 @@ def ddp_worker(steps: int, optim: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def paired_worker(steps: int, block: int, optim: str, out: str, async_collectives: bool | None = None) -> None:
+def paired_worker(steps: int, block: int, optim: str, out: str, async_collectives: bool | None = None,
+                  bucket_mb: float | None = None) -> None:
     """One torchrun job holding both sides: meshtorch built as ``meshtorch train`` builds it from its default
     config (:meth:`TrainConfig.checked` under torchrun: ``data:2`` / ``batch:data``; ``build_lm`` with
     ``make_optimizer`` and ``--clip-norm``; the lowering with ``--executor`` and ``--bucket-mb``; the loop's
@@ -195,6 +200,8 @@ def paired_worker(steps: int, block: int, optim: str, out: str, async_collective
 
     cfg, _ = TrainConfig(steps=steps, runs_dir=out, checkpoint_dir="", plot="", sample=0,
                          async_collectives=async_collectives).checked()
+    if bucket_mb is not None:
+        cfg = cfg.replace(bucket_mb=bucket_mb)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo")
@@ -231,11 +238,54 @@ def _mtf_params() -> int:
     return sum(v.shape.size for v in build_lm(c).graph.trainable_variables)
 
 
+def single(args) -> None:
+    """``--single``: compute only, in this process (1 thread): meshtorch's default train graph on one processor
+    with one rank's half of the batch vs the plain-PyTorch module (no DDP) with ``--optim``'s AdamW on the same
+    rows; blocks of ``--block`` steps alternating A B B A; the ratio of medians."""
+    from meshtorch.lowering import Lowering
+    from meshtorch.mesh.factory import placement_mesh_impl
+    from meshtorch.models.transformer import build_lm, preset
+    from meshtorch.runtime.train import grad_sum_of_squares, make_optimizer
+    from meshtorch.runtime.train_config import TrainConfig
+
+    cfg = TrainConfig(steps=args.steps)
+    torch.set_num_threads(cfg.threads)
+    c = preset(cfg.preset, vocab_size=256)
+    half = preset(cfg.preset, vocab_size=256, batch_size=c.batch_size // NPROC)
+    lm = build_lm(half, seed=cfg.seed, optimizer=make_optimizer(cfg), clip_norm=cfg.clip_norm or None)
+    lw = Lowering(lm.graph, {lm.mesh: placement_mesh_impl("", "")}, mode=cfg.executor, bucket_bytes=cfg.bucket_bytes)
+    fetches = [lm.loss, grad_sum_of_squares(lm.graph), *lm.updates]
+
+    def mtf_step(batch, s):
+        rows = batch[: half.batch_size]
+        return lw.run(fetches, feeds={lm.inputs: rows[:, :-1], lm.targets: rows[:, 1:]})[0].item()
+
+    torch_step, _ = _ddp_side(cfg, args.optim, single_world=NPROC)
+    sides = {"mtf": [mtf_step, _batches(cfg), []], "torch_" + args.optim: [torch_step, _batches(cfg), []]}
+    for b in range(args.steps // args.block):
+        for name in (list(sides) if b % 2 == 0 else list(sides)[::-1]):
+            fn, batches, times = sides[name]
+            for _ in range(args.block):
+                batch, s = next(batches), len(times)
+                t0 = time.perf_counter()
+                fn(batch, s)
+                times.append(time.perf_counter() - t0)
+    med = {k: statistics.median(v[2][args.warmup:]) for k, v in sides.items()}
+    a, b = (v[2] for v in sides.values())
+    pairs = [statistics.median(a[i:i + args.block]) / statistics.median(b[i:i + args.block])
+             for i in range(-(-args.warmup // args.block) * args.block, len(a), args.block)]
+    print("one process, 1 thread, one rank's rows (" + str(half.batch_size) + " x " + str(half.length) + "): "
+          + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
+          + f"; meshtorch / torch {med['mtf'] / med['torch_' + args.optim]:.3f} (block pairs: median "
+            f"{statistics.median(pairs):.3f}, {len(pairs)} pairs)")
+
+
 def paired(args) -> None:
     """``--paired``: ``--rounds`` torchrun jobs of :func:`paired_worker`; per-side medians of the kept steps
     (the first ``--warmup`` of each side dropped), the ratio overall and per job."""
     print(f"{NPROC} gloo ranks, 1 thread each; one job per round holding meshtorch (train's default config"
-          f"{', --async-collectives' if args.mtf_async else ''}) and "
+          f"{', --async-collectives' if args.mtf_async else ''}"
+          f"{'' if args.mtf_bucket_mb is None else f', --bucket-mb {args.mtf_bucket_mb:g}'}) and "
           f"DDP (AdamW {args.optim}); blocks of {args.block} steps alternating, {args.steps} steps per side, first "
           f"{args.warmup} dropped; all eager", flush=True)
     per_job, block_ratios = [], []  # block_ratios: meshtorch / DDP of two adjacent blocks (the same load)
@@ -245,7 +295,8 @@ def paired(args) -> None:
             os.makedirs(d)
             _torchrun([os.path.abspath(__file__), "--paired-worker", "--optim", args.optim, "--steps",
                        str(args.steps), "--block", str(args.block), "--out", d]
-                      + (["--mtf-async"] if args.mtf_async else []), d)
+                      + (["--mtf-async"] if args.mtf_async else [])
+                      + ([] if args.mtf_bucket_mb is None else ["--mtf-bucket-mb", str(args.mtf_bucket_mb)]), d)
             res = json.load(open(os.path.join(d, "paired.json")))
             kept = {k: v["times"][args.warmup:] for k, v in res.items()}
             per_job.append(kept)
@@ -278,21 +329,26 @@ def main(argv=None) -> None:
     ap.add_argument("--paired", action="store_true",
                     help="instead: each round one torchrun job holding both sides (meshtorch built as train builds it, "
                          "and DDP with the faster --optim), blocks of --block steps alternating A B B A")
-    ap.add_argument("--block", type=int, default=5, help="--paired: steps per block")
+    ap.add_argument("--single", action="store_true",
+                    help="instead: compute only, one process (meshtorch on one processor vs the plain module)")
+    ap.add_argument("--block", type=int, default=5, help="--paired, --single: steps per block")
     ap.add_argument("--mtf-async", action="store_true", help="--paired: meshtorch with --async-collectives")
+    ap.add_argument("--mtf-bucket-mb", type=float, default=None, help="--paired: meshtorch's --bucket-mb")
     ap.add_argument("--paired-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--optim", default="foreach", choices=["fused", "foreach"],
-                    help="--paired: DDP's AdamW implementation")
+                    help="--paired, --single: PyTorch's AdamW implementation")
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ddp_worker:
         return ddp_worker(args.steps, args.optim, args.out)
     if args.paired_worker:
-        return paired_worker(args.steps, args.block, args.optim, args.out, args.mtf_async or None)
+        return paired_worker(args.steps, args.block, args.optim, args.out, args.mtf_async or None, args.mtf_bucket_mb)
     print(host.describe())
     if args.paired:
         return paired(args)
+    if args.single:
+        return single(args)
     sides = args.sides.split(",")
     print(f"{NPROC} gloo ranks on this host, 1 thread each; small preset, batch 16 x 128 over both ranks; "
           f"{args.steps} steps per job, first {args.warmup} dropped; all eager", flush=True)
