@@ -74,18 +74,18 @@ def ckpt_restore_worker(path: str):
 TRAIN_ARGV = ["train", "--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "2", "--d-kv", "16",
               "--d-ff", "64", "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--plot", "",
               "--checkpoint-dir", "", "--dropout", "0.1", "--lr", "3e-3", "--warmup-steps", "2", "--steps", "5",
-              "--eval-every", "5", "--sample", "6", "--temperature", "0", "--mesh", "data:2,model:2",
-              "--layout", "batch:data;heads:model;d_ff:model;vocab:model"]
+              "--eval-every", "5", "--sample", "6", "--temperature", "0"]
+TRAIN_ARGV_2X2 = [*TRAIN_ARGV, "--mesh", "data:2,model:2", "--layout", "batch:data;heads:model;d_ff:model;vocab:model"]
 
 
-def train_args(extra=()):
+def train_args(extra=(), argv=TRAIN_ARGV_2X2):
     import argparse
 
     from meshtorch.cli.train import add_train_subcommand
 
     p = argparse.ArgumentParser()
     add_train_subcommand(p.add_subparsers(dest="cmd"))
-    return p.parse_args([*TRAIN_ARGV, *extra])
+    return p.parse_args([*argv, *extra])
 
 
 def train_compile_worker():
@@ -118,3 +118,19 @@ def train_worker(checkpoint_dir: str):
     assert out["lowering"].mesh_impl(out["lm"].loss).async_collectives
     h = out["history"]
     return h["loss"], h["val_loss"], out["sample_ids"], buf.getvalue()
+
+
+def train_default_mesh_worker():
+    """``meshtorch train`` with neither --mesh nor --layout on a gloo rank (data parallel by default): (train
+    losses, validation losses, sample ids, the mesh and layout the run used, stdout)."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    args = train_args(argv=TRAIN_ARGV)
+    with contextlib.redirect_stdout(buf):
+        out = args.func(args)
+    impl = out["lowering"].mesh_impl(out["lm"].loss)
+    h = out["history"]
+    return h["loss"], h["val_loss"], out["sample_ids"], (str(impl.shape), impl.tensor_dimension_to_mesh_axis("batch"),
+                                                           impl.tensor_dimension_to_mesh_axis("heads")), buf.getvalue()

@@ -106,3 +106,26 @@ def test_train_spmd_equals_placement(tmp_path, capsys):
             assert float((a - b).abs().max()) <= 1e-5 * max(float(b.abs().max()), 1e-6), name
         else:
             assert torch.equal(a, b), name
+
+
+def test_train_default_mesh_under_torchrun_is_data_parallel(capsys):
+    """``meshtorch train`` without --mesh/--layout on 2 gloo ranks runs data parallel (mesh data:2, layout
+    batch:data, buckets on by default): the losses, validation loss and sample of the same model trained with
+    ``--mesh data:2 --layout batch:data`` on the simulated mesh in one process."""
+    run = run_spmd("_spmd_jobs:train_default_mesh_worker", nprocs=2, timeout_s=150, extra_path=[TESTS_DIR]).check()
+    args = J.train_args(["--mesh", "data:2", "--layout", "batch:data"], argv=J.TRAIN_ARGV)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = args.func(args)
+    finally:
+        torch.set_num_threads(n)
+    capsys.readouterr()
+    h = ref["history"]
+    assert len(h["loss"]) == 5 and len(h["val_loss"]) == 1
+    for rank, (losses, val, ids, (shape, batch_axis, heads_axis), out) in enumerate(run.results):
+        assert (shape, batch_axis, heads_axis) == ("[data:2]", 0, None), rank  # batch split on data, heads whole
+        assert _rel(losses, h["loss"]) <= 1e-5, (rank, losses, h["loss"])
+        assert _rel(val, h["val_loss"]) <= 1e-5, (rank, val, h["val_loss"])
+        assert ids == ref["sample_ids"] and len(ids) == 6, rank
+        assert ("--mesh data:2 --layout batch:data" in out) == (rank == 0), (rank, out)

@@ -7,7 +7,7 @@ import argparse
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.runtime.hf_jobs import run_train
-from meshtorch.runtime.train_config import DEFAULT_LAYOUT, DEFAULT_MESH
+from meshtorch.runtime.train_config import DATA_PARALLEL_LAYOUT, DEFAULT_LAYOUT, DEFAULT_MESH
 
 _OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model width"),
               ("heads", int, "attention heads"), ("d-kv", int, "size of each head"),
@@ -42,13 +42,17 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--pipeline-repeats", type=int, default=None,
                    help="pipeline: circular repeats R, stage s running layers s, S + s, ... (default: --layers / "
                         "stages; R > 1 needs --microbatches >= stages)")
-    p.add_argument("--mesh", default=DEFAULT_MESH,
+    p.add_argument("--mesh", default=None,
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
-                        "processor")
-    p.add_argument("--layout", default=DEFAULT_LAYOUT,
+                        f'processor. Default: "{DEFAULT_MESH}" in one process (simulated); under torchrun with '
+                        f'neither --mesh nor --layout, data parallel over the N processes: "data:N" with layout '
+                        f'"{DATA_PARALLEL_LAYOUT}" (like DistributedDataParallel). Under torchrun the mesh has one '
+                        "processor per process")
+    p.add_argument("--layout", default=None,
                    help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis), or "
                         "auto: the layout the calibrated cost model ranks fastest on this machine (meshtorch plan "
-                        "--calibrate; measured once, then cached), within --memory-limit")
+                        "--calibrate; measured once, then cached), within --memory-limit. Default: "
+                        f'"{DEFAULT_LAYOUT}" (under torchrun without --mesh: "{DATA_PARALLEL_LAYOUT}")')
     p.add_argument("--memory-limit", default=None,
                    help="with --layout auto: bytes per processor the layout may need, e.g. 16GiB (predicted by the "
                         "planner)")

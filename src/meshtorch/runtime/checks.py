@@ -102,6 +102,20 @@ def mesh_shape(flag: str, text: str) -> Shape:
     return Shape(dims)
 
 
+def mesh_fits_world(flag: str, text: str, shape: Shape, world: int) -> None:
+    """Under torchrun (``world`` > 1 processes) each process holds one processor of the mesh, so the mesh
+    ``shape`` (parsed from ``text``) must have ``world`` processors (as
+    :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` requires); one process simulates any mesh.
+
+    Raises:
+        UsageError: naming ``flag``, both counts and the two ways out.
+    """
+    if world > 1 and shape.size != world:
+        raise UsageError(f"{flag} {text!r} has {shape.size} processor(s) but torchrun started {world} processes "
+                         f"(WORLD_SIZE); launch {shape.size} (torchrun --nproc-per-node {shape.size}) or give a mesh "
+                         f"of {world} processors.")
+
+
 def device(flag: str, name: str | None) -> str | None:
     """``name`` (``"cpu"``, ``"cuda"``, ``"cuda:<index>"`` or None) if this torch can use it, else UsageError
     naming ``flag`` (CUDA unavailable: a CPU-only build of torch, or no GPU visible)."""

@@ -31,6 +31,7 @@ from meshtorch.runtime.generate import beam_search, sample
 from meshtorch.runtime.optional import optional_module
 from meshtorch.runtime.sample import main_sample
 from meshtorch.runtime.train import batch_feeds, evaluate, main_train, make_optimizer, resume_point
+from meshtorch.runtime.train_config import default_mesh_layout
 
 TOKENIZER = "tokenizer.json"
 _MODEL_FLAGS = ("layers", "d_model", "heads", "d_kv", "d_ff", "experts")
@@ -113,7 +114,10 @@ def check_finetune_args(args) -> HFModelConfig:
         checks.positive("--lr", args.lr)
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints).")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args.mesh, args.layout = default_mesh_layout(getattr(args, "mesh", None), getattr(args, "layout", None), world)
     mesh = checks.mesh_shape("--mesh", args.mesh)
+    checks.mesh_fits_world("--mesh", args.mesh, mesh, world)
     args.data = checks.input_files("--data", args.data)
     checks.writable_dir("--checkpoint-dir", args.checkpoint_dir)
     cfg = hf.read_config(args.init_from)

@@ -6,11 +6,13 @@ simulated 4-processor mesh ``data:2,model:2`` with the layout
 shows loss, tokens/s and MFU in a progress bar, reports validation loss in nats and bits per
 byte, writes a loss-curve PNG and prints a sample.
 
-Under ``torchrun --nproc-per-node N`` / ``meshtorch launch -n N`` (N = mesh size) every process
-holds one processor (:class:`~meshtorch.mesh.spmd.SpmdMeshImpl`): all draw the same batches, each
-feeds only its rows of the batch (``feed_slices=True``), every process calls ``save`` (each
-writes the slices it owns) and ``restore``; only the main process prints, shows the progress
-bar and writes the plot and the tokenizer.
+Under ``torchrun --nproc-per-node N`` / ``meshtorch launch -n N`` (N = mesh size; with neither
+``--mesh`` nor ``--layout`` the job is data parallel, mesh ``data:N`` and layout ``batch:data``,
+:func:`~meshtorch.runtime.train_config.default_mesh_layout`) every process holds one processor
+(:class:`~meshtorch.mesh.spmd.SpmdMeshImpl`): all draw the same batches, each feeds only its rows of
+the batch (``feed_slices=True``), every process calls ``save`` (each writes the slices it owns) and
+``restore``; only the main process prints, shows the progress bar and writes the plot and the
+tokenizer.
 """
 
 from __future__ import annotations

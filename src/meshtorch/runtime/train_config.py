@@ -27,6 +27,21 @@ from meshtorch.runtime.optional import optional_module
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
+DATA_PARALLEL_LAYOUT = "batch:data"
+
+
+def default_mesh_layout(mesh: str | None, layout: str | None, world: int) -> tuple[str, str]:
+    """``--mesh`` and ``--layout`` with their defaults filled in, for a job of ``world`` processes.
+
+    Neither given under torchrun (``world`` > 1): data parallel over every process, mesh ``data:<world>``
+    and layout ``batch:data`` (what ``torch.nn.parallel.DistributedDataParallel`` does with the same
+    launch). Otherwise a missing ``--mesh`` is :data:`DEFAULT_MESH` and a missing ``--layout``
+    :data:`DEFAULT_LAYOUT` (one process: the simulated ``data:2,model:2`` mesh; under torchrun an explicit
+    ``--mesh`` must still have ``world`` processors, see :func:`meshtorch.runtime.checks.mesh_fits_world`).
+    """
+    if world > 1 and mesh is None and layout is None:
+        return f"data:{world}", DATA_PARALLEL_LAYOUT
+    return (DEFAULT_MESH if mesh is None else mesh), (DEFAULT_LAYOUT if layout is None else layout)
 
 
 @dataclass(frozen=True)
@@ -56,8 +71,9 @@ class TrainConfig:
     microbatches: int | None = None
     pipeline_repeats: int | None = None
     # mesh and layout
-    mesh: str = DEFAULT_MESH
-    layout: str = DEFAULT_LAYOUT
+    # None: default_mesh_layout's (under torchrun without either flag: data:<world> and batch:data)
+    mesh: str | None = None
+    layout: str | None = None
     memory_limit: str | None = None
     device: str | None = None
     storage: str = ""
@@ -141,14 +157,16 @@ class TrainConfig:
                 axis of the mesh, listing both.
         """
         self._check_numbers()
-        mesh = checks.mesh_shape("--mesh", self.mesh)
-        checks.device("--device", self.device)
-        if self.resume and self.checkpoint_dir == "":
+        cfg = self._with_mesh_defaults()
+        mesh = checks.mesh_shape("--mesh", cfg.mesh)
+        checks.mesh_fits_world("--mesh", cfg.mesh, mesh, _world())
+        checks.device("--device", cfg.device)
+        if cfg.resume and cfg.checkpoint_dir == "":
             raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints), not ''.")
-        if self.resume_from and not os.path.isdir(self.resume_from):
-            raise UsageError(f"--resume-from {self.resume_from!r} is not a checkpoint directory.")
-        paths = runs.resolve_run(self)
-        cfg = self.replace(checkpoint_dir=paths.checkpoint_dir, plot=paths.plot)
+        if cfg.resume_from and not os.path.isdir(cfg.resume_from):
+            raise UsageError(f"--resume-from {cfg.resume_from!r} is not a checkpoint directory.")
+        paths = runs.resolve_run(cfg)
+        cfg = cfg.replace(checkpoint_dir=paths.checkpoint_dir, plot=paths.plot)
         if cfg.resume and not cfg.resume_from:
             point = resume_point(cfg.checkpoint_dir, None) if os.path.isdir(cfg.checkpoint_dir) else (None,)
             if point[0] is None:  # a damaged newest checkpoint was reported by resume_point, before any work
@@ -167,6 +185,16 @@ class TrainConfig:
         checks.layout_rules("--layout", cfg.layout, names, mesh)
         checks.layout_rules("--storage", cfg.storage, names, mesh)
         return cfg, paths
+
+    def _with_mesh_defaults(self) -> TrainConfig:
+        """The config with ``--mesh`` / ``--layout`` defaults filled in (:func:`default_mesh_layout`); under
+        torchrun without either flag, rank 0 says once that the job is data parallel."""
+        world = _world()
+        mesh, layout = default_mesh_layout(self.mesh, self.layout, world)
+        if world > 1 and self.mesh is None and self.layout is None and _rank() == 0:
+            print(f"meshtorch train: no --mesh/--layout under torchrun: data parallel over the {world} processes "
+                  f"(--mesh {mesh} --layout {layout}; the DistributedDataParallel equivalent)", flush=True)
+        return self.replace(mesh=mesh, layout=layout)
 
     def _check_numbers(self) -> None:
         for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "steps", "eval_every",
@@ -225,7 +253,7 @@ class TrainConfig:
             UsageError: ``--storage auto`` without ``--layout auto``, under torchrun without a cached
                 calibration, or when no layout fits ``--memory-limit``.
         """
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = _world()
         backend = "placement" if world == 1 else ("nccl" if str(self.device or "").startswith("cuda") else "gloo")
         threads = self.threads or torch.get_num_threads()
         if world > 1 and cached(backend, threads) is None:
@@ -244,7 +272,7 @@ class TrainConfig:
                           gated=self.gated or None, vocab_size=vocab, vocab_multiple=multiple,
                           num_experts=self.experts, remat=self.remat)
 
-        say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
+        say = print if _rank() == 0 else (lambda *a: None)
         layout, chosen_storage, remat = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
                                                backend=backend, threads=threads, print_fn=say,
                                                microbatches=self.microbatches)
@@ -256,6 +284,15 @@ class TrainConfig:
             changes["remat"] = remat
         # "": storage rules to fit the limit
         return self.replace(layout=layout, storage=chosen_storage if storage in ("", "auto") else storage, **changes)
+
+
+def _world() -> int:
+    """The job's process count (torchrun's ``WORLD_SIZE``; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def older_hint(older: list[str]) -> str:
@@ -286,4 +323,5 @@ def resume_point(checkpoint_dir: str, resume_from: str | None):
     return dirs[0], dirs[1:]
 
 
-__all__ = ["DEFAULT_LAYOUT", "DEFAULT_MESH", "TrainConfig", "older_hint", "resume_point"]
+__all__ = ["DATA_PARALLEL_LAYOUT", "DEFAULT_LAYOUT", "DEFAULT_MESH", "TrainConfig", "default_mesh_layout", "older_hint",
+           "resume_point"]
