@@ -51,6 +51,7 @@ from torch.distributed.fsdp import fully_shard
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+import compiled_peers  # noqa: E402
 from rss import peak_rss_bytes, reset_peak  # noqa: E402
 
 import meshtorch as mtf  # noqa: E402
@@ -146,11 +147,13 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
     per = cfg.batch_size // RANKS
     if run.endswith("_foreach"):
         run, peer_optim = run[: -len("_foreach")], "foreach"
+    compiled = run.endswith("_compile")  # meshtorch mode="compile" / the peers of compiled_peers.py
+    run = run.removesuffix("_compile")
     if run in ("dp", "fsdp", "dp_async", "fsdp_async"):
         lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
         impl = mtf.SpmdMeshImpl(f"data:{RANKS}", "batch:data", storage="d_model:data" if "fsdp" in run else None,
                                 async_collectives=run.endswith("_async"))
-        lw = mtf.Lowering(lm.graph, {lm.mesh: impl})
+        lw = mtf.Lowering(lm.graph, {lm.mesh: impl}, mode="compile" if compiled else "codegen")
         fetches = [lm.loss] + lm.updates
         predicted = memory_report(lw, fetches).total_bytes
 
@@ -160,7 +163,9 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
             return float(lw.run(fetches, feeds={lm.inputs: x[sl], lm.targets: y[sl]}, feed_slices=True)[0])
         return step, predicted
     model = BlockLM(cfg)
-    if run == "ddp":
+    if compiled:
+        model = compiled_peers.parallelize(model, run, RANKS)
+    elif run == "ddp":
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
     else:
         mesh = init_device_mesh("cpu", (RANKS,))
@@ -168,13 +173,14 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = _peer_optimizer(model.parameters(), peer_optim)
+    opt_step = compiled_peers.step_fn(opt) if compiled else opt.step
 
     def step(s):
         x, y = batch(cfg, s)
         opt.zero_grad(set_to_none=True)
         loss = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
         loss.backward()
-        opt.step()
+        opt_step()
         return loss.item()
     return step, None
 
@@ -182,19 +188,31 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
 def worker(run: str, cfg_kw: dict, steps: int, peer_optim: str, first_step: int) -> dict:
     """One gloo rank of ``run``: tiny warm-up (torch / gloo lazy allocations), then the model; RSS and times."""
     tiny = config(1, vocab_size=64, d_model=32, num_heads=2, d_kv=16, d_ff=64, num_layers=1, length=16)
-    _build(run, tiny, peer_optim)[0](0)
+    _build(run.replace("_compile", ""), tiny, peer_optim)[0](0)  # eager: dynamo would make the shapes dynamic
     cfg = config(**cfg_kw)
     base = reset_peak()
     t0 = time.perf_counter()
     step, predicted = _build(run, cfg, peer_optim)
     build_s = time.perf_counter() - t0
+    warm = 2 if "_compile" in run else 1  # compiled: the first step compiles, the second checks no recompile
     losses, times = [], []
-    for s in range(steps + 1):
+    for s in range(steps + warm):
         t0 = time.perf_counter()
         losses.append(step(first_step + s))
         times.append(time.perf_counter() - t0)
-    return {"growth": peak_rss_bytes() - base, "predicted": predicted, "times": times[1:], "losses": losses,
-            "build_s": build_s}
+    return {"growth": peak_rss_bytes() - base, "predicted": predicted, "times": times[warm:], "losses": losses,
+            "build_s": build_s, "warm_s": times[:warm]}
+
+
+def check_worker(run: str, steps: int) -> list:
+    """One gloo rank: ``steps`` losses of ``run`` eager, then compiled, on a small LM (the same initial values)."""
+    small = config(1, vocab_size=256, d_model=64, num_heads=4, d_kv=16, d_ff=128, num_layers=2, length=32)
+    out = []
+    for r in (run, run + "_compile"):
+        torch.manual_seed(0)  # BlockLM's initial values; build_lm draws from its own seed
+        step = _build(r, small, "fused")[0]
+        out.append([step(s) for s in range(steps)])
+    return out
 
 
 def predict_worker(run: str, cfg_kw: dict) -> int:
@@ -216,7 +234,16 @@ def main(argv=None):
                     help="torch.optim.AdamW implementation of DDP and FSDP2")
     ap.add_argument("--layers", type=int, default=12, help="(smaller for a quick check)")
     ap.add_argument("--predict-only", action="store_true", help="print the planner's per-rank totals and stop")
+    ap.add_argument("--check-compiled", action="store_true",
+                    help="compare each run's losses eager vs compiled on a small LM (1e-5) and stop")
     args = ap.parse_args(argv)
+    if args.check_compiled:
+        for run in args.runs.split(","):
+            eager, comp = run_spmd("scale_124m:check_worker", args=(run.removesuffix("_compile"), 3), nprocs=RANKS,
+                                   timeout_s=1800, dist_timeout_s=1800, extra_path=[HERE]).check().results[0]
+            diff = max(abs(a - b) for a, b in zip(eager, comp, strict=True))
+            print(f"{run}: eager {eager}, compiled {comp}, max |diff| {diff:.2e} ({'ok' if diff <= 1e-5 else 'FAIL'})")
+        return
     cfg_kw = {"micro_batch": args.micro_batch, "num_layers": args.layers}
     cfg = config(**cfg_kw)
     n_params = sum(v.shape.size for v in build_lm(cfg).graph.trainable_variables)
@@ -232,7 +259,7 @@ def main(argv=None):
             print(f"{run}: planner per-rank total {pred / MIB:.0f} MiB")
         return
     results: dict = {r: [] for r in runs}
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # 4 ranks on few cores
     for rnd in range(args.rounds):
         for run in (runs if rnd % 2 == 0 else runs[::-1]):  # A B, B A, ...: a load trend hits both alike
             res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
@@ -241,7 +268,8 @@ def main(argv=None):
             results[run].append(res)
             t = [x for r in res for x in r["times"]]
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.2f} (min {min(t):.2f}, max "
-                  f"{max(t):.2f}); build {res[0]['build_s']:.0f} s; losses rank 0 "
+                  f"{max(t):.2f}); build {res[0]['build_s']:.0f} s; warm-up s "
+                  f"{[round(v, 1) for v in res[0]['warm_s']]}; losses rank 0 "
                   f"{[round(v, 3) for v in res[0]['losses']]}", flush=True)
     print(f"\n{'run':<14}{'step s median':>14}{'spread':>16}{'peak RSS growth per rank, MiB':>34}"
           f"{'planner MiB':>13}")
@@ -256,9 +284,12 @@ def main(argv=None):
         med[run + "_rss"] = max(growth)
     pairs = [(a + x, b + y) for a, b in (("dp", "ddp"), ("fsdp", "fsdp2")) for x in ("", "_async")
              for y in ("", "_foreach")]
+    pairs += [(a + "_compile", b + "_compile") for a, b in (("dp", "ddp"), ("fsdp", "fsdp2"))]
     for a, b in pairs:
         if a in med and b in med:
-            print(f"{a}/{b}: step time {med[a] / med[b]:.2f}, peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
+            both = "compiled" if a.endswith("_compile") else "eager"
+            print(f"{a}/{b} ({both} both): step time {med[a] / med[b]:.2f}, "
+                  f"peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
 
 
 if __name__ == "__main__":
