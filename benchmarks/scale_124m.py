@@ -15,7 +15,13 @@ each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micr
   buckets issued asynchronously as soon as their gradients exist, overlapping the rest of the backward pass,
   as DDP's reducer does; the SPMD default on CPU is synchronous);
 * ``ddp_foreach`` / ``fsdp2_foreach``: the peers with ``torch.optim.AdamW(foreach=True)`` instead of
-  ``--peer-optim``.
+  ``--peer-optim``;
+* ``dp_compile`` / ``fsdp_compile``: ``dp`` / ``fsdp`` with ``Lowering(..., mode="compile")`` (the whole step,
+  forward, backward, functional collectives and AdamW, one ``torch.compile`` d graph per rank), against
+  ``ddp_compile`` (``torch.compile(DDP(model))``) / ``fsdp2_compile`` (TorchTitan's ``torch.compile`` per block,
+  then ``fully_shard`` per block and root): ``compiled_peers.py``. Two warm-up steps (the first compiles);
+  each job compiles cold (its own empty ``TORCHINDUCTOR_CACHE_DIR``); ``--check-compiled`` compares each run's
+  eager and compiled losses on a small LM.
 
 ``--rounds N`` repeats the job sequence N times, reversed every other round (A B B A A B ...: each run is a
 job of its own, so two 163M replicated jobs never share the host's memory, and the runs are still
@@ -26,9 +32,11 @@ runs cannot share the processes on a 24 GB host); ``--rounds`` repeats the job s
 fsdp2, so slow periods of a shared host spread over all runs. Per rank and job: peak RSS growth (VmHWM
 after a reset, minus the RSS before the model was built: variables + activations + transients), the
 planner's predicted per-rank total (:func:`meshtorch.planning.memory_report`; meshtorch runs only) and the
-step times of ``--steps`` steps after one warm-up step. Printed: per run the median step time over all
-rounds and ranks with its spread (min-max), and peak RSS per rank. Everything runs eager (meshtorch's
-generated code, PyTorch eager): compiled pairs are not measured here.
+step times of ``--steps`` steps after one warm-up step (two for ``_compile`` runs; the warm-up times are
+printed: the first minus a step is the compile time). Printed: per run the median step time over all rounds
+and ranks with its spread (min-max), and peak RSS per rank (for compiled runs including inductor's compile
+transient). Runs without ``_compile`` are eager (meshtorch's generated code, PyTorch eager); ratios are
+printed eager/eager and compiled/compiled.
 
 Run: ``python benchmarks/scale_124m.py [--steps 3] [--rounds 1] [--micro-batch 1] [--runs dp,ddp,fsdp,fsdp2]``
 """
@@ -40,6 +48,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -249,7 +258,7 @@ def main(argv=None):
     n_params = sum(v.shape.size for v in build_lm(cfg).graph.trainable_variables)
     print(f"LM: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x {cfg.d_kv}, d_ff {cfg.d_ff}, "
           f"vocab {cfg.vocab_size}, context {cfg.length}: {n_params / 1e6:.1f}M parameters; {RANKS} gloo ranks x "
-          f"{args.micro_batch} sequence(s); 1 thread each; peers' AdamW: {args.peer_optim}; all eager; "
+          f"{args.micro_batch} sequence(s); 1 thread each; peers' AdamW: {args.peer_optim}; eager unless _compile; "
           f"torch {torch.__version__}, {os.cpu_count()} cores")
     runs = args.runs.split(",")
     if args.predict_only:
@@ -262,9 +271,10 @@ def main(argv=None):
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # 4 ranks on few cores
     for rnd in range(args.rounds):
         for run in (runs if rnd % 2 == 0 else runs[::-1]):  # A B, B A, ...: a load trend hits both alike
-            res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
-                           nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
-                           env=env).check().results
+            with tempfile.TemporaryDirectory(prefix="inductor_") as cache:  # cold compile in every job
+                res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
+                               nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
+                               env={**env, "TORCHINDUCTOR_CACHE_DIR": cache}).check().results
             results[run].append(res)
             t = [x for r in res for x in r["times"]]
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.2f} (min {min(t):.2f}, max "
