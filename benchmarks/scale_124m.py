@@ -28,7 +28,13 @@ each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micr
   ``parallelize_module`` (ColwiseParallel q/k/v/wi and the vocab-split logits with ``loss_parallel``,
   RowwiseParallel o/wo and the embedding) over ``tp`` of ``init_device_mesh("cpu", (2, 2), ("dp", "tp"))``, then
   ``fully_shard`` per block and on the root over ``dp`` (TorchTitan's recipe without sequence parallelism),
-  same padded vocabulary; ``fsdp_tp_async`` / ``fsdp2_tp_foreach`` as above.
+  same padded vocabulary; ``fsdp_tp_async`` / ``fsdp2_tp_foreach`` as above;
+* ``dp_compile`` / ``fsdp_compile``: ``dp`` / ``fsdp`` with ``Lowering(..., mode="compile")`` (the whole step,
+  forward, backward, functional collectives and AdamW, one ``torch.compile`` d graph per rank), against
+  ``ddp_compile`` (``torch.compile(DDP(model))``) / ``fsdp2_compile`` (TorchTitan's ``torch.compile`` per block,
+  then ``fully_shard`` per block and root): ``compiled_peers.py``. Two warm-up steps (the first compiles);
+  each job compiles cold (its own empty ``TORCHINDUCTOR_CACHE_DIR``); ``--check-compiled`` compares each run's
+  eager and compiled losses on a small LM.
 
 ``--check`` runs the correctness checks at a tiny size on 4 gloo ranks instead: the peer under TP + FSDP
 against the same module unsharded in one process (losses, gradients, weights after AdamW steps), and
@@ -47,7 +53,8 @@ step times (wall) and process CPU times (``time.process_time``: all threads of t
 shared host's load than wall time) of ``--steps`` steps after one warm-up step. Printed: per run the median
 step time over all rounds and ranks with its spread (min-max), the median CPU time, and peak RSS per rank.
 ``--profile`` profiles one step of rank 0 per run (``torch.profiler``, self CPU time) instead. Everything runs
-eager (meshtorch's generated code, PyTorch eager): compiled pairs are not measured here.
+eager (meshtorch's generated code, PyTorch eager) except the ``_compile`` runs (two warm-up steps, whose times
+are printed: the first minus a step is the compile time); ratios are printed eager/eager and compiled/compiled.
 
 Run: ``python benchmarks/scale_124m.py [--steps 3] [--rounds 1] [--micro-batch 1] [--runs dp,ddp,fsdp,fsdp2]``
 (``--runs fsdp_tp,fsdp2_tp`` for the 2x2 pair; ``--check`` first)
@@ -60,6 +67,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -71,6 +79,7 @@ from torch.distributed.fsdp import fully_shard
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+import compiled_peers  # noqa: E402
 from rss import peak_rss_bytes, reset_peak  # noqa: E402
 from tp_peer import TPLM, parallelize  # noqa: E402
 from tp_peer import backward as tp_backward  # noqa: E402
@@ -194,8 +203,10 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
     per = cfg.batch_size // RANKS
     if run.endswith("_foreach"):
         run, peer_optim = run[: -len("_foreach")], "foreach"
+    compiled = run.endswith("_compile")  # meshtorch mode="compile" / the peers of compiled_peers.py
+    run = run.removesuffix("_compile")
     if run in MESHTORCH_RUNS:
-        lm, lw = _lowering(run, cfg)
+        lm, lw = _lowering(run, cfg, mode="compile" if compiled else "codegen")
         fetches = [lm.loss] + lm.updates
         predicted = memory_report(lw, fetches).total_bytes
 
@@ -212,7 +223,9 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
     else:
         model = BlockLM(cfg)
         rows = slice(rank * per, (rank + 1) * per)
-        if run == "ddp":
+        if compiled:
+            model = compiled_peers.parallelize(model, run, RANKS)
+        elif run == "ddp":
             model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
         else:  # fsdp2: per block and the root; fsdp2_root: the root unit only
             mesh = init_device_mesh("cpu", (RANKS,))
@@ -223,13 +236,14 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
         def loss_backward(_, loss):
             loss.backward()
     opt = _peer_optimizer(model.parameters(), peer_optim)
+    opt_step = compiled_peers.step_fn(opt) if compiled else opt.step
 
     def step(s):
         x, y = batch(cfg, s)
         opt.zero_grad(set_to_none=True)
         loss = model(x[rows], y[rows])
         loss_backward(model, loss)
-        opt.step()
+        opt_step()
         return loss.item()
     return step, None
 
@@ -237,20 +251,32 @@ def _build(run: str, cfg: LMConfig, peer_optim: str):
 def worker(run: str, cfg_kw: dict, steps: int, peer_optim: str, first_step: int) -> dict:
     """One gloo rank of ``run``: tiny warm-up (torch / gloo lazy allocations), then the model; RSS and times."""
     tiny = config(1, vocab_size=64, d_model=32, num_heads=2, d_kv=16, d_ff=64, num_layers=1, length=16)
-    _build(run, tiny, peer_optim)[0](0)
+    _build(run.replace("_compile", ""), tiny, peer_optim)[0](0)  # eager: dynamo would make the shapes dynamic
     cfg = config(**cfg_kw, run=run)
     base = reset_peak()
     t0 = time.perf_counter()
     step, predicted = _build(run, cfg, peer_optim)
     build_s = time.perf_counter() - t0
+    warm = 2 if "_compile" in run else 1  # compiled: the first step compiles, the second checks no recompile
     losses, times, cpu = [], [], []
-    for s in range(steps + 1):
+    for s in range(steps + warm):
         t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(first_step + s))
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return {"growth": peak_rss_bytes() - base, "predicted": predicted, "times": times[1:], "cpu": cpu[1:],
-            "losses": losses, "build_s": build_s}
+    return {"growth": peak_rss_bytes() - base, "predicted": predicted, "times": times[warm:], "cpu": cpu[warm:],
+            "losses": losses, "build_s": build_s, "warm_s": times[:warm]}
+
+
+def check_compiled_worker(run: str, steps: int) -> list:
+    """One gloo rank: ``steps`` losses of ``run`` eager, then compiled, on a small LM (the same initial values)."""
+    small = config(1, vocab_size=256, d_model=64, num_heads=4, d_kv=16, d_ff=128, num_layers=2, length=32)
+    out = []
+    for r in (run, run + "_compile"):
+        torch.manual_seed(0)  # BlockLM's initial values; build_lm draws from its own seed
+        step = _build(r, small, "fused")[0]
+        out.append([step(s) for s in range(steps)])
+    return out
 
 
 def profile_worker(run: str, cfg_kw: dict, rows: int = 25) -> str | None:
@@ -311,7 +337,17 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true",
                     help="tiny-size checks of the TP runs (peer vs unsharded module, fsdp_tp vs dp losses) and stop")
     ap.add_argument("--profile", action="store_true", help="profile one step of rank 0 of each run and stop")
+    ap.add_argument("--check-compiled", action="store_true",
+                    help="compare each run's losses eager vs compiled on a small LM (1e-5) and stop")
     args = ap.parse_args(argv)
+    if args.check_compiled:
+        for run in args.runs.split(","):
+            job = run_spmd("scale_124m:check_compiled_worker", args=(run.removesuffix("_compile"), 3),
+                           nprocs=RANKS, timeout_s=1800, dist_timeout_s=1800, extra_path=[HERE])
+            eager, comp = job.check().results[0]
+            diff = max(abs(a - b) for a, b in zip(eager, comp, strict=True))
+            print(f"{run}: eager {eager}, compiled {comp}, max |diff| {diff:.2e} ({'ok' if diff <= 1e-5 else 'FAIL'})")
+        return
     if args.profile:
         for run in args.runs.split(","):
             table = run_spmd("scale_124m:profile_worker", args=(run, {"micro_batch": args.micro_batch,
@@ -329,7 +365,7 @@ def main(argv=None):
     n_params = sum(v.shape.size for v in build_lm(cfg).graph.trainable_variables)
     print(f"LM: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x {cfg.d_kv}, d_ff {cfg.d_ff}, "
           f"vocab {cfg.vocab_size}, context {cfg.length}: {n_params / 1e6:.1f}M parameters; {RANKS} gloo ranks x "
-          f"{args.micro_batch} sequence(s); 1 thread each; peers' AdamW: {args.peer_optim}; all eager; "
+          f"{args.micro_batch} sequence(s); 1 thread each; peers' AdamW: {args.peer_optim}; eager unless _compile; "
           f"torch {torch.__version__}, {os.cpu_count()} cores")
     runs = args.runs.split(",")
     if args.predict_only:
@@ -339,17 +375,19 @@ def main(argv=None):
             print(f"{run}: planner per-rank total {pred / MIB:.0f} MiB")
         return
     results: dict = {r: [] for r in runs}
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # 4 ranks on few cores
     for rnd in range(args.rounds):
         for run in (runs if rnd % 2 == 0 else runs[::-1]):  # A B, B A, ...: a load trend hits both alike
-            res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
-                           nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
-                           env=env).check().results
+            with tempfile.TemporaryDirectory(prefix="inductor_") as cache:  # cold compile in every job
+                res = run_spmd("scale_124m:worker", args=(run, cfg_kw, args.steps, args.peer_optim, 1000 * rnd),
+                               nprocs=RANKS, timeout_s=3600, dist_timeout_s=1800, extra_path=[HERE],
+                               env={**env, "TORCHINDUCTOR_CACHE_DIR": cache}).check().results
             results[run].append(res)
             t = [x for r in res for x in r["times"]]
             c = [x for r in res for x in r["cpu"]]
             print(f"  round {rnd} {run}: step s median {statistics.median(t):.2f} (min {min(t):.2f}, max "
                   f"{max(t):.2f}); CPU s per rank median {statistics.median(c):.2f}; build {res[0]['build_s']:.0f} s; "
+                  f"warm-up s {[round(v, 1) for v in res[0]['warm_s']]}; "
                   f"losses rank 0 {[round(v, 3) for v in res[0]['losses']]}", flush=True)
     print(f"\n{'run':<14}{'step s median':>14}{'spread':>16}{'CPU s median':>14}"
           f"{'peak RSS growth per rank, MiB':>34}{'planner MiB':>13}")
@@ -365,9 +403,12 @@ def main(argv=None):
         med[run + "_rss"] = max(growth)
     pairs = [(a + x, b + y) for a, b in (("dp", "ddp"), ("fsdp", "fsdp2"), ("fsdp_tp", "fsdp2_tp"))
              for x in ("", "_async", "_blocking") for y in ("", "_foreach", "_root")]
+    pairs += [(a + "_compile", b + "_compile") for a, b in (("dp", "ddp"), ("fsdp", "fsdp2"))]
     for a, b in pairs:
         if a in med and b in med:
-            print(f"{a}/{b}: step time {med[a] / med[b]:.2f}, CPU time {med[a + '_cpu'] / med[b + '_cpu']:.2f}, "
+            both = "compiled" if a.endswith("_compile") else "eager"
+            print(f"{a}/{b} ({both} both): step time {med[a] / med[b]:.2f}, "
+                  f"CPU time {med[a + '_cpu'] / med[b + '_cpu']:.2f}, "
                   f"peak RSS {med[a + '_rss'] / med[b + '_rss']:.2f}")
 
 

@@ -36,12 +36,19 @@ def _k_fused_adam(w, g, m, v, step, *lr_tensor, lr: float, beta1: float, beta2: 
     ``step``: the int number of completed updates (0-dim); the learning rate is ``lr_tensor[0]`` (a
     0-dim scheduled rate) if given, else ``lr``. ``donate``: the plan found no later reader of ``w``,
     ``m``, ``v`` (:mod:`meshtorch.lowering.donate`): float32 contiguous ones are updated in place
-    (``torch.optim.AdamW(fused=True)``'s own ``step``), so no new buffers are allocated.
+    (``torch.optim.AdamW(fused=True)``'s own ``step``), so no new buffers are allocated; under
+    ``torch.compile`` the same in-place writes are ``copy_`` s of the fused formula's results.
     """
     f32 = torch.float32
     if torch.compiler.is_compiling():  # inductor cannot functionalize the in-place kernel; it fuses this instead
-        return _adam_formula(w.to(f32), g.to(f32), m, v, step, *lr_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                             weight_decay=weight_decay, decoupled=decoupled)
+        new = _adam_formula(w.to(f32), g.to(f32), m, v, step, *lr_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, decoupled=decoupled)
+        if not donate:
+            return new
+        # donated: the results are written into w, m, v (graph-input mutations inductor stores in place), so
+        # the compiled step allocates no new weight or moment buffers and the commit copies nothing
+        return tuple(t.copy_(n) if t.dtype == f32 and t.is_contiguous() else n
+                     for t, n in zip((w, m, v), new, strict=True))
 
     def own(t):
         in_place = donate and t.dtype == f32 and t.is_contiguous()
