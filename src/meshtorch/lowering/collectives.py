@@ -84,9 +84,8 @@ KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
         bucket_params=lambda sts: {"mesh_axis": sts[0].params["mesh_axis"],
                                    "scatter_axes": tuple(st.params["scatter_axis"] for st in sts)},
         bucket_key=lambda st: (st.mesh, "reduce_scatter", st.params["mesh_axis"]),
-        # the packed rows, and the moved copies of members scattered off axis 0
-        bucket_workspace=lambda p, in_b, out_b: sum(in_b) + sum(
-            b for b, a in zip(in_b, p.get("scatter_axes", ()), strict=False) if a)),
+        # the packed rows (each member copied in once, whatever its scatter axis)
+        bucket_workspace=lambda p, in_b, out_b: sum(in_b)),
     CollectiveKind(
         "alltoall", "alltoall", _same, lambda b, g: (g - 1) / g * b,
         lambda p, in_b, out_b: 2 * sum(in_b),  # the moved send buffer and the receive buffer
