@@ -75,16 +75,20 @@ def test_train_compile_spmd_equals_placement(capsys):
         assert _rel(val, h["val_loss"]) <= 1e-5, (rank, val, h["val_loss"])
 
 
-def test_train_spmd_equals_placement(tmp_path, capsys):
-    run = run_spmd("_spmd_jobs:train_worker", args=(str(tmp_path / "spmd"),), nprocs=4, timeout_s=150,
-                   extra_path=[TESTS_DIR]).check()
-    args = J.train_args(["--checkpoint-dir", str(tmp_path / "placement")])
+def _one_thread(args) -> dict:
+    """``meshtorch train`` with parsed ``args`` in this process on one thread (as each gloo rank runs)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = args.func(args)
+        return args.func(args)
     finally:
         torch.set_num_threads(n)
+
+
+def test_train_spmd_equals_placement(tmp_path, capsys):
+    run = run_spmd("_spmd_jobs:train_worker", args=(str(tmp_path / "spmd"),), nprocs=4, timeout_s=150,
+                   extra_path=[TESTS_DIR]).check()
+    ref = _one_thread(J.train_args(["--checkpoint-dir", str(tmp_path / "placement")]))
     ref_out = capsys.readouterr().out
     h = ref["history"]
     assert len(h["loss"]) == 5 and len(h["val_loss"]) == 1
@@ -113,13 +117,7 @@ def test_train_default_mesh_under_torchrun_is_data_parallel(capsys):
     batch:data, buckets on by default): the losses, validation loss and sample of the same model trained with
     ``--mesh data:2 --layout batch:data`` on the simulated mesh in one process."""
     run = run_spmd("_spmd_jobs:train_default_mesh_worker", nprocs=2, timeout_s=150, extra_path=[TESTS_DIR]).check()
-    args = J.train_args(["--mesh", "data:2", "--layout", "batch:data"], argv=J.TRAIN_ARGV)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = args.func(args)
-    finally:
-        torch.set_num_threads(n)
+    ref = _one_thread(J.train_args(["--mesh", "data:2", "--layout", "batch:data"], argv=J.TRAIN_ARGV))
     capsys.readouterr()
     h = ref["history"]
     assert len(h["loss"]) == 5 and len(h["val_loss"]) == 1
