@@ -276,8 +276,8 @@ def test_killed_rank_is_named_by_every_survivor_and_the_launcher(tmp_path):
     survivors = [ln for ln in out.splitlines() if "stopping because" in ln]
     assert len(survivors) >= 2 and all("because rank 2: stopped responding" in ln for ln in survivors), out
     # each survivor prints its flight recorder: the data-parallel all-reduces it ran last, with their ranks
-    dumps = [ln for ln in out.splitlines() if ln.startswith("meshtorch flight recorder: last ")]
-    assert len(dumps) >= 2, out
+    # (counted anywhere in a line: a dump may follow rank 0's progress bar, which ends without a newline)
+    assert out.count("meshtorch flight recorder: last ") >= 2, out
     # one record per collective call (a bucket of n all-reduces reads "allreduce xn")
     assert any(re.search(r" allreduce( x\d+)? over all ", ln) and ln.lstrip().startswith("#")
                for ln in out.splitlines()), out
