@@ -126,7 +126,8 @@ class Planner:
         #: every redistribution emitted, in order (a run executes those its fetches need)
         self.redistributions: list[Redistribution] = []
         #: stored values whose forward gather the backward pass reuses (see :func:`kept_forward_gathers`)
-        self.kept_gathers = kept_forward_gathers(graph.operations)
+        self.kept_gathers = (kept_forward_gathers(graph.operations)
+                             if any(spec.storage_rules.pairs for spec in self.mesh_to_spec.values()) else frozenset())
         for op in graph.operations:
             self._lower_op(op)
         self._current_op = None

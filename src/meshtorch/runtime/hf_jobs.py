@@ -31,7 +31,7 @@ from meshtorch.runtime.generate import beam_search, sample
 from meshtorch.runtime.optional import optional_module
 from meshtorch.runtime.sample import main_sample
 from meshtorch.runtime.train import batch_feeds, evaluate, main_train, make_optimizer, resume_point
-from meshtorch.runtime.train_config import default_mesh_layout
+from meshtorch.runtime.train_config import default_mesh_layout, world_size
 
 TOKENIZER = "tokenizer.json"
 _MODEL_FLAGS = ("layers", "d_model", "heads", "d_kv", "d_ff", "experts")
@@ -114,7 +114,7 @@ def check_finetune_args(args) -> HFModelConfig:
         checks.positive("--lr", args.lr)
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints).")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     args.mesh, args.layout = default_mesh_layout(getattr(args, "mesh", None), getattr(args, "layout", None), world)
     mesh = checks.mesh_shape("--mesh", args.mesh)
     checks.mesh_fits_world("--mesh", args.mesh, mesh, world)
@@ -148,7 +148,7 @@ def main_finetune(args) -> dict:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size() > 1:
         init_distributed()
     impl = make_mesh_impl(args.mesh, args.layout, storage=getattr(args, "storage", "") or None)
     leader = impl.is_leader()
@@ -281,7 +281,7 @@ def main_export(args) -> list[str]:
     cfg, ckpt, tok_dirs = _hf_source(args.checkpoint_dir)
     if ckpt is None:
         raise CheckpointError(f"--checkpoint-dir {args.checkpoint_dir!r} is already a Hugging Face directory.")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size() > 1:
         init_distributed()
     impl = make_mesh_impl(args.mesh, args.layout, storage=args.storage or None)
     lm = hf.build(cfg.with_shape(1, 1))

@@ -51,7 +51,7 @@ from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
 from meshtorch.runtime.report import CompileClock, plot_history
-from meshtorch.runtime.train_config import TrainConfig, older_hint, resume_point
+from meshtorch.runtime.train_config import TrainConfig, older_hint, resume_point, world_size
 
 
 def vocab_multiple(mesh_shape: str, layout: str) -> int:
@@ -184,7 +184,7 @@ def _start(cfg: TrainConfig, paths: runs.RunPaths) -> _Job:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device
-    if _world() > 1:  # under torchrun: join the job before anything prints
+    if world_size() > 1:  # under torchrun: join the job before anything prints
         init_distributed(backend=None if device is None else ("nccl" if device.startswith("cuda") else "gloo"))
     impl = make_mesh_impl(cfg.mesh, cfg.layout, device=device, storage=cfg.storage or None,
                           async_collectives=cfg.async_collectives)
@@ -195,10 +195,6 @@ def _start(cfg: TrainConfig, paths: runs.RunPaths) -> _Job:
             print(*a, flush=True)
 
     return _Job(cfg, paths, impl, say)
-
-
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _load_data(job: _Job) -> tuple | None:
@@ -252,7 +248,7 @@ def _build_model(job: _Job) -> None:
 
 def _peak_flops(job: _Job) -> tuple[float, str]:
     """The MFU denominator (FLOP/s of the whole job) and where it comes from."""
-    impl, world = job.impl, _world()
+    impl, world = job.impl, world_size()
     gpus = sorted({str(impl.device(p)) for p in impl.local_pnums() if impl.device(p).type == "cuda"})
     if job.cfg.peak_tflops:
         return job.cfg.peak_tflops * 1e12, "--peak-tflops"
@@ -273,7 +269,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
         RunFailure: the loss or the gradient norm diverged (nothing after the last good step is saved).
     """
     cfg, paths, record, say, main_process = job.cfg, job.paths, job.record, job.say, job.main_process
-    lm, lowering, model, world = job.lm, job.lowering, job.model, _world()
+    lm, lowering, model, world = job.lm, job.lowering, job.model, world_size()
     bpt = job.dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
     fpt = flops_per_token(model)
     metrics = None
@@ -380,7 +376,7 @@ def _evaluate_now(job: _Job, comp) -> float:
 def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, saved, wall: float, comp) -> dict:
     """Print throughput, MFU, the validation result, the communication summary (and the flight recorder's
     report), where the checkpoint is; plot the loss curve; sample. Returns :func:`main_train`'s result."""
-    cfg, paths, model, say, world = job.cfg, job.paths, job.model, job.say, _world()
+    cfg, paths, model, say, world = job.cfg, job.paths, job.model, job.say, world_size()
     bpt = job.dataset.bytes_per_token
     fpt = flops_per_token(model)
     tokens_per_step = model.batch_size * model.length

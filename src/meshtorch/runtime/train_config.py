@@ -159,7 +159,7 @@ class TrainConfig:
         self._check_numbers()
         cfg = self._with_mesh_defaults()
         mesh = checks.mesh_shape("--mesh", cfg.mesh)
-        checks.mesh_fits_world("--mesh", cfg.mesh, mesh, _world())
+        checks.mesh_fits_world("--mesh", cfg.mesh, mesh, world_size())
         checks.device("--device", cfg.device)
         if cfg.resume and cfg.checkpoint_dir == "":
             raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoints), not ''.")
@@ -189,7 +189,7 @@ class TrainConfig:
     def _with_mesh_defaults(self) -> TrainConfig:
         """The config with ``--mesh`` / ``--layout`` defaults filled in (:func:`default_mesh_layout`); under
         torchrun without either flag, rank 0 says once that the job is data parallel."""
-        world = _world()
+        world = world_size()
         mesh, layout = default_mesh_layout(self.mesh, self.layout, world)
         if world > 1 and self.mesh is None and self.layout is None and _rank() == 0:
             print(f"meshtorch train: no --mesh/--layout under torchrun: data parallel over the {world} processes "
@@ -253,7 +253,7 @@ class TrainConfig:
             UsageError: ``--storage auto`` without ``--layout auto``, under torchrun without a cached
                 calibration, or when no layout fits ``--memory-limit``.
         """
-        world = _world()
+        world = world_size()
         backend = "placement" if world == 1 else ("nccl" if str(self.device or "").startswith("cuda") else "gloo")
         threads = self.threads or torch.get_num_threads()
         if world > 1 and cached(backend, threads) is None:
@@ -286,7 +286,7 @@ class TrainConfig:
         return self.replace(layout=layout, storage=chosen_storage if storage in ("", "auto") else storage, **changes)
 
 
-def _world() -> int:
+def world_size() -> int:
     """The job's process count (torchrun's ``WORLD_SIZE``; 1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
