@@ -221,7 +221,11 @@ def test_hanging_rank_times_out():
 
 
 SCRIPT = """
-import sys, torch, torch.distributed as dist
+import atexit, os, sys, torch, torch.distributed as dist
+threads = lambda: sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+before = threads()
+# registered before meshtorch's exit handler, so it runs after it (atexit runs last-in first-out)
+atexit.register(lambda: sys.stdout.write(f"THREADS {{os.environ['RANK']}} {{before}} {{threads()}}\\n"))
 sys.path.insert(0, {src!r}); sys.path.insert(0, {tests!r})
 import meshtorch as mtf, spmd_helper as H
 from meshtorch.mesh import make_mesh_impl
@@ -252,6 +256,11 @@ def test_meshtorch_launch(tmp_path, fail):
         got = sorted(re.findall(r"LOSS (\d) ([-0-9.e]+)", p.stdout))
         assert [r for r, _ in got] == ["0", "1"], p.stdout
         assert all(abs(float(v) - want) <= 1e-6 * abs(want) for _, v in got)
+        # the process groups' threads (gloo workers, the store server on rank 0) end in meshtorch's exit
+        # handler, not during interpreter finalization, where a worker can abort the process (status -6)
+        left = dict((r, (b, a)) for r, b, a in re.findall(r"THREADS (\d) (\[.*?\]) (\[.*?\])", p.stdout))
+        assert sorted(left) == ["0", "1"], p.stdout
+        assert all(b == a for b, a in left.values()), left
     else:
         assert p.returncode == 1, p.stderr[-3000:]
         assert "rank 1 failed first" in p.stderr and "boom on rank one" in p.stderr, p.stderr[-3000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from collections.abc import Callable
 
@@ -74,17 +75,17 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None,
 def shutdown_distributed() -> None:
     """Stop the watchdog and destroy the process groups (registered at exit by :func:`init_distributed`).
 
-    Without it gloo's threads may abort the interpreter at exit ("terminate called without an
-    active exception", status -6). Unless some rank recorded a failure, the ranks first meet at a
-    barrier (gloo: ``monitored_barrier``, at most 30 s) so that none tears down its connections
-    while a peer is still inside the last collective.
+    Unless some rank recorded a failure, the ranks first meet at a barrier (gloo: ``monitored_barrier``,
+    at most 30 s) so that none tears down its connections while a peer is still inside the last
+    collective. Then every reference meshtorch holds to a group is dropped (the :func:`on_shutdown`
+    hooks) and the groups are destroyed and collected here, while the interpreter is alive:
+    ``destroy_process_group`` alone leaves a gloo group's worker threads running while anything still
+    references it, and a worker that drops its last tensor after the interpreter started finalizing
+    cannot take the GIL and aborts the process ("terminate called without an active exception",
+    status -6, seen on loaded hosts). Groups the user's own code still references live on.
     """
     stop_watchdog()
-    for fn in _ON_SHUTDOWN:
-        fn()
-    if not dist.is_initialized():
-        return
-    if not failure_recorded():  # all ranks leave together, so none tears down mid-collective
+    if dist.is_initialized() and not failure_recorded():  # all ranks leave together
         try:
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(30.0, DEFAULT_TIMEOUT_S)))
@@ -92,10 +93,14 @@ def shutdown_distributed() -> None:
                 dist.barrier()
         except Exception:  # noqa: BLE001 - a peer is gone: nothing to wait for
             pass
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
+    for fn in _ON_SHUTDOWN:
+        fn()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+    gc.collect()  # unreferenced groups (and their worker threads) end now, not during finalization
 
 
 def is_main_process() -> bool:

@@ -25,6 +25,7 @@ import functools
 import itertools
 import math
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,23 @@ from meshtorch.mesh.process import init_distributed, on_shutdown
 from meshtorch.mesh.spmd_strategy import Collectives, EagerCollectives, FunctionalCollectives
 
 _GROUPS: dict[tuple[int, ...], object] = {}  # rank tuple -> ProcessGroup (per process, shared by impls)
-on_shutdown(_GROUPS.clear)  # destroyed with the default group at shutdown
+_IMPLS: weakref.WeakSet = weakref.WeakSet()  # live SpmdMeshImpls: their cached groups are dropped at shutdown
+
+
+def _drop_groups() -> None:
+    """Forget every process group this module holds (the shared cache and each live mesh's own).
+
+    Called by :func:`meshtorch.mesh.process.shutdown_distributed` before it destroys the groups: a gloo
+    group's worker threads end only when its last reference goes, and a group still referenced when the
+    interpreter finalizes is destroyed then, when a worker that drops a tensor can no longer take the GIL
+    (the process aborts: "terminate called without an active exception", status -6).
+    """
+    _GROUPS.clear()
+    for impl in list(_IMPLS):
+        impl._axis_groups.clear()
+
+
+on_shutdown(_drop_groups)
 
 
 def default_device_and_backend(device=None, backend=None) -> tuple[torch.device, str]:
@@ -133,6 +150,7 @@ class SpmdMeshImpl(MeshImpl):
         self.coords = self.pnum_to_processor_coordinates(self.rank)
         self.recorder_rank = self.rank
         self._axis_groups: dict[tuple[int, ...], object] = {}
+        _IMPLS.add(self)
         if self.ndims <= 3:
             for r in range(1, self.ndims + 1):
                 for axes in itertools.combinations(range(self.ndims), r):
