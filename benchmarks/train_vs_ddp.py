@@ -4,7 +4,8 @@ Side A, ``mtf``: ``torchrun --standalone --nproc-per-node 2 -m meshtorch train``
 layout and optimizer flags (under torchrun without --mesh/--layout: mesh ``data:2``, layout ``batch:data``;
 the ``small`` preset: 3 layers, d_model 128, 4 heads x 32, d_ff 512, ReLU, RMS norm, no dropout, learned
 positions, untied logits, byte vocabulary 256, batch 16 x length 128 over both ranks; AdamW lr 6e-3 with the
-cosine schedule and 50 warm-up steps, weight decay 0, global-norm clipping 1.0; 25 MiB gradient buckets;
+cosine schedule and 50 warm-up steps, weight decay 0, global-norm clipping 1.0; DDP's default gradient buckets
+(25 MiB, the first closed at 1 MiB);
 ``--threads 1``; the generated-code executor, eager). Only ``--steps`` changes (the schedule's length) and
 what runs outside the steps is turned off (``--sample 0 --plot '' --checkpoint-dir ''``, one evaluation batch
 at the end). Step times are the train loop's own (``--log-dir``: ``metrics.jsonl``'s ``tokens_per_s`` of
@@ -15,7 +16,9 @@ Side B, ``ddp_fused`` / ``ddp_foreach``: the same computation in plain PyTorch
 (:class:`meshtorch.testing.torch_lm.TorchLM`, meshtorch's twin with the same parameter names and shapes,
 with ``F.cross_entropy`` as the loss and no padding mask), starting from meshtorch's initial weights (the same
 seed drawn on a one-process lowering: the values are layout-independent),
-``DistributedDataParallel(bucket_cap_mb=25, broadcast_buffers=False)`` (no buffer to broadcast per step),
+``DistributedDataParallel(broadcast_buffers=False)`` (no buffer to broadcast per step; its default buckets:
+``bucket_cap_mb`` None, 25 MiB with a 1 MiB first bucket; before 2026-11-27 ``bucket_cap_mb=25``, which has no
+small first bucket),
 ``torch.optim.AdamW(fused=True)`` or ``(foreach=True)`` with the same learning rate per step
 (:func:`meshtorch.runtime.train.host_lr`), ``clip_grad_norm_(1.0, foreach=True)``, the same batches
 (the built-in corpus, byte tokenizer, ``PackedDataset.stream`` with seed 0), each rank its half of the rows,
@@ -131,7 +134,7 @@ def _ddp_side(cfg, optim: str, single_world: int = 0):
     else:
         rank, world = dist.get_rank(), dist.get_world_size()
         # no buffers to keep in sync (TorchLM's padding mask is constant and unused here): no per-step broadcast
-        ddp = DDP(LossModule(model), bucket_cap_mb=25, broadcast_buffers=False)
+        ddp = DDP(LossModule(model), broadcast_buffers=False)  # default buckets: 25 MiB, the first 1 MiB
     params = list(ddp.parameters())
     kw = {"fused": True} if optim == "fused" else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)  # betas, eps: torch's = ours

@@ -94,11 +94,12 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the whole job's peak FLOP/s in TFLOP/s, the MFU denominator (default: a float32 matmul "
                         "loop measured at start, the best of several rounds, scaled to the job's cores)")
-    p.add_argument("--bucket-mb", type=float, default=25.0,
+    p.add_argument("--bucket-mb", type=float, default=None,
                    help="issue gradient all-reduces (and, with --storage, weight all-gathers and gradient "
                         "reduce-scatters) in buckets of at most this many MiB per processor, one collective call "
-                        "each (DDP's bucket_cap_mb and its default 25, FSDP's flat parameters; 0: one call per "
-                        "variable)")
+                        "each (DDP's bucket_cap_mb, FSDP's flat parameters; 0: one call per variable). Default: "
+                        "DDP's, 25 MiB buckets and a first all-reduce bucket of 1 MiB, started while the backward "
+                        "pass goes on")
     p.add_argument("--async-collectives", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun: start every collective asynchronously and wait at first use, so they "
                         "overlap compute (DDP's / FSDP's overlap; the default on CUDA); --no-async-collectives: all "

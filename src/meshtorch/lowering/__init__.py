@@ -27,6 +27,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.planner import Planner
 from meshtorch.lowering.program import Program, Step, SubProgram, program_str
+from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
 from meshtorch.lowering.session import Session
 from meshtorch.lowering.variables import VariableStore
 from meshtorch.mesh.base import MeshImpl
@@ -102,7 +103,11 @@ class Lowering:
             counters and results are the same. Default (None): the largest ``default_bucket_bytes`` of the
             mesh implementations (25 MiB on :class:`~meshtorch.SpmdMeshImpl`, DDP's default; 0 on the
             placement mesh), or 0 when the program all-reduces a low-precision (16-bit) tensor: a flat
-            bucket makes gloo add its elements in another order, which bfloat16 rounding shows.
+            bucket makes gloo add its elements in another order, which bfloat16 rounding shows. As
+            DistributedDataParallel with its default ``bucket_cap_mb``, the default also closes the first
+            all-reduce bucket once it holds 1 MiB (``_DEFAULT_FIRST_BUCKET_BYTES``), so the last layers'
+            gradient sum starts while the backward pass goes on; a given ``bucket_bytes`` has no
+            smaller first bucket (DDP's rule too).
         init: ``"random"`` draws every variable's initial value now (each process its own slices, in
             chunks: the transient stays small whatever the model's size); ``"lazy"`` draws a variable
             only when a run (or ``variable_value``) first needs it, so variables a checkpoint restore or
@@ -144,7 +149,8 @@ class Lowering:
         self.store = VariableStore(self.program, impls, initialize=False)
         if materialize:
             self.store.initialize(lazy=init == "lazy")
-        self.session = Session(self.program, impls, self.store, mode, bucket_bytes)
+        first_bucket_bytes = FIRST_BUCKET_BYTES if default_buckets and bucket_bytes > FIRST_BUCKET_BYTES else 0
+        self.session = Session(self.program, impls, self.store, mode, bucket_bytes, first_bucket_bytes)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 
     @property
@@ -159,7 +165,7 @@ class Lowering:
         impls = {m.name: i for m, i in self._mesh_to_impl.items()}
         self.store.impls = impls
         old = self.session
-        self.session = Session(self.program, impls, self.store, old.mode, old.bucket_bytes)
+        self.session = Session(self.program, impls, self.store, old.mode, old.bucket_bytes, old.first_bucket_bytes)
         self.session.counters, self.session.run_count = old.counters, old.run_count
 
     @property

@@ -60,8 +60,19 @@ def _gathers_weights(kind: str) -> bool:
     return c is not None and c.weight_gather
 
 
-def bucket_reductions(steps: list, cap_bytes: int) -> list:
-    """``steps`` with runs of compatible all-reduces / reduce-scatters merged into bucket steps."""
+#: DDP's first gradient bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)
+FIRST_BUCKET_BYTES = 2 ** 20
+
+
+def bucket_reductions(steps: list, cap_bytes: int, first_cap_bytes: int = 0) -> list:
+    """``steps`` with runs of compatible all-reduces / reduce-scatters merged into bucket steps.
+
+    ``first_cap_bytes`` > 0: as DistributedDataParallel's first bucket, the first all-reduce bucket of each
+    group (mesh axes) closes as soon as it holds at least ``first_cap_bytes`` per processor, so the sum of
+    the first gradients ready (the last layers') starts while the backward pass goes on; the other buckets
+    hold at most ``cap_bytes``. Source: ``torch.nn.parallel.DistributedDataParallel``
+    (``_DEFAULT_FIRST_BUCKET_BYTES``; its reducer closes a bucket once it reaches its limit).
+    """
     if cap_bytes <= 0:
         return steps
     made = {o: i for i, st in enumerate(steps) for o in st.outputs}
@@ -79,14 +90,16 @@ def bucket_reductions(steps: list, cap_bytes: int) -> list:
         if key is not None:
             groups.setdefault(key, []).append(i)
     buckets: list[list[int]] = []
-    for idxs in groups.values():
+    for key, idxs in groups.items():
         cur: list[int] = []
         hi_ready, lo_need, size = -1, len(steps), 0
+        first = 0 < first_cap_bytes < cap_bytes and key[1] == "allreduce"  # the group's first bucket is open
         for i in sorted(idxs, key=ready):
             r, n, b = ready(i), need(i), steps[i].collective.bytes_per_processor
-            if cur and (max(hi_ready, r) >= min(lo_need, n) or size + b > cap_bytes):
+            full = size + b > cap_bytes or (first and size >= first_cap_bytes)
+            if cur and (max(hi_ready, r) >= min(lo_need, n) or full):
                 buckets.append(cur)
-                cur, hi_ready, lo_need, size = [], -1, len(steps), 0
+                cur, hi_ready, lo_need, size, first = [], -1, len(steps), 0, False
             cur.append(i)
             hi_ready, lo_need, size = max(hi_ready, r), min(lo_need, n), size + b
         buckets.append(cur)

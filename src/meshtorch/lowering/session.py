@@ -60,7 +60,8 @@ class Session:
 
     ``bucket_bytes`` > 0 merges SUM all-reduces over the same mesh axes, reduce-scatters over the same
     mesh axis, and consecutive weight all-gathers into buckets of at most that many bytes per
-    processor, one collective call each (DDP's and FSDP's buckets; :mod:`meshtorch.lowering.schedule`).
+    processor, one collective call each (DDP's and FSDP's buckets; :mod:`meshtorch.lowering.schedule`);
+    ``first_bucket_bytes`` > 0 closes the first all-reduce bucket at that size (DDP's 1 MiB first bucket).
     With storage rules, weight gathers are issued ``impl.prefetch`` gathers ahead (FSDP's prefetch).
 
     ``mode``: ``"codegen"`` (default) runs each plan as one generated straight-line Python function
@@ -92,12 +93,14 @@ class Session:
     """
 
     def __init__(self, program: Program, impls: dict, store: VariableStore, mode: str = "codegen",
-                 bucket_bytes: int = 0):
+                 bucket_bytes: int = 0, first_bucket_bytes: int = 0):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Session: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
         self.mode = mode
         #: gradient bucket size in bytes per processor (0: one all-reduce call per value; see schedule.py)
         self.bucket_bytes = int(bucket_bytes)
+        #: > 0: the first all-reduce bucket closes once it holds this many bytes (DDP's first bucket)
+        self.first_bucket_bytes = int(first_bucket_bytes)
         #: seconds spent compiling, per fetch set (mode "compile"): the first run of each
         self.compile_seconds: dict = {}
         for name, m in program.meshes.items():
@@ -159,7 +162,7 @@ class Session:
         # meshes ask, DDP / FSDP gradient buckets
         prefetch = max([impl.prefetch for impl in self.impls.values() if impl.storage_rules.pairs], default=0)
         steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, self.bucket_bytes), prefetch),
-                                  self.bucket_bytes)
+                                  self.bucket_bytes, self.first_bucket_bytes)
         var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
         variable_slots = {s for _, s in var_reads}
         steps = donate_inputs(steps, variable_slots, keep, self.impls)  # in-place updates

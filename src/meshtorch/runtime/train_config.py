@@ -96,7 +96,7 @@ class TrainConfig:
     threads: int = 1
     executor: str = "codegen"
     peak_tflops: float | None = None
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = None  # None: the Lowering's default (DDP's: 25 MiB, first bucket 1 MiB)
     async_collectives: bool | None = None
     # runs, outputs and reports
     runs_dir: str = "runs"
@@ -140,9 +140,9 @@ class TrainConfig:
         return bool(self.resume or self.resume_from)
 
     @property
-    def bucket_bytes(self) -> int:
-        """``--bucket-mb`` in bytes."""
-        return int(self.bucket_mb * 2 ** 20)
+    def bucket_bytes(self) -> int | None:
+        """``--bucket-mb`` in bytes (None when not given: the :class:`~meshtorch.Lowering`'s default)."""
+        return None if self.bucket_mb is None else int(self.bucket_mb * 2 ** 20)
 
     def checked(self) -> tuple[TrainConfig, runs.RunPaths]:
         """Check every flag before data is loaded or the model built; returns the config with its run's
