@@ -5,7 +5,8 @@ vocab 50257, context 256 (untied embeddings: 163M parameters), AdamW (meshtorch'
 is a job of 4 gloo processes (``meshtorch.testing.spmd.run_spmd``: torchrun's environment, one CPU thread
 each, ``MALLOC_MMAP_THRESHOLD_=131072`` so freed blocks leave the RSS), ``--micro-batch`` sequences per rank:
 
-* ``dp``: meshtorch ``SpmdMeshImpl("data:4", "batch:data")`` (gradient buckets: the SPMD default, 25 MiB);
+* ``dp``: meshtorch ``SpmdMeshImpl("data:4", "batch:data")`` (gradient buckets of 25 MiB, given: no 1 MiB first
+  bucket, as the peer);
 * ``ddp``: the same architecture in plain PyTorch (:class:`BlockLM`), ``DistributedDataParallel``
   (25 MiB buckets), ``torch.optim.AdamW(fused=True)`` (``--peer-optim foreach`` for the foreach one);
 * ``fsdp``: meshtorch with storage ``d_model:data`` (FSDP / ZeRO-3: weights all-gathered per use,
@@ -193,6 +194,8 @@ def mesh_impl(run: str):
 
 
 def _lowering(run: str, cfg: LMConfig, **kw):
+    # 25 MiB buckets given, as the DDP peer's bucket_cap_mb=25: neither side has DDP's default 1 MiB first bucket
+    kw.setdefault("bucket_bytes", 25 * 2 ** 20)
     lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
     return lm, mtf.Lowering(lm.graph, {lm.mesh: mesh_impl(run)}, **kw)
 
