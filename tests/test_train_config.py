@@ -33,7 +33,9 @@ def test_from_args_reads_the_flags_and_is_frozen():
     assert cfg.replace(mesh="all:4").mesh == "all:4" and cfg.mesh == "all:2"
     assert TrainConfig.from_args(cfg) is cfg
     assert TrainConfig.from_args(object()) == TrainConfig()  # missing attributes: the defaults
-    assert cfg.bucket_bytes == 25 * 2 ** 20 and not cfg.resuming and cfg.replace(resume_from="x").resuming
+    assert cfg.bucket_bytes is None  # no --bucket-mb: the Lowering's default (DDP's, with its 1 MiB first bucket)
+    assert cfg.replace(bucket_mb=2.5).bucket_bytes == int(2.5 * 2 ** 20)
+    assert not cfg.resuming and cfg.replace(resume_from="x").resuming
 
 
 def test_checked_resolves_the_run_without_changing_the_config(tmp_path):

@@ -82,7 +82,8 @@ def shutdown_distributed() -> None:
     ``destroy_process_group`` alone leaves a gloo group's worker threads running while anything still
     references it, and a worker that drops its last tensor after the interpreter started finalizing
     cannot take the GIL and aborts the process ("terminate called without an active exception",
-    status -6, seen on loaded hosts). Groups the user's own code still references live on.
+    status -6, seen on loaded hosts). Groups the user's own code still references live on, and so do
+    those of a plan compiled on the SPMD mesh (``mode="compile"``: torch's compile state keeps them).
     """
     stop_watchdog()
     if dist.is_initialized() and not failure_recorded():  # all ranks leave together
