@@ -90,10 +90,11 @@ def bucket_reductions(steps: list, cap_bytes: int, first_cap_bytes: int = 0) -> 
         if key is not None:
             groups.setdefault(key, []).append(i)
     buckets: list[list[int]] = []
-    for key, idxs in groups.items():
+    for idxs in groups.values():
         cur: list[int] = []
         hi_ready, lo_need, size = -1, len(steps), 0
-        first = 0 < first_cap_bytes < cap_bytes and key[1] == "allreduce"  # the group's first bucket is open
+        # the group's first bucket is open (all-reduces only: FSDP's reduce-scatters have no first bucket)
+        first = 0 < first_cap_bytes < cap_bytes and steps[idxs[0]].kind == "allreduce"
         for i in sorted(idxs, key=ready):
             r, n, b = ready(i), need(i), steps[i].collective.bytes_per_processor
             full = size + b > cap_bytes or (first and size >= first_cap_bytes)
