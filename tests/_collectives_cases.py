@@ -52,7 +52,7 @@ def calls(impl, layout: tuple):
 
     Keys are plain tuples naming the primitive and its arguments: ``("allreduce", axes, reduction)``,
     ``("allconcat", a, concat_axis)``, ``("alltoall", a, split_axis, concat_axis)``,
-    ``("shift", a, offset, wrap)``, ``("receive", a, source_pcoord)``.
+    ``("shift", a, offset, wrap)``, ``("receive", a, source_pcoord)``, ``("broadcast", a, root)``.
     """
     sizes = impl.slice_shape([(f"d{k}", s) for k, s in enumerate(SHAPE)], TensorLayout(layout))
     out = []
@@ -73,6 +73,8 @@ def calls(impl, layout: tuple):
                         lambda x, a=a, off=off, wrap=wrap: impl.shift_by_n_processors(x, a, off, wrap)))
         src = tuple(n - 1 - c if c % 2 == 0 else None for c in range(n))
         out.append((("receive", a, src), lambda x, a=a, src=src: impl.receive(x, a, list(src))))
+        for root in (0, n - 1):
+            out.append((("broadcast", a, root), lambda x, a=a, root=root: impl.broadcast(x, a, root)))
     return out
 
 

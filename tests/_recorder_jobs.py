@@ -25,6 +25,7 @@ CASES = {
     "fsdp_tp_buckets_prefetch2": ("lm", "data:2,model:2", "batch:data;heads:model;d_ff:model;vocab:model",
                                   "d_model:data", BUCKET_BYTES, 2, "codegen"),
     "fsdp_tp_compiled": ("mlp", "rows:2;cols:2", "batch:rows;hidden:cols", "io:rows", 1 << 20, 1, "compile"),
+    "fsdp2": ("mlp", "rows:2", "batch:rows", "io:rows", 0, 1, "codegen"),  # 2 ranks: the strategy mutations
 }
 
 
@@ -77,6 +78,45 @@ def allreduce_then_slice(self, x, mesh_axis, scatter_axis):
 def allreduce_then_slice_many(self, *xs, mesh_axis, scatter_axes):
     """The mutation for bucketed reduce-scatters."""
     return tuple(allreduce_then_slice(self, x, mesh_axis, a) for x, a in zip(xs, scatter_axes, strict=True))
+
+
+def strategy_reduce_scatter_as_allreduce(self, rows, n, group, parts=None):
+    """The mutation one layer down, in the SPMD strategy (:class:`~meshtorch.mesh.spmd_strategy.EagerCollectives`):
+    the reduce-scatter's process-group call replaced by an all-reduce of every row plus this member's slice."""
+    import torch.distributed as dist
+    work, out = self.all_reduce(rows, "SUM", group, owned=False)
+    if work is not None:
+        work.wait()
+    s = rows.shape[0] // n
+    c = group.ranks.index(dist.get_rank())
+    return None, out[c * s:(c + 1) * s]
+
+
+def strategy_reduce_scatter_unrecorded(self, rows, n, group, parts=None):
+    """The mutation that calls ``torch.distributed`` past the recorder: the right collective, no record."""
+    import torch.distributed as dist
+    out = torch.empty((rows.shape[0] // n, *rows.shape[1:]), dtype=rows.dtype)
+    dist.reduce_scatter_tensor(out, rows, group=group.process_group)
+    return None, out
+
+
+def strategy_mutation_worker():
+    """Inside a gloo rank (2 ranks): case ``fsdp2`` as is, with the strategy's reduce-scatter made an all-reduce
+    plus a slice, and with it called past the recorder: ``{"plain"|"allreduce"|"unrecorded": run_case(...)}``."""
+    from meshtorch.mesh.spmd_strategy import EagerCollectives
+
+    def make(mesh_shape, rules, storage, prefetch):
+        return mtf.SpmdMeshImpl(mesh_shape, rules, storage=storage, prefetch=prefetch, async_collectives=False)
+    out = {"plain": run_case("fsdp2", make)}
+    inner = EagerCollectives.reduce_scatter
+    try:
+        for name, mutation in (("allreduce", strategy_reduce_scatter_as_allreduce),
+                               ("unrecorded", strategy_reduce_scatter_unrecorded)):
+            EagerCollectives.reduce_scatter = mutation
+            out[name] = run_case("fsdp2", make)
+    finally:
+        EagerCollectives.reduce_scatter = inner
+    return out
 
 
 def primitive_records(impl) -> dict:

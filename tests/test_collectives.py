@@ -75,6 +75,11 @@ def receive_ref(blocks, p, a, source, dims):
     return torch.zeros_like(blocks[p]) if source[c] is None else blocks[members[source[c]]]
 
 
+def broadcast_ref(blocks, p, a, root, dims):
+    """Every member of the group along ``a`` gets the block of the member at coordinate ``root``."""
+    return blocks[group(p, [a], dims)[root]]
+
+
 def shift_source(n, offset, wrap):
     return [(c - offset) % n if wrap else (c - offset if 0 <= c - offset < n else None) for c in range(n)]
 
@@ -88,6 +93,8 @@ def reference(key, blocks, partial_blocks, p, dims):
         return allconcat_ref(blocks, p, *args, dims)
     if kind == "alltoall":
         return alltoall_ref(blocks, p, *args, dims)
+    if kind == "broadcast":
+        return broadcast_ref(blocks, p, *args, dims)
     if kind == "shift":
         a, offset, wrap = args
         return receive_ref(blocks, p, a, shift_source(dims[a], offset, wrap), dims)

@@ -5,7 +5,8 @@ recorder, :mod:`meshtorch.mesh.recorder`), ``plan_counters`` those the planner d
 layout rules: two independent accounts, which must agree call for call on the placement mesh (1-D and
 2-D) and on 4 gloo ranks, for data parallel, tensor parallel and FSDP storage with buckets and prefetch.
 The mutation tests replace a backend's reduce-scatter by an all-reduce plus a local slice (the same
-numbers, n times the bytes): the losses do not change, and the comparison must fail.
+numbers, n times the bytes), or the SPMD strategy's process-group call one layer down (where the SPMD
+mesh records): the losses do not change, and the comparison must fail.
 """
 
 from __future__ import annotations
@@ -157,3 +158,20 @@ def test_mutation_reduce_scatter_as_allreduce_is_caught_on_gloo():
         assert any(line.startswith("reduce_scatter over data") and line.endswith("executed 0") for line in got["diff"])
         assert "reduce_scatter" not in got["kinds"]
 
+
+
+def test_mutation_in_the_spmd_strategy_is_caught_on_gloo():
+    """The substitution one layer down: ``EagerCollectives.reduce_scatter`` as an all-reduce plus a slice, or as
+    the right ``torch.distributed`` call made past the recorder; the SPMD mesh method is unchanged."""
+    job = run_spmd("_recorder_jobs:strategy_mutation_worker", nprocs=2, timeout_s=300,
+                   extra_path=[TESTS_DIR]).check()
+    for res in job.results:
+        plain, summed, unrecorded = res["plain"], res["allreduce"], res["unrecorded"]
+        assert plain["diff"] == [] and "reduce_scatter" in plain["kinds"], plain["diff"]
+        for got in (summed, unrecorded):  # the numbers cannot tell
+            torch.testing.assert_close(got["losses"], plain["losses"], rtol=1e-6, atol=0)
+            assert any(line.startswith("reduce_scatter over rows") and line.endswith("executed 0")
+                       for line in got["diff"]), got["diff"]
+            assert "reduce_scatter" not in got["kinds"]
+        assert any(line.startswith("allreduce[sum] over rows") and "planned 0" in line for line in summed["diff"])
+        assert unrecorded["executed"] < unrecorded["planned"]

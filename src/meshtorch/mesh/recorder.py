@@ -1,10 +1,14 @@
 """The flight recorder: every collective a mesh implementation actually executes, in a ring buffer.
 
-Each collective primitive of a mesh implementation (all-reduce, all-gather, reduce-scatter,
-all-to-all, collective-permute and their buckets; :mod:`meshtorch.mesh.placement`, :mod:`meshtorch.mesh.spmd`)
-appends one :class:`CollectiveRecord` per call it makes: the kind it ran, the mesh axes, the bytes
-each processor contributes (per value, so a bucket is one call of several values), the dtype on the
-wire, the rank, and the wall time. The record is made when the call starts and its time is filled in
+Each collective call a mesh implementation makes (all-reduce, all-gather, reduce-scatter, all-to-all,
+collective-permute, broadcast and their buckets) appends one :class:`CollectiveRecord`: the kind it
+ran, the mesh axes, the bytes each processor contributes (per value, so a bucket is one call of several
+values), the dtype on the wire, the rank, and the wall time. The SPMD mesh records where its strategy
+calls the process group (:func:`meshtorch.mesh.spmd_strategy.issue`: the kind of the ``torch.distributed``
+or functional-collective function actually called, the bytes handed to it, the mesh axes of its group);
+the placement mesh, which moves slices itself, records in each primitive
+(:mod:`meshtorch.mesh.placement`); a collective over groups of one processor moves nothing and is
+recorded by the mesh method that the program called. The record is made when the call starts and its time is filled in
 when the call ends, so after a hang or a failure the last record of a rank still reads "not finished"
 (:meth:`FlightRecorder.dump`, printed on a rank failure by :mod:`meshtorch.mesh.watchdog` and
 :mod:`meshtorch.runtime.failures`). Peers: TorchTitan / PyTorch's NCCL flight recorder
@@ -52,7 +56,7 @@ class CollectiveRecord:
     Attributes:
         seq: this process's running number of the call (0, 1, ...).
         kind: what ran: ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"alltoall"``,
-            ``"collective_permute"``.
+            ``"collective_permute"``, ``"broadcast"``.
         mesh_axes: names of the mesh axes it communicated over.
         parts: bytes each processor contributed, per value moved (one entry for a single collective,
             one per value of a bucket call).

@@ -13,8 +13,8 @@ groups of one subset are created together, on first use, which is safe because e
 same program and so asks for the subsets in the same order. Groups are cached per process by their
 rank tuple, so building several SpmdMeshImpls (several meshes or layouts) does not recreate them.
 
-Each collective is written once here (packing, flight-recorder record, unpacking); the call that moves
-the bytes is made by the mesh's strategy (:mod:`meshtorch.mesh.spmd_strategy`): eager
+Each collective is written once here (packing, unpacking); the call that moves the bytes, and its
+flight-recorder record, is made by the mesh's strategy (:mod:`meshtorch.mesh.spmd_strategy`): eager
 ``torch.distributed`` collectives, optionally asynchronous, or functional collectives that
 ``torch.compile`` holds in one graph (:meth:`SpmdMeshImpl.traceable`).
 """
@@ -35,7 +35,7 @@ from meshtorch.core.layout import TensorLayout
 from meshtorch.mesh.base import REDUCTIONS, MeshImpl
 from meshtorch.mesh.placement import _assemble
 from meshtorch.mesh.process import init_distributed, on_shutdown
-from meshtorch.mesh.spmd_strategy import Collectives, EagerCollectives, FunctionalCollectives
+from meshtorch.mesh.spmd_strategy import Collectives, EagerCollectives, FunctionalCollectives, MeshGroup
 
 _GROUPS: dict[tuple[int, ...], object] = {}  # rank tuple -> ProcessGroup (per process, shared by impls)
 _IMPLS: weakref.WeakSet = weakref.WeakSet()  # live SpmdMeshImpls: their cached groups are dropped at shutdown
@@ -52,6 +52,7 @@ def _drop_groups() -> None:
     _GROUPS.clear()
     for impl in list(_IMPLS):
         impl._axis_groups.clear()
+        impl._mesh_groups.clear()
 
 
 on_shutdown(_drop_groups)
@@ -150,6 +151,7 @@ class SpmdMeshImpl(MeshImpl):
         self.coords = self.pnum_to_processor_coordinates(self.rank)
         self.recorder_rank = self.rank
         self._axis_groups: dict[tuple[int, ...], object] = {}
+        self._mesh_groups: dict[tuple[int, ...], MeshGroup] = {}
         _IMPLS.add(self)
         if self.ndims <= 3:
             for r in range(1, self.ndims + 1):
@@ -173,6 +175,15 @@ class SpmdMeshImpl(MeshImpl):
                     mine = (_GROUPS[ranks_t], list(ranks))
             self._axis_groups[key] = mine
         return self._axis_groups[key]
+
+    def _mesh_group(self, mesh_axes) -> MeshGroup:
+        """This rank's group along ``mesh_axes`` as the strategy calls it (recording on this mesh)."""
+        key = tuple(sorted(mesh_axes))
+        g = self._mesh_groups.get(key)
+        if g is None:
+            pg, ranks = self._group(key)
+            g = self._mesh_groups[key] = MeshGroup(pg, tuple(ranks), key, self._record)
+        return g
 
     # ------------------------------------------------------------------ mesh facts
     def device(self, pnum: int) -> torch.device:
@@ -224,11 +235,9 @@ class SpmdMeshImpl(MeshImpl):
         if group is None:
             return self._trivial("allreduce", mesh_axes, [x], reduction)[0]
         buf, back = _wire(x)
-        rec = self._record("allreduce", mesh_axes, (_nbytes(buf),), buf.dtype, reduction,
-                           asynchronous=self.collectives.is_async("allreduce", _nbytes(buf)))
         # donate: the program reads x nowhere else, so the sum may be written into its buffer (no copy)
         work, out = self.collectives.all_reduce(buf, reduction, group, owned=donate and buf.is_contiguous())
-        return self._result(work, functools.partial(back, out), rec)
+        return self._result(work, functools.partial(back, out))
 
     def _trivial(self, kind, mesh_axes, xs, reduction=""):
         """A collective over groups of one processor: nothing moves; recorded (the program asked for it),
@@ -247,35 +256,24 @@ class SpmdMeshImpl(MeshImpl):
         if reduction not in REDUCTIONS:
             raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
         mesh_axes = [a for a in mesh_axes if self.shape[a].size > 1]
-        return self._group(mesh_axes)[0] if mesh_axes else None
+        return self._mesh_group(mesh_axes) if mesh_axes else None
 
-    def _result(self, work, finish, rec=None):
+    def _result(self, work, finish):
         """``finish()`` now (``work`` is None: the strategy's output can be read now) or an
-        :class:`_InFlight` waited at first use; ``rec`` (the call's flight-recorder record) is finished
-        when the value is ready (for a functional collective: when the call is issued)."""
+        :class:`_InFlight` waited at first use (the strategy's work handle finishes the call's record)."""
         if work is None:
-            out = finish()
-            if rec is not None:
-                rec.finish()
-            return out
-        return _InFlight(work, finish, rec)
+            return finish()
+        return _InFlight(work, finish)
 
-    def _record_bucket(self, kind, mesh_axes, members, dtype, reduction=""):
-        """One record for a bucket call: ``members`` ``[(index, bytes per processor)]``."""
-        return self._record(kind, mesh_axes, tuple(b for _, b in members), dtype, reduction,
-                            members=tuple(i for i, _ in members),
-                            asynchronous=self.collectives.is_async(kind, sum(b for _, b in members)))
-
-    def _bucketed(self, kind, mesh_axes, buckets, reduction, call, piece):
-        """A bucket collective: for each ``(buffer, members, sizes)`` of ``buckets`` one record and one
-        ``call(buffer) -> (work, out)``; member ``(i, ...)`` becomes ``piece(out, member)`` (waited for with
-        the call). Returns the results in member index order."""
+    def _bucketed(self, buckets, call, piece):
+        """A bucket collective: for each ``(buffer, members, sizes)`` of ``buckets`` one
+        ``call(buffer, sizes) -> (work, out)`` (``sizes``: the flight recorder's parts); member ``(i, ...)``
+        becomes ``piece(out, member)`` (waited for with the call). Returns the results in member index order."""
         out: dict[int, object] = {}
         for buf, members, sizes in buckets:
-            rec = self._record_bucket(kind, mesh_axes, sizes, buf.dtype, reduction)
-            work, res = call(buf)
+            work, res = call(buf, sizes)
             for m in members:  # each piece waits on its bucket's one call
-                out[m[0]] = self._result(work, functools.partial(piece, res, m), rec)
+                out[m[0]] = self._result(work, functools.partial(piece, res, m))
         return tuple(out[i] for i in sorted(out))
 
     def allreduce_many(self, *xs, mesh_axes, reduction="SUM"):
@@ -284,8 +282,7 @@ class SpmdMeshImpl(MeshImpl):
             return self._trivial("allreduce", mesh_axes, xs, reduction)
         # one flat buffer (one call) per dtype; the flat buffer is a fresh concatenation, so owned
         return self._bucketed(
-            "allreduce", mesh_axes, _flat_buckets(xs), reduction,
-            lambda flat: self.collectives.all_reduce(flat, reduction, group, owned=True),
+            _flat_buckets(xs), lambda flat, sizes: self.collectives.all_reduce(flat, reduction, group, True, sizes),
             lambda flat, m: _piece(flat, *m[1:]))
 
     def _on_axis(self, x, mesh_axis):
@@ -293,8 +290,7 @@ class SpmdMeshImpl(MeshImpl):
         n = self.shape[mesh_axis].size
         if n == 1:
             return None
-        group, _ = self._group([mesh_axis])
-        return (n, group, *_wire(x))
+        return (n, self._mesh_group([mesh_axis]), *_wire(x))
 
     def all_gather(self, x, mesh_axis, concat_axis):
         on = self._on_axis(x, mesh_axis)
@@ -302,10 +298,8 @@ class SpmdMeshImpl(MeshImpl):
             return self._trivial("allgather", (mesh_axis,), [x])[0]
         n, group, buf, back = on
         buf = buf.contiguous()
-        rec = self._record("allgather", (mesh_axis,), (_nbytes(buf),), buf.dtype,
-                           asynchronous=self.collectives.is_async("allgather", _nbytes(buf)))
         work, out = self.collectives.all_gather(buf.reshape(-1), n, group)
-        return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back), rec)
+        return self._result(work, functools.partial(_concat_pieces, out, tuple(buf.shape), n, concat_axis, back))
 
     def all_gather_many(self, *xs, mesh_axis, concat_axes):
         on = self._on_axis(xs[0], mesh_axis) if xs else None
@@ -314,8 +308,7 @@ class SpmdMeshImpl(MeshImpl):
         n, group = on[0], on[1]
         # one flat buffer (one call) per dtype, FSDP's flat parameter
         return self._bucketed(
-            "allgather", (mesh_axis,), _flat_buckets(xs), "",
-            lambda flat: self.collectives.all_gather(flat, n, group),
+            _flat_buckets(xs), lambda flat, sizes: self.collectives.all_gather(flat, n, group, sizes),
             lambda gathered, m: _gathered_piece(gathered, n, *m[1:3], concat_axes[m[0]], m[3]))
 
     def reduce_scatter_many(self, *xs, mesh_axis, scatter_axes):
@@ -324,8 +317,8 @@ class SpmdMeshImpl(MeshImpl):
             return self._trivial("reduce_scatter", (mesh_axis,), xs)
         n, group = on[0], on[1]
         return self._bucketed(
-            "reduce_scatter", (mesh_axis,), _row_buckets(xs, n, scatter_axes), "",
-            lambda rows: self.collectives.reduce_scatter(rows.reshape(-1), n, group),
+            _row_buckets(xs, n, scatter_axes),
+            lambda rows, sizes: self.collectives.reduce_scatter(rows.reshape(-1), n, group, sizes),
             lambda mine, m: _scattered_piece(mine, *m[1:3], scatter_axes[m[0]], m[3]))
 
     def alltoall(self, x, mesh_axis, split_axis, concat_axis):
@@ -333,28 +326,25 @@ class SpmdMeshImpl(MeshImpl):
         if on is None:
             return self._trivial("alltoall", (mesh_axis,), [x])[0]
         n, group, buf, back = on
-        rec = self._record("alltoall", (mesh_axis,), (_nbytes(buf),), buf.dtype)
         moved = buf.movedim(split_axis, 0).contiguous()  # piece j = rows [j*s, (j+1)*s)
         work, out = self.collectives.all_to_all(moved, group)
-        return self._result(work, functools.partial(_exchanged, out, n, split_axis, concat_axis, back), rec)
+        return self._result(work, functools.partial(_exchanged, out, n, split_axis, concat_axis, back))
 
     def reduce_scatter(self, x, mesh_axis, scatter_axis):
         on = self._on_axis(x, mesh_axis)
         if on is None:
             return self._trivial("reduce_scatter", (mesh_axis,), [x])[0]
         n, group, buf, back = on
-        rec = self._record("reduce_scatter", (mesh_axis,), (_nbytes(buf),), buf.dtype,
-                           asynchronous=self.collectives.is_async("reduce_scatter", _nbytes(buf)))
         moved = buf.movedim(scatter_axis, 0).contiguous()  # piece c = rows [c*s, (c+1)*s)
         work, out = self.collectives.reduce_scatter(moved, n, group)
-        return self._result(work, functools.partial(_moved_back, out, scatter_axis, back), rec)
+        return self._result(work, functools.partial(_moved_back, out, scatter_axis, back))
 
     def collective_permute(self, x, mesh_axis, source_pcoord):
-        _, ranks = self._group([mesh_axis])
+        group = self._mesh_group([mesh_axis])
+        ranks = group.ranks
         me = self.coords[mesh_axis]
         buf, back = _wire(x)
         buf = buf.contiguous()
-        rec = self._record("collective_permute", (mesh_axis,), (_nbytes(buf),), buf.dtype)
         src = source_pcoord[me]
         sends = [(buf, ranks[c]) for c, s in enumerate(source_pcoord) if s == me and c != me]
         if src is None:
@@ -363,22 +353,18 @@ class SpmdMeshImpl(MeshImpl):
             out = buf.clone()
         else:
             out = torch.empty_like(buf)
-        self.collectives.exchange(sends, out, None if src is None or src == me else ranks[src])
-        return self._result(None, functools.partial(back, out), rec)
+        self.collectives.exchange(buf, sends, out, None if src is None or src == me else ranks[src], group)
+        return back(out)
 
     def broadcast(self, x, mesh_axis, root):
-        """Every member along ``mesh_axis`` gets the slice of the member at coordinate ``root``: the SUM
-        all-reduce of the slice masked to zeros off the root (JAX's ``psum`` of a masked value; exact, as
-        the other terms are zeros, and traceable with either strategy)."""
+        """Every member along ``mesh_axis`` gets the slice of the member at coordinate ``root``: a process-group
+        broadcast (``torch.distributed.broadcast``, or the functional one in a traceable mesh)."""
         on = self._on_axis(x, mesh_axis)
         if on is None:
             return self._trivial("broadcast", (mesh_axis,), [x])[0]
         _, group, buf, back = on
-        rec = self._record("broadcast", (mesh_axis,), (_nbytes(buf),), buf.dtype,  # an all-reduce underneath
-                           asynchronous=self.collectives.is_async("allreduce", _nbytes(buf)))
-        masked = buf.clone() if self.coords[mesh_axis] == root else torch.zeros_like(buf)
-        work, out = self.collectives.all_reduce(masked, "SUM", group, owned=True)
-        return self._result(work, functools.partial(back, out), rec)
+        work, out = self.collectives.broadcast(buf.contiguous(), root, group)
+        return self._result(work, functools.partial(back, out))
 
     def import_full(self, full: torch.Tensor, layout: TensorLayout):
         t = full
@@ -394,13 +380,13 @@ class SpmdMeshImpl(MeshImpl):
         if not used:
             return _ready(x)
         split = [(i, a) for i, a in enumerate(layout) if a is not None]
-        group, ranks = self._group(used)
+        group = self._mesh_group(used)  # a fetch: its record has no program step's tag
+        ranks = group.ranks
         n = len(ranks)
         buf, back = _wire(x)
         buf = buf.contiguous()
-        rec = self._record("allgather", used, (_nbytes(buf),), buf.dtype)  # a fetch: no program step's tag
         work, out = self.collectives.all_gather(buf.reshape(-1), n, group)
-        out = _ready(self._result(work, functools.partial(torch.Tensor.view, out, (n, *buf.shape)), rec))
+        out = _ready(self._result(work, functools.partial(torch.Tensor.view, out, (n, *buf.shape))))
         pieces = {}
         for j, p in enumerate(ranks):
             coords = self.pnum_to_processor_coordinates(p)
@@ -418,18 +404,16 @@ class _InFlight:
     :meth:`materialize` before storing a value beyond the run.
     """
 
-    __slots__ = ("work", "finish", "value", "rec")
+    __slots__ = ("work", "finish", "value")
 
-    def __init__(self, work, finish, rec=None):
-        self.work, self.finish, self.value, self.rec = work, finish, None, rec
+    def __init__(self, work, finish):
+        self.work, self.finish, self.value = work, finish, None
 
     def result(self) -> torch.Tensor:
         if self.value is None:
-            self.work.wait()
-            if self.rec is not None:  # the flight recorder's time: issue to the end of this wait
-                self.rec.finish()
+            self.work.wait()  # also the flight recorder's time: issue to the end of this wait
             self.value = self.finish()
-            self.work = self.finish = self.rec = None
+            self.work = self.finish = None
         return self.value
 
 
