@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from meshtorch.core.dims import Shape, convert_to_shape
-from meshtorch.core.errors import ShapeError
+from meshtorch.core.dims import convert_to_shape
 
 
 class Graph:
@@ -237,20 +236,3 @@ def gradient_rule(op_type: type) -> Callable | None:
         if rule is not None:
             return rule
     return None
-
-
-def check_same_mesh(tensors, what: str):
-    meshes = {id(t.mesh) for t in tensors}
-    if len(meshes) > 1:
-        raise ValueError(f"{what}: inputs live on different meshes.")
-
-
-def check_has_dims(t: Tensor, dims, what: str):
-    for d in dims:
-        name = d if isinstance(d, str) else d.name
-        if name not in t.shape:
-            raise ShapeError(f"{what}: tensor {t.name!r} {t.shape} has no dimension {name!r}.")
-
-
-def as_shape(x) -> Shape:
-    return convert_to_shape(x)
