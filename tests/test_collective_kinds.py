@@ -35,10 +35,7 @@ def test_every_step_kind_of_an_fsdp_tp_plan_is_declared_with_a_primitive():
         assert callable(getattr(MeshImpl, c.bucket_method if bucket else c.method))
 
 
-def test_transposes_pair_up():
-    for c in KINDS.values():  # None: no single declared kind (broadcast's transpose, a sum into the root)
-        assert c.transpose is None or KINDS[c.transpose].transpose == c.name, c.name
-    assert KINDS["allgather"].transpose == "reduce_scatter"
+def test_buckets_name_their_kind():
     assert set(BUCKETS) == {c.bucket for c in KINDS.values() if c.bucket}
 
 
@@ -79,3 +76,15 @@ def test_an_undeclared_kind_is_an_error_everywhere():
     lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("all:2", "b:all")}, materialize=False)
     with pytest.raises(ValueError, match="Planner.collective: unknown collective kind 'allscatter'"):
         lw.planner.collective("allscatter", 0, x, [0], [2])
+
+
+def test_a_backend_without_a_declared_primitive_fails_when_its_class_is_defined():
+    """Backends are checked against the record table at class definition (import): each kind's ``method`` must
+    be the class's own (not :class:`MeshImpl`'s stub), its ``bucket_method`` present; the error names the kind."""
+    methods = {name: getattr(mtf.PlacementMeshImpl, name)
+               for c in KINDS.values() for name in (c.method, c.bucket_method) if name}
+    for c in KINDS.values():
+        with pytest.raises(TypeError, match=rf"does not implement '{c.method}', the primitive of the collective "
+                                            rf"kind '{c.name}'"):
+            type("Partial", (MeshImpl,), {k: v for k, v in methods.items() if k != c.method})
+    assert issubclass(type("Whole", (MeshImpl,), methods), MeshImpl)

@@ -24,6 +24,7 @@ import torch
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
 from meshtorch.core.layout import TensorLayout
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.planner import Planner
 from meshtorch.lowering.program import Program, Step, SubProgram, program_str
@@ -53,7 +54,7 @@ def _backend(x) -> MeshImpl:
 def _reduces_low_precision(graph: Graph, program: Program) -> bool:
     """Does ``program`` all-reduce a tensor of ``graph`` whose dtype is narrower than 32 bits?"""
     reduced = {st.collective.tensor for st in program.steps
-               if st.collective is not None and st.collective.kind == "allreduce"}
+               if st.collective is not None and kind_of(st.collective.kind)[0].fp32_default_buckets}
     return any(t.name in reduced and t.dtype.itemsize < 4 for op in graph.operations for t in op.outputs)
 
 

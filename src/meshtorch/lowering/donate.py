@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from meshtorch.lowering.collectives import KINDS, is_collective, kind_of
 from meshtorch.lowering.program import Step
 
 
@@ -41,9 +42,16 @@ def _fresh(st: Step, impl) -> bool:
     """Are ``st``'s outputs new tensors, sharing no storage with its inputs?"""
     if st.kind == "slicewise":
         return bool(getattr(_kernel(st.fn), "fresh_outputs", False))
-    if st.kind in ("allgather", "allgather_bucket"):
+    if is_collective(st.kind) and kind_of(st.kind)[0].fresh_output:  # single or bucket
         return impl.shape[st.params["mesh_axis"]].size > 1
     return False
+
+
+def donates_input(st: Step) -> bool:
+    """Is ``st`` a single collective whose output is written into its input's buffer (``donate=True`` on a
+    ``donatable`` kind, :mod:`meshtorch.lowering.collectives`)?"""
+    c = KINDS.get(st.kind)
+    return c is not None and c.donatable and bool(st.params.get("donate"))
 
 
 def _safe_reader(steps: list[Step], readers: dict, k: int, i: int, impl, keep: set, depth: int = 0) -> bool:
@@ -61,9 +69,9 @@ def _safe_reader(steps: list[Step], readers: dict, k: int, i: int, impl, keep: s
 def donated_outputs(st: Step) -> int:
     """How many of ``st``'s leading outputs are its donated inputs updated in place (0 unless
     :func:`donate_inputs` or :func:`donate_reductions` marked it): output ``k`` is input ``donates[k]``
-    (an all-reduce's output is its input), so it allocates nothing."""
-    if st.kind == "allreduce":
-        return int(bool(st.params.get("donate")))
+    (a donated all-reduce's output is its input), so it allocates nothing."""
+    if is_collective(st.kind):
+        return int(donates_input(st))
     if st.kind != "slicewise" or not (isinstance(st.fn, functools.partial) and st.fn.keywords.get("donate")):
         return 0
     return len(getattr(_kernel(st.fn), "donates", ()))
@@ -87,7 +95,8 @@ def donate_reductions(steps: list[Step], variable_slots: set, keep: set, impls: 
             producer[o] = i
     out = list(steps)
     for i, st in enumerate(steps):
-        if st.kind != "allreduce" or len(impls[st.mesh].local_pnums()) != 1:
+        c = KINDS.get(st.kind)  # a single collective (a bucket has no one input to sum in)
+        if c is None or not c.donatable or len(impls[st.mesh].local_pnums()) != 1:
             continue
         s = st.inputs[0]
         p = producer.get(s)

@@ -440,6 +440,11 @@ class Planner:
         return self.collective("collective_permute", slot, t, [mesh_axis], local, mesh_axis=mesh_axis,
                                source_pcoord=tuple(source_pcoord))
 
+    def broadcast(self, slot: int, mesh_axis: int, root: int, t: Tensor, local_shape=None) -> int:
+        """Every member of ``mesh_axis``'s groups gets the slice of the member at coordinate ``root``."""
+        local = self.slice_shape(t) if local_shape is None else local_shape
+        return self.collective("broadcast", slot, t, [mesh_axis], local, mesh_axis=mesh_axis, root=root)
+
     def redistribute(self, slot: int, t: Tensor, src_axes, dst_axes, src_partial=(), dst_partial=()) -> int:
         """Move ``slot`` (``t`` laid out with mesh axes ``src_axes`` per dim, a partial sum over
         ``src_partial``) to ``dst_axes``, still partial over ``dst_partial`` (a subset)."""

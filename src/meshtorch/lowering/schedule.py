@@ -94,7 +94,7 @@ def bucket_reductions(steps: list, cap_bytes: int, first_cap_bytes: int = 0) -> 
         cur: list[int] = []
         hi_ready, lo_need, size = -1, len(steps), 0
         # the group's first bucket is open (all-reduces only: FSDP's reduce-scatters have no first bucket)
-        first = 0 < first_cap_bytes < cap_bytes and steps[idxs[0]].kind == "allreduce"
+        first = 0 < first_cap_bytes < cap_bytes and KINDS[steps[idxs[0]].kind].first_bucket
         for i in sorted(idxs, key=ready):
             r, n, b = ready(i), need(i), steps[i].collective.bytes_per_processor
             full = size + b > cap_bytes or (first and size >= first_cap_bytes)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from meshtorch.core.collectives import KINDS
 from meshtorch.core.layout import TensorLayout
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
@@ -44,9 +45,22 @@ class MeshImpl:
     Raises:
         LayoutError: on a malformed rule.
         ValueError: ``prefetch`` < 0, or a spec given together with rules.
+        TypeError: when a subclass is defined (at import) without the primitive of a declared collective kind
+            (its record's ``method``, or ``bucket_method``, :mod:`meshtorch.core.collectives`), naming the kind.
     """
 
     default_bucket_bytes: int = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for c in KINDS.values():
+            for name in (c.method, c.bucket_method):
+                if name is None:
+                    continue
+                fn = getattr(cls, name, None)
+                if fn is None or (name == c.method and fn is getattr(MeshImpl, name, None)):
+                    raise TypeError(f"{cls.__name__} does not implement {name!r}, the primitive of the collective "
+                                    f"kind {c.name!r} (meshtorch.core.collectives): define {cls.__name__}.{name}.")
 
     def __init__(self, shape, layout_rules=None, storage=None, reshard_after_forward: bool = True, prefetch: int = 1):
         if isinstance(shape, MeshSpec):
@@ -184,6 +198,12 @@ class MeshImpl:
 
         XLA's CollectivePermute / JAX's ``lax.ppermute`` written per target (a source may feed several
         targets); Mesh TF's ``receive``, kept as an alias."""
+        raise NotImplementedError
+
+    def broadcast(self, x, mesh_axis: int, root: int):
+        """Every member of each group along ``mesh_axis`` gets the slice of the member at coordinate ``root``
+        (``torch.distributed.broadcast`` within each group; JAX has no single primitive: ``psum`` of the
+        slice masked off the root)."""
         raise NotImplementedError
 
     def shift_by_n_processors(self, x, mesh_axis: int, offset: int, wrap: bool):

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from meshtorch.core.collectives import KINDS
+
 _is_compiling = torch.compiler.is_compiling
 _OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}
 # torch >= 2.5 names; the older ones warn about deprecation from 2.6 on
@@ -234,7 +236,7 @@ class EagerCollectives(Collectives):
     def is_async(self, kind, nbytes):
         if self.asynchronous:
             return True
-        return (kind == "allreduce" and self.async_all_reduce_min_bytes is not None
+        return (KINDS[kind].async_when_large and self.async_all_reduce_min_bytes is not None
                 and nbytes >= self.async_all_reduce_min_bytes)
 
     def all_reduce(self, t, reduction, group, owned, parts=None):

@@ -140,7 +140,7 @@ class PermuteBlocksOperation(Operation):
             elif all(s is None for s in src):
                 res = lw.slicewise(torch.zeros_like, slot)
             elif len(set(src)) == 1:
-                res = lw.collective("broadcast", slot, x, [a], local, mesh_axis=a, root=src[0])
+                res = lw.broadcast(slot, a, src[0], x, local_shape=local)
             else:
                 res = lw.collective_permute(slot, a, src, x, local_shape=local)
             lw.set(out, res, pending)

@@ -24,7 +24,7 @@ from meshtorch.core.graph import Operation
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters, _human
-from meshtorch.lowering.donate import donated_outputs
+from meshtorch.lowering.donate import donated_outputs, donates_input
 from meshtorch.lowering.layout import slice_nbytes
 from meshtorch.planning.pipeline import PipelinePlan, pipeline_plan
 
@@ -259,7 +259,7 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
             peak, peak_i = live + sum(out_b) + transient, i
         live += sum(out_b)
         for f in frees:
-            if in_place and st.kind == "allreduce" and f == st.inputs[0]:
+            if in_place and donates_input(st) and f == st.inputs[0]:
                 continue  # a donated all-reduce: its output (counted 0 above) holds the input's bytes on
             live -= size(f)
     return peak, peak_i, largest

@@ -37,14 +37,14 @@ from meshtorch.core.dims import Dimension
 from meshtorch.core.errors import UsageError
 from meshtorch.core.graph import Graph, Mesh
 from meshtorch.lowering import Lowering
-from meshtorch.lowering.collectives import kind_of
+from meshtorch.lowering.collectives import KINDS as COLLECTIVE_KINDS
 from meshtorch.mesh.factory import make_mesh_impl, placement_mesh_impl
 from meshtorch.ops.variables import placeholder
 from meshtorch.planning.command import main_plan
 from meshtorch.planning.cost import CostModel, _wire
 
 BACKENDS = ("placement", "gloo", "nccl")
-KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")  # the kinds measured
+KINDS = tuple(k for k, c in COLLECTIVE_KINDS.items() if c.calibrate is not None)  # the kinds measured
 _SIZES = (1024, 1024 * 1024)  # float32 elements per processor: 4 KiB and 4 MiB
 _GEMMS = ((2048, 128, 512), (2048, 512, 128), (2048, 128, 128), (512, 512, 512), (2048, 128, 1024))
 
@@ -220,15 +220,11 @@ def _fit(times: dict, kind: str) -> list:
     return [max(t0 - per_byte * w0, 0.0), per_byte]
 
 
-# each measured kind's primitive arguments on a mesh of one axis (the primitive itself: the kind's record)
-_ARGS = {"allreduce": {"mesh_axes": [0]}, "allgather": {"mesh_axis": 0, "concat_axis": 0},
-         "reduce_scatter": {"mesh_axis": 0, "scatter_axis": 0},
-         "alltoall": {"mesh_axis": 0, "split_axis": 0, "concat_axis": 0}}
-
-
 def _run_collective(impl, kind: str, x):
-    """The backend's primitive of ``kind`` (:mod:`meshtorch.lowering.collectives`) on ``x`` over mesh axis 0."""
-    return getattr(impl, kind_of(kind)[0].method)(x, **_ARGS[kind])
+    """The backend's primitive of ``kind`` on ``x`` over mesh axis 0 (primitive and arguments: the kind's record,
+    :mod:`meshtorch.lowering.collectives`)."""
+    c = COLLECTIVE_KINDS[kind]
+    return getattr(impl, c.method)(x, **c.calibrate)
 
 
 def _placement_collectives() -> dict:
