@@ -78,3 +78,25 @@ def test_first_bucket_closes_at_1_mib_and_starts_mid_backward():
         feeds = [torch.randn(4, 256, generator=torch.Generator().manual_seed(s)) for s in range(3)]
         losses[name] = [lw.run([loss] + updates, feeds={x: f})[0].item() for f in feeds]
     assert losses["default"] == losses["given"] == losses["off"], losses
+
+
+class _BucketingPlacement(mtf.PlacementMeshImpl):
+    """A placement mesh with the SPMD mesh's default buckets (DDP's 25 MiB), to plan the default on one process."""
+
+    default_bucket_bytes = 25 * 2 ** 20
+
+
+def test_default_buckets_are_off_when_a_16_bit_tensor_is_all_reduced():
+    """The record's ``fp32_default_buckets`` rule: a data-parallel bf16 gradient all-reduce turns the Lowering's
+    default buckets off; the same graph in float32 keeps them; an explicit size is kept either way."""
+    def lowering(dtype, **kw):
+        g = mtf.Graph()
+        mesh = mtf.Mesh(g, "m")
+        x = mtf.placeholder(mesh, "x", "b:4,h:8", dtype=dtype)
+        w = mtf.get_variable(mesh, "w", "h:8,o:2", dtype=dtype)
+        loss = mtf.reduce_sum(mtf.einsum([x, w], output_shape="o:2"))
+        mtf.optim.SgdOptimizer(0.1).apply_grads(mtf.gradients([loss], [w]), [w])  # the update reduces the gradient
+        return mtf.Lowering(g, {mesh: _BucketingPlacement("all:2", "b:all")}, materialize=False, **kw)
+    assert lowering(torch.float32).session.bucket_bytes == 25 * 2 ** 20
+    assert lowering(torch.bfloat16).session.bucket_bytes == 0
+    assert lowering(torch.bfloat16, bucket_bytes=1 << 20).session.bucket_bytes == 1 << 20

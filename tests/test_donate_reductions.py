@@ -6,6 +6,7 @@ kept values, outputs of kernels not known to return new tensors, and placement m
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -91,3 +92,21 @@ def test_donation_needs_a_fresh_unshared_input_read_by_the_all_reduce_alone(case
     assert out[1].params.get("donate", False) == (case == "donated")
     assert donated_outputs(out[1]) == (case == "donated")
     assert out[0] is steps[0] and steps[1].params == {"mesh_axes": (0,), "reduction": "SUM"}  # inputs unchanged
+
+
+class _OneProcessorOfAxis(_OneProcessor):
+    """This process holds one processor of a 1-axis mesh of ``n`` (what the donation pass reads)."""
+
+    def __init__(self, n):
+        self.shape = [types.SimpleNamespace(size=n)]
+
+
+@pytest.mark.parametrize("n", [2, 1])
+def test_an_all_gathered_input_is_fresh_when_its_group_has_members(n):
+    """The all-gather record's ``fresh_output``: over a group of 2 the gathered value is a new tensor, so the
+    all-reduce of it may sum in its buffer; over a group of one the all-gather returns its input (shared
+    storage), so it may not."""
+    gather = Step("allgather", "g", (0,), (1,), "m", None, {"mesh_axis": 0, "concat_axis": 0})
+    reduce = Step("allreduce", "r", (1,), (2,), "m", None, {"mesh_axes": (0,), "reduction": "SUM"})
+    out = donate_reductions([gather, reduce], set(), {2}, {"m": _OneProcessorOfAxis(n)})
+    assert out[1].params.get("donate", False) == (n > 1)
