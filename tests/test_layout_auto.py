@@ -1,5 +1,6 @@
-"""``meshtorch train --layout auto`` (issue 23): the chosen layout is legal, fits --memory-limit per the planner,
-and is what runs; ``--trace-collectives`` reports the collectives that ran."""
+"""``meshtorch train --layout auto`` (issues 23, 36): the chosen layout is legal, fits --memory-limit per the
+planner, is the fastest measured of the measured candidates (the default layout always among them) and is what
+runs; a second run reads the choice from the cache; ``--trace-collectives`` reports the collectives that ran."""
 
 import json
 import os
@@ -32,10 +33,10 @@ def calibration(tmp_path, monkeypatch):
     return cal
 
 
-def _total_bytes(layout, storage=""):
+def _total_bytes(layout, storage="", remat=None):
     spec = mtf.MeshSpec("data:2,model:2", layout, storage=storage or None)
     cfg = preset("tiny", num_layers=1, d_model=32, num_heads=4, d_kv=8, d_ff=64, length=16, batch_size=8,
-                 vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"))
+                 vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"), remat=remat or "none")
     lm = build_lm(cfg, optimizer=mtf.optim.AdamWOptimizer(1e-3))
     lw = mtf.Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
     return memory_report(lw, [lm.loss] + lm.updates).total_bytes
@@ -104,3 +105,79 @@ def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(cali
     out = capsys.readouterr().out
     assert "fits only with --remat" in out, out
     assert built and set(built) <= {"block", "selective"}, built
+
+
+class _FakeTimer:
+    """Stands in for :func:`autolayout.measure_candidate`: the i-th measured candidate takes ``times[i]`` s per
+    step (so a test decides which is fastest), and every call is recorded."""
+
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def __call__(self, config, mesh_shape, c, **kw):
+        self.calls.append(c)
+        return [self.times[len(self.calls) - 1]] * 3
+
+
+def _same_layout(a, b, storage_a="", storage_b=""):
+    from meshtorch.planning.search import layout_key
+    return layout_key(a, storage_a, {"data": 2, "model": 2}) == layout_key(b, storage_b, {"data": 2, "model": 2})
+
+
+def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, capsys, monkeypatch):
+    """The cost model's first candidate measures slowest and the third fastest: train runs the third, and the
+    default layout was measured too (also when it is not among the best --auto-candidates)."""
+    from meshtorch.runtime import autolayout
+    from meshtorch.runtime.train_config import DEFAULT_LAYOUT
+    timer = _FakeTimer([1.0, 0.5, 0.2, 0.3])
+    monkeypatch.setattr(autolayout, "measure_candidate", timer)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert len(timer.calls) in (3, 4)  # the best 3, and the default if it is not among them
+    assert any(_same_layout(c.layout, DEFAULT_LAYOUT, c.storage) for c in timer.calls)
+    fastest = timer.calls[2]
+    assert _chosen(out) == (fastest.layout, fastest.storage)
+    assert "predicted ms" in out and "chosen" in out
+    timer2 = _FakeTimer([0.3, 0.1])  # with 1 candidate the default layout is measured as well
+    monkeypatch.setattr(autolayout, "measure_candidate", timer2)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "1"]) == 0
+    out = capsys.readouterr().out
+    assert any(_same_layout(c.layout, DEFAULT_LAYOUT, c.storage) for c in timer2.calls)
+    if len(timer2.calls) == 2:
+        assert _chosen(out) == (timer2.calls[1].layout, timer2.calls[1].storage)
+
+
+def test_layout_auto_second_run_uses_the_cache(calibration, capsys, monkeypatch):
+    """A second run of the same job reads the choice back and measures nothing; another job measures."""
+    from meshtorch.runtime import autolayout
+    timer = _FakeTimer([0.3, 0.1, 0.2, 0.4])
+    monkeypatch.setattr(autolayout, "measure_candidate", timer)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0
+    first = _chosen(capsys.readouterr().out)
+    assert first == (timer.calls[1].layout, timer.calls[1].storage)
+    n = len(timer.calls)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert len(timer.calls) == n and "measured 0 candidates" in out and _chosen(out) == first
+    timer.times = timer.times * 2
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "2"]) == 0
+    assert len(timer.calls) > n  # another job (here: another candidate count) measures again
+
+
+def test_layout_auto_measures_only_layouts_that_fit_the_limit(calibration, capsys, monkeypatch):
+    """Under --memory-limit below the default layout's memory, neither it nor any candidate over the limit is
+    measured (the planner's memory report of each measured layout checked independently)."""
+    from meshtorch.runtime import autolayout
+    from meshtorch.runtime.train_config import DEFAULT_LAYOUT
+    timer = _FakeTimer([0.3, 0.2, 0.1, 0.4])
+    monkeypatch.setattr(autolayout, "measure_candidate", timer)
+    limit = _total_bytes(DEFAULT_LAYOUT) - 1
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--memory-limit", str(limit)]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert timer.calls and "over --memory-limit" in out
+    for c in timer.calls:
+        assert not _same_layout(c.layout, DEFAULT_LAYOUT, c.storage)
+        assert _total_bytes(c.layout, c.storage, c.remat) <= limit, (c.layout, c.storage)
+    best = min(range(len(timer.calls)), key=lambda i: timer.times[i])
+    assert _chosen(out) == (timer.calls[best].layout, timer.calls[best].storage)
