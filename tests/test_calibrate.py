@@ -44,6 +44,13 @@ def _report(mesh, layout):
     return memory_report(lw, [lm.loss] + lm.updates)
 
 
+def test_placement_replicated_layout_pays_every_processor():
+    """train feeds each simulated processor its own batch slice, so even the replicated layout runs every
+    processor's kernels (measured: 4 replicas ~4x one processor's step): its serial work is n x one processor's."""
+    one, rep = _report("", ""), _report("all:4", "")
+    assert rep.flops_serial == 4 * one.flops_per_processor and rep.kernel_calls_serial == 4 * one.kernel_steps
+
+
 def test_serial_and_parallel_models():
     """Placement (serial): a batch-split layout costs the same einsum FLOPs as one processor and more kernel calls;
     SPMD: each processor does 1/n of the FLOPs. Counted from the plan, checked against the plain definitions."""

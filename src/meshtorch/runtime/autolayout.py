@@ -75,7 +75,7 @@ def default_layout_for(mesh_shape: str) -> str:
 def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int | None = None,
                   backend: str = "placement", threads: int = 1, print_fn=print,
                   microbatches: int | None = None, candidates: int = 3, device: str | None = None,
-                  executor: str = "codegen", world: int = 1) -> tuple[str, str, str | None]:
+                  executor: str = "codegen", world: int = 1, cache: bool = True) -> tuple[str, str, str | None]:
     """``(layout rules, storage rules, remat)`` of the fastest measured of the cost model's best layouts of
     the LM on ``mesh_shape``.
 
@@ -100,6 +100,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
             the cost model's first is taken without measuring (nor the default layout measured).
         device, executor: ``train --device`` / ``--executor``, what the measured steps run on.
         world: the job's process count (torchrun's ``WORLD_SIZE``).
+        cache: read a cached choice (False: measure anyway; the new choice is cached either way).
 
     Returns:
         the layout rules, the storage rules (``""``: none), and None or the heavier ``--remat`` policy
@@ -133,7 +134,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
         return _result(layout, rep.storage or "", rep.remat, print_fn)
     key = _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, microbatches, candidates, device,
                      executor, world)
-    hit = _agreed(_read_cache(key), world, backend)
+    hit = _agreed(_read_cache(key) if cache else None, world, backend)
     if hit is not None:
         print_fn(f"{head}; using the choice cached {hit['when']} ({cache_file(key)}; delete it to measure again), "
                  f"measured 0 candidates:")
