@@ -181,3 +181,17 @@ def test_layout_auto_measures_only_layouts_that_fit_the_limit(calibration, capsy
         assert _total_bytes(c.layout, c.storage, c.remat) <= limit, (c.layout, c.storage)
     best = min(range(len(timer.calls)), key=lambda i: timer.times[i])
     assert _chosen(out) == (timer.calls[best].layout, timer.calls[best].storage)
+
+
+def test_layout_auto_under_torchrun_every_rank_chooses_the_slowest_ranks_fastest(tmp_path):
+    """2 gloo ranks measure the same candidates in the same order; rank 0 alone would pick the first, rank 1 the
+    second, the slowest rank's medians (max over ranks) make the third fastest: both ranks train with it. The
+    second call reads rank 0's cached choice on both ranks and measures nothing."""
+    from meshtorch.testing.spmd import run_spmd
+    times = [[0.1, 0.5, 0.3, 0.6], [0.9, 0.2, 0.3, 0.6]]
+    res = run_spmd("_autolayout_jobs:agree", (str(tmp_path), times), nprocs=2, timeout_s=300,
+                   extra_path=[os.path.dirname(os.path.abspath(__file__))]).check().results
+    (first0, again0), (first1, again1) = res
+    assert first0[1] == first1[1] and len(first0[1]) >= 3  # the same candidates, in the same order
+    assert first0[0] == first1[0] == first0[1][2]
+    assert again0 == again1 == (first0[0], [])
