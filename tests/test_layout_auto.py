@@ -68,6 +68,8 @@ def test_layout_auto_refusals(calibration, capsys):
     assert "--layout auto" in capsys.readouterr().err
     assert main(ARGS + ["--storage", "auto", "--threads", "1"]) == 2
     assert "--storage auto needs --layout auto" in capsys.readouterr().err
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "-1"]) == 2
+    assert "--auto-candidates must be >= 0" in capsys.readouterr().err
 
 
 def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(calibration, capsys, monkeypatch):
