@@ -25,11 +25,12 @@ def agree(cache_dir, times_by_rank):
     os.replace(f"{path}.{rank}", path)
     calls = []
 
-    def measure(config, mesh_shape, c, **kw):
+    def prepare(config, mesh_shape, c, **kw):
         calls.append(c.layout)
-        return [times_by_rank[rank][len(calls) - 1]] * 3
+        t = times_by_rank[rank][len(calls) - 1]
+        return lambda: t
 
-    autolayout.measure_candidate = measure
+    autolayout.prepare_candidate = prepare
 
     def config(multiple):
         return preset("tiny", num_layers=1, d_model=32, num_heads=4, d_kv=8, d_ff=64, length=16, batch_size=8,

@@ -110,15 +110,16 @@ def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(cali
 
 
 class _FakeTimer:
-    """Stands in for :func:`autolayout.measure_candidate`: the i-th measured candidate takes ``times[i]`` s per
-    step (so a test decides which is fastest), and every call is recorded."""
+    """Stands in for :func:`autolayout.prepare_candidate`: every step of the i-th prepared candidate takes
+    ``times[i]`` s (so a test decides which is fastest), and every candidate is recorded."""
 
     def __init__(self, times):
         self.times, self.calls = times, []
 
     def __call__(self, config, mesh_shape, c, **kw):
         self.calls.append(c)
-        return [self.times[len(self.calls) - 1]] * 3
+        t = self.times[len(self.calls) - 1]
+        return lambda: t
 
 
 def _same_layout(a, b, storage_a="", storage_b=""):
@@ -132,7 +133,7 @@ def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, cap
     from meshtorch.runtime import autolayout
     from meshtorch.runtime.train_config import DEFAULT_LAYOUT
     timer = _FakeTimer([1.0, 0.5, 0.2, 0.3])
-    monkeypatch.setattr(autolayout, "measure_candidate", timer)
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert len(timer.calls) in (3, 4)  # the best 3, and the default if it is not among them
@@ -141,7 +142,7 @@ def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, cap
     assert _chosen(out) == (fastest.layout, fastest.storage)
     assert "predicted ms" in out and "chosen" in out
     timer2 = _FakeTimer([0.3, 0.1])  # with 1 candidate the default layout is measured as well
-    monkeypatch.setattr(autolayout, "measure_candidate", timer2)
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer2)
     assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "1"]) == 0
     out = capsys.readouterr().out
     assert any(_same_layout(c.layout, DEFAULT_LAYOUT, c.storage) for c in timer2.calls)
@@ -153,7 +154,7 @@ def test_layout_auto_second_run_uses_the_cache(calibration, capsys, monkeypatch)
     """A second run of the same job reads the choice back and measures nothing; another job measures."""
     from meshtorch.runtime import autolayout
     timer = _FakeTimer([0.3, 0.1, 0.2, 0.4])
-    monkeypatch.setattr(autolayout, "measure_candidate", timer)
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0
     first = _chosen(capsys.readouterr().out)
     assert first == (timer.calls[1].layout, timer.calls[1].storage)
@@ -172,7 +173,7 @@ def test_layout_auto_measures_only_layouts_that_fit_the_limit(calibration, capsy
     from meshtorch.runtime import autolayout
     from meshtorch.runtime.train_config import DEFAULT_LAYOUT
     timer = _FakeTimer([0.3, 0.2, 0.1, 0.4])
-    monkeypatch.setattr(autolayout, "measure_candidate", timer)
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
     limit = _total_bytes(DEFAULT_LAYOUT) - 1
     assert main(ARGS + ["--layout", "auto", "--threads", "1", "--memory-limit", str(limit)]) == 0, \
         capsys.readouterr().err
@@ -197,3 +198,23 @@ def test_layout_auto_under_torchrun_every_rank_chooses_the_slowest_ranks_fastest
     assert first0[1] == first1[1] and len(first0[1]) >= 3  # the same candidates, in the same order
     assert first0[0] == first1[0] == first0[1][2]
     assert again0 == again1 == (first0[0], [])
+
+
+def test_layout_auto_interleaves_candidates_so_a_load_burst_hits_all_alike(calibration, capsys, monkeypatch):
+    """A burst of load slows the first 3 steps run (5x): measured one candidate after another, the burst would
+    fall on the first candidate alone and hand the choice to the second; in interleaved rounds it falls on
+    round 1 of every candidate, and the intrinsically fastest (the first) still wins."""
+    from meshtorch.runtime import autolayout
+    base, clock, calls = [0.1, 0.15, 0.2, 0.25], [0], []
+
+    def prepare(config, mesh_shape, c, **kw):
+        calls.append(c)
+        t = base[len(calls) - 1]
+
+        def step():
+            clock[0] += 1
+            return t * (5 if clock[0] <= 3 else 1)
+        return step
+    monkeypatch.setattr(autolayout, "prepare_candidate", prepare)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
+    assert _chosen(capsys.readouterr().out) == (calls[0].layout, calls[0].storage)

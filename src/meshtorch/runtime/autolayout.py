@@ -37,7 +37,7 @@ from meshtorch.runtime.calibrate import _host_key, cache_path, calibrate
 
 WARMUP_STEPS = 1  # excluded: the first step builds the executor's program and allocates the optimizer state
 TIMED_STEPS = 3  # median of these
-GIVE_UP = 3.0  # one process: a candidate whose first timed step takes this many times the best median stops
+GIVE_UP = 3.0  # one process: a candidate whose first timed step takes this many times the best first stops
 
 
 @dataclass
@@ -82,7 +82,9 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     The calibrated cost model of ``backend`` with ``threads`` torch threads ranks every legal layout; the
     best ``candidates`` of them and the mesh's default layout (:func:`default_layout_for`, when it fits
     ``memory_limit``) are each trained for ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch
-    on the real mesh (:func:`measure_candidate`); the one of the least median step time wins. Under torchrun
+    on the real mesh (:func:`prepare_candidate`), in interleaved rounds (each round one step of every candidate,
+    so a load that comes and goes on the host hits all alike; one candidate after another under
+    ``memory_limit``, so only one is held at a time); the one of the least median step time wins. Under torchrun
     (``world`` > 1) every rank measures the same candidates in the same order and the slowest rank's median
     counts (an all-reduce max), so all ranks choose alike. The choice is cached (:func:`cache_file`) and read
     back by the next run of the same job, which then measures nothing.
@@ -145,11 +147,11 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        best = math.inf
-        for c in cands:
-            c.times = tuple(measure_candidate(config, mesh_shape, c, microbatches=microbatches, device=device,
-                                              executor=executor, give_up_s=None if world > 1 else GIVE_UP * best))
-            best = min(best, c.measured_s)
+        groups = [cands] if memory_limit is None else [[c] for c in cands]
+        for group in groups:
+            _measure_rounds(group, [prepare_candidate(config, mesh_shape, c, microbatches=microbatches,
+                                                      device=device, executor=executor) for c in group],
+                            prune=world == 1)
     finally:
         torch.set_num_threads(old)
     medians = _max_over_ranks([c.measured_s for c in cands], world)
@@ -215,24 +217,41 @@ def candidate_config(config, mesh_shape: str, c: Candidate, microbatches: int | 
     return cfg
 
 
-def measure_candidate(config, mesh_shape: str, c: Candidate, microbatches: int | None = None,
-                      device: str | None = None, executor: str = "codegen", give_up_s: float | None = None,
-                      steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS) -> list[float]:
-    """Seconds of each of ``steps`` AdamW training steps of candidate ``c`` on the real mesh (the placement
-    mesh in this process; under torchrun this rank's part of the SPMD mesh), after ``warmup`` untimed steps,
-    on random token batches. ``give_up_s``: stop after the first timed step slower than this (it cannot win)."""
+def _measure_rounds(group: list[Candidate], steps: list, prune: bool) -> None:
+    """``TIMED_STEPS`` rounds, each one timed step of every candidate of ``group`` still in the race (``steps``:
+    their step functions); with ``prune``, after the first round a candidate slower than ``GIVE_UP`` x the
+    round's fastest leaves it (it cannot win). Sets each candidate's ``times``."""
+    times = [[] for _ in group]
+    live = list(range(len(group)))
+    for r in range(TIMED_STEPS):
+        for i in live:
+            times[i].append(steps[i]())
+        if prune and r == 0:
+            best = min(times[i][0] for i in live)
+            live = [i for i in live if times[i][0] <= GIVE_UP * best]
+    for c, t in zip(group, times, strict=True):
+        c.times = tuple(t)
+
+
+def prepare_candidate(config, mesh_shape: str, c: Candidate, microbatches: int | None = None,
+                      device: str | None = None, executor: str = "codegen", warmup: int = WARMUP_STEPS):
+    """A function running one timed AdamW training step of candidate ``c`` on the real mesh (the placement
+    mesh in this process; under torchrun this rank's part of the SPMD mesh) on a random token batch and
+    returning its seconds; the LM is built and lowered and ``warmup`` untimed steps run first."""
     cfg = candidate_config(config, mesh_shape, c, microbatches)
     lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
     impl = make_mesh_impl(mesh_shape, c.layout, device=device, storage=c.storage or None)
     lw = Lowering(lm.graph, {lm.mesh: impl}, mode=executor)
-    return time_steps(lm, lw, steps, warmup=warmup, give_up_s=give_up_s)
+    time_steps(lm, lw, 0, warmup=warmup)
+    seed = iter(range(1, 1 << 30))
+    return lambda: time_steps(lm, lw, 1, seed=next(seed))[0]
 
 
-def time_steps(lm, lowering, steps: int, warmup: int = 0, seed: int = 0, give_up_s: float | None = None) -> list:
+def time_steps(lm, lowering, steps: int, warmup: int = 0, seed: int = 0) -> list:
     """Seconds of each of ``steps`` training steps (loss and updates fetched, the loss read back: a device
     synchronization) of the LM ``lm`` under ``lowering``, after ``warmup`` untimed ones; each step feeds a
     random int64 token batch ``[batch, length + 1]`` (inputs and targets shifted by one), only the rows this
-    process's slices hold (``feed_slices=True``). ``give_up_s``: return early after a timed step slower."""
+    process's slices hold (``feed_slices=True``)."""
     g = torch.Generator().manual_seed(seed)
     c = lm.config
     times = []
@@ -244,8 +263,6 @@ def time_steps(lm, lowering, steps: int, warmup: int = 0, seed: int = 0, give_up
         lowering.run([lm.loss] + lm.updates, feeds=feeds, feed_slices=True)[0].item()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-            if give_up_s is not None and times[-1] > give_up_s:
-                break
     return times
 
 
