@@ -157,8 +157,10 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     medians = _max_over_ranks([c.measured_s for c in cands], world)
     chosen = min(range(len(cands)), key=lambda i: (medians[i], i))
     table = _table(cands, medians, chosen)
-    print_fn(f"{head}; measured the best {len(cands)} ({WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each, "
-             f"median{', slowest rank' if world > 1 else ''}) in {time.perf_counter() - t0:.1f} s:")
+    best = min(candidates, len(ranked))
+    print_fn(f"{head}; measured the best {best}" + (" and the default layout" if len(cands) > best else "")
+             + f" ({WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each in interleaved rounds, median"
+             f"{', slowest rank' if world > 1 else ''}) in {time.perf_counter() - t0:.1f} s:")
     print_fn(table)
     c = cands[chosen]
     _write_cache(key, {"layout": c.layout, "storage": c.storage, "remat": c.remat, "table": table,
