@@ -201,9 +201,10 @@ def test_layout_auto_under_torchrun_every_rank_chooses_the_slowest_ranks_fastest
 
 
 def test_layout_auto_interleaves_candidates_so_a_load_burst_hits_all_alike(calibration, capsys, monkeypatch):
-    """A burst of load slows the first 3 steps run (5x): measured one candidate after another, the burst would
-    fall on the first candidate alone and hand the choice to the second; in interleaved rounds it falls on
-    round 1 of every candidate, and the intrinsically fastest (the first) still wins."""
+    """A burst of load slows the first steps run (5x, as many as there are candidates): measured one candidate
+    after another, the burst would fall on the first candidate alone and hand the choice to the second; in
+    interleaved rounds it falls on round 1 of every candidate, and the intrinsically fastest (the first) still
+    wins."""
     from meshtorch.runtime import autolayout
     base, clock, calls = [0.1, 0.15, 0.2, 0.25], [0], []
 
@@ -213,8 +214,30 @@ def test_layout_auto_interleaves_candidates_so_a_load_burst_hits_all_alike(calib
 
         def step():
             clock[0] += 1
-            return t * (5 if clock[0] <= 3 else 1)
+            return t * (5 if clock[0] <= len(calls) else 1)  # the first round
         return step
     monkeypatch.setattr(autolayout, "prepare_candidate", prepare)
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
     assert _chosen(capsys.readouterr().out) == (calls[0].layout, calls[0].storage)
+
+
+def test_layout_auto_keeps_the_default_unless_every_step_of_a_candidate_beats_it(calibration, capsys, monkeypatch):
+    """Noise guard: a candidate whose median beats the default's but which was slower than it in one round does
+    not replace the default; one faster in every round does."""
+    from meshtorch.runtime import autolayout
+    from meshtorch.runtime.train_config import DEFAULT_LAYOUT
+    calls = []
+
+    def prepare(config, mesh_shape, c, **kw):
+        calls.append(c)
+        if _same_layout(c.layout, DEFAULT_LAYOUT, c.storage):
+            return lambda: 0.30
+        steps = iter([0.2, 0.35, 0.2] if noisy else [0.25, 0.29, 0.25])
+        return lambda: next(steps)
+    monkeypatch.setattr(autolayout, "prepare_candidate", prepare)
+    for noisy, want_default in ((True, True), (False, False)):
+        calls.clear()
+        argv = ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "2" if noisy else "1"]
+        assert main(argv) == 0, capsys.readouterr().err
+        chosen = _chosen(capsys.readouterr().out)
+        assert _same_layout(chosen[0], DEFAULT_LAYOUT, chosen[1]) == want_default, (noisy, chosen)

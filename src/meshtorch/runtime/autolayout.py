@@ -84,7 +84,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     ``memory_limit``) are each trained for ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch
     on the real mesh (:func:`prepare_candidate`), in interleaved rounds (each round one step of every candidate,
     so a load that comes and goes on the host hits all alike; one candidate after another under
-    ``memory_limit``, so only one is held at a time); the one of the least median step time wins. Under torchrun
+    ``memory_limit``, so only one is held at a time); the one of the least median step time wins (:func:`pick`:
+    the default layout only loses to a candidate faster than it in every round). Under torchrun
     (``world`` > 1) every rank measures the same candidates in the same order and the slowest rank's median
     counts (an all-reduce max), so all ranks choose alike. The choice is cached (:func:`cache_file`) and read
     back by the next run of the same job, which then measures nothing.
@@ -154,8 +155,11 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
                             prune=world == 1)
     finally:
         torch.set_num_threads(old)
-    medians = _max_over_ranks([c.measured_s for c in cands], world)
-    chosen = min(range(len(cands)), key=lambda i: (medians[i], i))
+    rounds = [list(c.times) + [math.inf] * (TIMED_STEPS - len(c.times)) for c in cands]  # inf: left the race
+    flat = _max_over_ranks([t for r in rounds for t in r], world)
+    rounds = [flat[i * TIMED_STEPS:(i + 1) * TIMED_STEPS] for i in range(len(cands))]
+    medians = [statistics.median(r) for r in rounds]
+    chosen = pick(cands, rounds)
     table = _table(cands, medians, chosen)
     best = min(candidates, len(ranked))
     print_fn(f"{head}; measured the best {best}" + (" and the default layout" if len(cands) > best else "")
@@ -166,6 +170,18 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     _write_cache(key, {"layout": c.layout, "storage": c.storage, "remat": c.remat, "table": table,
                        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, world)
     return _result(c.layout, c.storage, c.remat, print_fn)
+
+
+def pick(cands: list[Candidate], rounds: list[list[float]]) -> int:
+    """The index of the candidate to train with, from each candidate's step seconds per round (``rounds``,
+    inf where it left the race): the least median, except that the default layout is left only for a
+    candidate that was faster than it in every round (a paired comparison: a load burst slows a whole round
+    alike, and noise cannot trade the default for a layout that only looked faster on its median); ties go to
+    the cost model's order."""
+    d = next((i for i, c in enumerate(cands) if c.default), None)
+    ok = [i for i in range(len(cands))
+          if d is None or i == d or all(a < b for a, b in zip(rounds[i], rounds[d], strict=True))]
+    return min(ok, key=lambda i: (statistics.median(rounds[i]), i))
 
 
 def _result(layout: str, storage: str, remat: str | None, print_fn) -> tuple[str, str, str | None]:
