@@ -1,6 +1,7 @@
 """Does the cost model rank layouts the way the machine does? Predicted vs measured step time of every layout.
 
-For an LM preset on a mesh, every legal layout of :func:`meshtorch.planning.search.candidate_layouts` is
+For an LM preset on a mesh, every legal layout that ``--layout auto``'s search ranks
+(:func:`meshtorch.planning.command.plan_lm`, no storage rules or pipelines) and train's default layout are
 (a) priced by :func:`meshtorch.planning.cost.estimate_time` with the calibrated cost model of the backend
 (:mod:`meshtorch.runtime.calibrate`, cached per host/backend/threads; ``--calibrate`` measures again), and
 (b) trained for a few AdamW steps, median step time after the warm-up steps: in this process on the
@@ -12,7 +13,11 @@ top-1 regret (measured time of the predicted best / best measured - 1), and the 
 ``|predicted / measured - 1|``.
 
     python benchmarks/layout_ranking.py --backend gloo --mesh all:2 --preset small
-    python benchmarks/layout_ranking.py --backend placement --mesh data:2,model:2 --preset small
+    python benchmarks/layout_ranking.py --backend placement --mesh data:2,model:2 --preset small --auto
+
+``--auto`` (placement) first runs ``--layout auto``'s measuring choice (:func:`meshtorch.runtime.autolayout.
+choose_layout`, not cached) and reports its layout's time in the interleaved measurement over the fastest's and
+the default layout's, and the time the choice took over 600 steps of the default layout.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from meshtorch.data.sharding import local_batch_indices, local_feed  # noqa: E40
 from meshtorch.models.transformer import build_lm, preset  # noqa: E402
 from meshtorch.planning import memory_report  # noqa: E402
 from meshtorch.planning.cost import estimate_time  # noqa: E402
-from meshtorch.planning.search import candidate_layouts, graph_dimensions  # noqa: E402
+from meshtorch.planning.command import plan_lm  # noqa: E402
+from meshtorch.runtime.autolayout import choose_layout, default_layout_for, time_steps  # noqa: E402
 from meshtorch.runtime.calibrate import calibrate  # noqa: E402
 
 
@@ -43,25 +49,22 @@ def _cfg(name: str, mesh: str, layout: str, batch: int | None):
     return preset(name, vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"), batch_size=batch)
 
 
-def layouts_of(name: str, mesh: str, batch: int | None) -> list[str]:
-    """Every legal layout of the preset on ``mesh`` (one of each set equal up to swapping equal-size axes)."""
-    spec = mtf.MeshSpec(mesh)
-    lm = build_lm(_cfg(name, mesh, "", batch))
-    sizes: dict = {}
-    for op in lm.graph.operations:
-        for t in op.outputs:
-            for d in t.shape:
-                sizes.setdefault(d.name, set()).add(d.size)
-    axes = {d.name: d.size for d in spec.shape}
-    out = []
-    for rules in candidate_layouts(graph_dimensions(lm.graph), list(axes), sizes, axes):
-        try:
-            lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
-            mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec(mesh, rules)}, materialize=False)
-        except mtf.LayoutError:
-            continue
-        out.append(rules)
+def layouts_of(name: str, mesh: str, batch: int | None, cost) -> list[str]:
+    """Every legal layout of the preset on ``mesh`` that ``--layout auto``'s search ranks (one of each set equal
+    up to swapping equal-size axes; the greedy refinement's layouts with several dims on one axis included),
+    in the cost model's order, and train's default layout for the mesh if the search did not rank it."""
+    ranked = plan_lm(lambda m: preset(name, vocab_size=256, vocab_multiple=m, batch_size=batch), mesh, search=True,
+                     cost=cost, print_fn=lambda *a: None, pipelines=False)
+    out = [lay for lay, _ in ranked]
+    default = default_layout_for(mesh)
+    if _find(default, out) is None:
+        out.append(default)
     return out
+
+
+def _find(rules: str, layouts: list[str]) -> str | None:
+    """The layout of ``layouts`` equal to ``rules`` up to the order of its rules, or None."""
+    return next((lay for lay in layouts if mtf.LayoutRules(lay) == mtf.LayoutRules(rules)), None)
 
 
 def predict(name: str, mesh: str, rules: str, batch: int | None, cost) -> dict:
@@ -70,28 +73,10 @@ def predict(name: str, mesh: str, rules: str, batch: int | None, cost) -> dict:
     return estimate_time(memory_report(lw, [lm.loss] + lm.updates), cost)
 
 
-def _steps(lm, lw, n: int, seed: int = 0) -> list[float]:
-    g = torch.Generator().manual_seed(seed)
-    c = lm.config
-    times = []
-    for _ in range(n):
-        b = torch.randint(0, c.vocab_size, (c.batch_size, c.length + 1), generator=g)
-        feeds = {lm.inputs: b[:, :-1], lm.targets: b[:, 1:]}
-        if lw.mesh_impl(lm.loss).size > len(lw.mesh_impl(lm.loss).local_pnums()):  # SPMD: this rank's rows
-            feeds = {t: local_feed(lw, t, v[local_batch_indices(lw, t)]) for t, v in feeds.items()}
-            t0 = time.perf_counter()
-            lw.run([lm.loss] + lm.updates, feeds=feeds, feed_slices=True)[0].item()
-        else:
-            t0 = time.perf_counter()
-            lw.run([lm.loss] + lm.updates, feeds=feeds)[0].item()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def measure_placement(name, mesh, rules, batch, steps, warmup) -> float:
     lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
     lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(mesh, rules)})
-    return statistics.median(_steps(lm, lw, warmup + steps)[warmup:])
+    return statistics.median(time_steps(lm, lw, steps, warmup=warmup))
 
 
 def spmd_worker(name, mesh, layouts, batch, steps, warmup, threads):
@@ -104,13 +89,20 @@ def spmd_worker(name, mesh, layouts, batch, steps, warmup, threads):
         lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
         lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh, rules)})
         dist.barrier()
-        out[rules] = statistics.median(_steps(lm, lw, warmup + steps)[warmup:])
+        out[rules] = statistics.median(time_steps(lm, lw, steps, warmup=warmup))
     return out
 
 
 def kendall_tau(a, b) -> float:
-    from scipy.stats import kendalltau  # benchmark-only dependency
-
+    """Kendall's tau-b of two equally long sequences (``scipy.stats.kendalltau`` when scipy is installed, else
+    the same definition: (concordant - discordant) / sqrt((n0 - ties in a) (n0 - ties in b)))."""
+    try:
+        from scipy.stats import kendalltau  # benchmark-only dependency
+    except ImportError:
+        pairs = [(a[i] - a[j], b[i] - b[j]) for i in range(len(a)) for j in range(i)]
+        s = sum((x > 0) - (x < 0) for x in (p * q for p, q in pairs))
+        ta, tb = sum(p != 0 for p, _ in pairs), sum(q != 0 for _, q in pairs)
+        return s / (ta * tb) ** 0.5 if ta and tb else float("nan")
     return float(kendalltau(a, b).statistic)
 
 
@@ -126,6 +118,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calibrate", action="store_true", help="measure the machine again before predicting")
     ap.add_argument("--max-layouts", type=int, default=40)
+    ap.add_argument("--auto", action="store_true",
+                    help="placement: also run --layout auto's choice (measuring, not cached) first, and report its "
+                         "measured time over the fastest and over the default layout's, and its cost as a share of "
+                         "a 600-step run of the default layout")
     args = ap.parse_args()
     mesh = args.mesh if args.mesh is not None else ("all:2" if args.backend == "gloo" else "data:2,model:2")
     torch.set_num_threads(args.threads)
@@ -134,7 +130,22 @@ def main():
     cal = calibrate(args.backend, args.threads, force=args.calibrate)
     print(cal.summary())
     cost = cal.cost_model()
-    layouts = layouts_of(args.preset, mesh, args.batch_size)[: args.max_layouts]
+    layouts = layouts_of(args.preset, mesh, args.batch_size, cost)[: args.max_layouts]
+    default = _find(default_layout_for(mesh), layouts) or default_layout_for(mesh)
+    if default not in layouts:
+        layouts.append(default)
+    auto = None
+    if args.auto:
+        if args.backend != "placement":
+            raise SystemExit("--auto: placement only (under gloo, run meshtorch train --layout auto under torchrun)")
+        t_auto = time.perf_counter()
+        auto = choose_layout(lambda m: preset(args.preset, vocab_size=256, vocab_multiple=m,
+                                              batch_size=args.batch_size), mesh, threads=args.threads,
+                             cache=False)[0]
+        t_auto = time.perf_counter() - t_auto
+        auto = _find(auto, layouts) or auto
+        if auto not in layouts:
+            layouts.append(auto)
     print(f"{len(layouts)} legal layouts of the {args.preset!r} LM on mesh {mesh!r} ({args.backend}, "
           f"{args.threads} thread(s) per process); {args.rounds} interleaved rounds of {args.warmup} + "
           f"{args.steps} steps")
@@ -162,6 +173,12 @@ def main():
     best_pred = min(layouts, key=lambda r: pred[r])
     regret = meas[best_pred] / min(m) - 1
     err = statistics.median(abs(a / b - 1) for a, b in zip(p, m, strict=True))
+    if auto is not None:
+        fastest = min(layouts, key=lambda r: meas[r])
+        print(f"--layout auto chose {auto!r}: measured {meas[auto] * 1e3:.1f} ms = {meas[auto] / meas[fastest]:.3f}x "
+              f"the fastest ({fastest!r}, {meas[fastest] * 1e3:.1f} ms), {meas[auto] / meas[default]:.3f}x the default "
+              f"layout ({default!r}, {meas[default] * 1e3:.1f} ms); choosing took {t_auto:.1f} s = "
+              f"{100 * t_auto / (600 * meas[default]):.1f}% of 600 default steps ({600 * meas[default]:.0f} s)")
     print(f"Kendall tau {kendall_tau(p, m):.3f}; top-1 regret {100 * regret:.1f}% (predicted best "
           f"{best_pred or '(replicated)'!r}); median |predicted/measured - 1| {100 * err:.1f}%; "
           f"{time.perf_counter() - t0:.0f} s")

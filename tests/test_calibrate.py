@@ -44,6 +44,13 @@ def _report(mesh, layout):
     return memory_report(lw, [lm.loss] + lm.updates)
 
 
+def test_placement_replicated_layout_pays_every_processor():
+    """train feeds each simulated processor its own batch slice, so even the replicated layout runs every
+    processor's kernels (measured: 4 replicas ~4x one processor's step): its serial work is n x one processor's."""
+    one, rep = _report("", ""), _report("all:4", "")
+    assert rep.flops_serial == 4 * one.flops_per_processor and rep.kernel_calls_serial == 4 * one.kernel_steps
+
+
 def test_serial_and_parallel_models():
     """Placement (serial): a batch-split layout costs the same einsum FLOPs as one processor and more kernel calls;
     SPMD: each processor does 1/n of the FLOPs. Counted from the plan, checked against the plain definitions."""
@@ -79,3 +86,26 @@ def test_plan_uses_the_cached_calibration(tmp_path, monkeypatch, capsys):
     assert "calibrated placement" in capsys.readouterr().out
     assert main(["plan", "--threads", "0"]) == 2
     assert "--threads" in capsys.readouterr().err
+
+
+def test_calibration_takes_medians_of_repetitions_and_says_when_the_host_was_busy(tmp_path, monkeypatch):
+    """Each compute constant is the median of REPEATS repetitions; their spread (max - min) / median is stated,
+    and a spread over BUSY_SPREAD or a load above the cores marks the calibration busy (its summary and the cost
+    model's name say so). The measured values are injected, so the expected medians are known."""
+    monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path))
+    overheads = iter([1e-5, 4e-5, 2e-5])
+    monkeypatch.setattr(cal_mod, "_gemm_rate", lambda m, k, n: 1e10)
+    monkeypatch.setattr(cal_mod, "_kernel_overhead", lambda: next(overheads))
+    monkeypatch.setattr(cal_mod, "_best_seconds", lambda fn, **k: 1e-3)
+    monkeypatch.setattr(cal_mod, "_placement_collectives", lambda: {k: [1e-5, 1e-10] for k in cal_mod.KINDS})
+    monkeypatch.setattr(cal_mod.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    cal = cal_mod.calibrate("placement", threads=1)
+    assert cal.kernel_overhead == pytest.approx(2e-5) and cal.gemm_flop_rate == pytest.approx(1e10)
+    assert cal.spread["kernel"] == pytest.approx((4e-5 - 1e-5) / 2e-5) and cal.spread["gemm"] == 0
+    assert cal.busy and "host busy" in cal.summary() and "spread 150%" in cal.cost_model().name
+    overheads = iter([2e-5] * 3)  # steady numbers on a quiet host: not busy; a loaded host: busy
+    cal = cal_mod.calibrate("placement", threads=1, force=True)
+    assert not cal.busy and cal.spread["kernel"] == 0 and "busy" not in cal.summary()
+    overheads = iter([2e-5] * 3)
+    monkeypatch.setattr(cal_mod.os, "getloadavg", lambda: (float(cal_mod.os.cpu_count() + 1), 0.0, 0.0))
+    assert cal_mod.calibrate("placement", threads=1, force=True).busy

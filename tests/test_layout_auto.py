@@ -1,5 +1,6 @@
-"""``meshtorch train --layout auto`` (issue 23): the chosen layout is legal, fits --memory-limit per the planner,
-and is what runs; ``--trace-collectives`` reports the collectives that ran."""
+"""``meshtorch train --layout auto`` (issues 23, 36): the chosen layout is legal, fits --memory-limit per the
+planner, is the fastest measured of the measured candidates (the default layout always among them) and is what
+runs; a second run reads the choice from the cache; ``--trace-collectives`` reports the collectives that ran."""
 
 import json
 import os
@@ -32,10 +33,10 @@ def calibration(tmp_path, monkeypatch):
     return cal
 
 
-def _total_bytes(layout, storage=""):
+def _total_bytes(layout, storage="", remat=None):
     spec = mtf.MeshSpec("data:2,model:2", layout, storage=storage or None)
     cfg = preset("tiny", num_layers=1, d_model=32, num_heads=4, d_kv=8, d_ff=64, length=16, batch_size=8,
-                 vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"))
+                 vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"), remat=remat or "none")
     lm = build_lm(cfg, optimizer=mtf.optim.AdamWOptimizer(1e-3))
     lw = mtf.Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
     return memory_report(lw, [lm.loss] + lm.updates).total_bytes
@@ -67,6 +68,8 @@ def test_layout_auto_refusals(calibration, capsys):
     assert "--layout auto" in capsys.readouterr().err
     assert main(ARGS + ["--storage", "auto", "--threads", "1"]) == 2
     assert "--storage auto needs --layout auto" in capsys.readouterr().err
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "-1"]) == 2
+    assert "--auto-candidates must be >= 0" in capsys.readouterr().err
 
 
 def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(calibration, capsys, monkeypatch):
@@ -104,3 +107,137 @@ def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(cali
     out = capsys.readouterr().out
     assert "fits only with --remat" in out, out
     assert built and set(built) <= {"block", "selective"}, built
+
+
+class _FakeTimer:
+    """Stands in for :func:`autolayout.prepare_candidate`: every step of the i-th prepared candidate takes
+    ``times[i]`` s (so a test decides which is fastest), and every candidate is recorded."""
+
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def __call__(self, config, mesh_shape, c, **kw):
+        self.calls.append(c)
+        t = self.times[len(self.calls) - 1]
+        return lambda: t
+
+
+def _same_layout(a, b, storage_a="", storage_b=""):
+    from meshtorch.planning.search import layout_key
+    return layout_key(a, storage_a, {"data": 2, "model": 2}) == layout_key(b, storage_b, {"data": 2, "model": 2})
+
+
+def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, capsys, monkeypatch):
+    """The cost model's first candidate measures slowest and the third fastest: train runs the third, and the
+    default layout was measured too (also when it is not among the best --auto-candidates)."""
+    from meshtorch.runtime import autolayout
+    from meshtorch.runtime.train_config import DEFAULT_LAYOUT
+    timer = _FakeTimer([1.0, 0.5, 0.2, 0.3])
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert len(timer.calls) in (3, 4)  # the best 3, and the default if it is not among them
+    assert any(_same_layout(c.layout, DEFAULT_LAYOUT, c.storage) for c in timer.calls)
+    fastest = timer.calls[2]
+    assert _chosen(out) == (fastest.layout, fastest.storage)
+    assert "predicted ms" in out and "chosen" in out
+    timer2 = _FakeTimer([0.3, 0.1])  # with 1 candidate the default layout is measured as well
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer2)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "1"]) == 0
+    out = capsys.readouterr().out
+    assert any(_same_layout(c.layout, DEFAULT_LAYOUT, c.storage) for c in timer2.calls)
+    if len(timer2.calls) == 2:
+        assert _chosen(out) == (timer2.calls[1].layout, timer2.calls[1].storage)
+
+
+def test_layout_auto_second_run_uses_the_cache(calibration, capsys, monkeypatch):
+    """A second run of the same job reads the choice back and measures nothing; another job measures."""
+    from meshtorch.runtime import autolayout
+    timer = _FakeTimer([0.3, 0.1, 0.2, 0.4])
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0
+    first = _chosen(capsys.readouterr().out)
+    assert first == (timer.calls[1].layout, timer.calls[1].storage)
+    n = len(timer.calls)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert len(timer.calls) == n and "measured 0 candidates" in out and _chosen(out) == first
+    timer.times = timer.times * 2
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "2"]) == 0
+    assert len(timer.calls) > n  # another job (here: another candidate count) measures again
+
+
+def test_layout_auto_measures_only_layouts_that_fit_the_limit(calibration, capsys, monkeypatch):
+    """Under --memory-limit below the default layout's memory, neither it nor any candidate over the limit is
+    measured (the planner's memory report of each measured layout checked independently)."""
+    from meshtorch.runtime import autolayout
+    from meshtorch.runtime.train_config import DEFAULT_LAYOUT
+    timer = _FakeTimer([0.3, 0.2, 0.1, 0.4])
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
+    limit = _total_bytes(DEFAULT_LAYOUT) - 1
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--memory-limit", str(limit)]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert timer.calls and "over --memory-limit" in out
+    for c in timer.calls:
+        assert not _same_layout(c.layout, DEFAULT_LAYOUT, c.storage)
+        assert _total_bytes(c.layout, c.storage, c.remat) <= limit, (c.layout, c.storage)
+    best = min(range(len(timer.calls)), key=lambda i: timer.times[i])
+    assert _chosen(out) == (timer.calls[best].layout, timer.calls[best].storage)
+
+
+def test_layout_auto_under_torchrun_every_rank_chooses_the_slowest_ranks_fastest(tmp_path):
+    """2 gloo ranks measure the same candidates in the same order; rank 0 alone would pick the first, rank 1 the
+    second, the slowest rank's medians (max over ranks) make the third fastest: both ranks train with it. The
+    second call reads rank 0's cached choice on both ranks and measures nothing."""
+    from meshtorch.testing.spmd import run_spmd
+    times = [[0.1, 0.5, 0.3, 0.6], [0.9, 0.2, 0.3, 0.6]]
+    res = run_spmd("_autolayout_jobs:agree", (str(tmp_path), times), nprocs=2, timeout_s=300,
+                   extra_path=[os.path.dirname(os.path.abspath(__file__))]).check().results
+    (first0, again0), (first1, again1) = res
+    assert first0[1] == first1[1] and len(first0[1]) >= 3  # the same candidates, in the same order
+    assert first0[0] == first1[0] == first0[1][2]
+    assert again0 == again1 == (first0[0], [])
+
+
+def test_layout_auto_interleaves_candidates_so_a_load_burst_hits_all_alike(calibration, capsys, monkeypatch):
+    """A burst of load slows the first steps run (5x, as many as there are candidates): measured one candidate
+    after another, the burst would fall on the first candidate alone and hand the choice to the second; in
+    interleaved rounds it falls on round 1 of every candidate, and the intrinsically fastest (the first) still
+    wins."""
+    from meshtorch.runtime import autolayout
+    base, clock, calls = [0.1, 0.15, 0.2, 0.25], [0], []
+
+    def prepare(config, mesh_shape, c, **kw):
+        calls.append(c)
+        t = base[len(calls) - 1]
+
+        def step():
+            clock[0] += 1
+            return t * (5 if clock[0] <= len(calls) else 1)  # the first round
+        return step
+    monkeypatch.setattr(autolayout, "prepare_candidate", prepare)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
+    assert _chosen(capsys.readouterr().out) == (calls[0].layout, calls[0].storage)
+
+
+def test_layout_auto_keeps_the_default_unless_every_step_of_a_candidate_beats_it(calibration, capsys, monkeypatch):
+    """Noise guard: a candidate whose median beats the default's but which was slower than it in one round does
+    not replace the default; one faster in every round does."""
+    from meshtorch.runtime import autolayout
+    from meshtorch.runtime.train_config import DEFAULT_LAYOUT
+    calls = []
+
+    def prepare(config, mesh_shape, c, **kw):
+        calls.append(c)
+        if _same_layout(c.layout, DEFAULT_LAYOUT, c.storage):
+            return lambda: 0.30
+        steps = iter([0.2, 0.35, 0.2] if noisy else [0.25, 0.29, 0.25])
+        return lambda: next(steps)
+    monkeypatch.setattr(autolayout, "prepare_candidate", prepare)
+    for noisy, want_default in ((True, True), (False, False)):
+        calls.clear()
+        argv = ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "2" if noisy else "1"]
+        assert main(argv) == 0, capsys.readouterr().err
+        chosen = _chosen(capsys.readouterr().out)
+        assert _same_layout(chosen[0], DEFAULT_LAYOUT, chosen[1]) == want_default, (noisy, chosen)

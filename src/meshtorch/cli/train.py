@@ -50,12 +50,17 @@ def add_train_subcommand(subparsers) -> None:
                         "processor per process")
     p.add_argument("--layout", default=None,
                    help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis), or "
-                        "auto: the layout the calibrated cost model ranks fastest on this machine (meshtorch plan "
-                        "--calibrate; measured once, then cached), within --memory-limit. Default: "
+                        "auto: the fastest measured of the layouts the calibrated cost model ranks best on this machine "
+                        "(meshtorch plan --calibrate; see --auto-candidates; both cached), within --memory-limit. "
+                        "Default: "
                         f'"{DEFAULT_LAYOUT}" (under torchrun without --mesh: "{DATA_PARALLEL_LAYOUT}")')
     p.add_argument("--memory-limit", default=None,
                    help="with --layout auto: bytes per processor the layout may need, e.g. 16GiB (predicted by the "
                         "planner)")
+    p.add_argument("--auto-candidates", type=int, default=3,
+                   help="with --layout auto: how many of the cost model's best layouts to train a few steps each "
+                        "(with the default layout) before training with the fastest measured; the choice is cached, "
+                        "so the next run of the same job measures nothing; 0: take the cost model's first unmeasured")
     p.add_argument("--device", default=None,
                    help="where the slices live: cpu, cuda (a simulated mesh spreads its processors over the visible "
                         "GPUs round-robin; under torchrun each rank uses cuda:LOCAL_RANK with NCCL) or cuda:<index> "

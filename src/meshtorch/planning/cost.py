@@ -49,9 +49,9 @@ class CostModel:
     * ``collectives``: ``((kind, latency_s, seconds_per_wire_byte), ...)`` measured per kind, which
       override ``latency``/``bandwidth`` for that kind;
     * ``serial``: the processors run one after another in this process (a placement mesh): compute is every
-      processor's work in turn (a fully replicated program runs once: replicas share one tensor and one
-      kernel call, :meth:`PlacementMeshImpl.share_replicas`), and each collective's time is paid by every
-      processor group of the mesh in turn.
+      processor's work in turn (:attr:`MemoryReport.flops_serial`: train's sliced feeds keep even a replicated
+      layout's replicas apart), and each collective's time is paid by every processor group of the mesh in
+      turn.
     """
 
     flop_rate: float = 1e14
@@ -108,9 +108,8 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
 
     SPMD (``cost.serial`` False): one processor's einsum FLOPs over the FLOP rate, plus its kernel calls
     times ``kernel_overhead``, plus each collective once. Placement (``serial``): the work of every processor
-    one after another (once when nothing is split: replicas share one kernel call; see
-    :attr:`MemoryReport.flops_serial`), plus each collective once per processor group (the groups of a mesh
-    axis run one after another in one process).
+    one after another (:attr:`MemoryReport.flops_serial`), plus each collective once per processor group (the
+    groups of a mesh axis run one after another in one process).
     """
     cost = cost or CostModel()
     if cost.serial:

@@ -1,43 +1,119 @@
-"""``meshtorch train --layout auto``: the layout (and, with ``--storage auto``, storage rules) the calibrated
-cost model ranks fastest on this machine, within a memory limit.
+"""``meshtorch train --layout auto``: predict, then measure. The calibrated cost model ranks every legal layout
+(and, with ``--storage auto``, storage rules) within a memory limit; the best ``--auto-candidates`` of them and
+train's default layout are then trained for a few steps each on the real mesh and backend, and the run trains
+with the fastest measured. The choice is cached, so a second run of the same job measures nothing.
 
-Mesh TF shipped the same idea as ``auto_mtf`` (a cost model over layouts); here the model's constants are
-measured on the machine that will run the job (:mod:`meshtorch.runtime.calibrate`), and
-``benchmarks/layout_ranking.py`` measures how well its order matches measured step times.
+Mesh TF shipped a cost model over layouts (``auto_mtf``); measuring the model's best candidates on the machine
+before committing to one is what cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``) and Inductor's
+``max-autotune`` do for kernels. The cost model's constants are measured on the machine that will run the job
+(:mod:`meshtorch.runtime.calibrate`); ``benchmarks/layout_ranking.py`` measures how well its order matches
+measured step times.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from meshtorch._version import __version__
 from meshtorch.core.errors import UsageError
+from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.data.sharding import local_batch_indices, local_feed
+from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
-from meshtorch.planning.command import plan_lm, why_line
-from meshtorch.runtime.calibrate import calibrate
+from meshtorch.mesh.factory import make_mesh_impl
+from meshtorch.models.transformer import build_lm
+from meshtorch.optim.adam import AdamWOptimizer
+from meshtorch.planning.command import DEFAULT_LAYOUT, pipeline_fields, plan_lm, why_line
+from meshtorch.planning.search import layout_key
+from meshtorch.runtime.calibrate import _host_key, cache_path, calibrate
+
+WARMUP_STEPS = 1  # excluded: the first step builds the executor's program and allocates the optimizer state
+TIMED_STEPS = 3  # median of these
+GIVE_UP = 3.0  # one process: a candidate whose first timed step takes this many times the best first stops
+
+
+@dataclass
+class Candidate:
+    """One layout ``--layout auto`` may measure: its rules, storage rules, the ``--remat`` it needs (None: the
+    run's), whether it is pipelined, the cost model's seconds per step and bytes per processor, whether it is
+    train's default layout for the mesh, and (once measured) its step times in seconds."""
+
+    layout: str
+    storage: str
+    remat: str | None
+    pipelined: bool
+    predicted_s: float
+    total_bytes: int
+    default: bool = False
+    times: tuple = ()
+
+    @property
+    def measured_s(self) -> float:
+        """Median measured step time (inf: not measured, or given up on as too slow)."""
+        return statistics.median(self.times) if self.times else math.inf
+
+
+def default_layout_for(mesh_shape: str) -> str:
+    """``meshtorch train``'s default layout for ``mesh_shape``: ``DEFAULT_LAYOUT`` (data x Megatron model
+    parallel) when the mesh has the axes it names, else data parallel over the first mesh axis
+    (``batch:<axis>``, what DistributedDataParallel does; ``""`` on a mesh without axes)."""
+    axes = [d.name for d in MeshSpec(mesh_shape).shape]
+    named = {p.split(":")[1] for p in DEFAULT_LAYOUT.split(";")}
+    if named <= set(axes):
+        return DEFAULT_LAYOUT
+    return f"batch:{axes[0]}" if axes else ""
 
 
 def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int | None = None,
                   backend: str = "placement", threads: int = 1, print_fn=print,
-                  microbatches: int | None = None) -> tuple[str, str, str | None]:
-    """``(layout rules, storage rules, remat)`` of the fastest legal layout of the LM on ``mesh_shape`` under the
-    calibrated cost model of ``backend`` with ``threads`` torch threads per process.
+                  microbatches: int | None = None, candidates: int = 3, device: str | None = None,
+                  executor: str = "codegen", world: int = 1, cache: bool = True) -> tuple[str, str, str | None]:
+    """``(layout rules, storage rules, remat)`` of the fastest measured of the cost model's best layouts of
+    the LM on ``mesh_shape``.
+
+    The calibrated cost model of ``backend`` with ``threads`` torch threads ranks every legal layout; the
+    best ``candidates`` of them and the mesh's default layout (:func:`default_layout_for`, when it fits
+    ``memory_limit``) are each trained for ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch
+    on the real mesh (:func:`prepare_candidate`), in interleaved rounds (each round one step of every candidate,
+    so a load that comes and goes on the host hits all alike; one candidate after another under
+    ``memory_limit``, so only one is held at a time); the one of the least median step time wins (:func:`pick`:
+    the default layout only loses to a candidate faster than it in every round). Under torchrun
+    (``world`` > 1) every rank measures the same candidates in the same order and the slowest rank's median
+    counts (an all-reduce max), so all ranks choose alike. The choice is cached (:func:`cache_file`) and read
+    back by the next run of the same job, which then measures nothing.
 
     Args:
         config: ``fn(vocab_multiple) -> LMConfig`` (the vocab is padded for whichever mesh axis splits it).
         storage: ``"auto"`` searches storage rules too (FSDP / ZeRO-3); other rules are kept as given.
-        memory_limit: bytes per processor; layouts predicted above it are left out (and storage rules are
-            searched to bring one under it).
+        memory_limit: bytes per processor; layouts predicted above it are neither ranked nor measured (and
+            storage rules are searched to bring one under it).
         backend: what runs the job: ``"placement"`` (one process simulating the mesh), ``"gloo"``/``"nccl"``.
-        print_fn: receives the calibration summary line and the choice with its reason.
+        print_fn: receives the calibration line, the table of candidates and the choice with its reason.
         microbatches: ``train --microbatches`` (> 1): pipelined layouts (``stage:<axis>``, docs/pipeline.md) with
-            this many microbatches are searched too; None or 1: not (the config's microbatches are what
-            training would use, so only a given M is searched).
+            this many microbatches are searched too; None or 1: not.
+        candidates: how many of the cost model's best layouts to measure (``--auto-candidates``); 0: none,
+            the cost model's first is taken without measuring (nor the default layout measured).
+        device, executor: ``train --device`` / ``--executor``, what the measured steps run on.
+        world: the job's process count (torchrun's ``WORLD_SIZE``).
+        cache: read a cached choice (False: measure anyway; the new choice is cached either way).
 
     Returns:
         the layout rules, the storage rules (``""``: none), and None or the heavier ``--remat`` policy
-        (``"block"``/``"selective"``) without which no layout fits ``memory_limit``.
+        (``"block"``/``"selective"``) without which the chosen layout does not fit ``memory_limit``.
 
     Raises:
-        UsageError: if no legal layout fits ``memory_limit``, naming the limit.
+        UsageError: if no legal layout fits ``memory_limit``, naming the limit; ``candidates`` < 0.
     """
+    if candidates < 0:
+        raise UsageError(f"--auto-candidates must be >= 0, got {candidates}.")
     cal = calibrate(backend, threads)  # measured once per host/backend/threads, then read from the cache
     cost = cal.cost_model()
     try:
@@ -50,12 +126,233 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
         within = f" within --memory-limit {_human(memory_limit)}" if memory_limit is not None else ""
         raise UsageError(f"--layout auto: no legal layout of mesh {mesh_shape!r} fits{within}; raise the limit, "
                          "add --storage auto, or use a larger mesh.")
-    layout, rep = ranked[0]
-    t = rep.estimated_time
-    print_fn(f"--layout auto: {layout or '(replicated)'}" + (f" with storage {rep.storage}" if rep.storage else "")
-             + f": predicted {t['total_s'] * 1e3:.1f} ms per step ({t['compute_s'] * 1e3:.1f} compute, "
-             f"{t['comm_s'] * 1e3:.1f} communication), {rep.total_bytes / 2 ** 20:.1f} MiB per processor; best of "
-             f"{len(ranked)} legal layouts under {cost.name}. {why_line(ranked)}")
-    if rep.remat:
-        print_fn(f"--layout auto: it fits only with --remat {rep.remat}, which this run uses.")
-    return layout, rep.storage or "", rep.remat
+    head = (f"--layout auto: {len(ranked)} legal layouts of mesh {mesh_shape!r}"
+            + (f" within {_human(memory_limit)}" if memory_limit is not None else "") + f" ranked by {cost.name}")
+    if candidates == 0:
+        layout, rep = ranked[0]
+        t = rep.estimated_time
+        print_fn(f"{head}; --auto-candidates 0: taking the first unmeasured, {layout or '(replicated)'}"
+                 + (f" with storage {rep.storage}" if rep.storage else "")
+                 + f", predicted {t['total_s'] * 1e3:.1f} ms per step. {why_line(ranked)}")
+        return _result(layout, rep.storage or "", rep.remat, print_fn)
+    key = _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, microbatches, candidates, device,
+                     executor, world)
+    hit = _agreed(_read_cache(key) if cache else None, world, backend)
+    if hit is not None:
+        print_fn(f"{head}; using the choice cached {hit['when']} ({cache_file(key)}; delete it to measure again), "
+                 f"measured 0 candidates:")
+        print_fn(hit["table"])
+        return _result(hit["layout"], hit["storage"], hit["remat"], print_fn)
+    cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, candidates, print_fn)
+    t0 = time.perf_counter()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        groups = [cands] if memory_limit is None else [[c] for c in cands]
+        for group in groups:
+            _measure_rounds(group, [prepare_candidate(config, mesh_shape, c, microbatches=microbatches,
+                                                      device=device, executor=executor) for c in group],
+                            prune=world == 1)
+    finally:
+        torch.set_num_threads(old)
+    rounds = [list(c.times) + [math.inf] * (TIMED_STEPS - len(c.times)) for c in cands]  # inf: left the race
+    flat = _max_over_ranks([t for r in rounds for t in r], world)
+    rounds = [flat[i * TIMED_STEPS:(i + 1) * TIMED_STEPS] for i in range(len(cands))]
+    medians = [statistics.median(r) for r in rounds]
+    chosen = pick(cands, rounds)
+    table = _table(cands, medians, chosen)
+    best = min(candidates, len(ranked))
+    print_fn(f"{head}; measured the best {best}" + (" and the default layout" if len(cands) > best else "")
+             + f" ({WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each in interleaved rounds, median"
+             f"{', slowest rank' if world > 1 else ''}) in {time.perf_counter() - t0:.1f} s:")
+    print_fn(table)
+    c = cands[chosen]
+    _write_cache(key, {"layout": c.layout, "storage": c.storage, "remat": c.remat, "table": table,
+                       "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, world)
+    return _result(c.layout, c.storage, c.remat, print_fn)
+
+
+def pick(cands: list[Candidate], rounds: list[list[float]]) -> int:
+    """The index of the candidate to train with, from each candidate's step seconds per round (``rounds``,
+    inf where it left the race): the least median, except that the default layout is left only for a
+    candidate that was faster than it in every round (a paired comparison: a load burst slows a whole round
+    alike, and noise cannot trade the default for a layout that only looked faster on its median); ties go to
+    the cost model's order."""
+    d = next((i for i, c in enumerate(cands) if c.default), None)
+    ok = [i for i in range(len(cands))
+          if d is None or i == d or all(a < b for a, b in zip(rounds[i], rounds[d], strict=True))]
+    return min(ok, key=lambda i: (statistics.median(rounds[i]), i))
+
+
+def _result(layout: str, storage: str, remat: str | None, print_fn) -> tuple[str, str, str | None]:
+    if remat:
+        print_fn(f"--layout auto: it fits only with --remat {remat}, which this run uses.")
+    return layout, storage, remat
+
+
+def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, k, print_fn) -> list[Candidate]:
+    """The best ``k`` of ``ranked`` and the mesh's default layout (ranked, or predicted apart; left out with a
+    line saying why when it does not fit ``memory_limit`` or is illegal for the model)."""
+    sizes = {d.name: d.size for d in MeshSpec(mesh_shape).shape}
+    out = [Candidate(lay, r.storage or "", r.remat, r.pipeline is not None, r.estimated_time["total_s"],
+                     r.total_bytes) for lay, r in ranked[:k]]
+    default = default_layout_for(mesh_shape)
+    dstore = "" if storage in ("", "auto") else storage
+    want = layout_key(default, dstore, sizes)
+
+    def plain_default(lay, st, remat, piped):
+        return layout_key(lay, st, sizes) == want and not remat and not piped
+    mine = next((c for c in out if plain_default(c.layout, c.storage, c.remat, c.pipelined)), None)
+    if mine is None:
+        found = next(((lay, r) for lay, r in ranked if plain_default(lay, r.storage or "", r.remat,
+                                                                      r.pipeline is not None)), None)
+        if found is None:
+            try:
+                rep = plan_lm(config, mesh_shape, default, storage=dstore, cost=cost, print_fn=lambda *a: None)[0][1]
+            except SystemExit:
+                print_fn(f"--layout auto: the default layout {default!r} is illegal for this model; not measured.")
+                return out
+            if memory_limit is not None and rep.total_bytes > memory_limit:
+                print_fn(f"--layout auto: the default layout {default!r} needs {_human(rep.total_bytes)} per "
+                         f"processor, over --memory-limit {_human(memory_limit)}; not measured.")
+                return out
+            found = (default, rep)
+        lay, r = found
+        mine = Candidate(lay, r.storage or "", None, False, r.estimated_time["total_s"], r.total_bytes)
+        out.append(mine)
+    mine.default = True
+    return out
+
+
+def candidate_config(config, mesh_shape: str, c: Candidate, microbatches: int | None = None):
+    """The LMConfig that runs candidate ``c``: the vocab padded for the axis that splits it, ``c``'s remat, and
+    for a pipelined layout the pipeline fields ``meshtorch train`` resolves from it."""
+    cfg = config(MeshSpec(mesh_shape, c.layout).axis_size_for("vocab"))
+    if c.remat:
+        cfg = replace(cfg, remat=c.remat)
+    if c.pipelined:
+        cfg = replace(cfg, **pipeline_fields(mesh_shape, c.layout, microbatches, None, None, cfg.num_layers))
+    return cfg
+
+
+def _measure_rounds(group: list[Candidate], steps: list, prune: bool) -> None:
+    """``TIMED_STEPS`` rounds, each one timed step of every candidate of ``group`` still in the race (``steps``:
+    their step functions); with ``prune``, after the first round a candidate slower than ``GIVE_UP`` x the
+    round's fastest leaves it (it cannot win). Sets each candidate's ``times``."""
+    times = [[] for _ in group]
+    live = list(range(len(group)))
+    for r in range(TIMED_STEPS):
+        for i in live:
+            times[i].append(steps[i]())
+        if prune and r == 0:
+            best = min(times[i][0] for i in live)
+            live = [i for i in live if times[i][0] <= GIVE_UP * best]
+    for c, t in zip(group, times, strict=True):
+        c.times = tuple(t)
+
+
+def prepare_candidate(config, mesh_shape: str, c: Candidate, microbatches: int | None = None,
+                      device: str | None = None, executor: str = "codegen", warmup: int = WARMUP_STEPS):
+    """A function running one timed AdamW training step of candidate ``c`` on the real mesh (the placement
+    mesh in this process; under torchrun this rank's part of the SPMD mesh) on a random token batch and
+    returning its seconds; the LM is built and lowered and ``warmup`` untimed steps run first."""
+    cfg = candidate_config(config, mesh_shape, c, microbatches)
+    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
+    impl = make_mesh_impl(mesh_shape, c.layout, device=device, storage=c.storage or None)
+    lw = Lowering(lm.graph, {lm.mesh: impl}, mode=executor)
+    time_steps(lm, lw, 0, warmup=warmup)
+    seed = iter(range(1, 1 << 30))
+    return lambda: time_steps(lm, lw, 1, seed=next(seed))[0]
+
+
+def time_steps(lm, lowering, steps: int, warmup: int = 0, seed: int = 0) -> list:
+    """Seconds of each of ``steps`` training steps (loss and updates fetched, the loss read back: a device
+    synchronization) of the LM ``lm`` under ``lowering``, after ``warmup`` untimed ones; each step feeds a
+    random int64 token batch ``[batch, length + 1]`` (inputs and targets shifted by one), only the rows this
+    process's slices hold (``feed_slices=True``)."""
+    g = torch.Generator().manual_seed(seed)
+    c = lm.config
+    times = []
+    for i in range(warmup + steps):
+        b = torch.randint(0, c.vocab_size, (c.batch_size, c.length + 1), generator=g)
+        feeds = {t: local_feed(lowering, t, v[local_batch_indices(lowering, t)])
+                 for t, v in ((lm.inputs, b[:, :-1]), (lm.targets, b[:, 1:]))}
+        t0 = time.perf_counter()
+        lowering.run([lm.loss] + lm.updates, feeds=feeds, feed_slices=True)[0].item()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _table(cands: list[Candidate], medians: list[float], chosen: int) -> str:
+    lines = [f"  {'layout':<48} {'storage':<16}{'predicted ms':>13}{'measured ms':>12}  "]
+    for i, c in enumerate(cands):
+        meas = f"{medians[i] * 1e3:12.1f}" if math.isfinite(medians[i]) else f"{'gave up':>12}"
+        mark = ("chosen" if i == chosen else "") + (" (default)" if c.default else "")
+        lines.append(f"  {c.layout or '(replicated)':<48} {c.storage or '-':<16}{c.predicted_s * 1e3:13.1f}{meas}"
+                     f"  {mark.strip()}")
+    return "\n".join(lines)
+
+
+def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, microbatches, candidates, device,
+               executor, world) -> dict:
+    return {"model": config(1).to_dict(), "mesh": mesh_shape, "storage": storage, "memory_limit": memory_limit,
+            "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
+            "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
+            "steps": [WARMUP_STEPS, TIMED_STEPS]}
+
+
+def cache_file(key: dict) -> str:
+    """Where the choice of the job ``key`` is cached: ``autolayout/<sha1 of the key>.json`` in the calibration's
+    cache directory (``$MESHTORCH_CACHE_DIR``, default ``~/.cache/meshtorch``)."""
+    root = os.path.dirname(os.path.dirname(cache_path("placement", 1)))
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return os.path.join(root, "autolayout", f"{digest}.json")
+
+
+def _read_cache(key: dict) -> dict | None:
+    try:
+        with open(cache_file(key)) as f:
+            hit = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return hit if isinstance(hit, dict) and hit.get("key") == json.loads(json.dumps(key, default=str)) else None
+
+
+def _write_cache(key: dict, choice: dict, world: int) -> None:
+    if world > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return
+    path = cache_file(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"key": key, **choice}, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _agreed(hit: dict | None, world: int, backend: str) -> dict | None:
+    """Under torchrun, rank 0's cache hit (or miss) for every rank, so all measure or none does (joins the job
+    first: ``--layout auto`` runs before training starts)."""
+    if world <= 1:
+        return hit
+    import torch.distributed as dist
+
+    from meshtorch.mesh.process import init_distributed
+
+    init_distributed(backend=backend)
+    box = [hit]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _max_over_ranks(values: list[float], world: int) -> list[float]:
+    """``values`` (one per candidate); under torchrun their maximum over the ranks (the slowest rank)."""
+    if world <= 1:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()

@@ -61,6 +61,11 @@ class Calibration:
         memory_bandwidth: bytes/s of a large elementwise multiply (2 operands read, 1 result written).
         collectives: ``{kind: [latency_s, seconds_per_wire_byte]}`` over 2 processors.
         measured_s: how long the measurement took; ``when``: its UTC time.
+        spread: ``{"gemm", "kernel", "elementwise": (max - min) / median}`` of the compute measurements over
+            ``REPEATS`` repetitions (each a best of several rounds; the constants are their medians).
+        load: the host's 1-minute load average when the measurement started (``os.getloadavg``), and
+            ``busy``: whether other work competed (a load above the host's cores, or a spread over
+            ``BUSY_SPREAD``): the constants may then be off, and the ranking less trustworthy.
     """
 
     host: str
@@ -73,6 +78,15 @@ class Calibration:
     gemm_rates: dict = field(default_factory=dict)
     measured_s: float = 0.0
     when: str = ""
+    spread: dict = field(default_factory=dict)
+    load: float = 0.0
+    busy: bool = False
+
+    def trust(self) -> str:
+        """How far the constants can be trusted, a few words: the largest spread and whether the host was busy."""
+        worst = max(self.spread.values(), default=None)
+        what = "spread not measured" if worst is None else f"spread {100 * worst:.0f}% over {REPEATS} repetitions"
+        return what + (f", host busy (load {self.load:.1f} on {os.cpu_count()} cores)" if self.busy else "")
 
     def cost_model(self) -> CostModel:
         """The :class:`~meshtorch.planning.cost.CostModel` of these measurements (``serial`` on placement)."""
@@ -81,7 +95,8 @@ class Calibration:
         return CostModel(flop_rate=self.gemm_flop_rate, bandwidth=1.0 / max(ar[1], 1e-15), latency=ar[0],
                          kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
                          serial=self.backend == "placement",
-                         collectives=coll, name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host}")
+                         collectives=coll, name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} "
+                                                f"({self.trust()})")
 
     def summary(self) -> str:
         """What was measured, a few lines for a person."""
@@ -90,7 +105,9 @@ class Calibration:
                  f"  float32 GEMM {self.gemm_flop_rate / 1e9:.1f} GFLOP/s (median of "
                  + ", ".join(f"{k}: {v / 1e9:.0f}" for k, v in self.gemm_rates.items()) + ")",
                  f"  {self.kernel_overhead * 1e6:.1f} us per kernel call of a planned step, elementwise "
-                 f"{self.memory_bandwidth / 1e9:.1f} GB/s"]
+                 f"{self.memory_bandwidth / 1e9:.1f} GB/s",
+                 f"  {self.trust()}" + ("; measure again on a quiet host (meshtorch plan --calibrate)"
+                                        if self.busy else "")]
         for k, (a, b) in self.collectives.items():
             lines.append(f"  {k:<15} latency {a * 1e6:8.1f} us, {1 / max(b, 1e-15) / 1e9:6.2f} GB/s on the wire")
         return "\n".join(lines)
@@ -134,20 +151,22 @@ def calibrate(backend: str = "placement", threads: int | None = None, force: boo
         if hit is not None:
             return hit
     t0 = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         if backend == "placement":
-            rates, overhead, bandwidth = _compute_rates()
+            rates, overhead, bandwidth, spread = _compute_rates()
             coll = _placement_collectives()
         else:  # measured in the 2 processes, side by side: they share the host's cores, caches and memory
-            rates, overhead, bandwidth, coll = _spawned(backend, threads)
+            rates, overhead, bandwidth, spread, coll = _spawned(backend, threads)
     finally:
         torch.set_num_threads(old)
     cal = Calibration(host=_host_key(), backend=backend, threads=threads,
                       gemm_flop_rate=statistics.median(rates.values()), kernel_overhead=overhead,
                       collectives=coll, gemm_rates=rates, memory_bandwidth=bandwidth,
-                      measured_s=time.perf_counter() - t0,
+                      measured_s=time.perf_counter() - t0, spread=spread, load=load,
+                      busy=_busy(load, spread),
                       when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     path = cache_path(backend, threads)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -186,12 +205,32 @@ def _best_seconds(fn, reps: int = 5, min_s: float = 0.02, calls: int | None = No
     return best
 
 
-def _compute_rates() -> tuple[dict, float, float]:
-    """``(GEMM FLOP/s per shape class, seconds per kernel call, elementwise bytes/s)`` in this process."""
-    rates = {f"{m}x{k}x{n}": _gemm_rate(m, k, n) for m, k, n in _GEMMS}
+REPEATS = 3  # repetitions of the compute measurements; the constants are their medians
+BUSY_SPREAD = 0.15  # a larger spread between repetitions: the host was busy
+
+
+def _compute_rates() -> tuple[dict, float, float, dict]:
+    """``(GEMM FLOP/s per shape class, seconds per kernel call, elementwise bytes/s, spread)`` in this
+    process: each the median of ``REPEATS`` repetitions (each a best of several rounds), and the spread
+    ``(max - min) / median`` of the GEMM rate (the median over the classes), the kernel call and the
+    elementwise bandwidth over the repetitions."""
     big = [torch.randn(1 << 22), torch.randn(1 << 22)]
-    bandwidth = 3 * 4 * (1 << 22) / _best_seconds(lambda: big[0] * big[1], reps=5, min_s=0.05)
-    return rates, _kernel_overhead(), bandwidth
+    runs = []
+    for _ in range(REPEATS):
+        rates = {f"{m}x{k}x{n}": _gemm_rate(m, k, n) for m, k, n in _GEMMS}
+        bandwidth = 3 * 4 * (1 << 22) / _best_seconds(lambda: big[0] * big[1], reps=5, min_s=0.05)
+        runs.append((rates, _kernel_overhead(), bandwidth))
+    rates = {k: statistics.median(r[0][k] for r in runs) for k in runs[0][0]}
+    series = {"gemm": [statistics.median(r[0].values()) for r in runs], "kernel": [r[1] for r in runs],
+              "elementwise": [r[2] for r in runs]}
+    spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in series.items()}
+    return rates, statistics.median(series["kernel"]), statistics.median(series["elementwise"]), spread
+
+
+def _busy(load: float, spread: dict) -> bool:
+    """Whether other work competed with the measurement: a 1-minute load average (this process included) above
+    the host's cores, or a spread between repetitions over ``BUSY_SPREAD``."""
+    return load > (os.cpu_count() or 1) or max(spread.values(), default=0.0) > BUSY_SPREAD
 
 
 def _gemm_rate(m: int, k: int, n: int) -> float:
@@ -269,7 +308,7 @@ def _spmd_worker(rank: int, port: int, backend: str, threads: int, path: str):
         dist.destroy_process_group()
 
 
-def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict]:
+def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -286,8 +325,8 @@ def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict]:
     with open(path) as f:
         out = json.load(f)
     os.remove(path)
-    rates, overhead, bandwidth = out["compute"]
-    return rates, overhead, bandwidth, out["collectives"]
+    rates, overhead, bandwidth, spread = out["compute"]
+    return rates, overhead, bandwidth, spread, out["collectives"]
 
 
 def run_plan(args):

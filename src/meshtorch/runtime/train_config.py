@@ -75,6 +75,7 @@ class TrainConfig:
     mesh: str | None = None
     layout: str | None = None
     memory_limit: str | None = None
+    auto_candidates: int = 3
     device: str | None = None
     storage: str = ""
     # data
@@ -244,10 +245,10 @@ class TrainConfig:
                              f"{length} tokens (--length); give a shorter prompt or a longer --length.")
 
     def _choose_layout(self) -> TrainConfig:
-        """``--layout auto`` / ``--storage auto``: the config with the layout (and storage rules) the calibrated
-        cost model ranks fastest for this model and mesh within ``--memory-limit``
-        (:func:`meshtorch.runtime.autolayout.choose_layout`); under torchrun the calibration must be cached
-        (every rank reads the same file, so all choose alike).
+        """``--layout auto`` / ``--storage auto``: the config with the fastest measured of the layouts (and
+        storage rules) the calibrated cost model ranks best for this model and mesh within ``--memory-limit``
+        (the best ``--auto-candidates`` and the default layout, :func:`meshtorch.runtime.autolayout.choose_layout`);
+        under torchrun the calibration must be cached (every rank reads the same file, so all rank alike).
 
         Raises:
             UsageError: ``--storage auto`` without ``--layout auto``, under torchrun without a cached
@@ -275,7 +276,8 @@ class TrainConfig:
         say = print if _rank() == 0 else (lambda *a: None)
         layout, chosen_storage, remat = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
                                                backend=backend, threads=threads, print_fn=say,
-                                               microbatches=self.microbatches)
+                                               microbatches=self.microbatches, candidates=self.auto_candidates,
+                                               device=self.device, executor=self.executor, world=world)
         changes = {}  # a chosen pipeline stacks every layer: _resolve_pipeline's default repeats
         if self.microbatches is not None and "stage" not in dict(LayoutRules(layout).pairs):
             say(f"--layout auto chose no pipeline, so --microbatches {self.microbatches} is not used.")
