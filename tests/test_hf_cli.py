@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -18,23 +17,8 @@ from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshtorch.data.text import PackedDataset, load_documents  # noqa: E402
 
-WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over old green trees".split()
 MP = "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"
-
-
-def _text(seed=0, n=3000) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(n))
-
-
-def _tokenizer(path: str, text: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=100, special_tokens=["[UNK]"]))
-    tok.save(path)
+_text, _tokenizer = F.text, F.bpe_tokenizer
 
 
 @pytest.fixture(scope="module")
