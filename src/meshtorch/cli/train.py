@@ -30,9 +30,10 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--gated", action="store_true", default=None, help="gated feed-forward (GEGLU/SwiGLU)")
     p.add_argument("--norm", default=None, choices=["rms", "layer"], help="normalization (default: the preset's)")
     p.add_argument("--remat", default=None, choices=list(REMAT_POLICIES),
-                   help="activation checkpointing (default: none; with --resume: the run's): none; block (recompute each block's activations in the backward "
-                        "pass, keep only block inputs); selective (keep matmul and attention outputs, recompute the "
-                        "elementwise ops). The planner's memory check counts it")
+                   help="activation checkpointing (default: none; with --resume: the run's): none; block (recompute "
+                        "each block's activations in the backward pass, keep only block inputs); selective (keep "
+                        "matmul and attention outputs, recompute the elementwise ops). The planner's memory check "
+                        "counts it")
     p.add_argument("--pipeline-stages", type=int, default=None,
                    help="run the blocks as a pipeline of this many stages, their weights stacked on a 'stage' "
                         "dimension that the layout splits (e.g. --layout 'stage:pipe;batch:data'); default: the size "

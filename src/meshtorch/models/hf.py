@@ -171,6 +171,11 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     ``targets = ids[:, 1:]``). Variables are initialised N(0, 0.02) (norm scales 1, biases 0) until
     :func:`meshtorch.checkpoint.hf.load_hf_weights` fills them.
 
+    ``config.vocab_multiple`` > 1 pads ``vocab`` to ``config.padded_vocab`` (so a mesh axis splits it): the padded
+    logits get -1e9 added (never chosen, no share of the softmax, no gradient into the padded rows), as the
+    native LM's. ``config.remat`` (``block`` / ``selective``) recomputes each block in the backward pass
+    (:func:`meshtorch.autodiff.recompute_grad`, the native LM's policies).
+
     Args:
         optimizer: a ``meshtorch.optim`` optimizer; its update ops go to ``HFGraph.updates``.
         clip_norm: clip gradients to this global norm first.

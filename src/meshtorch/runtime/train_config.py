@@ -226,8 +226,8 @@ class TrainConfig:
             raise UsageError(f"--init-from {self.init_from!r} differs from the resumed run's {src!r} (its run.json); "
                              "drop --init-from to continue the run, or start a new run without --resume.")
         if not imported and self.init_from:
-            raise UsageError(f"--init-from {self.init_from!r}: the run to resume ({saved.get('run')!r}) trained a native "
-                             "LM; drop --init-from to continue it, or start a new run without --resume.")
+            raise UsageError(f"--init-from {self.init_from!r}: the run to resume ({saved.get('run')!r}) trained a "
+                             "native LM; drop --init-from to continue it, or start a new run without --resume.")
         if imported and not self.init_from:
             changes["init_from"] = src or ""
         for flag, key in (("preset", "preset"), ("tokenizer", "tokenizer")):
@@ -240,9 +240,10 @@ class TrainConfig:
             if given is None:
                 changes[flag] = config[key]
             elif given != config[key]:
-                raise UsageError(f"--{flag.replace('_', '-')} {given!r} differs from the resumed run's {config[key]!r} "
-                                 f"(model config field {key!r} in its run.json); drop --{flag.replace('_', '-')} to continue the run as it was, or "
-                                 "start a new run without --resume.")
+                name = "--" + flag.replace("_", "-")
+                raise UsageError(f"{name} {given!r} differs from the resumed run's {config[key]!r} (model config field "
+                                 f"{key!r} in its run.json); drop {name} to continue the run as it was, or start a new "
+                                 "run without --resume.")
         return self.replace(**changes)
 
     def _with_native_defaults(self) -> TrainConfig:
@@ -410,5 +411,5 @@ def resume_point(checkpoint_dir: str, resume_from: str | None):
     return dirs[0], dirs[1:]
 
 
-__all__ = ["DATA_PARALLEL_LAYOUT", "DEFAULT_LAYOUT", "DEFAULT_MESH", "DEFAULT_PRESET", "TrainConfig", "vocab_multiple", "default_mesh_layout", "older_hint",
-           "resume_point"]
+__all__ = ["DATA_PARALLEL_LAYOUT", "DEFAULT_LAYOUT", "DEFAULT_MESH", "DEFAULT_PRESET", "TrainConfig",
+           "default_mesh_layout", "older_hint", "resume_point", "vocab_multiple"]
