@@ -17,6 +17,8 @@ import os
 import shutil
 import sys
 
+import torch
+
 from meshtorch.checkpoint import hf, latest_checkpoint, load_manifest, restore
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.data.hf_tokenizer import HFTokenizer
@@ -107,7 +109,10 @@ def main_hf_sample(args):
     tok = tokenizer_for(tok_dirs, cfg, "--checkpoint-dir", byte)
     prompt = check_prompt(tok, args.prompt, cfg.max_positions)
     length = min(cfg.max_positions, len(prompt) + args.max_new_tokens)
-    impl = make_mesh_impl(args.mesh, args.layout)
+    checks.device("--device", getattr(args, "device", None))
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    impl = make_mesh_impl(args.mesh, args.layout, device=getattr(args, "device", None))
     axis = impl.tensor_dimension_to_mesh_axis("batch")
     split = 1 if axis is None else impl.shape[axis].size
     rows = -(-max(args.beam, args.num_samples) // split) * split  # a batch the layout can split
