@@ -23,7 +23,7 @@ MODEL_ONLY = [("--preset", "tiny"), ("--layers", "1"), ("--d-model", "32"), ("--
               ("--d-ff", "32"), ("--experts", "2"), ("--activation", "gelu"), ("--gated",), ("--norm", "rms"),
               ("--dropout", "0.1"), ("--tokenizer", "sentencepiece"), ("--pipeline-stages", "2"),
               ("--microbatches", "2"), ("--pipeline-repeats", "1"), ("--layout", "auto"), ("--memory-limit", "1GiB"),
-              ("--mesh", "pipe:2", "--layout", "stage:pipe")]
+              ("--vocab-size", "64"), ("--mesh", "pipe:2", "--layout", "stage:pipe")]
 
 #: flags every model takes, in combined runs (each combination trains 2 steps)
 SHARED = [

@@ -7,7 +7,13 @@ import argparse
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.runtime.train import main_train
-from meshtorch.runtime.train_config import DATA_PARALLEL_LAYOUT, DEFAULT_LAYOUT, DEFAULT_MESH, DEFAULT_PRESET
+from meshtorch.runtime.train_config import (
+    DATA_PARALLEL_LAYOUT,
+    DEFAULT_LAYOUT,
+    DEFAULT_MESH,
+    DEFAULT_PRESET,
+    DEFAULT_VOCAB_SIZE,
+)
 
 _OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model width"),
               ("heads", int, "attention heads"), ("d-kv", int, "size of each head"),
@@ -72,7 +78,8 @@ def add_train_subcommand(subparsers) -> None:
                    help="UTF-8 bytes (the default), or a SentencePiece model trained on the training documents; with "
                         "--init-from the model's tokenizer.json is used (an error if DIR has none), or bytes with "
                         "--tokenizer byte")
-    p.add_argument("--vocab-size", type=int, default=1024, help="SentencePiece vocabulary size")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"SentencePiece vocabulary size (default: {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--steps", type=int, default=600, help="training steps (in total, counting resumed ones)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"],
                    help="optimizer")

@@ -28,6 +28,7 @@ from meshtorch.runtime.optional import optional_module
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_PRESET = "small"
+DEFAULT_VOCAB_SIZE = 1024  # --tokenizer sentencepiece's vocabulary
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
 DATA_PARALLEL_LAYOUT = "batch:data"
 
@@ -83,7 +84,7 @@ class TrainConfig:
     # data
     data: tuple[str, ...] | None = None
     tokenizer: str | None = None  # None: "byte"; with --init-from the model's tokenizer.json
-    vocab_size: int = 1024
+    vocab_size: int | None = None  # None: 1024 (DEFAULT_VOCAB_SIZE)
     # optimization
     steps: int = 600
     optimizer: str = "adamw"
@@ -247,9 +248,11 @@ class TrainConfig:
         return self.replace(**changes)
 
     def _with_native_defaults(self) -> TrainConfig:
-        """A native run's ``--preset``, ``--tokenizer``, ``--remat`` and ``--gated`` defaults filled in."""
+        """A native run's ``--preset``, ``--tokenizer``, ``--remat``, ``--gated`` and ``--vocab-size`` defaults
+        filled in."""
         return self.replace(preset=self.preset or DEFAULT_PRESET, tokenizer=self.tokenizer or "byte",
-                            remat=self.remat or "none", gated=bool(self.gated))
+                            remat=self.remat or "none", gated=bool(self.gated),
+                            vocab_size=self.vocab_size or DEFAULT_VOCAB_SIZE)
 
     def _check_imported(self, mesh) -> None:
         """``--init-from``: the model directory, its tokenizer, the prompt and the layout rules, checked before
@@ -411,5 +414,5 @@ def resume_point(checkpoint_dir: str, resume_from: str | None):
     return dirs[0], dirs[1:]
 
 
-__all__ = ["DATA_PARALLEL_LAYOUT", "DEFAULT_LAYOUT", "DEFAULT_MESH", "DEFAULT_PRESET", "TrainConfig",
-           "default_mesh_layout", "older_hint", "resume_point", "vocab_multiple"]
+__all__ = ["DATA_PARALLEL_LAYOUT", "DEFAULT_LAYOUT", "DEFAULT_MESH", "DEFAULT_PRESET", "DEFAULT_VOCAB_SIZE",
+           "TrainConfig", "default_mesh_layout", "older_hint", "resume_point", "vocab_multiple"]
