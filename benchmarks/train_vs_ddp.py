@@ -74,9 +74,9 @@ def run_mtf(steps: int, workdir: str, extra=()) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
     rows = [r for r in rows if "tokens_per_s" in r]
     from meshtorch.models.transformer import preset
-    from meshtorch.runtime.train_config import TrainConfig
+    from meshtorch.runtime.train_config import DEFAULT_PRESET
 
-    model = preset(TrainConfig().preset)
+    model = preset(DEFAULT_PRESET)
     tokens = model.batch_size * model.length  # tokens_per_s counts the global batch
     return {"times": [tokens / r["tokens_per_s"] for r in rows], "losses": [r["loss"] for r in rows]}
 
@@ -168,10 +168,11 @@ def ddp_worker(steps: int, optim: str, out: str) -> None:
     """A torchrun rank of the DDP side (see the module docstring)."""
     import torch.distributed as dist
 
-    from meshtorch.runtime.train_config import TrainConfig
+    from meshtorch.runtime.train_config import DEFAULT_PRESET, TrainConfig
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(steps=steps)  # meshtorch train's defaults: model, optimizer, schedule, clipping, seed
+    # meshtorch train's defaults: model, optimizer, schedule, clipping, seed
+    cfg = TrainConfig(steps=steps, preset=DEFAULT_PRESET)
     dist.init_process_group("gloo")
     step, n_params = _ddp_side(cfg, optim)
     batches = _batches(cfg)
@@ -199,7 +200,7 @@ def paired_worker(steps: int, block: int, optim: str, out: str, async_collective
     from meshtorch.mesh.factory import make_mesh_impl
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.runtime.train import batch_feeds, grad_sum_of_squares, make_optimizer, vocab_multiple
-    from meshtorch.runtime.train_config import TrainConfig
+    from meshtorch.runtime.train_config import DEFAULT_PRESET, TrainConfig
 
     cfg, _ = TrainConfig(steps=steps, runs_dir=out, checkpoint_dir="", plot="", sample=0,
                          async_collectives=async_collectives).checked()
@@ -249,7 +250,7 @@ def single(args) -> None:
     from meshtorch.mesh.factory import placement_mesh_impl
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.runtime.train import grad_sum_of_squares, make_optimizer
-    from meshtorch.runtime.train_config import TrainConfig
+    from meshtorch.runtime.train_config import DEFAULT_PRESET, TrainConfig
 
     cfg = TrainConfig(steps=args.steps)
     torch.set_num_threads(cfg.threads)

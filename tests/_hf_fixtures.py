@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -10,11 +11,11 @@ VOCAB, D, HEADS, LAYERS, POSITIONS = 128, 64, 4, 2, 64
 FAMILIES = ("gpt2", "llama_gqa", "llama_tied")
 
 
-def hf_config(family: str):
+def hf_config(family: str, vocab: int = VOCAB):
     import transformers
 
     if family == "gpt2":
-        return transformers.GPT2Config(n_layer=LAYERS, n_embd=D, n_head=HEADS, vocab_size=VOCAB, n_positions=POSITIONS,
+        return transformers.GPT2Config(n_layer=LAYERS, n_embd=D, n_head=HEADS, vocab_size=vocab, n_positions=POSITIONS,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=None, pad_token_id=None)
     return transformers.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS,
@@ -24,13 +25,14 @@ def hf_config(family: str):
                                     eos_token_id=None, pad_token_id=None)
 
 
-def make_model(family: str, seed: int = 0):
-    """A randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (seeded), float32, eval mode."""
+def make_model(family: str, seed: int = 0, vocab: int = VOCAB):
+    """A randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (seeded), float32, eval mode (``vocab``:
+    GPT-2's vocabulary size, e.g. an odd one that a mesh axis does not divide)."""
     import transformers
 
     torch.manual_seed(seed)
     cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
-    m = cls(hf_config(family)).float().eval()
+    m = cls(hf_config(family, vocab) if family == "gpt2" else hf_config(family)).float().eval()
     with torch.no_grad():  # norm weights / biases away from their 1 / 0 init, so a wrong map shows
         for name, p in m.named_parameters():
             if p.dim() == 1:
@@ -83,3 +85,23 @@ def save_t5(model, path: str) -> str:
 def t5_batch(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     """Ids in [2, VOCAB): no padding (0) and no EOS (1), so no attention mask is needed on either side."""
     return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over old green trees".split()
+
+
+def text(seed=0, n=3000) -> str:
+    """A little corpus of ``n`` words of :data:`WORDS` (seeded)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(n))
+
+
+def bpe_tokenizer(path: str, corpus: str, vocab_size: int = 100):
+    """A BPE ``tokenizer.json`` trained on ``corpus`` (Metaspace pre-tokenizer, ``[UNK]`` for unknown characters)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"]))
+    tok.save(path)

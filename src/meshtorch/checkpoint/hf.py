@@ -3,8 +3,9 @@
 
 - :func:`load`: parse and check the config and every tensor header, build the graph
   (:func:`meshtorch.models.hf.build_hf_lm`), lower it on any mesh / layout / storage layout, then
-  fill each processor's slice straight from the files with ``safe_open(...).get_slice`` (each
-  process reads only the slices it holds; no process materialises a whole split tensor).
+  fill each processor's slice straight from the files with positioned reads (``os.preadv``,
+  :mod:`meshtorch.checkpoint.hf_read`; each process reads only the slices it holds; no process
+  materialises a whole split tensor).
 - :func:`load_hf_weights`: the same fill for an existing Lowering (e.g. a training graph).
 - :func:`export`: write ``config.json`` + safetensors from any mesh and layout, variable by
   variable (each gathered in turn; the leader holds at most one shard of tensors), loadable by
@@ -13,6 +14,10 @@
 Name map and transposes: :func:`meshtorch.models.hf_config.hf_tensor_map` (GPT-2's ``Conv1D``
 weights are ``[in, out]``, ``nn.Linear`` weights ``[out, in]``; GPT-2's fused ``c_attn`` holds q, k, v
 side by side). Tied embeddings are one variable; a tied checkpoint's ``lm_head.weight`` is ignored.
+
+A graph whose ``vocab`` is padded for partitioning (``HFModelConfig.vocab_multiple``, Megatron's
+make-vocab-size-divisible-by) reads zeros into the padded rows of the embedding and head, and export
+writes only the real ``vocab_size`` rows.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from meshtorch.models.hf_config import (
 )
 from meshtorch.transformer.t5 import build_hf_t5
 
-__all__ = ["read_config", "load", "load_hf_weights", "export", "check_files", "build"]
+__all__ = ["read_config", "load", "load_hf_weights", "lower_loaded", "export", "check_files", "build"]
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -224,11 +229,27 @@ def _read_box(files: _Files, t: HFTensor, names: list[str], bounds, sizes: dict,
     return x.to(dtype).contiguous()
 
 
+def _read_padded(files: _Files, t: HFTensor, names: list[str], bounds, sizes: dict, dtype, vocab: int):
+    """:func:`_read_box`, with the rows of a padded ``vocab`` dim (``>= vocab``) zero."""
+    if "vocab" not in names or sizes["vocab"] == vocab:
+        return _read_box(files, t, names, bounds, sizes, dtype)
+    a = names.index("vocab")
+    b = bounds[a]
+    real = slice(b.start, min(b.stop, vocab))
+    shape = [s.stop - s.start for s in bounds]
+    out = torch.zeros(shape, dtype=dtype)
+    if real.stop > real.start:
+        got = _read_box(files, t, names, [*bounds[:a], real, *bounds[a + 1:]], {**sizes, "vocab": vocab}, dtype)
+        out.narrow(a, 0, real.stop - real.start).copy_(got)
+    return out
+
+
 def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> list[str]:
     """Fill ``lowering``'s model variables from the Hugging Face directory ``path``, slice by slice.
 
-    Each processor this process holds gets its slice (storage layout) read from the files with
-    ``get_slice``; a fused or merged axis is read over the smallest covering range. Variables the
+    Each processor this process holds gets its slice (storage layout) read from the files with positioned
+    reads (:class:`~meshtorch.checkpoint.hf_read.BoxReader`); a fused or merged axis is read over the smallest
+    covering range. Rows of a padded ``vocab`` (past ``config.vocab_size``) are zero. Variables the
     map does not name (optimizer slots, step counters) keep their values.
 
     Returns:
@@ -259,7 +280,7 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
                 b = impl.slice_bounds(out.shape, p, layout)
                 key = tuple((s.start, s.stop) for s in b)
                 if key not in cache:
-                    cache[key] = _read_box(files, t, names, b, sizes, out.dtype)
+                    cache[key] = _read_padded(files, t, names, b, sizes, out.dtype, c.vocab_size)
                 return cache[key]
 
             lowering.set_variable_slices(var, fn)
@@ -295,11 +316,23 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
     cfg = cfg.with_shape(batch_size, length or min(cfg.max_positions, 1024))
     model = build(cfg, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
     impl = mesh_impl if mesh_impl is not None else placement_mesh_impl(mesh_shape, layout)
-    lw = Lowering(model.graph, {model.mesh: impl}, materialize=False)  # no initial values drawn yet
+    return model, lower_loaded(model, impl, path)
+
+
+def lower_loaded(model: HFGraph, mesh_impl, path: str, **lowering_kwargs) -> Lowering:
+    """``model``'s Lowering on ``mesh_impl`` (``lowering_kwargs``: the Lowering's ``mode``, ``bucket_bytes``, ...)
+    with its imported variables read from the Hugging Face directory ``path`` (checked first by the caller:
+    :func:`check_files`) and no initial values drawn for them; the other variables (optimizer slots) are
+    initialised as usual.
+
+    Raises:
+        CheckpointError: a read that fails. LayoutError: a layout that cannot split a dim of the model.
+    """
+    lw = Lowering(model.graph, {model.mesh: mesh_impl}, materialize=False, **lowering_kwargs)
     done = set(load_hf_weights(lowering=lw, model=model, path=path, check=False))
     lw.store.initialize([v.name for v in lw.variables if v.name not in done])
     lw.materialize = True
-    return model, lw
+    return lw
 
 
 def _region(t: HFTensor, full: torch.Tensor, names: list[str], sizes: dict) -> tuple:
@@ -357,6 +390,9 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
             if not leader:
                 continue
             shape = by_name[t.var].outputs[0].shape
+            if "vocab" in shape.dimension_names and c.padded_vocab != c.vocab_size:  # padding stripped
+                full = full.narrow(shape.dimension_names.index("vocab"), 0, c.vocab_size)
+                shape = shape.resize_dimension("vocab", c.vocab_size)
             idx, x = _region(t, full, [d.name for d in shape], {d.name: d.size for d in shape})
             if tensor is None:
                 tensor = torch.empty(t.full_shape, dtype=x.dtype)

@@ -6,8 +6,14 @@ import argparse
 
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
-from meshtorch.runtime.hf_jobs import run_train
-from meshtorch.runtime.train_config import DATA_PARALLEL_LAYOUT, DEFAULT_LAYOUT, DEFAULT_MESH
+from meshtorch.runtime.train import main_train
+from meshtorch.runtime.train_config import (
+    DATA_PARALLEL_LAYOUT,
+    DEFAULT_LAYOUT,
+    DEFAULT_MESH,
+    DEFAULT_PRESET,
+    DEFAULT_VOCAB_SIZE,
+)
 
 _OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model width"),
               ("heads", int, "attention heads"), ("d-kv", int, "size of each head"),
@@ -20,17 +26,20 @@ def add_train_subcommand(subparsers) -> None:
     """Register ``meshtorch train`` on an argparse sub-parsers object. Every flag is checked before data is loaded
     (:meth:`meshtorch.runtime.train_config.TrainConfig.checked`; a new flag also gets a field there)."""
     p = subparsers.add_parser("train", help="train a Transformer LM (the main job)", formatter_class=HelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size preset")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help=f"model size preset (default: {DEFAULT_PRESET}; with --resume: the run's)")
     for flag, typ, what in _OVERRIDES:
-        p.add_argument(f"--{flag}", type=typ, default=None, help=f"{what} (default: the preset's)")
+        p.add_argument(f"--{flag}", type=typ, default=None,
+                       help=f"{what} (default: the preset's; with --resume: the run's)")
     p.add_argument("--activation", default=None, choices=["relu", "gelu", "gelu_tanh", "silu"],
                    help="feed-forward activation (default: the preset's)")
-    p.add_argument("--gated", action="store_true", help="gated feed-forward (GEGLU/SwiGLU)")
+    p.add_argument("--gated", action="store_true", default=None, help="gated feed-forward (GEGLU/SwiGLU)")
     p.add_argument("--norm", default=None, choices=["rms", "layer"], help="normalization (default: the preset's)")
-    p.add_argument("--remat", default="none", choices=list(REMAT_POLICIES),
-                   help="activation checkpointing: none; block (recompute each block's activations in the backward "
-                        "pass, keep only block inputs); selective (keep matmul and attention outputs, recompute the "
-                        "elementwise ops). The planner's memory check counts it")
+    p.add_argument("--remat", default=None, choices=list(REMAT_POLICIES),
+                   help="activation checkpointing (default: none; with --resume: the run's): none; block (recompute "
+                        "each block's activations in the backward pass, keep only block inputs); selective (keep "
+                        "matmul and attention outputs, recompute the elementwise ops). The planner's memory check "
+                        "counts it")
     p.add_argument("--pipeline-stages", type=int, default=None,
                    help="run the blocks as a pipeline of this many stages, their weights stacked on a 'stage' "
                         "dimension that the layout splits (e.g. --layout 'stage:pipe;batch:data'); default: the size "
@@ -70,9 +79,12 @@ def add_train_subcommand(subparsers) -> None:
                         "compute, gradients reduce-scattered); auto (with --layout auto): searched with the layout")
     p.add_argument("--data", nargs="*", default=None,
                    help="UTF-8 text files, or directories of .txt/.md/.rst files (default: the built-in corpus)")
-    p.add_argument("--tokenizer", default="byte", choices=["byte", "sentencepiece"],
-                   help="UTF-8 bytes, or a SentencePiece model trained on the training documents")
-    p.add_argument("--vocab-size", type=int, default=1024, help="SentencePiece vocabulary size")
+    p.add_argument("--tokenizer", default=None, choices=["byte", "sentencepiece"],
+                   help="UTF-8 bytes (the default), or a SentencePiece model trained on the training documents; with "
+                        "--init-from the model's tokenizer.json is used (an error if DIR has none), or bytes with "
+                        "--tokenizer byte")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"SentencePiece vocabulary size (default: {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--steps", type=int, default=600, help="training steps (in total, counting resumed ones)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"],
                    help="optimizer")
@@ -132,8 +144,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--keep", type=int, default=3,
                    help="keep this run's newest N checkpoints (another run's are never deleted)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the newest checkpoint of the latest run (or of --run-name / --checkpoint-dir); "
-                        "an error if there is none, or if its model config or data differ")
+                   help="continue the newest checkpoint of the latest run (or of --run-name / --checkpoint-dir) with "
+                        "its model flags (and --init-from) taken from its run.json; an error if there is none, if a "
+                        "model flag given differs from the run's, or if its data differ")
     p.add_argument("--resume-from", default=None,
                    help="continue from this checkpoint directory (e.g. an older ckpt-<step> when the newest is "
                         "damaged); new checkpoints go beside it unless --checkpoint-dir is given")
@@ -146,9 +159,11 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="fine-tune the Hugging Face GPT-2 / Llama model in DIR (config.json + safetensors; its "
-                        "tokenizer.json tokenizes --data). The model's sizes come from DIR: no --preset/--layers/... "
-                        "(see docs/huggingface.md)")
-    p.set_defaults(func=run_train)
+                        "tokenizer.json tokenizes --data) in the same loop, run directory and checkpoints as a "
+                        "native run. The model comes from DIR: --preset, the size flags, --dropout, --experts, "
+                        "--tokenizer sentencepiece, pipelines and --layout auto are refused (docs/huggingface.md); "
+                        "default --batch-size 8, --length the model's positions up to 128")
+    p.set_defaults(func=main_train)
 
 
 add_parser = add_train_subcommand  # the cli's module protocol

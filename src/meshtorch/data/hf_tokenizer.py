@@ -35,6 +35,21 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
+    def unknown_characters(self, text: str) -> list[str]:
+        """The distinct characters of ``text`` (in order) that encode to the model's unknown token (e.g.
+        ``[UNK]``, ``<unk>``); [] when the tokenizer has none (byte-level BPE encodes every character)."""
+        unk = getattr(self._tok.model, "unk_token", None)
+        unk_id = self._tok.token_to_id(unk) if unk else None
+        if unk_id is None:
+            return []
+        enc = self._tok.encode(text, add_special_tokens=False)
+        out = []
+        for i, (a, b) in zip(enc.ids, enc.offsets, strict=True):
+            for ch in text[a:b] if i == unk_id else "":
+                if ch not in out and not ch.isspace():
+                    out.append(ch)
+        return out
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
         return self._tok.decode(ids, skip_special_tokens=False)

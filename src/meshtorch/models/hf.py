@@ -29,7 +29,8 @@ from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes, hf_tensor_map
-from meshtorch.models.transformer import training_updates
+from meshtorch.autodiff import recompute_grad
+from meshtorch.models.transformer import REMAT_POLICIES, _keeps_matmuls, training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
 from meshtorch.ops.einsum import einsum
@@ -38,7 +39,7 @@ from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.rotary import rotary
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
-__all__ = ["HFGraph", "build_hf_lm", "hf_tensor_map"]
+__all__ = ["HFGraph", "build_hf_lm", "hf_flops_per_token", "hf_tensor_map"]
 
 
 @dataclass
@@ -68,6 +69,7 @@ class HFGraph:
 
 def _dims(c: HFModelConfig) -> dict[str, Dimension]:
     d = {n: Dimension(n, s) for n, s in hf_dim_sizes(c).items()}
+    d["vocab"] = Dimension("vocab", c.padded_vocab)
     d["batch"], d["length"] = Dimension("batch", c.batch_size), Dimension("length", c.length)
     return d
 
@@ -141,6 +143,24 @@ def _llama_block(x, v, d, c, i):
     return x + h
 
 
+def _remat(c: HFModelConfig, block, x, v, d, i):
+    """Block ``i``, its activations recomputed in the backward pass under ``c.remat`` (``block``: keep only the
+    block input; ``selective``: keep the matmul and attention outputs), as the native LM's blocks."""
+    if c.remat == "none":
+        return block(x, v, d, c, i)
+    return recompute_grad(lambda t: block(t, v, d, c, i), [x],
+                          keep=_keeps_matmuls if c.remat == "selective" else None)
+
+
+def hf_flops_per_token(c: HFModelConfig) -> float:
+    """Training FLOPs per token of a GPT-2 / Llama graph (6N for the weights + attention scores, PaLM appendix
+    B convention, as :func:`meshtorch.models.transformer.flops_per_token`)."""
+    ffn = c.d_model * c.d_ff * (3 if c.family == "llama" else 2)
+    attn_w = c.d_model * c.d_kv * (2 * c.num_heads + 2 * c.num_kv_heads)
+    n = c.num_layers * (attn_w + ffn) + c.d_model * c.padded_vocab
+    return 6 * n + 6 * c.num_layers * 2 * c.num_heads * c.d_kv * c.length
+
+
 def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None) -> HFGraph:
     """Build the graph of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` for ``config`` (batch and length set
     by :meth:`HFModelConfig.with_shape`).
@@ -150,6 +170,11 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     (``transformers``' causal-LM loss on ``ids[:, :length + 1]`` when ``inputs = ids[:, :-1]`` and
     ``targets = ids[:, 1:]``). Variables are initialised N(0, 0.02) (norm scales 1, biases 0) until
     :func:`meshtorch.checkpoint.hf.load_hf_weights` fills them.
+
+    ``config.vocab_multiple`` > 1 pads ``vocab`` to ``config.padded_vocab`` (so a mesh axis splits it): the padded
+    logits get -1e9 added (never chosen, no share of the softmax, no gradient into the padded rows), as the
+    native LM's. ``config.remat`` (``block`` / ``selective``) recomputes each block in the backward pass
+    (:func:`meshtorch.autodiff.recompute_grad`, the native LM's policies).
 
     Args:
         optimizer: a ``meshtorch.optim`` optimizer; its update ops go to ``HFGraph.updates``.
@@ -161,6 +186,8 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     c = config
     if c.length < 1:
         raise ValueError("build_hf_lm: config.length is 0; call config.with_shape(batch_size, length) first.")
+    if c.remat not in REMAT_POLICIES:
+        raise ValueError(f"build_hf_lm: remat must be one of {', '.join(REMAT_POLICIES)}, got {c.remat!r}.")
     d = _dims(c)
     graph = Graph(seed=seed)
     mesh = Mesh(graph, "mesh")
@@ -173,18 +200,22 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
         x = layers.embedding_lookup(wte, inputs, d["vocab"]) + layers.embedding_lookup(v("wpe"), pos_ids,
                                                                                       d["positions"])
         for i in range(c.num_layers):
-            x = _gpt2_block(x, v, d, c, i)
+            x = _remat(c, _gpt2_block, x, v, d, i)
         x = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name="ln_f")
         emb = wte
     else:
         emb = v("embed_tokens")
         x = layers.embedding_lookup(emb, inputs, d["vocab"])
         for i in range(c.num_layers):
-            x = _llama_block(x, v, d, c, i)
+            x = _remat(c, _llama_block, x, v, d, i)
         x = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name="norm")
     head = emb if c.tied else v("lm_head")
     logits = layers.embedding_logits(x, head, d["d_model"], output_shape=[d["batch"], d["length"], d["vocab"]],
                                      name="lm_head_proj")
+    if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient), as the native LM
+        mask = torch.zeros(c.padded_vocab)
+        mask[c.vocab_size:] = -1e9
+        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
     xent = layers.softmax_cross_entropy_with_logits(logits, targets, d["vocab"])  # integer targets: no one-hot
     loss = reduce_mean(xent, name="loss")
     updates = training_updates(graph, loss, optimizer, clip_norm)

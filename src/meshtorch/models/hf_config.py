@@ -47,7 +47,16 @@ class HFModelConfig:
     gated: bool = True  # T5: gated-gelu (v1.1) or relu (the original T5)
     batch_size: int = 1
     length: int = 0
+    vocab_multiple: int = 1  # the graph's vocab padded to a multiple of this (a mesh axis splits it)
+    remat: str = "none"  # activation checkpointing of the blocks (LMConfig.remat's policies)
     hf_config: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def padded_vocab(self) -> int:
+        """The graph's ``vocab`` size: ``vocab_size`` rounded up to ``vocab_multiple`` (Megatron's
+        make-vocab-size-divisible-by); the padded rows are zero and their logits masked."""
+        m = max(1, self.vocab_multiple)
+        return (self.vocab_size + m - 1) // m * m
 
     def with_shape(self, batch_size: int, length: int) -> HFModelConfig:
         """This config with the graph's ``batch`` and ``length``.
@@ -61,6 +70,18 @@ class HFModelConfig:
             raise ValueError(f"HF model: length {length} exceeds the model's {self.max_positions} positions "
                              f"({'n_positions' if self.family == 'gpt2' else 'max_position_embeddings'}).")
         return replace(self, batch_size=int(batch_size), length=int(length))
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """``config.json``'s ``eos_token_id`` (an int or a list; () when absent): where decoding stops."""
+        e = self.hf_config.get("eos_token_id")
+        if e is None:
+            return ()
+        return tuple(int(i) for i in (e if isinstance(e, list | tuple) else [e]))
+
+    def replace(self, **changes) -> HFModelConfig:
+        """A copy with ``changes`` (``dataclasses.replace``; ``hf_config`` kept)."""
+        return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)

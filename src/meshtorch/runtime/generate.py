@@ -39,8 +39,9 @@ def _slide(buf: torch.Tensor, t: int) -> int:
 
 
 def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
-           seed: int = 0, num_samples: int = 1, progress=None) -> list[list[int]]:
-    """Sample continuations of ``prompt_ids``; ``temperature=0`` is greedy decoding.
+           seed: int = 0, num_samples: int = 1, progress=None, eos_ids=()) -> list[list[int]]:
+    """Sample continuations of ``prompt_ids``; ``temperature=0`` is greedy decoding. A sample ends at its first
+    token in ``eos_ids`` (kept, as ``transformers.generate`` keeps it); decoding stops when every sample ended.
 
     Past the model's context (``length``) the window slides: each new token is predicted from the last
     ``length - 1`` tokens.
@@ -51,6 +52,8 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
         prompt_ids: token ids (1-D).
         top_k: keep only the ``top_k`` most likely tokens (0: all).
         num_samples: independent samples (rows of the batch), at most the graph's batch size.
+        eos_ids: end-of-sequence token ids (e.g. ``config.json``'s ``eos_token_id``); () decodes
+            ``max_new_tokens`` tokens.
 
     Returns:
         ``num_samples`` lists of generated token ids (prompt excluded).
@@ -58,7 +61,10 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
     buf, t = _prepare(lm, prompt_ids, num_samples)
     gen = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(num_samples)]
+    eos, done = {int(e) for e in eos_ids}, [False] * num_samples
     for _ in range(max_new_tokens):
+        if all(done):
+            break
         t = _slide(buf, t)
         logits = _next_logits(lowering, lm, buf, t)[:num_samples].cpu()  # chosen on the host, any device
         if temperature <= 0:
@@ -71,7 +77,9 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
         buf[:num_samples, t] = nxt
         for i in range(num_samples):
-            out[i].append(int(nxt[i]))
+            if not done[i]:
+                out[i].append(int(nxt[i]))
+                done[i] = int(nxt[i]) in eos
         t += 1
         if progress is not None:
             progress()

@@ -25,15 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshtorch.checkpoint import latest_checkpoint, load_manifest, restore, save
+from meshtorch.checkpoint import hf, latest_checkpoint, load_manifest, restore, save
 from meshtorch.core.errors import CheckpointError, LayoutError, RunFailure, UsageError
-from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.process import init_distributed
 from meshtorch.mesh.recorder import collective_report, flight_recorder
+from meshtorch.models.hf import hf_flops_per_token
+from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
 from meshtorch.optim import (
     AdafactorOptimizer,
@@ -46,17 +47,12 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
-from meshtorch.runtime import checks, runs
+from meshtorch.runtime import checks, hf_train, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
 from meshtorch.runtime.report import CompileClock, plot_history
-from meshtorch.runtime.train_config import TrainConfig, older_hint, resume_point, world_size
-
-
-def vocab_multiple(mesh_shape: str, layout: str) -> int:
-    """The mesh-axis size that splits ``vocab`` under ``layout`` (1 if none)."""
-    return MeshSpec(mesh_shape, layout).axis_size_for("vocab")
+from meshtorch.runtime.train_config import TrainConfig, older_hint, resume_point, vocab_multiple, world_size
 
 
 def make_optimizer(args):
@@ -198,52 +194,78 @@ def _start(cfg: TrainConfig, paths: runs.RunPaths) -> _Job:
 
 
 def _load_data(job: _Job) -> tuple | None:
-    """Documents, tokenizer, the LM's config and the packed dataset; the run's record, and the checkpoint to
-    resume checked against it (None: a new run)."""
+    """Documents, tokenizer, the model's config (a native preset's LMConfig, or with ``--init-from`` the
+    imported model's HFModelConfig) and the packed dataset; the run's record, and the checkpoint to resume
+    checked against it (None: a new run)."""
     cfg = job.cfg
     docs = load_documents(list(cfg.data) if cfg.data is not None else None)
     fingerprint = runs.data_fingerprint(docs)
-    if cfg.tokenizer == "sentencepiece":
-        tok = SentencePieceTokenizer(docs, vocab_size=cfg.vocab_size)
-        if cfg.checkpoint_dir and job.main_process:
-            tok.save(os.path.join(cfg.checkpoint_dir, "tokenizer.model"))
+    multiple = vocab_multiple(cfg.mesh, cfg.layout)
+    if cfg.init_from:  # the model and its tokenizer come from the Hugging Face directory (or the resumed run)
+        model = hf_train.model_config(cfg, multiple, cfg.saved_record())
+        tok = hf_train.tokenizer(cfg, model)
+        if job.main_process:
+            hf_train.save_tokenizer(tok, cfg.checkpoint_dir)
+        extra = {"preset": None, "tokenizer": "byte" if cfg.tokenizer == "byte" else hf_train.HF_TOKENIZER,
+                 **hf_train.record_fields(cfg, model)}
     else:
-        tok = ByteTokenizer()
-    model = preset(cfg.preset, num_layers=cfg.layers, d_model=cfg.d_model, num_heads=cfg.heads, d_kv=cfg.d_kv,
-                   d_ff=cfg.d_ff, length=cfg.length, batch_size=cfg.batch_size, dropout=cfg.dropout,
-                   activation=cfg.activation, norm=cfg.norm, gated=cfg.gated or None, vocab_size=tok.vocab_size,
-                   vocab_multiple=vocab_multiple(cfg.mesh, cfg.layout), num_experts=cfg.experts, remat=cfg.remat,
-                   **cfg.pipeline_fields())
+        if cfg.tokenizer == "sentencepiece":
+            tok = SentencePieceTokenizer(docs, vocab_size=cfg.vocab_size)
+            if cfg.checkpoint_dir and job.main_process:
+                tok.save(os.path.join(cfg.checkpoint_dir, "tokenizer.model"))
+        else:
+            tok = ByteTokenizer()
+        model = preset(cfg.preset, num_layers=cfg.layers, d_model=cfg.d_model, num_heads=cfg.heads, d_kv=cfg.d_kv,
+                       d_ff=cfg.d_ff, length=cfg.length, batch_size=cfg.batch_size, dropout=cfg.dropout,
+                       activation=cfg.activation, norm=cfg.norm, gated=cfg.gated or None, vocab_size=tok.vocab_size,
+                       vocab_multiple=multiple, num_experts=cfg.experts, remat=cfg.remat, **cfg.pipeline_fields())
+        extra = {"preset": cfg.preset}
     if cfg.sample and len(tok.encode(cfg.prompt)) >= model.length:  # SentencePiece: known once it is trained
         raise UsageError(f"--prompt is {len(tok.encode(cfg.prompt))} tokens, but the model's context is "
                          f"{model.length} tokens (--length); give a shorter prompt or a longer --length.")
     job.tok, job.model = tok, model
-    job.record = runs.run_record(job.paths, cfg, model.to_dict(), fingerprint, len(docs))
+    job.record = {**runs.run_record(job.paths, cfg, model.to_dict(), fingerprint, len(docs)), **extra}
     resuming = _resume_check(cfg, job.record) if cfg.resuming else None
     job.dataset = PackedDataset.from_documents(docs, tok, model.length + 1)
     return resuming
 
 
 def _build_model(job: _Job) -> None:
-    """The LM with its optimizer, its lowering on the mesh, and the twin without dropout for evaluation."""
+    """The model with its optimizer, its lowering on the mesh (an imported model's weights read into it, unless
+    a checkpoint is resumed), and the twin without dropout for evaluation."""
     cfg, model = job.cfg, job.model
-    job.lm = build_lm(model, seed=cfg.seed, optimizer=make_optimizer(cfg), clip_norm=cfg.clip_norm or None)
+    opt, clip = make_optimizer(cfg), cfg.clip_norm or None
+    kwargs = {"mode": cfg.executor, "bucket_bytes": cfg.bucket_bytes}
+    imported = isinstance(model, HFModelConfig)
     try:
-        job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, mode=cfg.executor,
-                                bucket_bytes=cfg.bucket_bytes)
+        if imported:
+            job.lm = hf.build(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
+            if cfg.resuming:  # the weights come from the checkpoint
+                job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
+            else:
+                job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
+        else:
+            job.lm = build_lm(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
+            job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
     except LayoutError as e:  # e.g. a dimension size the mesh axis does not divide
         raise LayoutError(f"--layout {cfg.layout!r}: {e}") from None
     job.eval_lm, job.eval_lowering = job.lm, job.lowering
-    if model.dropout > 0:  # evaluate without dropout: a twin graph, weights copied before each evaluation
+    if not imported and model.dropout > 0:  # evaluate without dropout: a twin graph, weights copied each time
         job.eval_lm = build_lm(model, seed=cfg.seed, train=False)
         eval_impl = make_mesh_impl(cfg.mesh, cfg.layout, device=cfg.device, storage=cfg.storage or None)
         job.eval_lowering = Lowering(job.eval_lm.graph, {job.eval_lm.mesh: eval_impl})
     n_params = sum(v.shape.size for v in job.lm.graph.trainable_variables)
-    job.say(f"model: {model.num_layers} layers, d_model {model.d_model}, {model.num_heads} heads x d_kv "
+    source = f"{model.family} from {cfg.init_from!r}: " if imported else ""
+    job.say(f"model: {source}{model.num_layers} layers, d_model {model.d_model}, {model.num_heads} heads x d_kv "
             f"{model.d_kv}, d_ff {model.d_ff}, vocab {model.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
-            f"batch {model.batch_size} x length {model.length}")
+            f"batch {model.batch_size} x length {model.length}; tokenizer {getattr(job.tok, 'path', cfg.tokenizer)}")
     job.say(f"mesh {cfg.mesh!r} layout {cfg.layout!r} storage {cfg.storage or '(as the layout)'!r}; "
             f"{len(job.dataset.train)} train / {len(job.dataset.validation)} validation sequences")
+
+
+def _flops_per_token(model) -> float:
+    """Training FLOPs per token of the native LM or of an imported model."""
+    return hf_flops_per_token(model) if isinstance(model, HFModelConfig) else flops_per_token(model)
 
 
 def _peak_flops(job: _Job) -> tuple[float, str]:
@@ -271,7 +293,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
     cfg, paths, record, say, main_process = job.cfg, job.paths, job.record, job.say, job.main_process
     lm, lowering, model, world = job.lm, job.lowering, job.model, world_size()
     bpt = job.dataset.bytes_per_token  # bits per byte = nats / ln 2 / (bytes per token)
-    fpt = flops_per_token(model)
+    fpt = _flops_per_token(model)
     metrics = None
     if cfg.log_dir and main_process:
         metrics = MetricsLog(cfg.log_dir, {"config": model.to_dict(), "mesh": cfg.mesh, "layout": cfg.layout,
@@ -378,7 +400,7 @@ def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, s
     report), where the checkpoint is; plot the loss curve; sample. Returns :func:`main_train`'s result."""
     cfg, paths, model, say, world = job.cfg, job.paths, job.model, job.say, world_size()
     bpt = job.dataset.bytes_per_token
-    fpt = flops_per_token(model)
+    fpt = _flops_per_token(model)
     tokens_per_step = model.batch_size * model.length
     steady_steps = cfg.steps - start - comp.steps  # throughput: steady-state steps only, compiling excluded
     tps = max(steady_steps, 1) * tokens_per_step / max(wall - comp.seconds, 1e-9)
@@ -406,7 +428,8 @@ def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, s
     ids = None
     if cfg.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
         ids = sample(job.eval_lowering, job.eval_lm, job.tok.encode(cfg.prompt), max_new_tokens=cfg.sample,
-                     temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed)[0]
+                     temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed,
+                     eos_ids=getattr(model, "eos_ids", ()))[0]
         say("sample:\n" + cfg.prompt + job.tok.decode(ids))
     return {"history": history, "val_bits_per_byte": val / math.log(2) / bpt, "tokens_per_s": tps,
             "lowering": job.lowering, "lm": job.lm, "sample_ids": ids}

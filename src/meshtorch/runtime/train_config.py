@@ -15,17 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtorch.checkpoint import load_manifest
+from meshtorch.checkpoint import hf, load_manifest
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.core.layout import LayoutRules
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.planning.command import parse_bytes
-from meshtorch.runtime import checks, runs
+from meshtorch.runtime import checks, hf_train, runs
 from meshtorch.runtime.autolayout import choose_layout
 from meshtorch.runtime.calibrate import cached
 from meshtorch.runtime.optional import optional_module
 
 DEFAULT_MESH = "data:2,model:2"
+DEFAULT_PRESET = "small"
+DEFAULT_VOCAB_SIZE = 1024  # --tokenizer sentencepiece's vocabulary
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
 DATA_PARALLEL_LAYOUT = "batch:data"
 
@@ -51,8 +54,9 @@ class TrainConfig:
     value (the run's checkpoint directory, ``--layout auto``'s choice) is a new config
     (:meth:`checked`), never a changed one."""
 
-    # model: a preset and its overrides (None: the preset's value)
-    preset: str = "small"
+    # model: a preset and its overrides (None: the preset's value; on --resume: the run's, from its record;
+    # with --init-from: refused, the model comes from DIR)
+    preset: str | None = None  # None: "small" (DEFAULT_PRESET)
     layers: int | None = None
     d_model: int | None = None
     heads: int | None = None
@@ -63,9 +67,9 @@ class TrainConfig:
     dropout: float | None = None
     experts: int | None = None
     activation: str | None = None
-    gated: bool = False
+    gated: bool | None = None
     norm: str | None = None
-    remat: str = "none"
+    remat: str | None = None  # None: "none"
     # pipeline (docs/pipeline.md): None = resolved by checked() (stages from the layout's 'stage' axis)
     pipeline_stages: int | None = None
     microbatches: int | None = None
@@ -80,8 +84,8 @@ class TrainConfig:
     storage: str = ""
     # data
     data: tuple[str, ...] | None = None
-    tokenizer: str = "byte"
-    vocab_size: int = 1024
+    tokenizer: str | None = None  # None: "byte"; with --init-from the model's tokenizer.json
+    vocab_size: int | None = None  # None: 1024 (DEFAULT_VOCAB_SIZE)
     # optimization
     steps: int = 600
     optimizer: str = "adamw"
@@ -117,7 +121,7 @@ class TrainConfig:
     prompt: str = "The "
     temperature: float = 0.8
     top_k: int = 40
-    # fine-tuning a Hugging Face model instead (meshtorch.runtime.hf_jobs)
+    # the model: a Hugging Face GPT-2 / Llama directory instead of a preset (meshtorch.runtime.hf_train)
     init_from: str | None = None
 
     @classmethod
@@ -168,16 +172,29 @@ class TrainConfig:
             raise UsageError(f"--resume-from {cfg.resume_from!r} is not a checkpoint directory.")
         paths = runs.resolve_run(cfg)
         cfg = cfg.replace(checkpoint_dir=paths.checkpoint_dir, plot=paths.plot)
+        point = None
         if cfg.resume and not cfg.resume_from:
             point = resume_point(cfg.checkpoint_dir, None) if os.path.isdir(cfg.checkpoint_dir) else (None,)
             if point[0] is None:  # a damaged newest checkpoint was reported by resume_point, before any work
                 raise runs.nothing_to_resume("--resume", cfg.checkpoint_dir)
+            point = point[0]
+        elif cfg.resume_from:
+            point = cfg.resume_from
+        if point is not None and os.path.isfile(os.path.join(point, "manifest.json")):
+            cfg = cfg._with_run_flags(load_manifest(point).get("extra") or {})
+        if cfg.init_from:
+            hf_train.refuse_flags(cfg)
+        else:
+            cfg = cfg._with_native_defaults()
         data = checks.input_files("--data", cfg.data)
         cfg = cfg.replace(data=None if data is None else tuple(data))
         runs.check_paths(paths, resuming=cfg.resuming)
         if cfg.log_dir:
             checks.writable_dir("--log-dir", cfg.log_dir)
             optional_module("tensorboard", "meshtorch train --log-dir")
+        if cfg.init_from:
+            cfg._check_imported(mesh)
+            return cfg, paths
         cfg._check_prompt()
         if cfg.layout == "auto" or cfg.storage == "auto":
             cfg = cfg._choose_layout()  # with --microbatches, pipelined layouts are candidates too
@@ -186,6 +203,68 @@ class TrainConfig:
         checks.layout_rules("--layout", cfg.layout, names, mesh)
         checks.layout_rules("--storage", cfg.storage, names, mesh)
         return cfg, paths
+
+    def saved_record(self) -> dict:
+        """The record (manifest ``extra``) of the checkpoint ``--resume`` / ``--resume-from`` continues ({} when
+        not resuming or it has none)."""
+        if not self.resuming:
+            return {}
+        point = self.resume_from or resume_point(self.checkpoint_dir, None)[0]
+        if point is None or not os.path.isfile(os.path.join(point, "manifest.json")):
+            return {}
+        return load_manifest(point).get("extra") or {}
+
+    def _with_run_flags(self, saved: dict) -> TrainConfig:
+        """``--resume``: the model flags not given taken from the resumed run's record (its model config,
+        preset, tokenizer and ``--init-from``), so a run continues without retyping them.
+
+        Raises:
+            UsageError: naming the flag, when one is given and differs from the run's value.
+        """
+        config, imported = saved.get("config") or {}, "hf_config" in saved
+        changes = {}
+        src = saved.get("init_from")
+        if imported and src and self.init_from and os.path.abspath(self.init_from) != src:
+            raise UsageError(f"--init-from {self.init_from!r} differs from the resumed run's {src!r} (its run.json); "
+                             "drop --init-from to continue the run, or start a new run without --resume.")
+        if not imported and self.init_from:
+            raise UsageError(f"--init-from {self.init_from!r}: the run to resume ({saved.get('run')!r}) trained a "
+                             "native LM; drop --init-from to continue it, or start a new run without --resume.")
+        if imported and not self.init_from:
+            changes["init_from"] = src or ""
+        for flag, key in (("preset", "preset"), ("tokenizer", "tokenizer")):
+            if getattr(self, flag) is None and saved.get(key) is not None:
+                changes[flag] = saved[key]
+        for flag, key in _RUN_FLAGS.items():
+            if key not in config or (imported and flag not in ("length", "batch_size", "remat")):
+                continue
+            given = getattr(self, flag)
+            if given is None:
+                changes[flag] = config[key]
+            elif given != config[key]:
+                name = "--" + flag.replace("_", "-")
+                raise UsageError(f"{name} {given!r} differs from the resumed run's {config[key]!r} (model config field "
+                                 f"{key!r} in its run.json); drop {name} to continue the run as it was, or start a new "
+                                 "run without --resume.")
+        return self.replace(**changes)
+
+    def _with_native_defaults(self) -> TrainConfig:
+        """A native run's ``--preset``, ``--tokenizer``, ``--remat``, ``--gated`` and ``--vocab-size`` defaults
+        filled in."""
+        return self.replace(preset=self.preset or DEFAULT_PRESET, tokenizer=self.tokenizer or "byte",
+                            remat=self.remat or "none", gated=bool(self.gated),
+                            vocab_size=self.vocab_size or DEFAULT_VOCAB_SIZE)
+
+    def _check_imported(self, mesh) -> None:
+        """``--init-from``: the model directory, its tokenizer, the prompt and the layout rules, checked before
+        anything is loaded (:mod:`meshtorch.runtime.hf_train`)."""
+        model = hf_train.model_config(self, vocab_multiple(self.mesh, self.layout), self.saved_record())
+        tok = hf_train.tokenizer(self, model)
+        if self.sample:
+            hf_train.check_prompt(tok, self.prompt, model.length)
+        names = checks.graph_dim_names(hf.build(model.replace(num_layers=1)).graph)
+        checks.layout_rules("--layout", self.layout, names, mesh)
+        checks.layout_rules("--storage", self.storage, names, mesh)
 
     def _with_mesh_defaults(self) -> TrainConfig:
         """The config with ``--mesh`` / ``--layout`` defaults filled in (:func:`default_mesh_layout`); under
@@ -288,6 +367,18 @@ class TrainConfig:
         return self.replace(layout=layout, storage=chosen_storage if storage in ("", "auto") else storage, **changes)
 
 
+#: the model flags --resume takes from the run's record: TrainConfig field -> model config field
+_RUN_FLAGS = {"layers": "num_layers", "d_model": "d_model", "heads": "num_heads", "d_kv": "d_kv", "d_ff": "d_ff",
+              "length": "length", "batch_size": "batch_size", "dropout": "dropout", "activation": "activation",
+              "gated": "gated", "norm": "norm", "experts": "num_experts", "remat": "remat"}
+
+
+def vocab_multiple(mesh_shape: str, layout: str) -> int:
+    """The mesh-axis size that splits ``vocab`` under ``layout`` (1 if none): the vocabulary is padded to a
+    multiple of it (Megatron's make-vocab-size-divisible-by)."""
+    return MeshSpec(mesh_shape, layout).axis_size_for("vocab")
+
+
 def world_size() -> int:
     """The job's process count (torchrun's ``WORLD_SIZE``; 1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -325,5 +416,5 @@ def resume_point(checkpoint_dir: str, resume_from: str | None):
     return dirs[0], dirs[1:]
 
 
-__all__ = ["DATA_PARALLEL_LAYOUT", "DEFAULT_LAYOUT", "DEFAULT_MESH", "TrainConfig", "default_mesh_layout", "older_hint",
-           "resume_point"]
+__all__ = ["DATA_PARALLEL_LAYOUT", "DEFAULT_LAYOUT", "DEFAULT_MESH", "DEFAULT_PRESET", "DEFAULT_VOCAB_SIZE",
+           "TrainConfig", "default_mesh_layout", "older_hint", "resume_point", "vocab_multiple"]

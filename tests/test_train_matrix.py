@@ -1,0 +1,121 @@
+"""The ``meshtorch train`` flags x {native tiny preset, GPT-2 directory, Llama directory}: each combination runs
+(1-2 steps) or exits 2 naming the flag before anything is loaded; ``--init-from`` on the 2x2 mesh with
+``--compile``, ``--remat block`` and ``--log-dir`` runs and logs metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import _hf_fixtures as F  # noqa: E402
+from meshtorch.cli import main  # noqa: E402
+
+BASE = ["--steps", "2", "--batch-size", "4", "--length", "16", "--eval-every", "2", "--eval-batches", "1",
+        "--plot", "", "--sample", "2", "--lr", "1e-3", "--warmup-steps", "1"]
+
+#: flags an imported model cannot take (each refused by name with --init-from)
+MODEL_ONLY = [("--preset", "tiny"), ("--layers", "1"), ("--d-model", "32"), ("--heads", "2"), ("--d-kv", "8"),
+              ("--d-ff", "32"), ("--experts", "2"), ("--activation", "gelu"), ("--gated",), ("--norm", "rms"),
+              ("--dropout", "0.1"), ("--tokenizer", "sentencepiece"), ("--pipeline-stages", "2"),
+              ("--microbatches", "2"), ("--pipeline-repeats", "1"), ("--layout", "auto"), ("--memory-limit", "1GiB"),
+              ("--vocab-size", "64"), ("--mesh", "pipe:2", "--layout", "stage:pipe")]
+
+#: flags every model takes, in combined runs (each combination trains 2 steps)
+SHARED = [
+    ["--optimizer", "sgd", "--schedule", "linear-warmup", "--bucket-mb", "0", "--executor", "interpret",
+     "--trace-collectives", "--comm-detail", "--checkpoint-every", "1", "--keep", "1", "--storage", "d_model:data",
+     "--device", "cpu", "--seed", "1", "--threads", "1", "--peak-tflops", "1", "--clip-norm", "0.5",
+     "--remat", "selective", "--temperature", "0"],
+    ["--optimizer", "adafactor", "--schedule", "rsqrt", "--bucket-mb", "1", "--async-collectives", "--remat", "block",
+     "--eval-every", "1", "--weight-decay", "0.1", "--top-k", "5", "--mesh", "data:4", "--layout", "batch:data"],
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``{kind: extra train flags}`` for the native tiny preset, a GPT-2 and a Llama directory, and the data file."""
+    root = tmp_path_factory.mktemp("matrix")
+    text = F.text()
+    data = root / "data.txt"
+    data.write_text(text)
+    llama = F.save(F.make_model("llama_gqa"), str(root / "llama"))
+    F.bpe_tokenizer(os.path.join(llama, "tokenizer.json"), text)
+    gpt2 = F.save(F.make_model("gpt2", vocab=257), str(root / "gpt2"))
+    return {"native": ["--preset", "tiny"], "gpt2": ["--init-from", gpt2, "--tokenizer", "byte"],
+            "llama": ["--init-from", llama, "--prompt", "the ",  # the tokenizer's corpus has no 'T'
+                      "--layout", "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"]}, str(data)
+
+
+def _cli(capsys, argv):
+    rc = main(argv)
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+@pytest.mark.parametrize("flags", MODEL_ONLY, ids=lambda f: f[-2] if f[0] == "--mesh" else f[0])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_model_flags_are_refused_by_name_with_init_from(models, tmp_path, capsys, kind, flags):
+    spec, data = models
+    src = [a for a in spec[kind] if a != "--layout" and not a.startswith("batch:")]
+    rc, out = _cli(capsys, ["train", *src, *flags, "--data", data, "--runs-dir", str(tmp_path), *BASE])
+    flag = "--layout" if flags[0] == "--mesh" else flags[0]
+    last = out.strip().splitlines()[-1]
+    assert rc == 2 and flag in last and "--init-from" in last and "Traceback" not in out, out
+    assert not os.listdir(tmp_path)  # refused before anything was written
+
+
+@pytest.mark.parametrize("flags", [
+    ["--layers", "1", "--d-model", "32", "--heads", "2", "--d-kv", "16", "--d-ff", "64", "--activation", "gelu",
+     "--gated", "--norm", "rms", "--dropout", "0.1"],
+    ["--layers", "2", "--pipeline-stages", "2", "--microbatches", "2", "--pipeline-repeats", "1", "--mesh", "pipe:2",
+     "--layout", "stage:pipe"],
+], ids=["sizes", "pipeline"])
+def test_model_flags_run_natively(models, tmp_path, capsys, flags):
+    _, data = models
+    rc, out = _cli(capsys, ["train", "--preset", "tiny", *flags, "--data", data, "--runs-dir", str(tmp_path), *BASE])
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize("combo", range(len(SHARED)))
+@pytest.mark.parametrize("kind", ["native", "gpt2", "llama"])
+def test_shared_flags_run_for_every_model(models, tmp_path, capsys, kind, combo):
+    spec, data = models
+    flags = SHARED[combo]
+    src = spec[kind] if "--layout" not in flags else [a for a in spec[kind] if a != "--layout" and
+                                                       not a.startswith("batch:")]
+    logs = str(tmp_path / "logs")
+    rc, out = _cli(capsys, ["train", *src, *flags, "--data", data, "--runs-dir", str(tmp_path / "runs"),
+                            "--log-dir", logs, *BASE])
+    assert rc == 0, out
+    rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert "tokens/s" in out and "MFU" in out and "sample:" in out
+
+
+def test_init_from_remat_block_on_the_2x2_mesh_logs_metrics(models, tmp_path, capsys):
+    spec, data = models
+    logs = str(tmp_path / "logs")
+    rc, out = _cli(capsys, ["train", *spec["llama"], "--remat", "block", "--log-dir", logs, "--data", data,
+                            "--runs-dir", str(tmp_path / "runs"), *BASE])
+    assert rc == 0, out
+    rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+@pytest.mark.slow
+def test_init_from_compiled_on_the_2x2_mesh(models, tmp_path, capsys):
+    """--compile (torch.compile of the generated step) and --log-dir on the default 2x2 mesh: one step (compiling
+    took minutes on the shared 2-core host)."""
+    spec, data = models
+    logs = str(tmp_path / "logs")
+    rc, out = _cli(capsys, ["train", *spec["llama"], "--compile", "--log-dir", logs, "--data", data, "--runs-dir",
+                            str(tmp_path / "runs"), *BASE, "--steps", "1", "--eval-every", "1", "--sample", "0"])
+    assert rc == 0, out
+    assert "compiled the training step in" in out, out
+    rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "loss" in r] == [1]
