@@ -1,0 +1,89 @@
+"""Faults survived with nothing lost (issue 35): a save that fails for lack of space, or because a file
+grows past ``RLIMIT_FSIZE``, leaves the previous checkpoint intact, verifying and resuming bitwise;
+retention (``--keep 1``) never leaves zero good checkpoints; the error is one line naming the cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+
+import safetensors.torch
+import torch
+
+from meshtorch.checkpoint.format import verify_checkpoint
+from meshtorch.cli import main
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+TINY = ["--preset", "tiny", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64",
+        "--length", "16", "--batch-size", "8", "--eval-batches", "1", "--sample", "0", "--plot", "",
+        "--warmup-steps", "1", "--mesh", "all:2", "--layout", "batch:all", "--eval-every", "100"]
+
+
+def _small_filesystem(tmp_path):
+    """argv prefix that runs a command with a 512 KiB tmpfs mounted on ``tmp_path`` (a user namespace), or
+    None where this machine does not allow it."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    pre = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=512k tmpfs "{mnt}" && exec "$0" "$@"']
+    try:
+        ok = subprocess.run([*pre, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return (pre, str(mnt)) if ok else (None, str(mnt))
+
+
+def test_full_disk_keeps_the_last_good_checkpoint(tmp_path):
+    """A save on a full file system (a 512 KiB tmpfs; where none can be mounted, RLIMIT_FSIZE): at a new step
+    and at the step of the good checkpoint, with keep=1. One line naming the cause and the file; ckpt-1 stays
+    the only checkpoint, verifies and restores bitwise; once space is free, the next save retires it."""
+    pre, mnt = _small_filesystem(tmp_path)
+    mode, cause = ("tmpfs", "no space left on device") if pre else ("fsize", "file too large")
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fault_jobs.py")
+    p = subprocess.run([*(pre or []), sys.executable, job, mnt, mode], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=SRC))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    for msg in r["errors"]:
+        assert msg and cause in msg and "\n" not in msg, msg
+        assert re.search(r"\(writing '.*/ck/\.tmp-ckpt-[12]/mesh\.p0000\d\.safetensors'\)", msg), msg
+        assert f"the last good checkpoint {r['good']} is untouched" in msg, msg
+    assert r["listings"] == [["ckpt-1"], ["ckpt-1"]]  # no temporary directory left, nothing retired
+    assert r["restored"] == [True, True]
+    assert r["after"] == ["ckpt-2"]
+
+
+def _limit_file_size(nbytes):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def test_file_size_limit_during_training_then_bitwise_resume(tmp_path, capsys):
+    """`meshtorch train --resume` under RLIMIT_FSIZE (the shard files exceed it): exit 2, one line naming
+    "file too large" and the file; ckpt-4 stays the only, verifying checkpoint (--keep 1); resumed without
+    the limit, the run ends bitwise where an uninterrupted run with the same checkpoints ends."""
+    ck, ref = tmp_path / "ck", tmp_path / "ref"
+    common = [*TINY, "--checkpoint-every", "2", "--keep", "1", "--schedule", "constant"]  # lr not a function of --steps
+    assert main(["train", *common, "--steps", "6", "--checkpoint-dir", str(ref)]) == 0
+    assert main(["train", *common, "--steps", "4", "--checkpoint-dir", str(ck)]) == 0
+    capsys.readouterr()
+    good = ck / "ckpt-4"
+    limit = 16384  # above run.json, below a shard file (the embedding alone is 256 x 32 float32 = 32 KiB)
+    assert (ck / "run.json").stat().st_size < limit < max(f.stat().st_size for f in good.iterdir())
+    p = subprocess.run([sys.executable, "-m", "meshtorch", "train", *common, "--steps", "6", "--checkpoint-dir",
+                        str(ck), "--resume"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=SRC), preexec_fn=_limit_file_size(limit))
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and err[-1].startswith("meshtorch train: error: save: checkpoint step 6 "), err
+    assert "file too large" in err[-1] and str(ck / ".tmp-ckpt-6") in err[-1], err[-1]
+    assert f"the last good checkpoint {good} is untouched" in err[-1], err[-1]
+    assert sorted(f.name for f in ck.iterdir()) == ["ckpt-4", "run.json"]
+    verify_checkpoint(str(good))
+    assert main(["train", *common, "--steps", "6", "--checkpoint-dir", str(ck), "--resume"]) == 0
+    a, b = ck / "ckpt-6", ref / "ckpt-6"
+    for f in sorted(x.name for x in b.glob("*.safetensors")):
+        ta, tb = safetensors.torch.load_file(a / f), safetensors.torch.load_file(b / f)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in tb), f
