@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import resource
 import subprocess
 import sys
 
+import pytest
 import safetensors.torch
 import torch
 
@@ -87,3 +89,59 @@ def test_file_size_limit_during_training_then_bitwise_resume(tmp_path, capsys):
     for f in sorted(x.name for x in b.glob("*.safetensors")):
         ta, tb = safetensors.torch.load_file(a / f), safetensors.torch.load_file(b / f)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in tb), f
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    import _hf_fixtures as F
+    from test_hf_cli import _text, _tokenizer
+
+    root = tmp_path_factory.mktemp("hf")
+    d = F.save(F.make_model("gpt2"), str(root / "gpt2"))
+    _tokenizer(os.path.join(d, "tokenizer.json"), _text())
+    (root / "data.txt").write_text(_text())
+    return d, str(root / "data.txt")
+
+
+@pytest.mark.parametrize("damage", ["truncated data", "truncated header", "corrupt header", "corrupt offsets"])
+def test_damaged_model_safetensors_under_init_from(hf_dir, tmp_path, capsys, damage):
+    """A damaged model.safetensors under `train --init-from`: exit 2, one line naming the file (not a raw
+    SafetensorError with exit 1)."""
+    src, data = hf_dir
+    d = tmp_path / "hf"
+    shutil.copytree(src, d)
+    f = d / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    if damage == "truncated data":
+        raw = raw[:len(raw) - 1000]
+    elif damage == "truncated header":
+        raw = raw[:n // 2]
+    elif damage == "corrupt header":
+        raw[8 + n // 2:8 + n // 2 + 16] = b"\xff" * 16  # not JSON any more
+    else:  # valid JSON, one tensor's offsets moved past the end of the file
+        header = raw[8:8 + n].decode()
+        i = header.index('"data_offsets":[') + len('"data_offsets":[')
+        raw[8 + i] = ord("9") if chr(raw[8 + i]) != "9" else ord("8")
+    f.write_bytes(bytes(raw))
+    capsys.readouterr()
+    rc = main(["train", "--init-from", str(d), "--data", data, "--steps", "1", "--plot", "", "--sample", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert err[-1].startswith("meshtorch train: error: hf: ") and repr(str(f)) in err[-1], err
+    assert ("truncated" if "truncated" in damage else "corrupt") in err[-1], err[-1]
+    assert not any("Traceback" in ln or "SafetensorError" in ln for ln in err), err
+
+
+def test_truncated_checkpoint_shard_under_resume(tmp_path, capsys):
+    """A truncated shard of the newest checkpoint under `train --resume`: exit 2 naming the file and the older
+    checkpoint to resume from."""
+    ck = tmp_path / "ck"
+    assert main(["train", *TINY, "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(ck)]) == 0
+    f = ck / "ckpt-4" / "mesh.p00000.safetensors"  # batch:all: every variable replicated, owned by p0
+    f.write_bytes(f.read_bytes()[:-100])
+    capsys.readouterr()
+    rc = main(["train", *TINY, "--steps", "6", "--checkpoint-dir", str(ck), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and repr(str(f)) in err[-1] and "truncated" in err[-1], err
+    assert "--resume-from " + str(ck / "ckpt-2") in err[-1] and "Traceback" not in "".join(err), err
