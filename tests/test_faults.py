@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import resource
 import subprocess
@@ -145,3 +146,47 @@ def test_truncated_checkpoint_shard_under_resume(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and repr(str(f)) in err[-1] and "truncated" in err[-1], err
     assert "--resume-from " + str(ck / "ckpt-2") in err[-1] and "Traceback" not in "".join(err), err
+
+
+def _ckpt_tensors(d):
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(safetensors.torch.load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupt_names_the_last_checkpoint_and_the_resume_command(tmp_path, capsys, sig):
+    """SIGINT/SIGTERM after step 62 of a run checkpointing every 20 steps: exit 130 and one line naming ckpt-60
+    and the command that resumes it; that command (SIGINT case) ends bitwise where an uninterrupted run ends."""
+    runs_dir = tmp_path / "runs"
+    argv = ["train", *TINY, "--steps", "66", "--checkpoint-every", "20", "--runs-dir", str(runs_dir)]
+    p = subprocess.run([sys.executable, "-m", "meshtorch", *argv], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=SRC, MESHTORCH_FAULT=f"62:{sig}"))
+    assert p.returncode == 130, p.stdout + p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    (name,) = [d.name for d in runs_dir.iterdir() if d.name != "latest"]
+    ckpt = runs_dir / name / "ckpt" / "ckpt-60"
+    assert last.startswith(f"meshtorch train: interrupted ({sig}); the last checkpoint is {ckpt}; resume with: "
+                           "meshtorch train "), last
+    again = shlex.split(last.split("resume with: ", 1)[1])
+    assert again[-4:] == ["--run-name", name, "--resume-from", str(ckpt)], again
+    if sig == "SIGTERM":
+        return
+    capsys.readouterr()
+    assert main(again[1:]) == 0
+    assert f"resumed from {ckpt} at step 60" in capsys.readouterr().out
+    assert main(["train", *TINY, "--steps", "66", "--checkpoint-every", "20", "--checkpoint-dir",
+                 str(tmp_path / "ref")]) == 0
+    got, want = _ckpt_tensors(runs_dir / name / "ckpt" / "ckpt-66"), _ckpt_tensors(tmp_path / "ref" / "ckpt-66")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_refused_run_leaves_no_directories(tmp_path, capsys):
+    """A run refused after its run directory is resolved (a prompt longer than the context) leaves no empty
+    runs/<name>/ckpt (nor runs/) behind."""
+    runs_dir = tmp_path / "runs"
+    rc = main(["train", *TINY[:-6], "--steps", "2", "--runs-dir", str(runs_dir), "--sample", "3", "--prompt",
+               "x" * 40, "--plot", str(runs_dir / "plots" / "loss.png")])
+    assert rc == 2 and "--prompt" in capsys.readouterr().err
+    assert not runs_dir.exists(), sorted(str(p) for p in runs_dir.rglob("*"))

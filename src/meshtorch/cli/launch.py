@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from meshtorch.runtime.launcher import launch_command
 
@@ -32,14 +31,6 @@ def add_launch_subcommand(subparsers) -> argparse.ArgumentParser:
 def main_launch_args(args) -> int:
     """Run parsed ``meshtorch launch`` arguments; returns the job's exit status."""
     return launch_command(args.launched, args.nproc, timeout_s=args.timeout, grace_s=args.grace)
-
-
-def main_launch(argv=None) -> int:
-    """``meshtorch launch -n N -- <command...>`` as a function (argv without the word ``launch``)."""
-    parser = argparse.ArgumentParser(prog="meshtorch")
-    add_launch_subcommand(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["launch", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
 
 
 add_parser = add_launch_subcommand  # the CLI's per-command hook (meshtorch.cli._COMMANDS)

@@ -227,5 +227,31 @@ def check_paths(paths: RunPaths, resuming: bool) -> None:
                          f"(newest: {os.path.basename(newest)}); a new run there would mix with them: give --resume "
                          "to continue that run, or another --checkpoint-dir (or none: each run gets its own "
                          "directory under --runs-dir).")
+    for d in (paths.checkpoint_dir, os.path.dirname(paths.plot) if paths.plot else ""):
+        _note_missing(d)
     checks.writable_dir("--checkpoint-dir", paths.checkpoint_dir)
     checks.writable_file("--plot", paths.plot)
+
+
+#: directories this process created to check they are writable (removed again if a refused run leaves them empty)
+_CREATED: list[str] = []
+
+
+def _note_missing(path: str) -> None:
+    """Remember ``path`` and its missing ancestors (outermost first) before they are created."""
+    missing, p = [], os.path.abspath(path) if path else ""
+    while p and not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    _CREATED.extend(reversed(missing))
+
+
+def remove_new_empty_dirs(remove: bool = True) -> None:
+    """Remove the directories :func:`check_paths` created that are still empty (innermost first): called when a
+    command fails, so a refused run leaves no empty ``runs/<name>/ckpt`` behind (``remove=False``: forget them)."""
+    for d in reversed(_CREATED if remove else []):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    _CREATED.clear()

@@ -46,7 +46,7 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
-from meshtorch.runtime import checks, runs
+from meshtorch.runtime import checks, failures, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
@@ -291,6 +291,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
     if cfg.checkpoint_dir:
         say(f"run {paths.name!r}: checkpoints in {cfg.checkpoint_dir} (run manifest: "
             f"{os.path.join(cfg.checkpoint_dir, runs.RUN_MANIFEST)})")
+    failures.note_run(cfg.checkpoint_dir, paths.name, paths.run_dir if paths.default_layout else cfg.checkpoint_dir)
     saved = None
     batches = job.dataset.stream(model.batch_size, cfg.seed, epoch, in_epoch)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
@@ -345,6 +346,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
                 if main_process:
                     tqdm.write(f"saved checkpoint {saved}")
             bar.update(1)
+            failures.inject_fault(step + 1)  # test hook: $MESHTORCH_FAULT (issue 35)
     finally:
         bar.close()  # an error message starts on its own line
         if trace is not None:
