@@ -178,7 +178,8 @@ def run_record(paths: RunPaths, args, cfg: dict, fingerprint: str, n_docs: int) 
     return {"run": paths.name, "config": cfg, "data_fingerprint": fingerprint,
             "data_files": {"files": list(args.data or []) or "built-in corpus", "documents": n_docs},
             "tokenizer": args.tokenizer, "mesh": args.mesh, "layout": args.layout,
-            "storage": getattr(args, "storage", "") or "", "meshtorch_version": __version__}
+            "storage": getattr(args, "storage", "") or "", "processes": int(os.environ.get("WORLD_SIZE", "1")),
+            "meshtorch_version": __version__}
 
 
 def write_run_manifest(checkpoint_dir: str, record: dict) -> str:
@@ -215,6 +216,16 @@ def resume_mismatch(saved: dict, record: dict) -> tuple[str, str] | None:
                         f"{record['data_fingerprint']} now; pass --force-data to continue on the new data from "
                         "its start")
     return None
+
+
+def resume_changes(saved: dict, record: dict) -> str:
+    """What changed between a checkpoint's run and this resuming run among what may change (mesh, layout,
+    storage, number of processes), as ``"; mesh 'data:4' -> 'data:2', processes 4 -> 2"`` ('' if nothing did)."""
+    changed = [f"{k} {saved.get(k)!r} -> {record.get(k)!r}" if k != "processes" else
+               f"processes {saved.get(k)} -> {record.get(k)}"
+               for k in ("mesh", "layout", "storage", "processes")
+               if k in saved and (saved.get(k) or "") != (record.get(k) or "")]
+    return "; " + ", ".join(changed) if changed else ""
 
 
 def check_paths(paths: RunPaths, resuming: bool) -> None:

@@ -454,7 +454,8 @@ def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple
         if k in history:
             history[k].extend(v)
     say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})"
-        + (": --force-data, the data position starts over on the new data" if force else ""))
+        + (": --force-data, the data position starts over on the new data" if force else "")
+        + runs.resume_changes(saved, record))  # what may change on resume (issue 35)
     return start, epoch, in_epoch
 
 
