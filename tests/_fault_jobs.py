@@ -68,3 +68,36 @@ def disk_full(root: str, mode: str) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(disk_full(sys.argv[1], sys.argv[2])))
+
+
+def failing_rank_save(path: str):
+    """2 ranks on ``all:2`` / ``hidden:all``: save step 1, then save step 2 where rank 1's file write fails
+    with ENOSPC. Returns (this rank's error line or None, the listing of ``path`` after it)."""
+    import errno
+
+    import safetensors.torch
+    import torch.distributed as dist
+
+    from meshtorch.mesh import make_mesh_impl
+
+    model = M.build("all:2", "hidden:all", make_impl=make_mesh_impl)
+    M.train(model, 0, 1)
+    mtf.save(model[0], path, step=1, keep=1)
+    real = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, *a, **k):
+        if dist.get_rank() == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real(tensors, filename, *a, **k)
+
+    safetensors.torch.save_file = full_disk
+    try:
+        mtf.save(model[0], path, step=2, keep=1)
+        err = None
+    except mtf.CheckpointError as e:
+        err = str(e)
+    finally:
+        safetensors.torch.save_file = real
+    dist.barrier()
+    verify_checkpoint(os.path.join(path, "ckpt-1"))
+    return err, sorted(os.listdir(path))

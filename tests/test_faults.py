@@ -297,3 +297,16 @@ def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys
     assert main(["train", *lm, "--mesh", "data:2", "--d-model", "64", "--checkpoint-dir", str(tmp_path / "d"),
                  "--resume-from", str(b / "ckpt-6")]) == 2
     assert "'d_model' differs" in capsys.readouterr().err
+
+
+def test_one_rank_failing_fails_the_save_in_every_rank(tmp_path):
+    """2 gloo ranks; rank 1's write fails (ENOSPC): both ranks raise the same line naming rank 1's file, the
+    temporary directory is gone and ckpt-1 is the only checkpoint and verifies (no rank hangs in a barrier)."""
+    from meshtorch.testing.spmd import run_spmd
+
+    root = str(tmp_path / "ck")
+    results = run_spmd("_fault_jobs:failing_rank_save", args=(root,), nprocs=2, timeout_s=120,
+                       extra_path=[os.path.dirname(os.path.abspath(__file__))]).check().results
+    (err0, ls0), (err1, ls1) = results
+    assert err0 == err1 and "no space left on device" in err0 and ".tmp-ckpt-2/mesh.p00001.safetensors" in err0, err0
+    assert ls0 == ls1 == ["ckpt-1"]
