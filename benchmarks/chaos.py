@@ -44,6 +44,9 @@ def _run(runs: str, name: str, args, fault: str = "", restarts: int = 0) -> floa
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    if args.log:
+        with open(f"{args.log}.{name}", "w") as f:
+            f.write(p.stderr)
     if p.returncode != 0:
         sys.exit(f"{name}: exit {p.returncode}\n{p.stderr[-3000:]}")
     return wall
@@ -63,6 +66,7 @@ def main():
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=10.0, help="collective timeout (s): how long a hang lasts")
+    ap.add_argument("--log", default="", help="write each launch's stderr to LOG.<name>")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     steps = sorted(rng.sample(range(args.every + 1, args.steps), 4))

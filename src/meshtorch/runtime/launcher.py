@@ -70,29 +70,33 @@ def launch(command: list[str], nprocs: int, timeout_s: float | None = None, grac
     run_name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="meshtorch-launch-") as tmp:
         extra = {RUN_STATE_ENV: os.path.join(tmp, "run.json"), LAUNCH_PREFIX_ENV: shlex.join(prefix or [])}
-        attempt, cmd = 0, list(command)
+        attempt, cmd, first = 0, list(command), {}  # first: the first attempt's run state (its run directory)
         while True:
             extra["MESHTORCH_RESTART"] = str(attempt)
-            codes, first_fail = _run_once(cmd, nprocs, timeout_s, grace_s, poll_s, run_name, extra)
+            codes, first_fail, hung = _run_once(cmd, nprocs, timeout_s, grace_s, poll_s, run_name, extra)
             if first_fail is None:
                 return 0
             r, c = first_fail
-            print(f"meshtorch launch: rank {r} failed first ({_how(c)}); exit statuses by rank: {codes}",
+            how = _how(c)
+            if c == PEER_FAILED_STATUS and hung:  # the others stopped because of a rank that never exited
+                r, how = hung[0], f"hung: it never exited, terminated {grace_s:g} s after its peers stopped"
+            print(f"meshtorch launch: rank {r} failed first ({how}); exit statuses by rank: {codes}",
                   file=sys.stderr, flush=True)
             rc = c if 0 < c != PEER_FAILED_STATUS else 1
             if attempt >= max_restarts or c == 2:
                 return rc
             attempt += 1
-            cmd, note = _restart_command(command, extra[RUN_STATE_ENV], f"rank {r} {_how(c)}", codes, attempt)
+            cmd, note = _restart_command(command, extra[RUN_STATE_ENV], f"rank {r} {how}", codes, attempt, first)
             print(f"meshtorch launch: restart {attempt} of {max_restarts}: {note}", file=sys.stderr, flush=True)
 
 
 def _run_once(command, nprocs, timeout_s, grace_s, poll_s, run_name, extra):
-    """One attempt: ``(exit statuses by rank, (first failed rank, its status) or None)``."""
+    """One attempt: ``(exit statuses by rank, (first failed rank, its status) or None, ranks still running
+    when the launcher terminated them)``."""
     port = free_port()
     procs = [subprocess.Popen(command, env={**launch_env(r, nprocs, port, timeout_s=timeout_s, run_name=run_name),
                                             **extra}) for r in range(nprocs)]
-    first_fail, fail_time = None, None
+    first_fail, fail_time, hung = None, None, []
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -106,13 +110,14 @@ def _run_once(command, nprocs, timeout_s, grace_s, poll_s, run_name, extra):
             if all(c is not None for c in codes):
                 break
             if first_fail is not None and time.monotonic() - fail_time > grace_s:
+                hung = [r for r, c in enumerate(codes) if c is None]
                 _terminate(procs)
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:
         _terminate(procs)
         raise
-    return [p.wait() for p in procs], first_fail
+    return [p.wait() for p in procs], first_fail, hung
 
 
 def newest_verified_checkpoint(checkpoint_dir: str) -> str | None:
@@ -127,13 +132,17 @@ def newest_verified_checkpoint(checkpoint_dir: str) -> str | None:
     return None
 
 
-def _restart_command(command: list[str], state_file: str, cause: str, codes: list, attempt: int):
-    """The command of restart ``attempt`` and a line saying what it does; logs the restart in the run directory."""
+def _restart_command(command: list[str], state_file: str, cause: str, codes: list, attempt: int, first: dict):
+    """The command of restart ``attempt`` and a line saying what it does; logs the restart in the run directory
+    the first attempt reported (``first``, filled on the first call: a resumed attempt names no run directory)."""
     try:
         with open(state_file) as f:
             state = json.load(f)
     except (OSError, ValueError):
         state = {}
+    if not first and state:
+        first.update(state)
+    state = {**state, "run_dir": first.get("run_dir")}
     ckpt = newest_verified_checkpoint(state["checkpoint_dir"]) if state.get("checkpoint_dir") else None
     cmd = list(command)
     if ckpt is not None:
