@@ -4,6 +4,7 @@ retention (``--keep 1``) never leaves zero good checkpoints; the error is one li
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -310,3 +311,29 @@ def test_one_rank_failing_fails_the_save_in_every_rank(tmp_path):
     (err0, ls0), (err1, ls1) = results
     assert err0 == err1 and "no space left on device" in err0 and ".tmp-ckpt-2/mesh.p00001.safetensors" in err0, err0
     assert ls0 == ls1 == ["ckpt-1"]
+
+
+def test_retention_waits_for_the_new_checkpoint_to_verify(tmp_path, monkeypatch):
+    """keep=1: when the committed checkpoint does not read back as written (a flipped byte on disk after the
+    write), the older checkpoint is kept and the save fails naming the file."""
+    import _checkpoint_mlp as M
+    import meshtorch as mtf
+    save_mod = importlib.import_module("meshtorch.checkpoint.save")  # the module (the package exports save())
+    m = M.build(*M.LAYOUT_A)
+    root = str(tmp_path / "ck")
+    mtf.save(m[0], root, step=1, keep=1)
+    real = save_mod._commit
+
+    def commit_then_rot(root_, tmp, final):
+        real(root_, tmp, final)
+        f = os.path.join(final, "mesh.p00001.safetensors")
+        data = bytearray(open(f, "rb").read())
+        data[-1] ^= 0xFF
+        open(f, "wb").write(bytes(data))
+
+    monkeypatch.setattr(save_mod, "_commit", commit_then_rot)
+    with pytest.raises(mtf.CheckpointError, match=r"does not verify.*mesh\.p00001\.safetensors.*sha256.*older "
+                                                  r"checkpoints were kept"):
+        mtf.save(m[0], root, step=2, keep=1)
+    assert sorted(os.listdir(root)) == ["ckpt-1", "ckpt-2"]
+    verify_checkpoint(os.path.join(root, "ckpt-1"))
