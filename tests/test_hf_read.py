@@ -53,8 +53,6 @@ def test_truncated_and_unknown(path):
     r.close()
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 8)
-    r = BoxReader(path)
-    last = max((k for k in r.header if k != "__metadata__"), key=lambda k: r.header[k]["data_offsets"][1])
-    with pytest.raises(CheckpointError, match="truncated"):
-        r.read(last, [None] * len(r.header[last]["shape"]))
-    r.close()
+    with pytest.raises(CheckpointError, match=r"t\.safetensors' has \d+ bytes but its header describes \d+: it is "
+                       "truncated"):
+        BoxReader(path)  # refused when opened, before any tensor is read

@@ -62,11 +62,61 @@ def _fsync_path(path: str):
         os.close(fd)
 
 
+def io_cause(exc: BaseException) -> str:
+    """The operating system's words for why a write failed (``"no space left on device"``, ``"file too
+    large"``, ``"input/output error"``), from an OSError's errno or the ``Os { code: N }`` that safetensors'
+    Rust writer reports; otherwise the exception's first line."""
+    code = getattr(exc, "errno", None)
+    if not code:
+        m = re.search(r"(?:\bcode: |\(os error )(\d+)", str(exc))
+        code = int(m.group(1)) if m else None
+    if code:
+        return os.strerror(code).lower()
+    return f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+
+
+def check_file(ckpt: str, fname: str, info: dict, sha: bool = True, what: str = "") -> None:
+    """File ``fname`` of checkpoint ``ckpt`` exists with the manifest's size ``info["bytes"]`` (and, if
+    ``sha``, its sha256 ``info["sha256"]``).
+
+    Raises:
+        CheckpointError: naming the file (and ``what``, e.g. the variable it holds): missing, truncated, corrupt.
+    """
+    path = os.path.join(ckpt, fname)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"restore: file {path!r}{what} is missing.")
+    size = os.path.getsize(path)
+    if size != info["bytes"]:
+        raise CheckpointError(f"restore: file {path!r}{what} has {size} bytes but the manifest says "
+                              f"{info['bytes']}: it is truncated or corrupt.")
+    if sha and _sha256(path) != info["sha256"]:
+        raise CheckpointError(f"restore: file {path!r}{what} does not match its sha256 in the manifest: "
+                              "it is corrupt.")
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Check a checkpoint directory: its manifest parses and every file it lists has its size and sha256.
+    Returns the manifest.
+
+    Raises:
+        CheckpointError: naming the manifest or the first bad file.
+    """
+    m = load_manifest(path)
+    for fname, info in sorted((m.get("files") or {}).items()):
+        check_file(path, fname, info)
+    return m
+
+
 def _write_json(path: str, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``obj`` as JSON and fsync it (an OSError names ``path``)."""
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=False)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        e.filename = e.filename or path
+        raise
 
 
 def _sha256(path: str) -> str:

@@ -29,7 +29,7 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from meshtorch.checkpoint.hf_read import BoxReader
+from meshtorch.checkpoint.hf_read import BoxReader, read_header
 from meshtorch.core.errors import CheckpointError
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import placement_mesh_impl
@@ -104,8 +104,8 @@ def _weight_map(path: str) -> dict[str, str]:
     if not os.path.isfile(single):
         raise CheckpointError(f"hf: {path!r} has neither {SINGLE} nor {INDEX} (only safetensors weights are read; "
                               "convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True)).")
-    with safetensors.safe_open(single, framework="pt") as h:
-        return {k: SINGLE for k in h.keys()}  # noqa: SIM118  (safe_open handles are not mappings)
+    header, _ = read_header(single)  # a truncated or corrupt file: CheckpointError naming it
+    return {k: SINGLE for k in header if k != "__metadata__"}
 
 
 class _Files:
@@ -124,6 +124,7 @@ class _Files:
             fpath = os.path.join(self.path, fname)
             if not os.path.isfile(fpath):
                 raise CheckpointError(f"hf: file {fpath!r}, which holds tensor {key!r}, is missing.")
+            read_header(fpath)  # truncated or corrupt: CheckpointError naming the file
             try:
                 h = self.handles[fname] = safetensors.safe_open(fpath, framework="pt", device="cpu")
             except Exception as e:

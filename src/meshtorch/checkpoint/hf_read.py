@@ -19,7 +19,7 @@ import torch
 
 from meshtorch.core.errors import CheckpointError
 
-__all__ = ["BoxReader"]
+__all__ = ["BoxReader", "read_header"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -37,11 +37,13 @@ class BoxReader:
         self.path = path
         try:
             self.fd = os.open(path, os.O_RDONLY)
-            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-            self.header = json.loads(os.pread(self.fd, n, 8))
-        except (OSError, ValueError, struct.error) as e:
-            raise CheckpointError(f"hf: {path!r} has no readable safetensors header ({e}).") from e
-        self.base = 8 + n
+        except OSError as e:
+            raise CheckpointError(f"hf: {path!r} cannot be opened ({os.strerror(e.errno).lower()}).") from e
+        try:
+            self.header, self.base = read_header(path, self.fd)
+        except CheckpointError:
+            os.close(self.fd)
+            raise
 
     def read(self, key: str, ranges) -> torch.Tensor:
         info = self.header.get(key)
@@ -78,6 +80,60 @@ class BoxReader:
 
     def close(self):
         os.close(self.fd)
+
+
+def read_header(path: str, fd: int | None = None) -> tuple[dict, int]:
+    """The JSON header of safetensors file ``path`` and the offset of its data, checked against the file's size:
+    every tensor's ``data_offsets`` lie inside the file and match its dtype and shape, and the data end where
+    the file ends (what a truncated copy or a corrupt header breaks).
+
+    Raises:
+        CheckpointError: naming the file and what is wrong: "it is truncated or corrupt".
+    """
+    own = fd is None
+    try:
+        if own:
+            fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, 8, 0)
+        if len(raw) < 8:
+            raise CheckpointError(f"hf: {path!r} has {size} bytes, fewer than a safetensors header: it is "
+                                  "truncated or not a safetensors file.")
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise CheckpointError(f"hf: {path!r} has {size} bytes but its header says the header alone takes "
+                                  f"{8 + n}: it is truncated or corrupt.")
+        try:
+            header = json.loads(os.pread(fd, n, 8))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"hf: {path!r} has a corrupt safetensors header ({e}).") from None
+    except OSError as e:
+        raise CheckpointError(f"hf: {path!r} cannot be read ({os.strerror(e.errno).lower()}).") from e
+    finally:
+        if own and fd is not None:
+            os.close(fd)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"hf: {path!r} has a corrupt safetensors header (not a JSON object).")
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            b, e = (int(x) for x in info["data_offsets"])
+            count = 1
+            for d in info["shape"]:
+                count *= int(d)
+            item = torch.empty((), dtype=_DTYPES[info["dtype"]]).element_size() if info["dtype"] in _DTYPES else None
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"hf: {path!r}: the header entry of tensor {key!r} is corrupt ({err!r}).") from None
+        if not 0 <= b <= e or (item is not None and e - b != count * item):
+            raise CheckpointError(f"hf: {path!r}: tensor {key!r} has data offsets [{b}, {e}) that do not fit its "
+                                  f"dtype {info['dtype']} and shape {info['shape']}: the header is corrupt.")
+        end = max(end, e)
+    if 8 + n + end != size:
+        raise CheckpointError(f"hf: {path!r} has {size} bytes but its header describes {8 + n + end}: it is "
+                              f"{'truncated' if size < 8 + n + end else 'corrupt'}.")
+    return header, 8 + n
 
 
 def _indices(ranges):

@@ -14,7 +14,7 @@ from meshtorch.checkpoint.format import (
     MANIFEST,
     _dtype_name,
     _local_pnums,
-    _sha256,
+    check_file,
     _var_table,
     _volume,
     latest_checkpoint,
@@ -183,17 +183,7 @@ class _Reader:
     def check(self, fname: str, var: str):
         if fname in self.checked:
             return
-        path = os.path.join(self.ckpt, fname)
-        info = self.files[fname]
-        if not os.path.isfile(path):
-            raise CheckpointError(f"restore: file {path!r}, which holds variable {var!r}, is missing.")
-        size = os.path.getsize(path)
-        if size != info["bytes"]:
-            raise CheckpointError(f"restore: file {path!r}, which holds variable {var!r}, has {size} bytes but the "
-                                  f"manifest says {info['bytes']}: it is truncated or corrupt.")
-        if self.verify and _sha256(path) != info["sha256"]:
-            raise CheckpointError(f"restore: file {path!r}, which holds variable {var!r}, does not match its sha256 "
-                                  "in the manifest: it is corrupt.")
+        check_file(self.ckpt, fname, self.files[fname], self.verify, f", which holds variable {var!r},")
         self.checked.add(fname)
 
     def read(self, fname, key, var, src, size, dtype) -> torch.Tensor:

@@ -14,7 +14,8 @@ A checkpoint is a directory ``<root>/ckpt-<step>/`` holding
 
 Saving is atomic: everything is written into ``<root>/.tmp-ckpt-<step>``, fsync'ed (files and the
 directory), and renamed (``os.replace``) to ``ckpt-<step>``; old checkpoints beyond ``keep`` are
-deleted only after that. A crash at any moment leaves the previous checkpoint complete, and
+deleted only after that, once the new one verifies. Each phase ends with the processes agreeing on
+whether any failed (one all-gather), so a failed write in one rank fails the save in all of them. A crash at any moment leaves the previous checkpoint complete, and
 :func:`latest_checkpoint` never returns a temporary directory.
 
 Restoring reads, for each processor this process holds, only the saved regions that overlap that
@@ -29,13 +30,16 @@ holds what both share (constants, manifest loading, process topology, :func:`lat
 
 from __future__ import annotations
 
+import errno
 import json
 import operator
 import os
 import shutil
+import struct
 import time
 
 import safetensors.torch
+import torch.distributed as dist
 
 from meshtorch._version import __version__
 from meshtorch.checkpoint.format import (
@@ -56,6 +60,9 @@ from meshtorch.checkpoint.format import (
     _var_table,
     _volume,
     _write_json,
+    io_cause,
+    latest_checkpoint,
+    verify_checkpoint,
 )
 from meshtorch.core.errors import CheckpointError
 
@@ -74,7 +81,7 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
         step: int >= 0, the training step; names the checkpoint directory.
         extra: optional JSON-serialisable object stored in the manifest (e.g. the data position).
         keep: if given, keep only the ``keep`` newest complete checkpoints under ``path`` (older
-            ones are deleted after the new one is complete).
+            ones are deleted only after the new one is committed and verifies: sizes and sha256 read back).
         run: a run id stored in the manifest (``"run"``); with ``keep``, only checkpoints of this
             run count and are deleted (another run's checkpoints in the same ``path`` are never touched).
         full: write full tensors to one file instead of per-processor slices (single-process
@@ -91,8 +98,10 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
 
     Raises:
         CheckpointError: if ``step``/``keep``/``extra`` are invalid, if ``full`` is asked on a
-            multi-process mesh, or if writing fails (the message names the file; the temporary
-            directory is removed and earlier checkpoints are untouched).
+            multi-process mesh, or if writing fails in any process (ENOSPC, EIO, EFBIG, ...): one line
+            naming the cause (the OS's words, e.g. "no space left on device"), the file and the last
+            good checkpoint, raised in every process; the temporary directory is removed and earlier
+            checkpoints are untouched.
     """
     try:
         ok = not isinstance(step, bool) and operator.index(step) >= 0
@@ -116,40 +125,98 @@ def save(lowering, path: str, step: int, extra=None, keep: int | None = None, fu
     name = f"ckpt-{step}"
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".tmp-{name}")
+    err = None
     if leader:
-        os.makedirs(root, exist_ok=True)
-        _remove_stale_temps(root)
-        os.mkdir(tmp)
-    _barrier(lowering)
+        err = _attempt(step, root, tmp, _start_temp, root, tmp)
+    _agree(lowering, err)
     try:
-        index = _write_full(lowering, tmp) if full else _write_shards(lowering, tmp)
-        first = min((min(_local_pnums(i)) for i in _impls(lowering)), default=0)
-        _write_json(os.path.join(tmp, f"index-p{first:05d}.json"), index)
-    except BaseException as e:
+        err = _attempt(step, root, tmp, _write_index, lowering, tmp, full)
+    except BaseException:  # interrupted: other processes may still be writing into tmp
         if not multi:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, CheckpointError) or not isinstance(e, Exception):
-            raise
-        raise CheckpointError(f"save: writing checkpoint step {step} into {tmp!r} failed ({type(e).__name__}: "
-                              f"{e}); earlier checkpoints under {root!r} are untouched.") from e
-    _barrier(lowering)
+        raise
+    _agree(lowering, err, tmp if leader else None)
     if leader:
-        try:
-            manifest = _manifest(lowering, tmp, step, extra)
-            if run is not None:
-                manifest["run"] = str(run)
-            _write_json(os.path.join(tmp, MANIFEST), manifest)
-            _fsync_path(tmp)
-            _commit(root, tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if keep is not None:
-            mine = [d for _, d in _complete_checkpoints(root) if run is None or _run_of(d) == str(run)]
-            for old in mine[:-keep]:
-                _delete(old)
-    _barrier(lowering)
+        err = _attempt(step, root, tmp, _finish, lowering, root, tmp, final, step, extra, run)
+        if err is None and keep is not None:
+            err = _retire(root, final, keep, run)
+    _agree(lowering, err, tmp if leader else None)
     return final
+
+
+def _start_temp(root: str, tmp: str):
+    os.makedirs(root, exist_ok=True)
+    _remove_stale_temps(root)
+    os.mkdir(tmp)
+
+
+def _write_index(lowering, tmp: str, full: bool):
+    """This process's files and its ``index-p<first pnum>.json``."""
+    index = _write_full(lowering, tmp) if full else _write_shards(lowering, tmp)
+    first = min((min(_local_pnums(i)) for i in _impls(lowering)), default=0)
+    _write_json(os.path.join(tmp, f"index-p{first:05d}.json"), index)
+
+
+def _finish(lowering, root: str, tmp: str, final: str, step: int, extra, run):
+    """The leader's part: the manifest, fsync, the atomic rename."""
+    try:
+        manifest = _manifest(lowering, tmp, step, extra)
+        if run is not None:
+            manifest["run"] = str(run)
+        _write_json(os.path.join(tmp, MANIFEST), manifest)
+        _fsync_path(tmp)
+        _commit(root, tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _retire(root: str, final: str, keep: int, run) -> str | None:
+    """Retention: delete this run's checkpoints older than the ``keep`` newest, only once the new one
+    ``final`` verifies (sizes and sha256 read back from disk). Returns an error line, or None."""
+    mine = [d for _, d in _complete_checkpoints(root) if run is None or _run_of(d) == str(run)]
+    if not mine[:-keep]:
+        return None
+    try:
+        verify_checkpoint(final)
+    except CheckpointError as e:
+        return f"save: the new checkpoint does not verify after writing ({e}); older checkpoints were kept."
+    for old in mine[:-keep]:
+        _delete(old)
+    return None
+
+
+def _attempt(step: int, root: str, tmp: str, fn, *args) -> str | None:
+    """Run one phase of a save; on failure return its one-line error (naming the cause and the file, and
+    the last good checkpoint) instead of raising, so every process can agree on it first."""
+    try:
+        fn(*args)
+        return None
+    except (OSError, CheckpointError) as e:
+        where = getattr(e, "path", None) or getattr(e, "filename", None) or tmp
+        cause = getattr(e, "cause", None) or (io_cause(e) if isinstance(e, OSError) else str(e))
+        good = latest_checkpoint(root) if os.path.isdir(root) else None
+        tail = (f"the last good checkpoint {good} is untouched" if good
+                else f"there is no earlier checkpoint under {root!r}")
+        return (f"save: checkpoint step {step} was not saved: {cause} (writing {where!r}); the partial files "
+                f"were removed and {tail}.")
+
+
+def _agree(lowering, err: str | None, cleanup: str | None = None):
+    """Every process learns whether any failed (one all-gather under a multi-process mesh, the barrier of
+    each phase); on failure ``cleanup`` (the leader's temporary directory) is removed and every process
+    raises the first failing process's error."""
+    errs = [err]
+    if _multi_process(lowering) and dist.is_available() and dist.is_initialized():
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+    elif _multi_process(lowering):
+        _barrier(lowering)
+    first = next((e for e in errs if e), None)
+    if first is not None:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise CheckpointError(first)
 
 
 def _save_file(tensors: dict, path: str):
@@ -165,11 +232,24 @@ def _save_file(tensors: dict, path: str):
     try:
         safetensors.torch.save_file(out, path, metadata={"format": "pt", "writer": FORMAT})
         _fsync_path(path)
+        _check_length(path)
     except Exception as e:
-        names = sorted(tensors)
-        raise CheckpointError(f"save: writing {os.path.basename(path)!r} (variables {names[:5]}"
-                              f"{'...' if len(names) > 5 else ''}) failed: {type(e).__name__}: {e}") from e
+        err = CheckpointError(f"save: writing {path!r} failed: {io_cause(e)}")
+        err.path, err.cause = path, io_cause(e)
+        raise err from e
     return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+
+
+def _check_length(path: str):
+    """The file holds as many bytes as its safetensors header says (a writer that lost a failed write
+    would otherwise leave a short file whose sha256 the manifest would record as good)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if os.path.getsize(path) != 8 + n + end:
+        raise OSError(errno.EIO, f"{path} has {os.path.getsize(path)} bytes, its header describes {8 + n + end}",
+                      path)
 
 
 def _write_shards(lowering, tmp: str) -> dict:

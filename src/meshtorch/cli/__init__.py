@@ -13,7 +13,15 @@ import sys
 
 from meshtorch.cli import export, launch, mnist, plan, sample, train
 from meshtorch.core.errors import MeshtorchError, RunFailure
-from meshtorch.runtime.failures import PEER_FAILED_STATUS, describe_failure, failed_first
+from meshtorch.runtime.failures import (
+    PEER_FAILED_STATUS,
+    describe_failure,
+    failed_first,
+    forget_run,
+    interrupt_message,
+    terminate_as_interrupt,
+)
+from meshtorch.runtime.runs import remove_new_empty_dirs
 
 _COMMANDS = [train, sample, export, mnist, plan, launch]
 
@@ -42,14 +50,23 @@ def main(argv=None) -> int:
     before training); 1 on a runtime failure (divergence, a failed rank, any other exception). Errors
     are printed as one line without traceback unless ``--debug`` is given (then they propagate).
     """
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(words)
+    terminate_as_interrupt()
+    remove_new_empty_dirs(remove=False)
+    forget_run()
     try:
         rc = args.func(args)  # commands may return a result object for programmatic use
         return rc if isinstance(rc, int) else 0
-    except KeyboardInterrupt:
-        print(f"meshtorch {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (Interrupted): name the checkpoint to resume from
+        remove_new_empty_dirs()
+        if int(os.environ.get("RANK", "0")) == 0:
+            rest = words[words.index(args.command) + 1:] if args.command in words else []
+            print(interrupt_message(args.command, rest, getattr(e, "signame", "SIGINT")), file=sys.stderr,
+                  flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - one line; the traceback with --debug
+        remove_new_empty_dirs()  # a refused run leaves no empty run or checkpoint directory behind
         if args.debug:
             raise
         ours = isinstance(e, MeshtorchError | ValueError)

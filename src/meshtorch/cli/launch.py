@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from meshtorch.runtime.launcher import launch_command
 
@@ -22,6 +21,10 @@ def add_launch_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds the other ranks get to exit after one fails before they are terminated "
                         "(default: %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="start a job whose rank died or hung again, up to N times; a `train` job continues from "
+                        "the newest checkpoint of its run that verifies (like torchrun's --max-restarts; each "
+                        "restart is logged in the run directory's restarts.jsonl; default: %(default)s)")
     # dest "launched", not "command": the top-level parser keeps the subcommand's name ("launch") in
     # args.command, which error messages print
     p.add_argument("launched", nargs=argparse.REMAINDER, metavar="command", help="the command, after `--`")
@@ -31,15 +34,8 @@ def add_launch_subcommand(subparsers) -> argparse.ArgumentParser:
 
 def main_launch_args(args) -> int:
     """Run parsed ``meshtorch launch`` arguments; returns the job's exit status."""
-    return launch_command(args.launched, args.nproc, timeout_s=args.timeout, grace_s=args.grace)
-
-
-def main_launch(argv=None) -> int:
-    """``meshtorch launch -n N -- <command...>`` as a function (argv without the word ``launch``)."""
-    parser = argparse.ArgumentParser(prog="meshtorch")
-    add_launch_subcommand(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["launch", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return launch_command(args.launched, args.nproc, timeout_s=args.timeout, grace_s=args.grace,
+                          max_restarts=args.max_restarts)
 
 
 add_parser = add_launch_subcommand  # the CLI's per-command hook (meshtorch.cli._COMMANDS)

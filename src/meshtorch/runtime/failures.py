@@ -10,15 +10,115 @@ stderr, so a hang or a timeout shows which collective each rank was in.
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import signal
 import time
 
 import torch.distributed as dist
 
+from meshtorch.checkpoint import latest_checkpoint
 from meshtorch.core.errors import MeshtorchError
 from meshtorch.mesh.recorder import print_last_collectives
 from meshtorch.mesh.watchdog import PEER_FAILED_STATUS, mark_reported, record_failure_text, silent_ranks
 
-__all__ = ["PEER_FAILED_STATUS", "describe_failure", "failed_first", "is_communication_error"]
+__all__ = ["PEER_FAILED_STATUS", "Interrupted", "describe_failure", "failed_first", "forget_run", "inject_fault",
+           "interrupt_message", "is_communication_error", "note_run", "terminate_as_interrupt"]
+
+#: what the running ``meshtorch train`` told :func:`note_run`: its checkpoint directory, run name, run directory
+_RUN: dict = {}
+#: the file ``meshtorch launch`` reads the run's directories from (it restarts from their newest checkpoint)
+RUN_STATE_ENV = "MESHTORCH_RUN_STATE"
+#: the launch command a rank runs under (``meshtorch launch -n 4 --max-restarts 3 --``), for resume commands
+LAUNCH_PREFIX_ENV = "MESHTORCH_LAUNCH_PREFIX"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the command; ``signame`` names the signal."""
+
+    def __init__(self, signame: str = "SIGINT"):
+        super().__init__(signame)
+        self.signame = signame
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM (a scheduler's or launcher's stop) raise :class:`Interrupted` like SIGINT does, so the
+    command stops at a Python instruction and says how to resume (main thread only; else nothing)."""
+    def _raise(signum, _frame):
+        raise Interrupted(signal.Signals(signum).name)
+    try:
+        signal.signal(signal.SIGTERM, _raise)
+    except ValueError:  # not the main thread
+        pass
+
+
+def note_run(checkpoint_dir: str, name: str, run_dir: str) -> None:
+    """Record the running training job's checkpoint directory, run name and run directory (where restarts are
+    logged): for :func:`interrupt_message`, and, in rank 0 under ``meshtorch launch``, in the launcher's
+    state file (``$MESHTORCH_RUN_STATE``) from which it restarts a failed job."""
+    _RUN.update(checkpoint_dir=checkpoint_dir, name=name, run_dir=run_dir)
+    state = os.environ.get(RUN_STATE_ENV)
+    if state and int(os.environ.get("RANK", "0")) == 0:
+        tmp = f"{state}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(_RUN, f)
+        os.replace(tmp, state)
+
+
+def forget_run() -> None:
+    """Forget what :func:`note_run` recorded (a new command starts in this process)."""
+    _RUN.clear()
+
+
+def resume_argv(argv: list[str], name: str | None, checkpoint: str) -> list[str]:
+    """``argv`` (a ``train`` command line) continuing from ``checkpoint``: ``--resume``/``--resume-from``
+    dropped, ``--resume-from <checkpoint>`` added (and ``--run-name`` when the run had an automatic name)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--resume-from":
+            skip = True
+            continue
+        if a == "--resume" or a.startswith("--resume-from="):
+            continue
+        out.append(a)
+    if name and not any(a == "--run-name" or a.startswith("--run-name=") for a in out):
+        out += ["--run-name", name]
+    return [*out, "--resume-from", checkpoint]
+
+
+def interrupt_message(command: str, argv: list[str], signame: str) -> str:
+    """The line printed when SIGINT/SIGTERM stops ``meshtorch <command> <argv...>``: for a training run, its
+    last checkpoint and the exact command that resumes it."""
+    head = f"meshtorch {command}: interrupted ({signame})"
+    ckdir = _RUN.get("checkpoint_dir")
+    if not ckdir:
+        return head
+    last = latest_checkpoint(ckdir)
+    if last is None:
+        return f"{head}; no checkpoint was saved yet in {ckdir} (nothing to resume: start it again)"
+    prefix = shlex.split(os.environ.get(LAUNCH_PREFIX_ENV, "")) or ["meshtorch"]
+    again = shlex.join([*prefix, command, *resume_argv(argv, _RUN.get("name"), last)])
+    return f"{head}; the last checkpoint is {last}; resume with: {again}"
+
+
+def inject_fault(step: int) -> None:
+    """Test hook of the fault tests and ``benchmarks/chaos.py``: ``$MESHTORCH_FAULT`` =
+    ``"<step>:<SIGNAL>[:<rank>[:<attempt>]],..."`` sends this process ``SIGNAL`` (e.g. ``SIGKILL``, ``SIGSTOP``,
+    ``SIGINT``) once it has finished step ``<step>`` (and saved its checkpoint), in rank ``<rank>`` (default 0)
+    of launch attempt ``<attempt>`` (``$MESHTORCH_RESTART``, default 0: the first run, not its restarts)."""
+    spec = os.environ.get("MESHTORCH_FAULT")
+    if not spec:
+        return
+    here = (step, int(os.environ.get("RANK", "0")), int(os.environ.get("MESHTORCH_RESTART", "0")))
+    for item in spec.split(","):
+        parts = item.split(":")
+        want = (int(parts[0]), int(parts[2]) if len(parts) > 2 else 0, int(parts[3]) if len(parts) > 3 else 0)
+        if want == here:
+            os.kill(os.getpid(), getattr(signal, parts[1]))
 
 _COMM_WORDS = ("gloo", "nccl", "connection", "socket", "timed out", "timeout", "broken pipe", "peer",
                "closed", "collective")

@@ -178,7 +178,8 @@ def run_record(paths: RunPaths, args, cfg: dict, fingerprint: str, n_docs: int) 
     return {"run": paths.name, "config": cfg, "data_fingerprint": fingerprint,
             "data_files": {"files": list(args.data or []) or "built-in corpus", "documents": n_docs},
             "tokenizer": args.tokenizer, "mesh": args.mesh, "layout": args.layout,
-            "storage": getattr(args, "storage", "") or "", "meshtorch_version": __version__}
+            "storage": getattr(args, "storage", "") or "", "processes": int(os.environ.get("WORLD_SIZE", "1")),
+            "meshtorch_version": __version__}
 
 
 def write_run_manifest(checkpoint_dir: str, record: dict) -> str:
@@ -217,6 +218,16 @@ def resume_mismatch(saved: dict, record: dict) -> tuple[str, str] | None:
     return None
 
 
+def resume_changes(saved: dict, record: dict) -> str:
+    """What changed between a checkpoint's run and this resuming run among what may change (mesh, layout,
+    storage, number of processes), as ``"; mesh 'data:4' -> 'data:2', processes 4 -> 2"`` ('' if nothing did)."""
+    changed = [f"{k} {saved.get(k)!r} -> {record.get(k)!r}" if k != "processes" else
+               f"processes {saved.get(k)} -> {record.get(k)}"
+               for k in ("mesh", "layout", "storage", "processes")
+               if k in saved and (saved.get(k) or "") != (record.get(k) or "")]
+    return "; " + ", ".join(changed) if changed else ""
+
+
 def check_paths(paths: RunPaths, resuming: bool) -> None:
     """The output directories are writable (UsageError naming ``--checkpoint-dir`` / ``--plot``), and a new
     run (not ``resuming``) does not write into a checkpoint directory holding another run's checkpoints
@@ -227,5 +238,31 @@ def check_paths(paths: RunPaths, resuming: bool) -> None:
                          f"(newest: {os.path.basename(newest)}); a new run there would mix with them: give --resume "
                          "to continue that run, or another --checkpoint-dir (or none: each run gets its own "
                          "directory under --runs-dir).")
+    for d in (paths.checkpoint_dir, os.path.dirname(paths.plot) if paths.plot else ""):
+        _note_missing(d)
     checks.writable_dir("--checkpoint-dir", paths.checkpoint_dir)
     checks.writable_file("--plot", paths.plot)
+
+
+#: directories this process created to check they are writable (removed again if a refused run leaves them empty)
+_CREATED: list[str] = []
+
+
+def _note_missing(path: str) -> None:
+    """Remember ``path`` and its missing ancestors (outermost first) before they are created."""
+    missing, p = [], os.path.abspath(path) if path else ""
+    while p and not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    _CREATED.extend(reversed(missing))
+
+
+def remove_new_empty_dirs(remove: bool = True) -> None:
+    """Remove the directories :func:`check_paths` created that are still empty (innermost first): called when a
+    command fails, so a refused run leaves no empty ``runs/<name>/ckpt`` behind (``remove=False``: forget them)."""
+    for d in reversed(_CREATED if remove else []):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    _CREATED.clear()

@@ -47,7 +47,7 @@ from meshtorch.optim import (
     rsqrt_decay,
 )
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
-from meshtorch.runtime import checks, hf_train, runs
+from meshtorch.runtime import checks, failures, hf_train, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optional import optional_module
@@ -313,6 +313,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
     if cfg.checkpoint_dir:
         say(f"run {paths.name!r}: checkpoints in {cfg.checkpoint_dir} (run manifest: "
             f"{os.path.join(cfg.checkpoint_dir, runs.RUN_MANIFEST)})")
+    failures.note_run(cfg.checkpoint_dir, paths.name, paths.run_dir if paths.default_layout else cfg.checkpoint_dir)
     saved = None
     batches = job.dataset.stream(model.batch_size, cfg.seed, epoch, in_epoch)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True, mininterval=0.5,
@@ -367,6 +368,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
                 if main_process:
                     tqdm.write(f"saved checkpoint {saved}")
             bar.update(1)
+            failures.inject_fault(step + 1)  # test hook: $MESHTORCH_FAULT (issue 35)
     finally:
         bar.close()  # an error message starts on its own line
         if trace is not None:
@@ -475,7 +477,8 @@ def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple
         if k in history:
             history[k].extend(v)
     say(f"resumed from {meta['path']} at step {start} (epoch {epoch}, batch {in_epoch})"
-        + (": --force-data, the data position starts over on the new data" if force else ""))
+        + (": --force-data, the data position starts over on the new data" if force else "")
+        + runs.resume_changes(saved, record))  # what may change on resume (issue 35)
     return start, epoch, in_epoch
 
 
