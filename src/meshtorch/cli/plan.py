@@ -1,4 +1,4 @@
-"""``meshtorch plan``: the argument parser (what it does: :mod:`meshtorch.planning.command`)."""
+"""``meshtorch plan``: the argument parser (its flags read: :mod:`meshtorch.runtime.plan_command`; the plan: :mod:`meshtorch.planning.command`)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Mesh
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
+from meshtorch.lowering.stages import plan
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 
@@ -206,11 +206,11 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
         key = (rules, storage)
         if key not in scored:
             try:
-                lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, rules, storage=storage)}, materialize=False)
+                program = plan(graph, fetches, {mesh: MeshSpec(mesh_shape, rules, storage=storage)})
             except LayoutError:
                 scored[key] = None
                 return None
-            rep = memory_report(lw, fetches)
+            rep = memory_report(program)
             rep.layout, rep.storage = rules, storage
             rep.estimated_time = estimate_time(rep, cost)
             scored[key] = rep
