@@ -26,6 +26,19 @@ from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
 from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
 
 
+def check_backends(program: Program, impls: dict) -> None:
+    """Raise ValueError, naming the mesh, unless ``impls`` has a backend of the planned spec for each mesh."""
+    for name, m in program.meshes.items():
+        impl = impls.get(name)
+        if impl is None:
+            raise ValueError(f"Session: no MeshImpl given for mesh {name!r} of the program.")
+        mine = mesh_record(impl)
+        if mine != m:
+            raise ValueError(f"Session: mesh {name!r} was planned as {m}, but the implementation has {mine}; "
+                             "plan again for this mesh, or build the implementation with the planned shape "
+                             "and rules.")
+
+
 class Session:
     """Runs ``program`` on ``{mesh name: MeshImpl}`` with the variables in ``store``.
 
@@ -74,15 +87,7 @@ class Session:
         self.first_bucket_bytes = int(first_bucket_bytes)
         #: seconds spent compiling, per fetch set (mode "compile"): the first run of each
         self.compile_seconds: dict = {}
-        for name, m in program.meshes.items():
-            impl = impls.get(name)
-            if impl is None:
-                raise ValueError(f"Session: no MeshImpl given for mesh {name!r} of the program.")
-            mine = mesh_record(impl)
-            if mine != m:
-                raise ValueError(f"Session: mesh {name!r} was planned as {m}, but the implementation has {mine}; "
-                                 "plan again for this mesh, or build the implementation with the planned shape "
-                                 "and rules.")
+        check_backends(program, impls)
         self.program = program
         self.impls = impls
         self.store = store
@@ -287,6 +292,7 @@ def bind(program: Program, backends: dict, store: VariableStore | None = None, m
         bucket_bytes = getattr(opts, "bucket_bytes", 0)
     if first_bucket_bytes is None:
         first_bucket_bytes = getattr(opts, "first_bucket_bytes", 0)
+    check_backends(program, backends)  # before a store is laid out on them
     if store is None:
         store = VariableStore(program, backends, initialize=False)
         store.initialize(lazy=init == "lazy")
