@@ -106,3 +106,48 @@ def test_bound_program_runs_as_the_lowering():
     assert got[1] < got[0]
     with pytest.raises(ValueError, match="planned as"):
         bind(program, {lm.mesh.name: placement_mesh_impl(MeshSpec("data:4", "batch:data"))})
+
+
+def test_search_plans_one_of_each_axis_swap_and_ranks_as_planning_all():
+    """Layouts equal up to swapping mesh axes of one size are planned once; every candidate planned on its own
+    (the reference) gives the same memory and time for both twins and the same ranking."""
+    from meshtorch.planning import CostModel, estimate_time, search_layouts
+    from meshtorch.planning.search import layout_key
+
+    lm = _lm()
+    fetches = [lm.loss] + lm.updates
+    mesh_shape = "a:2,b:2"
+    cands = ["batch:a;heads:b", "batch:b;heads:a", "batch:a", "batch:b", "heads:a;d_ff:a", "heads:b;d_ff:b",
+             "batch:a;d_ff:b", "d_ff:a;batch:b", "vocab:a;batch:b"]
+    cost = CostModel.cpu()
+    planned = []
+    real_plan = plan
+
+    def counting_plan(graph, f, spec, options=None):
+        planned.append(str(next(iter(spec.values())).layout_rules))
+        return real_plan(graph, f, spec, options)
+    import meshtorch.planning.search as search_mod
+    orig, search_mod.plan = search_mod.plan, counting_plan
+    try:
+        got = search_layouts(lambda: lm, mesh_shape, candidate_rules=cands, cost=cost)
+    finally:
+        search_mod.plan = orig
+    assert len(planned) == 5  # one per class of twins
+    reps = {}
+    for rules in cands:
+        r = memory_report(plan(lm.graph, fetches, MeshSpec(mesh_shape, rules)))
+        r.estimated_time = estimate_time(r, cost)
+        reps[rules] = r
+    sizes = {"a": 2, "b": 2}
+    for x in cands:
+        for y in cands:
+            if layout_key(x, "", sizes) == layout_key(y, "", sizes):
+                assert reps[x].estimated_time == reps[y].estimated_time and reps[x].total_bytes == reps[y].total_bytes
+    want, seen = [], set()
+    for rules in sorted(cands, key=lambda c: (reps[c].estimated_time["total_s"], reps[c].total_bytes)):
+        if layout_key(rules, "", sizes) not in seen:
+            seen.add(layout_key(rules, "", sizes))
+            want.append(rules)
+    assert [lay for lay, _ in got] == want
+    for lay, r in got:
+        assert r.estimated_time == reps[lay].estimated_time and r.summary() == reps[lay].summary()

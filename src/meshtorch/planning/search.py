@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Mesh
@@ -201,10 +202,19 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
     if refine is None:
         refine = 3 if default_candidates else 0
     scored: dict[tuple[str, str], MemoryReport | None] = {}
+    planned: dict[frozenset, tuple[str, str]] = {}  # layout_key -> the (rules, storage) planned for it
 
     def score(rules: str, storage: str = "") -> MemoryReport | None:
         key = (rules, storage)
         if key not in scored:
+            # the same layout as one planned before up to swapping mesh axes of one size is legal alike and has
+            # the same memory and estimated time: it is not planned again (its twin, scored first, ranks first
+            # among equals and is the one the results keep)
+            twin = planned.setdefault(layout_key(rules, storage, axis_sizes), key)
+            if twin != key:
+                rep = scored[twin]
+                scored[key] = None if rep is None else replace(rep, layout=rules, storage=storage)
+                return scored[key]
             try:
                 program = plan(graph, fetches, {mesh: MeshSpec(mesh_shape, rules, storage=storage)})
             except LayoutError:
