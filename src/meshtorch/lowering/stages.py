@@ -116,11 +116,12 @@ def plan(graph: Graph, fetches, spec: MeshSpec | dict, options: PlanOptions | No
         reports of :mod:`meshtorch.planning`; :func:`schedule` gives the fetch set's steps).
 
     Raises:
-        LayoutError: naming the tensor and dimension, if the layout rules are illegal for the graph.
+        LayoutError: naming the tensor and dimension, if the layout rules are illegal for the graph (every op's
+            layouts are checked before any op is planned).
         TypeError / ValueError: a fetch that is not part of the graph; a graph on several meshes given one spec.
     """
     fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
-    planner = Planner(graph, _mesh_to_spec(graph, spec))
+    planner = Planner(graph, _mesh_to_spec(graph, spec), check_first=True)
     program = planner.program
     program.fetches = fetch_keys(planner, fetches)
     program.options = options or PlanOptions()

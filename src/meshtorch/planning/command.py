@@ -176,8 +176,13 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         storage_rules = "auto"
     else:
         storage_rules = [storage] if storage else None
-    piped, failure = [], None
+    piped, failure, stage_sizes = [], None, set()
     for axis, pcfg in pipeline_candidates(cfg, mesh_shape, microbatches) if pipelines else []:
+        if pcfg.pipeline_stages in stage_sizes:
+            # a stage axis of the size of one searched: its layouts are that search's with the two axes swapped,
+            # of the same times, and the ranking below keeps one of each such pair (the first searched)
+            continue
+        stage_sizes.add(pcfg.pipeline_stages)
         plm = build_lm(pcfg, optimizer=AdamWOptimizer(1e-3))
         pfetches = [plm.loss] + plm.updates
         try:
