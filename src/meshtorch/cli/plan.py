@@ -1,4 +1,5 @@
-"""``meshtorch plan``: the argument parser (what it does: :mod:`meshtorch.planning.command`)."""
+"""``meshtorch plan``: the argument parser (its flags are read in :mod:`meshtorch.runtime.plan_command`; the
+plan is :mod:`meshtorch.planning.command`'s)."""
 
 from __future__ import annotations
 

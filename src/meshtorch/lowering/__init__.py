@@ -1,6 +1,8 @@
 """Lowering: a named-dimension graph -> a program of per-processor steps, and running it.
 
-``Lowering(graph, {mesh: mesh_impl})`` is Mesh TensorFlow's facade over four parts:
+``Lowering(graph, {mesh: mesh_impl})`` is Mesh TensorFlow's facade over four parts (the same stages as
+values: :func:`~meshtorch.lowering.stages.plan` -> ``Program`` -> :func:`~meshtorch.lowering.session.bind`
+-> ``Session``):
 
 * :class:`~meshtorch.lowering.planner.Planner`: graph + mesh shapes + layout rules -> program;
 * :class:`~meshtorch.lowering.program.Program`: the program as data (typed steps; printable,
@@ -29,13 +31,14 @@ from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.planner import Planner
 from meshtorch.lowering.program import Program, Step, SubProgram, program_str
 from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
-from meshtorch.lowering.session import Session
+from meshtorch.lowering.session import Session, bind
+from meshtorch.lowering.stages import PlanOptions, fetch_keys, plan
 from meshtorch.lowering.variables import VariableStore
 from meshtorch.mesh.base import MeshImpl
 from meshtorch.mesh.factory import placement_mesh_impl
 
 __all__ = ["Lowering", "Program", "Session", "Step", "SubProgram", "VariableStore", "Collective", "Counters",
-           "Planner"]
+           "Planner", "PlanOptions", "plan", "bind"]
 
 
 def _backend(x) -> MeshImpl:
@@ -220,24 +223,7 @@ class Lowering:
 
     # ---- running
     def _fetch_keys(self, fetches: list) -> tuple:
-        keys = []
-        for f in fetches:
-            if isinstance(f, Operation) and f in self.planner.assignments:
-                keys.append(("assign", f.name))
-                continue
-            if isinstance(f, Operation):
-                if not f.outputs:
-                    keys.append(None)
-                    continue
-                f = f.outputs[0]
-            if not isinstance(f, Tensor):
-                raise TypeError(f"Cannot fetch {f!r}: give mtf Tensors or Operations.")
-            if f not in self.planner._lowered:
-                raise ValueError(f"Fetch {f.name!r} is not part of this lowering "
-                                 "(was it added to the graph after Lowering was built?).")
-            self.planner.fetch(f)
-            keys.append(("tensor", f.name))
-        return tuple(keys)
+        return fetch_keys(self.planner, fetches)
 
     def plan(self, fetches):
         """The session's :class:`~meshtorch.lowering.session.Plan` for ``fetches`` (Tensors/Operations)."""

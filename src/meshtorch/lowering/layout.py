@@ -48,7 +48,8 @@ class Layout(NamedTuple):
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes of one element of ``dtype`` (read from the dtype: nothing is allocated)."""
+    return dtype.itemsize
 
 
 def slice_nbytes(local_shape, dtype: torch.dtype) -> int:

@@ -97,7 +97,9 @@ class Planner:
 
     The planner reads only specs (mesh shape, layout and storage rules, slice arithmetic); a mesh
     implementation may be given instead of a spec and its ``spec`` is read. Ops ask for their mesh's
-    spec with :meth:`mesh_spec`.
+    spec with :meth:`mesh_spec`. ``check_first``: check every op's layouts before lowering any (what each
+    op's lowering checks first anyway), so an illegal layout fails before the graph is planned; its error
+    is then the first illegal view in graph order (without it, an earlier op's own lowering may fail first).
 
     Raises:
         LayoutError: naming the tensor and dimension, if the layout rules are illegal for some
@@ -105,7 +107,7 @@ class Planner:
             whole is split).
     """
 
-    def __init__(self, graph: Graph, mesh_to_spec: dict[Mesh, MeshSpec]):
+    def __init__(self, graph: Graph, mesh_to_spec: dict[Mesh, MeshSpec], check_first: bool = False):
         self.graph = graph
         self.mesh_to_spec = {m: convert_to_mesh_spec(v) for m, v in mesh_to_spec.items()}
         self.steps: list[Step] = []
@@ -128,6 +130,9 @@ class Planner:
         #: stored values whose forward gather the backward pass reuses (see :func:`kept_forward_gathers`)
         self.kept_gathers = (kept_forward_gathers(graph.operations)
                              if any(spec.storage_rules.pairs for spec in self.mesh_to_spec.values()) else frozenset())
+        if check_first:  # every op's layouts before any op lowers: an illegal layout fails fast
+            for op in graph.operations:
+                self._check_op(op)
         for op in graph.operations:
             self._lower_op(op)
         self._current_op = None
@@ -163,11 +168,16 @@ class Planner:
             self.program.n_slots = self._n_slots
         return entry
 
-    def _lower_op(self, op: Operation):
-        self._current_op = op
+    def _check_op(self, op: Operation):
+        """Raise LayoutError if ``op``'s view of one of its inputs or outputs is illegal (ValueError: no spec for
+        its mesh); the views are cached for the lowering."""
         self.mesh_spec(op)
         for t in list(op.inputs) + list(op.outputs):
             self.tensor_layout(t, op)
+
+    def _lower_op(self, op: Operation):
+        self._current_op = op
+        self._check_op(op)
         op.lower(self)
 
     # ================================================================= layouts
@@ -198,6 +208,10 @@ class Planner:
         viewer = op if op is not None else self._current_op
         if viewer is None:
             return TensorLayout(self.produced_layout(t).axes)
+        if op is None:  # the op being lowered asks again: its views were checked (and cached) before it lowered
+            lay = self._layouts.get((t, storage_side(viewer)))
+            if lay is not None:
+                return lay
         unsplit = tuple(op.unsplittable_dims) if op is not None else ()
         lay = self._view(t, storage_side(viewer), unsplit)
         if op is not None and op.unsplittable_dims:

@@ -173,6 +173,16 @@ class Program:
         initializers: ``{variable name: kernel}``: ``kernel(begin, sizes, device)`` draws one slice of the
             variable's initial value (``Variable.initializer_kernel``); None when it could not be read
             back from JSON (an initializer that is not plain data), then the value must be set.
+        fetches: the fetch set :func:`~meshtorch.lowering.stages.plan` planned (``("tensor", name)``,
+            ``("assign", op name)`` or None each); ``()`` for a program planned without one.
+        options: the :class:`~meshtorch.lowering.stages.PlanOptions` it was planned with (None: not planned
+            by :func:`~meshtorch.lowering.stages.plan`).
+        specs: ``{mesh name: MeshSpec}`` it was planned for (``meshes`` holds their records).
+        op_axes: ``{op name: mesh axis indices splitting any of its inputs or outputs}`` (what divides its
+            FLOPs per processor), filled by :func:`~meshtorch.lowering.stages.plan`.
+        pipeline: the graph's :class:`~meshtorch.core.pipeline.PipelineSchedule`, or None.
+
+    The last five are plan-time facts for the reports (:mod:`meshtorch.planning`); ``to_json`` leaves them out.
     """
 
     meshes: dict
@@ -186,6 +196,11 @@ class Program:
     slot_bytes: dict
     n_slots: int
     initializers: dict = field(default_factory=dict)
+    fetches: tuple = ()
+    options: object = None
+    specs: dict = field(default_factory=dict)
+    op_axes: dict = field(default_factory=dict)
+    pipeline: object = None
 
     def to_json(self) -> str:
         """The program as JSON text.

@@ -11,7 +11,6 @@ values on every run: the number of completed runs (:attr:`Session.run_count`) is
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,39 +19,24 @@ from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering import codegen, executor
 from meshtorch.lowering.counters import Counters
-from meshtorch.lowering.donate import donate_inputs, donate_reductions
 from meshtorch.lowering.planner import mesh_record
-from meshtorch.lowering.program import Program, count, frees_after, select_steps
-from meshtorch.lowering.schedule import bucket_gathers, bucket_reductions, prefetch_gathers
+from meshtorch.lowering.plans import Plan, fetch_plan
+from meshtorch.lowering.program import Program
 from meshtorch.lowering.variables import VariableStore, check_full, spec_shape
 from meshtorch.mesh.recorder import CollectiveRecord, flight_recorder
 
 
-@dataclass
-class Plan:
-    """What one fetch set runs: the selected steps (run order) and their bound callables.
-
-    Attributes:
-        steps: the chosen :class:`~meshtorch.lowering.program.Step` records; ``frees[i]``: slots
-            freed after step ``i``.
-        placeholders / var_reads: ``[(name, slot)]`` the steps read.
-        assignments: ``[(variable name, slot)]`` committed at the end of the run.
-        fetch_slots: per fetch, ``(slot, tensor name)`` or ``(None, None)`` (assign ops).
-        counters: the *planned* collectives and FLOPs of one run (loop bodies not counted).
-        compiled: the plan runs as a ``torch.compile`` d function (mode ``"compile"``), whose collectives
-            are counted from the plan (see :class:`Session`).
-    """
-
-    steps: list
-    frees: list
-    placeholders: list
-    var_reads: list
-    assignments: list
-    fetch_slots: list
-    counters: Counters
-    bound: list = field(default_factory=list)
-    fn: object = None  # the generated straight-line function (codegen mode)
-    compiled: bool = False  # fn is torch.compile'd
+def check_backends(program: Program, impls: dict) -> None:
+    """Raise ValueError, naming the mesh, unless ``impls`` has a backend of the planned spec for each mesh."""
+    for name, m in program.meshes.items():
+        impl = impls.get(name)
+        if impl is None:
+            raise ValueError(f"Session: no MeshImpl given for mesh {name!r} of the program.")
+        mine = mesh_record(impl)
+        if mine != m:
+            raise ValueError(f"Session: mesh {name!r} was planned as {m}, but the implementation has {mine}; "
+                             "plan again for this mesh, or build the implementation with the planned shape "
+                             "and rules.")
 
 
 class Session:
@@ -103,15 +87,7 @@ class Session:
         self.first_bucket_bytes = int(first_bucket_bytes)
         #: seconds spent compiling, per fetch set (mode "compile"): the first run of each
         self.compile_seconds: dict = {}
-        for name, m in program.meshes.items():
-            impl = impls.get(name)
-            if impl is None:
-                raise ValueError(f"Session: no MeshImpl given for mesh {name!r} of the program.")
-            mine = mesh_record(impl)
-            if mine != m:
-                raise ValueError(f"Session: mesh {name!r} was planned as {m}, but the implementation has {mine}; "
-                                 "plan again for this mesh, or build the implementation with the planned shape "
-                                 "and rules.")
+        check_backends(program, impls)
         self.program = program
         self.impls = impls
         self.store = store
@@ -142,35 +118,7 @@ class Session:
         return plan
 
     def _make_plan(self, fetches) -> Plan:
-        p = self.program
-        fetch_slots, assignments = [], []
-        for f in fetches:
-            if f is None:
-                fetch_slots.append((None, None))
-            elif f[0] == "assign":
-                assignments.extend(p.assignments[f[1]])
-                fetch_slots.append((None, None))
-            else:
-                fetch_slots.append((p.tensors[f[1]].slot, f[1]))
-        needed = {s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments}
-        keep = needed | set(p.constants)  # results, new variable values and constants are never freed
-        steps, _ = select_steps(p.steps, needed, keep)
-        needed |= {s for st in steps for s in st.inputs}
-        c = count(steps)
-        c.runs = 1
-        # scheduling passes (schedule.py): FSDP gather buckets, prefetch as deep as the storage-ruled
-        # meshes ask, DDP / FSDP gradient buckets
-        prefetch = max([impl.prefetch for impl in self.impls.values() if impl.storage_rules.pairs], default=0)
-        steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, self.bucket_bytes), prefetch),
-                                  self.bucket_bytes, self.first_bucket_bytes)
-        var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
-        variable_slots = {s for _, s in var_reads}
-        steps = donate_inputs(steps, variable_slots, keep, self.impls)  # in-place updates
-        steps = donate_reductions(steps, variable_slots, keep, self.impls)  # all-reduces in their input's buffer
-        frees = frees_after(steps, keep)
-        return Plan(steps, frees,
-                    [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
-                    var_reads, assignments, fetch_slots, c)
+        return fetch_plan(self.program, fetches, self.impls, self.bucket_bytes, self.first_bucket_bytes)
 
     def run(self, fetches: tuple, feeds: dict, feed_slices: bool = False, return_slices: bool = False) -> list:
         """Execute ``fetches`` (see :meth:`plan`) with ``feeds`` = ``{placeholder name: value}``.
@@ -316,3 +264,36 @@ def _as_torch(value) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+
+
+def bind(program: Program, backends: dict, store: VariableStore | None = None, mode: str = "codegen",
+         bucket_bytes: int | None = None, first_bucket_bytes: int | None = None, init: str = "random") -> Session:
+    """Where execution starts: ``program`` (from :func:`meshtorch.lowering.stages.plan`) bound to backends.
+
+    Args:
+        program: the :class:`~meshtorch.lowering.program.Program`.
+        backends: ``{mesh name: MeshImpl}`` whose specs match the program's (``program.meshes``).
+        store: the variables' :class:`~meshtorch.lowering.variables.VariableStore`; default a new one on
+            ``backends``, drawn as ``init`` says (``"random"``: now; ``"lazy"``: when first read).
+        mode: as :class:`Session`'s.
+        bucket_bytes, first_bucket_bytes: default: the program's ``options`` (as planned; 0 without them).
+
+    Returns:
+        The :class:`Session` (``session.run(fetch keys, feeds)``; ``program.fetches`` are the planned keys).
+
+    Raises:
+        ValueError: a backend whose mesh shape or rules differ from the program's, naming the mesh; an
+            unknown ``mode`` or ``init``.
+    """
+    if init not in ("random", "lazy"):
+        raise ValueError(f"bind: init must be 'random' or 'lazy', got {init!r}.")
+    opts = program.options
+    if bucket_bytes is None:
+        bucket_bytes = getattr(opts, "bucket_bytes", 0)
+    if first_bucket_bytes is None:
+        first_bucket_bytes = getattr(opts, "first_bucket_bytes", 0)
+    check_backends(program, backends)  # before a store is laid out on them
+    if store is None:
+        store = VariableStore(program, backends, initialize=False)
+        store.initialize(lazy=init == "lazy")
+    return Session(program, backends, store, mode, bucket_bytes, first_bucket_bytes)

@@ -1,8 +1,8 @@
 """Planning before running: memory, FLOPs and communication of one run, and a layout search.
 
-Everything here reads the lowered program, never runs it, so it works on a dry-run lowering
-(``Lowering(graph, impls, materialize=False)``) that allocates no variable storage: a model too
-big for this machine can still be planned.
+Everything here reads a planned program (:func:`meshtorch.lowering.stages.plan`: no backend, no variable
+storage, nothing runs), so a model too big for this machine can still be planned; nothing here reaches a
+backend (:mod:`meshtorch.mesh`), not even through another module (import-linter contract).
 
 * :mod:`~meshtorch.planning.memory`: :func:`memory_report` -> :class:`MemoryReport`.
 * :mod:`~meshtorch.planning.cost`: :class:`CostModel` and :func:`estimate_time`, a simple
@@ -10,7 +10,8 @@ big for this machine can still be planned.
 * :mod:`~meshtorch.planning.search`: :func:`search_layouts` ranks the legal layouts of a mesh.
 * :mod:`~meshtorch.planning.budget`: :func:`check_memory_limit` fails an over-budget configuration
   before training, naming a storage rule (FSDP) that would fit.
-* :mod:`~meshtorch.planning.command`: what ``meshtorch plan`` prints for the LM.
+* :mod:`~meshtorch.planning.command`: :func:`~meshtorch.planning.command.plan_lm`, what ``meshtorch plan``
+  prints for the LM (its flags are read in :mod:`meshtorch.runtime.plan_command`).
 * :mod:`~meshtorch.planning.pipeline`: :class:`PipelinePlan`, the pipeline section of a pipelined graph's
   report (bubble fraction, collectives over the stage axis, stacked vs other weights per processor).
 """

@@ -1,6 +1,6 @@
 """A per-processor memory budget checked before anything is allocated (:func:`check_memory_limit`).
 
-The check plans the training step as a dry run (``Lowering(..., materialize=False)``: no variable
+The check plans the training step (:func:`meshtorch.lowering.stages.plan`: no backend, no variable
 storage), so a configuration too large for the machine fails in seconds with a message that names the
 limit, the predicted bytes per processor and a storage rule (FSDP / ZeRO-3) that would fit, instead of
 running out of memory after allocating. ``meshtorch train`` / ``meshtorch plan`` and
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from meshtorch.core.errors import LayoutError, MeshtorchError
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
+from meshtorch.lowering.stages import plan
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 from meshtorch.planning.search import storage_candidates
@@ -49,8 +49,7 @@ def plan_memory(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str
     Raises:
         LayoutError: naming the tensor and dimension, if the rules are illegal for the graph.
     """
-    lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage)}, materialize=False)
-    rep = memory_report(lw, fetches)
+    rep = memory_report(plan(graph, fetches, {mesh: MeshSpec(mesh_shape, layout, storage=storage)}))
     rep.layout, rep.storage = layout, storage
     rep.estimated_time = estimate_time(rep, cost or CostModel())
     return rep

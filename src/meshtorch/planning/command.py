@@ -1,12 +1,10 @@
-"""What ``meshtorch plan`` does (its parser: :mod:`meshtorch.cli.plan`): memory, FLOPs and communication
-of one LM training step, before running it.
+"""Memory, FLOPs and communication of one LM training step, before running it: :func:`plan_lm`.
 
-``meshtorch plan --mesh "data:2,model:2" --layout "batch:data;heads:model"`` builds the LM training
-graph (AdamW), lowers it as a dry run (no variable storage is allocated, nothing runs) and prints
-the :func:`meshtorch.planning.memory_report`; ``--search`` ranks every layout of the mesh with
-:func:`meshtorch.planning.search_layouts`, prints the best ``--top``, why the winner wins and where
-``--layout`` ranks. :func:`plan_lm` is the same as a function with ``storage`` (storage rules, FSDP)
-and ``memory_limit`` (bytes) arguments.
+:func:`plan_lm` builds the LM training graph (AdamW), plans it (:func:`meshtorch.lowering.stages.plan`: no
+backend, no variable storage, nothing runs) and prints the :func:`meshtorch.planning.memory_report`; with
+``search`` it ranks every layout of the mesh with :func:`meshtorch.planning.search_layouts` and prints the
+best ``top``. ``meshtorch plan`` (its parser :mod:`meshtorch.cli.plan`, its flags read by
+:mod:`meshtorch.runtime.plan_command`) calls it.
 """
 
 from __future__ import annotations
@@ -15,19 +13,14 @@ import math
 import re
 from dataclasses import replace
 
-import torch
-
-from meshtorch.core.errors import LayoutError, ShapeError, UsageError
-from meshtorch.core.layout import LayoutRules, check_rules_strict
+from meshtorch.core.errors import LayoutError
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import resolve_pipeline_fields
-from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
-from meshtorch.models.transformer import REMAT_POLICIES, build_lm, preset
+from meshtorch.models.transformer import REMAT_POLICIES, build_lm
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
-from meshtorch.planning.cost import CostModel, estimate_time
-from meshtorch.planning.memory import memory_report
+from meshtorch.planning.cost import CostModel
 from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_table
 from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts
 
@@ -56,89 +49,6 @@ def pipeline_fields(mesh_shape: str, layout: str, microbatches: int | None = Non
     ``stage:<axis>`` rule); ``{}`` (no pipeline) without a ``stage`` rule and ``stages``."""
     n = MeshSpec(mesh_shape, layout).axis_size_for(STAGE_DIM) if layout not in ("", "auto") else 1
     return resolve_pipeline_fields(n, stages, microbatches, repeats, num_layers)
-
-
-def _config(args, vocab_multiple: int, layout: str | None = None):
-    """The LMConfig of the flags; pipelined as ``layout`` asks (None: not pipelined, the base of a search)."""
-    return preset(args.preset, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
-                  d_kv=args.d_kv, d_ff=args.d_ff, length=args.length, batch_size=args.batch_size,
-                  vocab_size=args.vocab, num_experts=args.experts, vocab_multiple=vocab_multiple,
-                  remat=getattr(args, "remat", None),
-                  **pipeline_fields(args.mesh, layout or "", getattr(args, "microbatches", None),
-                                    getattr(args, "pipeline_repeats", None),
-                                    getattr(args, "pipeline_stages", None) if layout is not None else None,
-                                    preset(args.preset, num_layers=args.layers).num_layers))
-
-
-def _positive(flag: str, value) -> None:
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise UsageError(f"{flag} must be a finite number > 0, got {value}.")
-
-
-def check_args(args) -> None:
-    """Check ``meshtorch plan``'s flags before the model is built.
-
-    Raises:
-        UsageError: naming the flag (a size, a count or a rate that is not positive, a mesh size that is not a
-            positive integer, an unreadable ``--memory-limit``). LayoutError: a ``--layout``/``--storage`` rule
-            matching no dimension of the model or no axis of the mesh, naming it and listing both.
-    """
-    for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "vocab", "top", "flop_rate",
-                 "bandwidth", "microbatches", "pipeline_repeats", "pipeline_stages"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag, None))
-    if args.experts is not None and args.experts < 0:
-        raise UsageError(f"--experts must be >= 0, got {args.experts}.")
-    if args.latency is not None and not (math.isfinite(args.latency) and args.latency >= 0):
-        raise UsageError(f"--latency must be a finite number >= 0, got {args.latency}.")
-    if args.memory_limit:
-        parse_bytes(args.memory_limit)
-    storage = getattr(args, "storage", "") or ""
-    if args.search and storage not in ("", "auto"):
-        raise UsageError("--storage with --search: give --storage auto (search storage rules too) or drop "
-                         "--storage; explicit storage rules apply to the report of one --layout.")
-    if storage == "auto" and not args.search:
-        raise UsageError("--storage auto needs --search (it searches storage rules).")
-    try:
-        mesh = MeshSpec(args.mesh).shape
-    except ShapeError as e:
-        raise UsageError(f"--mesh {args.mesh!r}: {e} Mesh axis sizes must be positive integers.") from None
-    layout = "" if args.search and args.layout == DEFAULT_LAYOUT else args.layout
-    try:
-        cfg = _config(args, 1, layout)
-    except ValueError as e:  # LMConfig's pipeline checks, naming the field
-        raise UsageError(f"--layout {args.layout!r} with --microbatches/--pipeline-repeats/--layers: {e}") from None
-    if not cfg.pipelined and not args.search and ((getattr(args, "microbatches", None) or 1) > 1
-                                                  or (getattr(args, "pipeline_repeats", None) or 1) > 1):
-        raise UsageError("--microbatches/--pipeline-repeats need a pipeline: add the layout rule stage:<mesh axis> "
-                         "(e.g. --mesh pipe:2 --layout stage:pipe) or --pipeline-stages > 1.")
-    small = cfg.pipeline_stages * cfg.pipeline_repeats if cfg.pipelined else 1  # a pipeline needs S*R layers
-    cfg = preset(args.preset, **{**cfg.to_dict(), "num_layers": small})
-    names = set()
-    for op in build_lm(cfg).graph.operations:
-        for t in op.outputs:
-            names.update(d.name for d in t.shape)
-    if not (args.search and args.layout == DEFAULT_LAYOUT):  # train's default is only placed in a search
-        check_rules_strict(args.layout, names, mesh, flag="--layout")
-    if storage != "auto":
-        check_rules_strict(storage, names, mesh, flag="--storage")
-
-
-def hardware_cost_model(args) -> tuple[CostModel, str]:
-    """The cost model of ``--hardware`` with the ``--flop-rate``/``--bandwidth``/``--latency`` overrides, and
-    the hardware's name. ``args.cost_model`` (a measured model, set by ``meshtorch plan`` from the calibration
-    cache, :mod:`meshtorch.runtime.calibrate`) wins over the fixed constants of ``auto``/``gpu``/``cpu``
-    (``auto``: GPU if CUDA is available, else CPU)."""
-    measured = getattr(args, "cost_model", None)
-    if measured is not None:
-        base, hw = measured, measured.name or "calibrated"
-    else:
-        hw = args.hardware
-        if hw in ("auto", "calibrated"):
-            hw = "gpu" if torch.cuda.is_available() else "cpu"
-        base = CostModel.cpu() if hw == "cpu" else CostModel()
-        hw = f"{hw} (fixed constants, not measured: run 'meshtorch plan --calibrate' to measure this machine)"
-    return replace(base, flop_rate=args.flop_rate or base.flop_rate, bandwidth=args.bandwidth or base.bandwidth,
-                   latency=args.latency if args.latency is not None else base.latency), hw
 
 
 def hardware_note(mesh_shape: str) -> str:
@@ -173,62 +83,6 @@ def why_line(ranked) -> str:
         what = (f"less communication ({ta['comm_s'] * 1e3:.3f} vs {tb['comm_s'] * 1e3:.3f} ms), compute "
                 f"{ta['compute_s'] * 1e3:.3f} vs {tb['compute_s'] * 1e3:.3f} ms")
     return f"why: {a or '(replicated)'} beats {b or '(replicated)'} by {what}."
-
-
-def main_plan(args) -> list:
-    """Print the plan (or the ranked layouts) for the parsed ``meshtorch plan`` arguments; returns
-    ``[(layout, MemoryReport)]``.
-
-    Raises:
-        UsageError / LayoutError: from :func:`check_args`, before the model is built; LayoutError naming
-            ``--layout`` if it is illegal for the model.
-    """
-    check_args(args)
-    cost, hw = hardware_cost_model(args)
-    storage = getattr(args, "storage", "") or ""
-    limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
-    if not args.search:  # an illegal layout is refused before anything is printed
-        spec = MeshSpec(args.mesh, args.layout, storage=storage or None)
-        lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
-        try:
-            Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
-        except LayoutError as e:
-            raise LayoutError(f"--layout {args.layout!r} is illegal for this model: {e}") from None
-    try:
-        ranked = plan_lm(lambda multiple: _config(args, multiple, None if args.search else args.layout), args.mesh,
-                         args.layout, storage=storage, memory_limit=limit, search=args.search, top=args.top,
-                         cost=cost, hardware=hw, microbatches=getattr(args, "microbatches", None),
-                         schedule=getattr(args, "schedule", False))
-    except ValueError as e:
-        raise UsageError(f"--search: {e}") from None
-    if args.search:
-        print(why_line(ranked))
-        print(your_layout_line(args, ranked, cost))
-    return ranked
-
-
-def your_layout_line(args, ranked, cost) -> str:
-    """Where ``--layout`` (the user's, or train's default) ranks among ``ranked``."""
-    mine = LayoutRules(args.layout)
-    pos = next((i for i, (lay, _) in enumerate(ranked) if LayoutRules(lay) == mine), None)
-    if pos is not None:
-        t = ranked[pos][1].estimated_time
-        return (f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked)}, "
-                f"{t['total_s'] * 1e3:.3f} ms")
-    # not among the candidates tried: lower it and place it by its estimated time
-    spec = MeshSpec(args.mesh, args.layout)
-    lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
-    try:
-        lw = Lowering(lm.graph, {lm.mesh: spec}, materialize=False)
-    except LayoutError as e:
-        return f"--layout {args.layout!r} (yours, or train's default): illegal on this model ({e})"
-    rep = memory_report(lw, [lm.loss] + lm.updates)
-    rep.estimated_time = estimate_time(rep, cost)
-    t = rep.estimated_time["total_s"]
-    pos = sum(r.estimated_time["total_s"] < t for _, r in ranked)
-    return (f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked) + 1}, "
-            f"{t * 1e3:.3f} ms ({rep.estimated_time['compute_s'] * 1e3:.3f} compute, "
-            f"{rep.estimated_time['comm_s'] * 1e3:.3f} comm), {rep.total_bytes / 2 ** 20:.1f} MiB/proc")
 
 
 def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
@@ -322,8 +176,13 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         storage_rules = "auto"
     else:
         storage_rules = [storage] if storage else None
-    piped, failure = [], None
+    piped, failure, stage_sizes = [], None, set()
     for axis, pcfg in pipeline_candidates(cfg, mesh_shape, microbatches) if pipelines else []:
+        if pcfg.pipeline_stages in stage_sizes:
+            # a stage axis of the size of one searched: its layouts are that search's with the two axes swapped,
+            # of the same times, and the ranking below keeps one of each such pair (the first searched)
+            continue
+        stage_sizes.add(pcfg.pipeline_stages)
         plm = build_lm(pcfg, optimizer=AdamWOptimizer(1e-3))
         pfetches = [plm.loss] + plm.updates
         try:

@@ -3,9 +3,9 @@
 :func:`memory_report` -> :class:`MemoryReport`: per processor, the bytes of every variable slice
 (parameters and optimizer slots), plan-time constants, an estimate of the peak bytes of live
 intermediate values while the planned steps of ``fetches`` execute in order, the FLOPs (einsum
-multiply-adds, global and per processor) and every collective with its bytes. It reads the lowered
-program (:class:`~meshtorch.lowering.Lowering`), never runs it, so it works on a dry-run lowering
-(``Lowering(graph, impls, materialize=False)``) that allocates no variable storage.
+multiply-adds, global and per processor) and every collective with its bytes. It reads a planned
+program (:func:`meshtorch.lowering.stages.plan`: no backend, no variable storage), never runs it; a
+:class:`~meshtorch.lowering.Lowering` is accepted too (its program and its session's schedule are read).
 
 Under storage rules (FSDP / ZeRO-3, ``MeshSpec(..., storage="d_model:data")``) variables and
 optimizer slots are counted as the shards they are stored as; the gathered full weights and the
@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshtorch.core.graph import Operation
-from meshtorch.lowering import Lowering
+from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters, _human
 from meshtorch.lowering.donate import donated_outputs, donates_input
 from meshtorch.lowering.layout import slice_nbytes
+from meshtorch.lowering.plans import Processes
+from meshtorch.lowering.program import Program, TensorSlot
+from meshtorch.lowering.stages import op_mesh_axes, schedule
 from meshtorch.planning.pipeline import PipelinePlan, pipeline_plan
 
 __all__ = ["MemoryReport", "memory_report"]
@@ -172,8 +174,24 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _tensor_slice_bytes(lowering: Lowering, t) -> int:
-    return slice_nbytes(lowering.slice_shape(t), t.dtype)
+def slot_slice_bytes(slot: TensorSlot, spec) -> int:
+    """Per-processor bytes of a program value (a variable, placeholder or result) in its layout on ``spec``."""
+    return slice_nbytes(spec.slice_shape(slot.shape, TensorLayout(slot.layout)), slot.dtype)
+
+
+def constant_bytes(program: Program, specs: dict) -> int:
+    """Per-processor bytes of ``program``'s constants (run counters excluded) on ``{mesh name: MeshSpec}``, from
+    their shapes: per-processor constants are made on the meta device (:class:`~meshtorch.lowering.plans.Processes`),
+    imported tensors counted as their slices."""
+    def one(kind, mesh, data) -> float:
+        spec = specs[mesh]
+        if kind == "pnum":
+            view = Processes(spec)
+            return _value_bytes([data(view, p) for p in range(spec.size)])
+        full, layout = data
+        sizes = [n // (1 if a is None else spec.shape[a].size) for n, a in zip(full.shape, layout, strict=True)]
+        return math.prod(sizes) * full.element_size()
+    return int(sum(one(*c) for c in program.constants.values() if c[0] != "run_counter"))
 
 
 def _value_bytes(v) -> float:
@@ -196,21 +214,20 @@ def _step_records(steps, out: dict):
 
 
 class _Sizer:
-    """Per-processor byte size of every slot of a lowering (recorded, or estimated)."""
+    """Per-processor byte size of every slot of a program (recorded, or estimated)."""
 
-    def __init__(self, lowering: Lowering):
-        self.lw = lowering
-        self.records = _step_records(lowering.steps, {})
-        prog = lowering.program
-        self.free = {v.slot for v in prog.variables.values()} | set(prog.constants)  # counted elsewhere
-        self.axis_sizes = {d.name: d.size for spec in lowering.mesh_to_spec.values() for d in spec.shape}
+    def __init__(self, program: Program, specs: dict):
+        self.slot_bytes = program.slot_bytes
+        self.records = _step_records(program.steps, {})
+        self.free = {v.slot for v in program.variables.values()} | set(program.constants)  # counted elsewhere
+        self.axis_sizes = {d.name: d.size for spec in specs.values() for d in spec.shape}
         self.cache: dict[int, int] = {}
         self.estimated = 0
 
     def __call__(self, slot: int) -> int:
         if slot in self.free:
             return 0
-        b = self.lw.slot_bytes.get(slot)
+        b = self.slot_bytes.get(slot)
         if b is not None:
             return b
         if slot not in self.cache:
@@ -266,20 +283,21 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
     return peak, peak_i, largest
 
 
-def _split_factor(lowering: Lowering, op: Operation) -> int:
-    """Product of the mesh-axis sizes splitting any input or output of ``op`` (an einsum splits
+def _split_factor(spec, axes) -> int:
+    """Product of the sizes of mesh ``axes`` (those splitting any input or output of an op: an einsum splits
     its computation over each of them; operands split differently are all-gathered first)."""
-    spec = lowering.mesh_spec(op)
-    axes = {a for t in [*op.inputs, *op.outputs] for a in lowering.tensor_layout(t) if a is not None}
     return math.prod(spec.shape[a].size for a in axes)
 
 
-def memory_report(lowering: Lowering, fetches) -> MemoryReport:
-    """Memory, FLOPs and communication of one ``lowering.run(fetches)``, without running it.
+def memory_report(program, fetches=None) -> MemoryReport:
+    """Memory, FLOPs and communication of one run of a planned program's fetches, without running it.
 
     Args:
-        lowering: a Lowering (``materialize=False`` is enough).
-        fetches: what ``run`` would fetch (a Tensor/Operation or a list, e.g. ``[loss] + updates``).
+        program: a :class:`~meshtorch.lowering.program.Program` from :func:`meshtorch.lowering.stages.plan`
+            (its fetch set and schedule options are the program's), or a
+            :class:`~meshtorch.lowering.Lowering` (``materialize=False`` is enough; its session's schedule).
+        fetches: with a Lowering, what ``run`` would fetch (a Tensor/Operation or a list, e.g.
+            ``[loss] + updates``); with a Program, None.
 
     Returns:
         A :class:`MemoryReport` (bytes per processor; see its attributes for what is estimated).
@@ -287,33 +305,44 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
         ``Lowering.plan_counters`` (the trip count is unknown before running).
 
     Raises:
-        ValueError / TypeError: as ``Lowering.run`` for fetches that are not part of the lowering.
+        ValueError / TypeError: as ``Lowering.run`` for fetches that are not part of the lowering; fetches
+            given with a Program (plan them with ``plan(graph, fetches, spec)``).
     """
+    if isinstance(program, Program):
+        if fetches is not None:
+            raise ValueError("memory_report: a Program reports the fetch set it was planned for; plan these "
+                             "fetches with meshtorch.lowering.stages.plan(graph, fetches, spec) instead.")
+        return _report(program, schedule(program), program.specs, program.op_axes, program.pipeline)
+    lw = program  # the Mesh TF-style facade: its program, its session's schedule
     fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
-    prog = lowering.plan(fetches)
-    size = _Sizer(lowering)
+    plan = lw.plan(fetches)
+    return _report(lw.program, plan, {m.name: s for m, s in lw.mesh_to_spec.items()},
+                   op_mesh_axes(lw.planner, lw.graph.operations), getattr(lw.graph, "pipeline_schedule", None))
+
+
+def _report(program: Program, prog, specs: dict, op_axes: dict, pipeline) -> MemoryReport:
+    """The report of ``prog`` (the fetch set's :class:`~meshtorch.lowering.plans.Plan`) of ``program``."""
+    size = _Sizer(program, specs)
     variables, trainable, other = {}, 0, 0
-    for var in lowering.variables:
-        b = _tensor_slice_bytes(lowering, var.outputs[0])
-        variables[var.name] = b
-        if var.trainable:
+    trainable_names = set(program.trainable)
+    for name, slot in program.variables.items():
+        b = slot_slice_bytes(slot, specs[slot.mesh])
+        variables[name] = b
+        if name in trainable_names:
             trainable += b
         else:
             other += b
     assigned = {name for name, _ in prog.assignments}
-    gradient_bytes = sum(variables[v.name] for v in lowering.variables if v.trainable and v.name in assigned)
-    constants = int(sum(_value_bytes(v) for v in lowering.session.constant_values.values()))
+    gradient_bytes = sum(variables[n] for n in program.variables if n in trainable_names and n in assigned)
+    constants = constant_bytes(program, specs)
     inputs = sum(size(s) for _, s in prog.placeholders)
     peak, peak_i, largest = _walk(prog.steps, prog.frees, size, size.records, live=inputs)
     largest = max([largest, *(size(s) for _, s in prog.placeholders)])
     peak_op = "<feeds>" if peak_i < 0 else prog.steps[peak_i].op
-    ops = {op.name: op for op in lowering.graph.operations}
     local_flops = kernel_steps = kernel_bytes = 0
-    any_split = False
     for st in prog.steps:
-        op = ops.get(st.op)
-        split = _split_factor(lowering, op) if op is not None else 1
-        any_split = any_split or split > 1
+        axes = op_axes.get(st.op)
+        split = _split_factor(specs[st.mesh], axes) if axes is not None else 1
         if st.flops:
             local_flops += st.flops // split
         if st.kind == "slicewise":
@@ -324,10 +353,11 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
     # gets one fed slice per processor from train's feed_slices=True batches, so its replicas share nothing
     # either (measured 2026-11-27: tiny preset, replicated on data:2,model:2, 325-450 ms per step with sliced
     # feeds, 113-115 ms with whole-batch feeds, 77-82 ms on one processor)
-    n_proc = max((spec.size for spec in lowering.mesh_to_spec.values()), default=1)
+    n_proc = max((spec.size for spec in specs.values()), default=1)
     serial = n_proc
-    impls = list(lowering.mesh_to_spec.values())
-    counters = lowering.plan_counters(fetches)
+    impls = list(specs.values())
+    counters = Counters()
+    counters.add(prog.counters)
     return MemoryReport(
         num_processors=max((i.size for i in impls), default=1), variables=variables, trainable_bytes=trainable,
         non_trainable_bytes=other, constant_bytes=constants, peak_activation_bytes=peak,
@@ -338,4 +368,4 @@ def memory_report(lowering: Lowering, fetches) -> MemoryReport:
         gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)),
         kernel_steps=kernel_steps, kernel_calls_serial=kernel_steps * serial, kernel_bytes=kernel_bytes,
         kernel_bytes_serial=kernel_bytes * serial, flops_serial=local_flops * serial,
-        pipeline=pipeline_plan(lowering, variables, counters, peak))
+        pipeline=pipeline_plan(program, variables, counters, peak, specs=specs, schedule=pipeline))

@@ -19,6 +19,7 @@ a :class:`~meshtorch.planning.memory.MemoryReport`, read from the lowered progra
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -99,30 +100,37 @@ class PipelinePlan:
         return out
 
 
-def _stage_axis(lowering) -> tuple[str | None, int]:
-    for spec in lowering.mesh_to_spec.values():
+def _stage_axis(specs) -> tuple[str | None, int]:
+    for spec in specs:
         a = spec.tensor_dimension_to_mesh_axis(STAGE_DIM)
         if a is not None:
             return spec.shape[a].name, spec.shape[a].size
     return None, 1
 
 
-def pipeline_plan(lowering, variables: dict[str, int], counters: Counters,
-                  peak_activation_bytes: int = 0) -> PipelinePlan | None:
-    """The :class:`PipelinePlan` of a lowered pipelined graph, or None if the graph has no pipeline schedule.
+def pipeline_plan(program, variables: dict[str, int], counters: Counters,
+                  peak_activation_bytes: int = 0, specs: dict | None = None, schedule=None) -> PipelinePlan | None:
+    """The :class:`PipelinePlan` of a planned pipelined graph, or None if the graph has no pipeline schedule.
 
     Args:
-        lowering: the :class:`~meshtorch.lowering.Lowering` (a dry run is enough); its graph's
-            ``pipeline_schedule`` (``stages``, ``microbatches``, ``repeats``, ``iterations()``,
-            ``bubble_fraction()``) says the schedule.
+        program: the :class:`~meshtorch.lowering.program.Program` (:func:`meshtorch.lowering.stages.plan`), or a
+            :class:`~meshtorch.lowering.Lowering` (a dry run is enough).
         variables: ``{variable name: bytes of its slice per processor}`` (:attr:`MemoryReport.variables`).
         counters: the planned collectives of one step (:meth:`Lowering.plan_counters`).
         peak_activation_bytes: the memory report's peak, repeated in the section.
+        specs: ``{mesh name: MeshSpec}`` (default: the program's, or the lowering's).
+        schedule: the ``pipeline_schedule`` (``stages``, ``microbatches``, ``repeats``, ``iterations()``,
+            ``bubble_fraction()``; default: the program's ``pipeline``, or the lowering's graph's).
     """
-    schedule = getattr(lowering.graph, "pipeline_schedule", None)
+    lowering = None if hasattr(program, "steps") and hasattr(program, "op_axes") else program
+    if lowering is not None:  # a Lowering: its program, its graph's schedule and its specs
+        program = lowering.program
+        schedule = schedule or getattr(lowering.graph, "pipeline_schedule", None)
+        specs = specs or {m.name: s for m, s in lowering.mesh_to_spec.items()}
+    schedule = schedule or program.pipeline
     if schedule is None:
         return None
-    axis, split = _stage_axis(lowering)
+    axis, split = _stage_axis((specs or program.specs).values())
     per_kind: dict = defaultdict(lambda: [0, 0])
     if axis is not None:
         for c, n in counters.records.items():
@@ -130,14 +138,14 @@ def pipeline_plan(lowering, variables: dict[str, int], counters: Counters,
                 per_kind[c.kind][0] += n
                 per_kind[c.kind][1] += n * c.bytes_per_processor
     stacked = full = other = 0
-    for var in lowering.variables:
-        if not var.trainable:
+    trainable = set(program.trainable)
+    for name, slot in program.variables.items():
+        if name not in trainable:
             continue
-        shape = var.outputs[0].shape
-        b = variables.get(var.name, 0)
-        if any(d.name == STAGE_DIM for d in shape):
+        b = variables.get(name, 0)
+        if any(d == STAGE_DIM for d, _ in slot.shape):
             stacked += b
-            full += shape.size * var.outputs[0].dtype.itemsize
+            full += math.prod(n for _, n in slot.shape) * slot.dtype.itemsize
         else:
             other += b
     return PipelinePlan(

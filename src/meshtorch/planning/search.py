@@ -11,12 +11,13 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Mesh
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
+from meshtorch.lowering.stages import plan
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 
@@ -201,16 +202,25 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
     if refine is None:
         refine = 3 if default_candidates else 0
     scored: dict[tuple[str, str], MemoryReport | None] = {}
+    planned: dict[frozenset, tuple[str, str]] = {}  # layout_key -> the (rules, storage) planned for it
 
     def score(rules: str, storage: str = "") -> MemoryReport | None:
         key = (rules, storage)
         if key not in scored:
+            # the same layout as one planned before up to swapping mesh axes of one size is legal alike and has
+            # the same memory and estimated time: it is not planned again (its twin, scored first, ranks first
+            # among equals and is the one the results keep)
+            twin = planned.setdefault(layout_key(rules, storage, axis_sizes), key)
+            if twin != key:
+                rep = scored[twin]
+                scored[key] = None if rep is None else replace(rep, layout=rules, storage=storage)
+                return scored[key]
             try:
-                lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, rules, storage=storage)}, materialize=False)
+                program = plan(graph, fetches, {mesh: MeshSpec(mesh_shape, rules, storage=storage)})
             except LayoutError:
                 scored[key] = None
                 return None
-            rep = memory_report(lw, fetches)
+            rep = memory_report(program)
             rep.layout, rep.storage = rules, storage
             rep.estimated_time = estimate_time(rep, cost)
             scored[key] = rep

@@ -40,8 +40,8 @@ from meshtorch.lowering import Lowering
 from meshtorch.lowering.collectives import KINDS as COLLECTIVE_KINDS
 from meshtorch.mesh.factory import make_mesh_impl, placement_mesh_impl
 from meshtorch.ops.variables import placeholder
-from meshtorch.planning.command import main_plan
 from meshtorch.planning.cost import CostModel, _wire
+from meshtorch.runtime.plan_command import main_plan
 
 BACKENDS = ("placement", "gloo", "nccl")
 KINDS = tuple(k for k, c in COLLECTIVE_KINDS.items() if c.calibrate is not None)  # the kinds measured
@@ -332,7 +332,7 @@ def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict
 def run_plan(args):
     """``meshtorch plan``: with ``--calibrate`` measure this machine first (and cache it); with ``--hardware
     calibrated`` use the cached calibration of ``--backend``/``--threads`` (measuring it if there is none),
-    with ``auto`` use it only if cached; then :func:`meshtorch.planning.command.main_plan`.
+    with ``auto`` use it only if cached; then :func:`meshtorch.runtime.plan_command.main_plan`.
 
     Raises:
         UsageError: ``--threads`` < 1, or a backend this machine cannot measure (``nccl`` without 2 GPUs).
