@@ -107,3 +107,25 @@ def shutdown_distributed() -> None:
 def is_main_process() -> bool:
     """True on rank 0, or when not distributed (print and save only there)."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` (any picklable value) on every rank of the job (``dist.broadcast_object_list``);
+    ``obj`` itself when not distributed."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise maximum of the host floats ``values`` over the ranks of the job (an all-reduce MAX of a
+    float64 tensor, on the rank's GPU under NCCL); ``values`` itself when not distributed."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()

@@ -156,7 +156,9 @@ class SpmdMeshImpl(MeshImpl):
         if self.ndims <= 3:
             for r in range(1, self.ndims + 1):
                 for axes in itertools.combinations(range(self.ndims), r):
-                    self._group(axes)
+                    # made before any compiled run: a group first made while dynamo traces is a dict entry
+                    # its guards see missing, then present (a recompile on the second step)
+                    self._mesh_group(axes)
 
     # ------------------------------------------------------------------ groups
     def _group(self, mesh_axes) -> tuple[object, list[int]]:

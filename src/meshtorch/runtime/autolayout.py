@@ -29,6 +29,7 @@ from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
 from meshtorch.mesh.factory import make_mesh_impl
+from meshtorch.mesh.process import broadcast_object, init_distributed, max_over_ranks
 from meshtorch.models.transformer import build_lm
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.command import DEFAULT_LAYOUT, pipeline_fields, plan_lm, why_line
@@ -335,24 +336,10 @@ def _agreed(hit: dict | None, world: int, backend: str) -> dict | None:
     first: ``--layout auto`` runs before training starts)."""
     if world <= 1:
         return hit
-    import torch.distributed as dist
-
-    from meshtorch.mesh.process import init_distributed
-
     init_distributed(backend=backend)
-    box = [hit]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(hit, src=0)
 
 
 def _max_over_ranks(values: list[float], world: int) -> list[float]:
     """``values`` (one per candidate); under torchrun their maximum over the ranks (the slowest rank)."""
-    if world <= 1:
-        return values
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.cpu().tolist()
+    return values if world <= 1 else max_over_ranks(values)
