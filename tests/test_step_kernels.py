@@ -148,3 +148,69 @@ def test_no_float64_op_runs_in_a_training_step(opt):
     ops, _ = record_step(lambda: build_lm(c, seed=0, optimizer=OPTIMIZERS[opt](), clip_norm=1.0))
     f64 = [(n, shapes) for n, dtypes, shapes, _ in ops if torch.float64 in dtypes]
     assert f64 == []
+
+
+def _per_variable_updates(opt, lm_graph_loss, variables):
+    """Mesh TF's way: ``apply_grad`` per variable (one FusedAdamUpdate each), then the step increment."""
+    grads = mtf.gradients([lm_graph_loss], variables)
+    ops = [a for g, v in zip(grads, variables, strict=True) for a in opt.apply_grad(g, v)]
+    step = opt.step_int(variables[0].mesh)
+    return ops + [mtf.assign(step.operation, step + 1)]
+
+
+@pytest.mark.parametrize("mesh_shape,layout", LAYOUTS, ids=["one_process", "2x2"])
+def test_adamw_is_one_multi_tensor_kernel_call_per_processor(mesh_shape, layout):
+    """apply_grads: one ``torch._fused_adamw_`` call per processor for all variables, with the values of one
+    call per variable (the per-variable ``apply_grad`` path, itself checked against torch.optim in test_optim)."""
+    processors = 4 if mesh_shape else 1
+
+    def opt():
+        return mtf.optim.AdamWOptimizer(lambda s: mtf.optim.linear_warmup(s, 2, 1e-2), weight_decay=0.1)
+    ops, lm = record_step(lambda: build_lm(CFG, seed=3, optimizer=opt()), mesh_shape, layout)
+    assert sum(n == "_fused_adamw_" for n, *_ in ops) == processors
+    values = []
+    for grouped in (True, False):
+        lm = build_lm(CFG, seed=3, optimizer=opt() if grouped else None)
+        updates = lm.updates if grouped else _per_variable_updates(opt(), lm.loss, lm.graph.trainable_variables)
+        lw = lm.lowering(mesh_shape, layout)
+        for s in range(3):
+            x, y = _data(CFG, s)
+            lw.run([lm.loss] + updates, feeds={lm.inputs: x, lm.targets: y})
+        values.append({n: lw.variable_value(n) for n in lw.variable_names})
+    assert values[0].keys() == values[1].keys()
+    for n in values[0]:
+        torch.testing.assert_close(values[0][n], values[1][n], rtol=0, atol=0, msg=n)
+
+
+def _aten_calls(step) -> int:
+    """``aten::`` calls (nested ones included) in one call of ``step`` under ``torch.profiler`` (CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+def test_aten_calls_per_step_at_most_the_plain_pytorch_twins():
+    """The tiny preset's training step (AdamW, one process) makes no more ``aten::`` calls than the same model in
+    plain PyTorch (:class:`~meshtorch.testing.torch_lm.TorchLM`, ``torch.optim.AdamW(fused=True)``), both counted
+    here: no per-variable optimizer kernels, no reshape/permute/cast round trips PyTorch's step does not make."""
+    from meshtorch.models.transformer import preset
+    from meshtorch.testing.torch_lm import TorchLM
+    c = preset("tiny", batch_size=4, length=32)
+    x, y = _data(c)
+    lm = build_lm(c, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
+    lw = lm.lowering()
+    fetches = [lm.loss] + lm.updates
+    ours = _aten_calls(lambda: lw.run(fetches, feeds={lm.inputs: x, lm.targets: y})[0].item())
+    model = TorchLM(c)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+
+    def torch_step():
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    theirs = _aten_calls(torch_step)
+    assert ours <= theirs, f"meshtorch's step makes {ours} aten calls, plain PyTorch's {theirs}"

@@ -26,7 +26,8 @@ from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.base import Optimizer, check_grad
-from meshtorch.optim.fused import FusedAdamUpdate, fused_adam_available
+from meshtorch.ops.variables import _as_variable
+from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate, fused_adam_available
 
 __all__ = ["AdamOptimizer", "AdamWOptimizer"]
 
@@ -105,15 +106,53 @@ class AdamOptimizer(Optimizer):
             c["adam_bc"] = (bc1, bc2)
         return c["adam_bc"]
 
+    def _slots(self, var):
+        f32 = torch.float32
+        return tuple(get_variable(var.mesh, f"{var.name}/adam_{k}", var.shape, initializer=zeros_initializer(),
+                                  dtype=f32, trainable=False) for k in ("m", "v"))
+
+    def apply_grads(self, grads, variables):
+        """As :meth:`Optimizer.apply_grads`; fused: ONE multi-tensor update per mesh
+        (:class:`~meshtorch.optim.fused.FusedAdamGroupUpdate`: one ``torch._fused_adamw_`` call per processor
+        for all its variables' slices, as ``torch.optim.AdamW(fused=True)``), then one assignment per variable.
+        Slot names, values and checkpoints are those of the per-variable update (:meth:`apply_grad`)."""
+        grads, variables = list(grads), list(variables)
+        if not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables):
+            return super().apply_grads(grads, variables)
+        groups: dict = {}
+        for g, v in zip(grads, variables, strict=True):
+            if g is not None:
+                var = _as_variable(v)
+                groups.setdefault(var.mesh, []).append((g, var))
+        ops = []
+        for mesh, pairs in groups.items():
+            with mesh.graph.storage_scope():
+                gs, ws, ms, vs = [], [], [], []
+                for g, var in pairs:
+                    check_grad(g, var, type(self).__name__)
+                    m, v = self._slots(var)
+                    gs.append(g if g.dtype == var.dtype else ew.cast(g, var.dtype))
+                    ws.append(var.value)
+                    ms.append(m)
+                    vs.append(v)
+                n = len(pairs)
+                op = FusedAdamGroupUpdate(ws, gs, ms, vs, self.step_int(mesh), self.lr(mesh), beta1=self.beta1,
+                                          beta2=self.beta2, epsilon=self.epsilon, weight_decay=self.weight_decay,
+                                          decoupled=self.decoupled, name="fused_adam_group")
+                out = op.outputs
+                ops.extend(Assign([var, m.operation, v.operation], [out[i], out[n + i], out[2 * n + i]],
+                                  name=f"{var.name}/adam_update")
+                           for i, ((_, var), m, v) in enumerate(zip(pairs, ms, vs, strict=True)))
+            step = self.step_int(mesh)
+            ops.append(Assign([step.operation], [step + 1], name="global_step_increment"))
+        return ops
+
     def apply_grad(self, grad, var):
         check_grad(grad, var, type(self).__name__)
         mesh = var.mesh
         lr = self.lr(mesh)
         f32 = torch.float32
-        m = get_variable(mesh, f"{var.name}/adam_m", var.shape, initializer=zeros_initializer(), dtype=f32,
-                         trainable=False)
-        v = get_variable(mesh, f"{var.name}/adam_v", var.shape, initializer=zeros_initializer(), dtype=f32,
-                         trainable=False)
+        m, v = self._slots(var)
         if self.fused:
             op = FusedAdamUpdate(var.value, grad, m, v, self.step_int(mesh), lr, beta1=self.beta1,
                                  beta2=self.beta2, epsilon=self.epsilon, weight_decay=self.weight_decay,

@@ -24,7 +24,7 @@ from meshtorch.core.graph import Operation
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters, _human
-from meshtorch.lowering.donate import donated_outputs
+from meshtorch.lowering.donate import donated_mask
 from meshtorch.lowering.layout import slice_nbytes
 from meshtorch.planning.pipeline import PipelinePlan, pipeline_plan
 
@@ -246,8 +246,8 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
     peak_i, largest = -1, 0
     for i, (st, frees) in enumerate(zip(steps, all_frees, strict=True)):
         outs = st.outputs
-        in_place = donated_outputs(st)  # in-place updates: these outputs are the variables' own storage
-        out_b = [0 if k < in_place else size(o) for k, o in enumerate(outs)]
+        in_place = donated_mask(st)  # in-place updates: these outputs are the variables' own storage
+        out_b = [0 if k < len(in_place) and in_place[k] else size(o) for k, o in enumerate(outs)]
         largest = max([largest, *out_b])
         transient = 0
         for _, sub in st.subprograms:
@@ -259,7 +259,7 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
             peak, peak_i = live + sum(out_b) + transient, i
         live += sum(out_b)
         for f in frees:
-            if in_place and st.kind == "allreduce" and f == st.inputs[0]:
+            if any(in_place) and st.kind == "allreduce" and f == st.inputs[0]:
                 continue  # a donated all-reduce: its output (counted 0 above) holds the input's bytes on
             live -= size(f)
     return peak, peak_i, largest
