@@ -158,16 +158,26 @@ def _per_variable_updates(opt, lm_graph_loss, variables):
     return ops + [mtf.assign(step.operation, step + 1)]
 
 
-@pytest.mark.parametrize("mesh_shape,layout", LAYOUTS, ids=["one_process", "2x2"])
-def test_adamw_is_one_multi_tensor_kernel_call_per_processor(mesh_shape, layout):
-    """apply_grads: one ``torch._fused_adamw_`` call per processor for all variables, with the values of one
-    call per variable (the per-variable ``apply_grad`` path, itself checked against torch.optim in test_optim)."""
-    processors = 4 if mesh_shape else 1
+GROUPED = {  # optimizer, the multi-tensor kernel its step calls once per processor
+    "adamw": (lambda: mtf.optim.AdamWOptimizer(lambda s: mtf.optim.linear_warmup(s, 2, 1e-2), weight_decay=0.1),
+              "_fused_adamw_"),
+    "momentum": (lambda: mtf.optim.MomentumOptimizer(lambda s: mtf.optim.linear_warmup(s, 2, 0.1), 0.9,
+                                                     weight_decay=0.01), "_foreach_sub"),
+    "sgd": (lambda: mtf.optim.SgdOptimizer(0.1), "_foreach_sub"),
+    "meshtf_momentum": (lambda: mtf.optimize.MomentumOptimizer(0.1, 0.9), "_foreach_sub"),
+}
 
-    def opt():
-        return mtf.optim.AdamWOptimizer(lambda s: mtf.optim.linear_warmup(s, 2, 1e-2), weight_decay=0.1)
+
+@pytest.mark.parametrize("mesh_shape,layout", LAYOUTS, ids=["one_process", "2x2"])
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_update_is_one_multi_tensor_kernel_call_per_processor(name, mesh_shape, layout):
+    """apply_grads: one multi-tensor call per processor for all variables (``torch._fused_adamw_``, or per stage
+    ``torch._foreach_*``), with the values of the per-variable ``apply_grad`` path (itself checked against
+    torch.optim in test_optim)."""
+    opt, kernel = GROUPED[name]
+    processors = 4 if mesh_shape else 1
     ops, lm = record_step(lambda: build_lm(CFG, seed=3, optimizer=opt()), mesh_shape, layout)
-    assert sum(n == "_fused_adamw_" for n, *_ in ops) == processors
+    assert sum(n == kernel for n, *_ in ops) == processors
     values = []
     for grouped in (True, False):
         lm = build_lm(CFG, seed=3, optimizer=opt() if grouped else None)
