@@ -37,6 +37,13 @@ def _k_sgd_group(*xs, n: int, aligns, momentum: float | None, weight_decay: floa
     flags = tuple(donate) if isinstance(donate, tuple) else (bool(donate),) * (k * n)
     if weight_decay:
         gs = torch._foreach_add(gs, torch._foreach_mul(ws, weight_decay))
+    if flags and all(flags) and not torch.compiler.is_compiling():  # all donated: in place, as torch's step
+        if momentum is not None:
+            torch._foreach_mul_(vs, momentum)
+            torch._foreach_add_(vs, torch._foreach_mul(gs, rate) if fold else gs)  # v m + g lr == g lr + v m
+        torch._foreach_sub_(ws, vs if fold and momentum is not None else torch._foreach_mul(
+            vs if momentum is not None else gs, rate))
+        return (*ws, *vs)
     if momentum is None:
         steps = torch._foreach_mul(gs, rate)
     elif fold:
