@@ -43,7 +43,7 @@ def _k_sgd_group(*xs, n: int, aligns, momentum: float | None, weight_decay: floa
             torch._foreach_add_(vs, torch._foreach_mul(gs, rate) if fold else gs)  # v m + g lr == g lr + v m
         torch._foreach_sub_(ws, vs if fold and momentum is not None else torch._foreach_mul(
             vs if momentum is not None else gs, rate))
-        return (*ws, *vs)
+        return _results([*ws, *vs])
     if momentum is None:
         steps = torch._foreach_mul(gs, rate)
     elif fold:
@@ -61,7 +61,12 @@ def _k_sgd_group(*xs, n: int, aligns, momentum: float | None, weight_decay: floa
             torch._foreach_copy_([olds[i] for i in keep], [outs[i] for i in keep])
             for i in keep:
                 outs[i] = olds[i]
-    return tuple(outs)
+    return _results(outs)
+
+
+def _results(outs):
+    """A slicewise kernel's results: a tuple, or the one tensor when there is one output."""
+    return tuple(outs) if len(outs) > 1 else outs[0]
 
 
 def _sgd_donates(*, n: int, momentum=None, **_):
@@ -108,5 +113,6 @@ class ForeachSgdGroupUpdate(UpdateOperation):
                                                                      strict=True))
         kernel = functools.partial(_k_sgd_group, n=n, aligns=aligns, **self.params)
         outs = lw.slicewise(kernel, *[lw.get(x) for x in self.inputs], num_outputs=len(self.outputs))
+        outs = outs if len(self.outputs) > 1 else [outs]  # one output: slicewise returns its slot alone
         for t, s in zip(self.outputs, outs, strict=True):
             lw.set(t, s)
