@@ -5,13 +5,12 @@ Every optimizer's step must leave each variable slice (parameters and slots) at 
 and plain PyTorch for SGD) gives; lazily created lowerings draw nothing a restore sets first.
 """
 
-import functools
-
 import pytest
 import torch
 
 import meshtorch as mtf
 from meshtorch import optim
+from meshtorch.lowering.donate import donatable_inputs, donated_mask
 from meshtorch.ops import initializers
 
 OPTIMIZERS = {
@@ -135,8 +134,12 @@ def test_lazy_init_draws_nothing_that_is_set_and_the_rest_as_random(monkeypatch)
 
 
 def _donated(lw, fetches):
+    """Names of the trainable variables whose update writes in place (one multi-tensor step may update several)."""
     plan = lw.session.plan(lw._fetch_keys(fetches))
-    return [st.op for st in plan.steps if isinstance(st.fn, functools.partial) and st.fn.keywords.get("donate")]
+    names = {s: n for n, s in plan.var_reads}
+    return [names[st.inputs[j]] for st in plan.steps if st.kind == "slicewise"
+            for j, d in zip(donatable_inputs(st), donated_mask(st), strict=False)
+            if d and "/" not in names[st.inputs[j]]]
 
 
 def test_fused_adam_updates_in_place_on_a_one_processor_mesh_with_the_same_values():

@@ -12,7 +12,7 @@ import torch
 
 import meshtorch as mtf
 from meshtorch.core.dims import convert_to_shape
-from meshtorch.optim.fused import FusedAdamUpdate
+from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate
 from meshtorch.optim.fused_adafactor import FusedAdafactorUpdate
 from meshtorch.testing import rel_error
 
@@ -271,7 +271,7 @@ def test_adam_matches_reference_and_torch(decoupled, steps, fused):
     for mesh_shape, layout in LAYOUTS:
         got, lw, g = run_optimizer(lambda mesh: (ocls(lr, b1, b2, eps, wd, fused=fused), {}), params, grads,
                                    mesh_shape, layout)
-        assert any(isinstance(op, FusedAdamUpdate) for op in g.operations) == fused
+        assert any(isinstance(op, FusedAdamUpdate | FusedAdamGroupUpdate) for op in g.operations) == fused
         where = f"{ocls.__name__} fused={fused} steps={steps} {mesh_shape!r} {layout!r}"
         _compare(got, ref, list(ref), where)
         for n, p in leaves.items():
@@ -323,7 +323,7 @@ def test_fused_adam_compiled_matches_reference(decoupled):
     else:
         make = lambda mesh: (mtf.optim.AdamOptimizer(0.05, b1, b2, eps, wd, fused=True), {})  # noqa: E731
     got, lw, g = run_optimizer(make, params, grads, "rows:2;cols:2", "a:rows;b:cols", initial_step=7, mode="compile")
-    assert any(isinstance(op, FusedAdamUpdate) for op in g.operations)
+    assert any(isinstance(op, FusedAdamUpdate | FusedAdamGroupUpdate) for op in g.operations)
     assert lw.session.compile_seconds and all(lw.session.compile_seconds.values())  # it was compiled
     # steps 7, 8, 9; the schedule: lr = 0.1 / sqrt(max(step, 4))
     rate = (lambda step: 0.1 / math.sqrt(max(step, 4))) if decoupled else 0.05

@@ -6,7 +6,8 @@ sharing its storage, after the update. :func:`donate_inputs` marks such steps: a
 kernel declares ``donates`` (the input positions it can update in place when called with
 ``donate=True``, returned as its first outputs in that order, e.g. the fused Adam kernel's weight and
 moments) gets ``donate=True`` when, for each
-of those inputs,
+of those inputs (a multi-tensor kernel, whose ``donates`` is a function of its parameters, gets a tuple of
+bools instead: ``donate[k]`` for its ``k``-th donatable input alone),
 
 * the input is a variable read (the store's own tensor) that the run does not fetch;
 * the step is its last reader;
@@ -38,6 +39,17 @@ def _kernel(fn):
     return fn
 
 
+def donatable_inputs(st: Step) -> tuple:
+    """Input positions ``st``'s kernel may update in place: its ``donates`` attribute, a tuple or a function of
+    the step's bound parameters (a multi-tensor update's positions depend on how many tensors it takes)."""
+    if st.kind != "slicewise":
+        return ()
+    d = getattr(_kernel(st.fn), "donates", ())
+    if callable(d):
+        return tuple(d(**st.fn.keywords)) if isinstance(st.fn, functools.partial) else ()
+    return tuple(d)
+
+
 def _fresh(st: Step, impl) -> bool:
     """Are ``st``'s outputs new tensors, sharing no storage with its inputs?"""
     if st.kind == "slicewise":
@@ -66,15 +78,23 @@ def _safe_reader(steps: list[Step], readers: dict, k: int, i: int, impl, keep: s
                                      for r in readers.get(o, ())) for o in steps[k].outputs)
 
 
-def donated_outputs(st: Step) -> int:
-    """How many of ``st``'s leading outputs are its donated inputs updated in place (0 unless
+def donated_mask(st: Step) -> tuple[bool, ...]:
+    """Which of ``st``'s leading outputs are its donated inputs updated in place (empty unless
     :func:`donate_inputs` or :func:`donate_reductions` marked it): output ``k`` is input ``donates[k]``
-    (a donated all-reduce's output is its input), so it allocates nothing."""
+    (a donated all-reduce's output is its input), so it allocates nothing. A multi-tensor kernel (``donates`` a
+    function) may be marked per tensor: its ``donate`` is then a tuple of bools, one per ``donates`` entry."""
     if is_collective(st.kind):
-        return int(donates_input(st))
+        return (True,) if donates_input(st) else ()
     if st.kind != "slicewise" or not (isinstance(st.fn, functools.partial) and st.fn.keywords.get("donate")):
-        return 0
-    return len(getattr(_kernel(st.fn), "donates", ()))
+        return ()
+    flag = st.fn.keywords["donate"]
+    n = len(donatable_inputs(st))
+    return tuple(bool(f) for f in flag) if isinstance(flag, tuple) else (True,) * n
+
+
+def donated_outputs(st: Step) -> int:
+    """How many of ``st``'s outputs are donated inputs updated in place (see :func:`donated_mask`)."""
+    return sum(donated_mask(st))
 
 
 def donate_reductions(steps: list[Step], variable_slots: set, keep: set, impls: dict) -> list[Step]:
@@ -115,13 +135,15 @@ def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict
             readers.setdefault(s, []).append(i)
     out = list(steps)
     for i, st in enumerate(steps):
-        donates = getattr(_kernel(st.fn), "donates", ()) if st.kind == "slicewise" else ()
+        donates = donatable_inputs(st)
         impl = impls[st.mesh]
         if not donates or len(impl.local_pnums()) != 1:
             continue
         slots = [st.inputs[j] for j in donates]
-        if len(set(slots)) == len(slots) and all(
-                s in variable_slots and s not in keep and readers[s][-1] == i
-                and all(_safe_reader(steps, readers, k, i, impl, keep) for k in readers[s]) for s in slots):
+        ok = [slots.count(s) == 1 and s in variable_slots and s not in keep and readers[s][-1] == i
+              and all(_safe_reader(steps, readers, k, i, impl, keep) for k in readers[s]) for s in slots]
+        if all(ok):
             out[i] = dataclasses.replace(st, fn=functools.partial(st.fn, donate=True))
+        elif any(ok) and callable(getattr(_kernel(st.fn), "donates", None)):  # multi-tensor: per tensor
+            out[i] = dataclasses.replace(st, fn=functools.partial(st.fn, donate=tuple(ok)))
     return out

@@ -116,27 +116,41 @@ def _matmul_fn(a_names, b_names, out_names):
     pb = [b_names.index(n) for n in batch + contract + right]
     mid = batch + left + right
     po = [mid.index(n) for n in out_names]
-    po = None if po == list(range(len(po))) else tuple(po)
-    return functools.partial(_k_matmul, swap=swap, pa=tuple(pa), pb=tuple(pb), po=po,
-                             nb=len(batch), nl=len(left), nk=len(contract))
+    nb, nl, nk, nr = len(batch), len(left), len(contract), len(right)
+    # views the kernel may skip (each is an aten call per step): an identity permute, and a reshape of a slice
+    # already of the kernel's 2-D/3-D shape (one dim per group: e.g. [tokens, d_model] x [d_model, d_ff])
+    shaped = (nb <= 1 and nl == 1 and nk == 1, nb <= 1 and nk == 1 and nr == 1, nb <= 1 and nl == 1 and nr == 1)
+    return functools.partial(_k_matmul, swap=swap, pa=_perm_or_none(pa), pb=_perm_or_none(pb), po=_perm_or_none(po),
+                             nb=nb, nl=nl, nk=nk, shaped=shaped)
+
+
+def _perm_or_none(p):
+    return None if p == list(range(len(p))) else tuple(p)
 
 
 def _k_einsum(*xs, equation):
     return torch.einsum(equation, *xs)
 
 
-def _k_matmul(a, b, *, swap, pa, pb, po, nb, nl, nk):
-    """Kernel of :func:`_matmul_fn`: one ``torch.mm``/``torch.bmm`` on permuted, reshaped slices."""
+def _k_matmul(a, b, *, swap, pa, pb, po, nb, nl, nk, shaped=(False, False, False)):
+    """Kernel of :func:`_matmul_fn`: one ``torch.mm``/``torch.bmm`` on permuted, reshaped slices.
+
+    ``pa``/``pb``/``po``: permutations (None: identity); ``shaped``: (a, b, the product) already have the
+    shapes of the mm/bmm operands and of the result, so they need no reshape."""
     if swap:
         a, b = b, a
-    a, b = a.permute(pa), b.permute(pb)
+    if pa is not None:
+        a = a.permute(pa)
+    if pb is not None:
+        b = b.permute(pb)
     bs, ls, ks, rs = a.shape[:nb], a.shape[nb:nb + nl], a.shape[nb + nl:], b.shape[nb + nk:]
     n_b, n_l, n_k, n_r = math.prod(bs), math.prod(ls), math.prod(ks), math.prod(rs)
     if nb:
-        y = torch.bmm(a.reshape(n_b, n_l, n_k), b.reshape(n_b, n_k, n_r))
+        y = torch.bmm(a if shaped[0] else a.reshape(n_b, n_l, n_k), b if shaped[1] else b.reshape(n_b, n_k, n_r))
     else:
-        y = torch.mm(a.reshape(n_l, n_k), b.reshape(n_k, n_r))
-    y = y.reshape((*bs, *ls, *rs))
+        y = torch.mm(a if shaped[0] else a.reshape(n_l, n_k), b if shaped[1] else b.reshape(n_k, n_r))
+    if not shaped[2]:
+        y = y.reshape((*bs, *ls, *rs))
     return y if po is None else y.permute(po)
 
 

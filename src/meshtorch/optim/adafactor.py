@@ -31,6 +31,7 @@ graphs), we return the increment from ``apply_grads`` and every read in the run 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -60,9 +61,13 @@ def adafactor_decay_rate_pow(exponent: float = 0.8, offset=0):
 
 
 def _k_decay_rate_adam(s, *, beta2: float):
-    """``beta2 (1 - beta2^(t-1)) / (1 - beta2^t)``, ``t = s + 1``, in float64 from the int step, as float32."""
-    t = s.to(torch.float64) + 1.0
-    return (beta2 * (1.0 - beta2 ** (t - 1.0)) / (1.0 - beta2 ** t)).to(torch.float32)
+    """``beta2 (1 - beta2^(t-1)) / (1 - beta2^t)``, ``t = s + 1``, in float32 from the int step (no float64 op):
+    ``beta2 expm1((t-1) log beta2) / expm1(t log beta2)``, ``log beta2`` in double on the host."""
+    if beta2 <= 0:
+        return torch.zeros_like(s, dtype=torch.float32)
+    t = s.to(torch.float32) + 1.0
+    log_b = math.log(beta2)
+    return beta2 * torch.expm1((t - 1.0) * log_b) / torch.expm1(t * log_b)
 
 
 def adafactor_decay_rate_adam(beta2: float):

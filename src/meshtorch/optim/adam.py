@@ -18,6 +18,7 @@ same place; we follow torch (bias-corrected), so torch recipes port unchanged.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -25,19 +26,32 @@ from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.base import Optimizer, check_grad
-from meshtorch.optim.fused import FusedAdamUpdate, fused_adam_available
+from meshtorch.ops.variables import _as_variable
+from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate, fused_adam_available
 
 __all__ = ["AdamOptimizer", "AdamWOptimizer"]
 
 
+def _one_minus_pow(s, beta: float):
+    """``1 - beta^(s + 1)`` in float32 from the int step ``s``, as ``-expm1((s + 1) log(beta))``.
+
+    ``log(beta)`` is taken on the host in double precision; the rest is float32 with no cancellation (the
+    direct ``1 - beta^t`` loses ~4 digits at t = 1 for beta = 0.999), so the step runs no float64 op
+    (GPUs' float64 units are slow, and a float64 op in a step blocks CUDA graphs' and TF32's
+    all-float32 path) and stays within float32 rounding of the double formula.
+    """
+    return -torch.expm1((s.to(torch.float32) + 1.0) * math.log(beta)) if beta > 0 else torch.ones_like(
+        s, dtype=torch.float32)
+
+
 def _k_bias_correction(s, *, beta: float):
-    """``1 - beta^(s + 1)`` in float64 from the int step ``s``, as float32."""
-    return (1.0 - beta ** (s.to(torch.float64) + 1)).to(torch.float32)
+    """``1 - beta^(s + 1)`` from the int step ``s``, float32 (:func:`_one_minus_pow`)."""
+    return _one_minus_pow(s, beta)
 
 
 def _k_bias_correction_sqrt(s, *, beta: float):
-    """``sqrt(1 - beta^(s + 1))`` in float64 from the int step ``s``, as float32."""
-    return torch.sqrt(1.0 - beta ** (s.to(torch.float64) + 1)).to(torch.float32)
+    """``sqrt(1 - beta^(s + 1))`` from the int step ``s``, float32 (:func:`_one_minus_pow`)."""
+    return torch.sqrt(_one_minus_pow(s, beta))
 
 
 class AdamOptimizer(Optimizer):
@@ -80,7 +94,7 @@ class AdamOptimizer(Optimizer):
         self.epsilon, self.weight_decay = float(epsilon), float(weight_decay)
 
     def _corrections(self, mesh):
-        """(1 - b1^t, sqrt(1 - b2^t)) as float32 scalars, computed in float64 from the int step."""
+        """(1 - b1^t, sqrt(1 - b2^t)) as float32 scalars from the int step (no float64 op)."""
         c = self._context(mesh)
         if "adam_bc" not in c:
             b1, b2 = self.beta1, self.beta2
@@ -92,15 +106,53 @@ class AdamOptimizer(Optimizer):
             c["adam_bc"] = (bc1, bc2)
         return c["adam_bc"]
 
+    def _slots(self, var):
+        f32 = torch.float32
+        return tuple(get_variable(var.mesh, f"{var.name}/adam_{k}", var.shape, initializer=zeros_initializer(),
+                                  dtype=f32, trainable=False) for k in ("m", "v"))
+
+    def apply_grads(self, grads, variables):
+        """As :meth:`Optimizer.apply_grads`; fused: ONE multi-tensor update per mesh
+        (:class:`~meshtorch.optim.fused.FusedAdamGroupUpdate`: one ``torch._fused_adamw_`` call per processor
+        for all its variables' slices, as ``torch.optim.AdamW(fused=True)``), then one assignment per variable.
+        Slot names, values and checkpoints are those of the per-variable update (:meth:`apply_grad`)."""
+        grads, variables = list(grads), list(variables)
+        if not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables):
+            return super().apply_grads(grads, variables)
+        groups: dict = {}
+        for g, v in zip(grads, variables, strict=True):
+            if g is not None:
+                var = _as_variable(v)
+                groups.setdefault(var.mesh, []).append((g, var))
+        ops = []
+        for mesh, pairs in groups.items():
+            with mesh.graph.storage_scope():
+                gs, ws, ms, vs = [], [], [], []
+                for g, var in pairs:
+                    check_grad(g, var, type(self).__name__)
+                    m, v = self._slots(var)
+                    gs.append(g if g.dtype == var.dtype else ew.cast(g, var.dtype))
+                    ws.append(var.value)
+                    ms.append(m)
+                    vs.append(v)
+                n = len(pairs)
+                op = FusedAdamGroupUpdate(ws, gs, ms, vs, self.step_int(mesh), self.lr(mesh), beta1=self.beta1,
+                                          beta2=self.beta2, epsilon=self.epsilon, weight_decay=self.weight_decay,
+                                          decoupled=self.decoupled, name="fused_adam_group")
+                out = op.outputs
+                ops.extend(Assign([var, m.operation, v.operation], [out[i], out[n + i], out[2 * n + i]],
+                                  name=f"{var.name}/adam_update")
+                           for i, ((_, var), m, v) in enumerate(zip(pairs, ms, vs, strict=True)))
+            step = self.step_int(mesh)
+            ops.append(Assign([step.operation], [step + 1], name="global_step_increment"))
+        return ops
+
     def apply_grad(self, grad, var):
         check_grad(grad, var, type(self).__name__)
         mesh = var.mesh
         lr = self.lr(mesh)
         f32 = torch.float32
-        m = get_variable(mesh, f"{var.name}/adam_m", var.shape, initializer=zeros_initializer(), dtype=f32,
-                         trainable=False)
-        v = get_variable(mesh, f"{var.name}/adam_v", var.shape, initializer=zeros_initializer(), dtype=f32,
-                         trainable=False)
+        m, v = self._slots(var)
         if self.fused:
             op = FusedAdamUpdate(var.value, grad, m, v, self.step_int(mesh), lr, beta1=self.beta1,
                                  beta2=self.beta2, epsilon=self.epsilon, weight_decay=self.weight_decay,

@@ -25,14 +25,20 @@ from meshtorch.ops.binary import minimum
 __all__ = ["GlobalSumOfSquares", "global_norm", "clip_by_global_norm"]
 
 
+def _squared_norms(ts):
+    """``[sum(t_i^2)]`` of local slices as one float32 vector: one multi-tensor ``torch._foreach_norm`` call
+    (as ``torch.nn.utils.clip_grad_norm_(foreach=True)``), in float32 whatever the slices' dtype."""
+    return torch.stack(torch._foreach_norm(list(ts), 2, dtype=torch.float32)).square()
+
+
 def _k_sum_squares(*ts):
     """``sum_i sum(t_i^2)`` of local slices, in float32."""
-    return sum(t.to(torch.float32).square().sum() for t in ts)
+    return _squared_norms(ts).sum()
 
 
 def _k_sum_squares_masked(m, *ts):
     """``sum_i m_i sum(t_i^2)``: only the slices this processor contributes (bool mask ``m``)."""
-    terms = torch.stack([t.to(torch.float32).square().sum() for t in ts])
+    terms = _squared_norms(ts)
     return torch.where(m, terms, torch.zeros_like(terms)).sum()
 
 

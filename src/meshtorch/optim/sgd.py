@@ -6,11 +6,49 @@ are laid out by the same rules and live where the parameter's slices live.
 
 from __future__ import annotations
 
+from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
-from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.ops.variables import Assign, _as_variable, get_variable
 from meshtorch.optim.base import Optimizer, check_grad
+from meshtorch.optim.foreach_sgd import ForeachSgdGroupUpdate
 
 __all__ = ["Optimizer", "SgdOptimizer", "MomentumOptimizer", "MeshTFMomentumOptimizer"]
+
+
+def _grouped_updates(opt, grads, variables, momentum: float | None, fold: bool, slot_name):
+    """One :class:`ForeachSgdGroupUpdate` per (mesh, dtype) group of the variables with a gradient, one
+    assignment per variable, one step increment per mesh: ``apply_grads`` as multi-tensor steps."""
+    groups: dict = {}
+    for g, v in zip(grads, variables, strict=True):
+        if g is not None:
+            var = _as_variable(v)
+            groups.setdefault((var.mesh, var.dtype), []).append((g, var))
+    ops, meshes = [], []
+    for (mesh, _), pairs in groups.items():
+        with mesh.graph.storage_scope():
+            gs, slots = [], []
+            for g, var in pairs:
+                check_grad(g, var, type(opt).__name__)
+                gs.append(g if g.dtype == var.dtype else ew.cast(g, var.dtype))
+                if momentum is not None:
+                    slots.append(get_variable(mesh, slot_name(var), var.shape, initializer=zeros_initializer(),
+                                              dtype=var.dtype, trainable=False))
+            op = ForeachSgdGroupUpdate([var.value for _, var in pairs], slots, gs, opt.lr_for(pairs[0][1]),
+                                       momentum=momentum, weight_decay=opt.weight_decay, fold=fold,
+                                       name="sgd_group")
+            n = len(pairs)
+            for i, (_, var) in enumerate(pairs):
+                if slots:
+                    ops.append(Assign([slots[i].operation, var], [op.outputs[n + i], op.outputs[i]],
+                                      name=f"{var.name}/momentum_update"))
+                else:
+                    ops.append(Assign([var], [op.outputs[i]], name=f"{var.name}/sgd"))
+        if mesh not in meshes:
+            meshes.append(mesh)
+    for mesh in meshes:
+        step = opt.step_int(mesh)
+        ops.append(Assign([step.operation], [step + 1], name="global_step_increment"))
+    return ops
 
 
 class SgdOptimizer(Optimizer):
@@ -24,6 +62,14 @@ class SgdOptimizer(Optimizer):
     def __init__(self, learning_rate=0.1, weight_decay=0.0):
         super().__init__(learning_rate)
         self.weight_decay = float(weight_decay)
+
+    def apply_grads(self, grads, variables):
+        """As :meth:`Optimizer.apply_grads`, as multi-tensor steps: one ``torch._foreach_*`` call per stage for
+        all variables of a mesh and dtype (``torch.optim.SGD(foreach=True)``); the values of :meth:`apply_grad`."""
+        grads, variables = list(grads), list(variables)
+        if type(self).apply_grad is not SgdOptimizer.apply_grad or len(grads) != len(variables):
+            return super().apply_grads(grads, variables)
+        return _grouped_updates(self, grads, variables, None, False, None)
 
     def apply_grad(self, grad, var):
         check_grad(grad, var, "SgdOptimizer")
@@ -58,6 +104,13 @@ class MomentumOptimizer(Optimizer):
     def slot_name(self, var) -> str:
         """The momentum slot variable's name."""
         return f"{var.name}/momentum"
+
+    def apply_grads(self, grads, variables):
+        """As :meth:`Optimizer.apply_grads`, as multi-tensor steps (see :meth:`SgdOptimizer.apply_grads`)."""
+        grads, variables = list(grads), list(variables)
+        if type(self).apply_grad is not MomentumOptimizer.apply_grad or len(grads) != len(variables):
+            return super().apply_grads(grads, variables)
+        return _grouped_updates(self, grads, variables, self.momentum, self.fold_learning_rate, self.slot_name)
 
     def apply_grad(self, grad, var):
         check_grad(grad, var, "MomentumOptimizer")

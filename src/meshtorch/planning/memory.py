@@ -23,7 +23,7 @@ import torch
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters, _human
-from meshtorch.lowering.donate import donated_outputs, donates_input
+from meshtorch.lowering.donate import donated_mask, donates_input
 from meshtorch.lowering.layout import slice_nbytes
 from meshtorch.lowering.plans import Processes
 from meshtorch.lowering.program import Program, TensorSlot
@@ -264,8 +264,8 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
     peak_i, largest = -1, 0
     for i, (st, frees) in enumerate(zip(steps, all_frees, strict=True)):
         outs = st.outputs
-        in_place = donated_outputs(st)  # in-place updates: these outputs are the variables' own storage
-        out_b = [0 if k < in_place else size(o) for k, o in enumerate(outs)]
+        in_place = donated_mask(st)  # in-place updates: these outputs are the variables' own storage
+        out_b = [0 if k < len(in_place) and in_place[k] else size(o) for k, o in enumerate(outs)]
         largest = max([largest, *out_b])
         transient = 0
         for _, sub in st.subprograms:
@@ -277,7 +277,7 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
             peak, peak_i = live + sum(out_b) + transient, i
         live += sum(out_b)
         for f in frees:
-            if in_place and donates_input(st) and f == st.inputs[0]:
+            if any(in_place) and donates_input(st) and f == st.inputs[0]:
                 continue  # a donated all-reduce: its output (counted 0 above) holds the input's bytes on
             live -= size(f)
     return peak, peak_i, largest
