@@ -35,11 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host import describe  # noqa: E402
 
 import meshtorch as mtf  # noqa: E402
-from meshtorch.data.sharding import local_batch_indices, local_feed  # noqa: E402
 from meshtorch.models.transformer import build_lm, preset  # noqa: E402
 from meshtorch.planning import memory_report  # noqa: E402
-from meshtorch.planning.cost import estimate_time  # noqa: E402
 from meshtorch.planning.command import plan_lm  # noqa: E402
+from meshtorch.planning.cost import estimate_time  # noqa: E402
 from meshtorch.runtime.autolayout import choose_layout, default_layout_for, time_steps  # noqa: E402
 from meshtorch.runtime.calibrate import calibrate  # noqa: E402
 

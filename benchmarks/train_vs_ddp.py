@@ -200,7 +200,7 @@ def paired_worker(steps: int, block: int, optim: str, out: str, async_collective
     from meshtorch.mesh.factory import make_mesh_impl
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.runtime.train import batch_feeds, grad_sum_of_squares, make_optimizer, vocab_multiple
-    from meshtorch.runtime.train_config import DEFAULT_PRESET, TrainConfig
+    from meshtorch.runtime.train_config import TrainConfig
 
     cfg, _ = TrainConfig(steps=steps, runs_dir=out, checkpoint_dir="", plot="", sample=0,
                          async_collectives=async_collectives).checked()
@@ -250,7 +250,7 @@ def single(args) -> None:
     from meshtorch.mesh.factory import placement_mesh_impl
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.runtime.train import grad_sum_of_squares, make_optimizer
-    from meshtorch.runtime.train_config import DEFAULT_PRESET, TrainConfig
+    from meshtorch.runtime.train_config import TrainConfig
 
     cfg = TrainConfig(steps=args.steps)
     torch.set_num_threads(cfg.threads)

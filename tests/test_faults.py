@@ -8,9 +8,9 @@ import importlib
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
-import resource
 import subprocess
 import sys
 

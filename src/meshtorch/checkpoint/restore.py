@@ -14,9 +14,9 @@ from meshtorch.checkpoint.format import (
     MANIFEST,
     _dtype_name,
     _local_pnums,
-    check_file,
     _var_table,
     _volume,
+    check_file,
     latest_checkpoint,
     load_manifest,
 )

@@ -15,8 +15,9 @@ A checkpoint is a directory ``<root>/ckpt-<step>/`` holding
 Saving is atomic: everything is written into ``<root>/.tmp-ckpt-<step>``, fsync'ed (files and the
 directory), and renamed (``os.replace``) to ``ckpt-<step>``; old checkpoints beyond ``keep`` are
 deleted only after that, once the new one verifies. Each phase ends with the processes agreeing on
-whether any failed (one all-gather), so a failed write in one rank fails the save in all of them. A crash at any moment leaves the previous checkpoint complete, and
-:func:`latest_checkpoint` never returns a temporary directory.
+whether any failed (one all-gather), so a failed write in one rank fails the save in all of them. A
+crash at any moment leaves the previous checkpoint complete, and :func:`latest_checkpoint` never returns
+a temporary directory.
 
 Restoring reads, for each processor this process holds, only the saved regions that overlap that
 processor's slice (``safe_open(...).get_slice``), whatever mesh and layout wrote them, so no process

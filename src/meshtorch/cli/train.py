@@ -59,8 +59,9 @@ def add_train_subcommand(subparsers) -> None:
                         "processor per process")
     p.add_argument("--layout", default=None,
                    help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis), or "
-                        "auto: the fastest measured of the layouts the calibrated cost model ranks best on this machine "
-                        "(meshtorch plan --calibrate; see --auto-candidates; both cached), within --memory-limit. "
+                        "auto: the fastest measured of the layouts the calibrated cost model ranks best on this "
+                        "machine (meshtorch plan --calibrate; see --auto-candidates; both cached), within "
+                        "--memory-limit. "
                         "Default: "
                         f'"{DEFAULT_LAYOUT}" (under torchrun without --mesh: "{DATA_PARALLEL_LAYOUT}")')
     p.add_argument("--memory-limit", default=None,

@@ -89,7 +89,8 @@ KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
         "allgather", "all_gather", lambda b, g: b * g, lambda b, g: (g - 1) * b,
         # the flat gather, then the reordered copy (none when the pieces concatenate on axis 0)
         lambda p, in_b, out_b: sum(out_b) if p.get("concat_axis") else 0,
-        weight_gather=True, fresh_output=True, calibrate={"mesh_axis": 0, "concat_axis": 0}, bucket="allgather_bucket", bucket_method="all_gather_many",
+        weight_gather=True, fresh_output=True, calibrate={"mesh_axis": 0, "concat_axis": 0},
+        bucket="allgather_bucket", bucket_method="all_gather_many",
         bucket_params=lambda sts: {"mesh_axis": sts[0].params["mesh_axis"],
                                    "concat_axes": tuple(st.params["concat_axis"] for st in sts)},
         bucket_key=lambda st: None,  # weight gathers are bucketed by bucket_gathers, in plan order
@@ -97,7 +98,8 @@ KINDS: dict[str, CollectiveKind] = {c.name: c for c in (
     CollectiveKind(
         "reduce_scatter", "reduce_scatter", lambda b, g: b // g, lambda b, g: (g - 1) / g * b,
         lambda p, in_b, out_b: sum(in_b) if p.get("scatter_axis") else 0,  # the scatter axis moved to the front
-        hoisted=True, calibrate={"mesh_axis": 0, "scatter_axis": 0}, bucket="reduce_scatter_bucket", bucket_method="reduce_scatter_many",
+        hoisted=True, calibrate={"mesh_axis": 0, "scatter_axis": 0}, bucket="reduce_scatter_bucket",
+        bucket_method="reduce_scatter_many",
         bucket_params=lambda sts: {"mesh_axis": sts[0].params["mesh_axis"],
                                    "scatter_axes": tuple(st.params["scatter_axis"] for st in sts)},
         bucket_key=lambda st: (st.mesh, "reduce_scatter", st.params["mesh_axis"]),

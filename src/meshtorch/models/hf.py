@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from meshtorch import layers
+from meshtorch.autodiff import recompute_grad
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes, hf_tensor_map
-from meshtorch.autodiff import recompute_grad
 from meshtorch.models.transformer import REMAT_POLICIES, _keeps_matmuls, training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish

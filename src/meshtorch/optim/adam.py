@@ -24,9 +24,8 @@ import torch
 
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
-from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.ops.variables import Assign, _as_variable, get_variable
 from meshtorch.optim.base import Optimizer, check_grad
-from meshtorch.ops.variables import _as_variable
 from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate, fused_adam_available
 
 __all__ = ["AdamOptimizer", "AdamWOptimizer"]
