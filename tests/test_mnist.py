@@ -171,11 +171,11 @@ def test_matches_plain_pytorch(fashion):
 
 @pytest.mark.slow
 def test_three_epochs_accuracy_all_layouts(fashion):
-    """3 epochs under each layout: test accuracy >= 83% and per-epoch losses agree (runs ~1 min on 2 cores)."""
+    """3 epochs under each layout (hidden 256): test accuracy >= 83%, per-epoch losses agree (~25 s, idle cores)."""
     t0 = time.perf_counter()
     runs = {}
     for m, lay in LAYOUTS:
-        runs[(m, lay)] = train_mnist(m, lay, epochs=3, data=fashion)
+        runs[(m, lay)] = train_mnist(m, lay, epochs=3, hidden=256, data=fashion)
     elapsed = time.perf_counter() - t0
     print(f"\n3 epochs x {len(LAYOUTS)} layouts: {elapsed:.1f}s")
     ref = runs[LAYOUTS[0]]
@@ -255,7 +255,8 @@ def test_bfloat16_activations_within_one_point_of_float32(fashion):
     """Issue acceptance: with bfloat16 activations the MLP MNIST model ends within 1 point of float32."""
     acc = {}
     for dtype in (torch.float32, torch.bfloat16):
-        run = train_mnist("rows:2;cols:2", "batch:rows;hidden:cols", epochs=1, data=fashion, activation_dtype=dtype)
+        run = train_mnist("rows:2;cols:2", "batch:rows;hidden:cols", epochs=1, hidden=256, data=fashion,
+                          activation_dtype=dtype)  # hidden 256: bfloat16 matmuls are slow on CPUs without bf16 units
         acc[dtype] = run.epochs[-1].test_accuracy
     assert acc[torch.float32] >= 0.78
     assert abs(acc[torch.bfloat16] - acc[torch.float32]) <= 0.01, acc
