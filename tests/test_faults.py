@@ -249,12 +249,12 @@ def mtf_manifest(ckpt):
 
 @pytest.mark.slow
 def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys):
-    """A 4-rank gloo run (storage d_model:data) to step 8, checkpoints every 2; a 2-rank run resumes its ckpt-4
-    and saves ckpt-6; one process resumes that to step 8. Each resume reports what changed (mesh, processes)
-    at the same data position; the losses of steps 5-8 equal the 4-rank run's within float32 rounding; the
-    one-process run's variables equal the 2-rank checkpoint's bitwise after restore; a model change is refused."""
+    """A 4-rank gloo run (storage d_model:data) to step 14, checkpoints every 2; a 2-rank run resumes its ckpt-4
+    and saves ckpt-8; one process resumes that to step 14. Each resume reports what changed (mesh, processes)
+    at the same data position; the losses of steps 5-14 (10 steps) equal the 4-rank run's within float32 rounding;
+    the one-process run's variables equal the 2-rank checkpoint's bitwise after restore; a model change is refused."""
     lm = [*TINY[:TINY.index("--mesh")], "--schedule", "constant", "--layout", "batch:data", "--storage",
-          "d_model:data", "--steps", "8", "--checkpoint-every", "2", "--eval-every", "100", "--keep", "10"]
+          "d_model:data", "--steps", "14", "--checkpoint-every", "2", "--eval-every", "100", "--keep", "10"]
     env = dict(os.environ, PYTHONPATH=SRC)
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
 
@@ -266,18 +266,18 @@ def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys
         return p.stdout
 
     launch(4, "--checkpoint-dir", str(a))
-    out = launch(2, "--checkpoint-dir", str(b), "--resume-from", str(a / "ckpt-4"), "--steps", "6")
+    out = launch(2, "--checkpoint-dir", str(b), "--resume-from", str(a / "ckpt-4"), "--steps", "8")
     assert (f"resumed from {a / 'ckpt-4'} at step 4 (epoch 0, batch 4); mesh 'data:4' -> 'data:2', "
             "processes 4 -> 2") in out, out
     capsys.readouterr()
     assert main(["train", *lm, "--mesh", "data:2", "--checkpoint-dir", str(c), "--resume-from",
-                 str(b / "ckpt-6")]) == 0
+                 str(b / "ckpt-8")]) == 0
     out = capsys.readouterr().out
-    assert f"resumed from {b / 'ckpt-6'} at step 6 (epoch 0, batch 6); processes 2 -> 1" in out, out
-    want, got = _history(str(a / "ckpt-8"))["loss"], _history(str(c / "ckpt-8"))["loss"]
-    assert len(want) == len(got) == 8 and got[:4] == want[:4]
+    assert f"resumed from {b / 'ckpt-8'} at step 8 (epoch 0, batch 8); processes 2 -> 1" in out, out
+    want, got = _history(str(a / "ckpt-14"))["loss"], _history(str(c / "ckpt-14"))["loss"]
+    assert len(want) == len(got) == 14 and got[:4] == want[:4]
     rel = max(abs(x - y) / abs(y) for x, y in zip(got[4:], want[4:], strict=True))
-    print(f"4 -> 2 -> 1 processes: steps 5-8 losses, max relative difference to the 4-rank run {rel:.2e}")
+    print(f"4 -> 2 -> 1 processes: steps 5-14 losses, max relative difference to the 4-rank run {rel:.2e}")
     assert rel <= 1e-6, (got, want)
     # the restore itself is exact: the one-process lowering holds the 2-rank checkpoint's values bitwise
     from meshtorch.checkpoint.restore import restore
@@ -285,18 +285,18 @@ def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys
     from meshtorch.mesh.placement import PlacementMeshImpl
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.optim import AdamWOptimizer
-    cfg = mtf_manifest(str(b / "ckpt-6"))["extra"]["config"]
+    cfg = mtf_manifest(str(b / "ckpt-8"))["extra"]["config"]
     model = preset("tiny", **{k: cfg[k] for k in ("num_layers", "d_model", "num_heads", "d_kv", "d_ff", "length",
                                                   "batch_size", "vocab_size")})
     g = build_lm(model, optimizer=AdamWOptimizer(1e-3))  # train's default optimizer: the same slot variables
     lw = Lowering(g.graph, {g.mesh: PlacementMeshImpl("data:2", "batch:data", storage="d_model:data")})
-    restore(lw, str(b / "ckpt-6"))
-    full = _full_from_regions(str(b / "ckpt-6"))
+    restore(lw, str(b / "ckpt-8"))
+    full = _full_from_regions(str(b / "ckpt-8"))
     assert set(full) == set(lw.variable_names)
     for name, t in full.items():
         assert torch.equal(lw.variable_value(name), t), name
     assert main(["train", *lm, "--mesh", "data:2", "--d-model", "64", "--checkpoint-dir", str(tmp_path / "d"),
-                 "--resume-from", str(b / "ckpt-6")]) == 2
+                 "--resume-from", str(b / "ckpt-8")]) == 2
     assert "--d-model 64 differs from the resumed run's 32" in capsys.readouterr().err
 
 
