@@ -136,11 +136,11 @@ def test_training_matches_plain_pytorch(activation):
 def test_gelu_float32_layouts_stay_together():
     """With GELU (a continuous derivative) float32 rounding differences do not grow: 100 steps within 1e-5.
 
-    (Measured: <= 7e-7. With ReLU the same runs part after ~60 steps and reach 1e-2 by step 100, as any
-    two float32 runs with different summation orders do; see build_conv_model's docstring and
-    benchmarks/mnist_conv_results.md.)
+    (Measured: 2.3e-6 at batch 25, the size here since 2026-11-27 for the suite's time; <= 7e-7 at batch 50.
+    With ReLU the same runs part after ~60 steps and reach 1e-2 by step 100, as any two float32 runs with
+    different summation orders do; see build_conv_model's docstring and benchmarks/mnist_conv_results.md.)
     """
-    batch, steps = 50, 100
+    batch, steps = 25, 100
     xs, ys = _train_batches(batch * steps)
     mean, std = pixel_stats(xs)
     runs = []
