@@ -337,3 +337,24 @@ def test_retention_waits_for_the_new_checkpoint_to_verify(tmp_path, monkeypatch)
         mtf.save(m[0], root, step=2, keep=1)
     assert sorted(os.listdir(root)) == ["ckpt-1", "ckpt-2"]
     verify_checkpoint(os.path.join(root, "ckpt-1"))
+
+
+def test_resume_auto_starts_then_continues_bitwise(tmp_path, capsys):
+    """``--resume auto`` (the one command line of every attempt of a restarted job): the first attempt finds no
+    checkpoint and starts the run; the second continues its newest checkpoint. The final variables equal an
+    uninterrupted run's bitwise. Without --run-name / --checkpoint-dir it is refused before any work; the
+    launcher's restart line drops ``--resume auto`` for ``--resume-from``."""
+    from meshtorch.runtime.failures import resume_argv
+    lm = [*TINY, "--schedule", "constant", "--checkpoint-every", "2", "--runs-dir", str(tmp_path / "runs")]
+    assert main(["train", *lm, "--steps", "4", "--checkpoint-dir", str(tmp_path / "whole")]) == 0
+    assert main(["train", *lm, "--steps", "2", "--run-name", "job", "--resume", "auto"]) == 0
+    assert "resumed from" not in capsys.readouterr().out
+    assert main(["train", *lm, "--steps", "4", "--run-name", "job", "--resume", "auto"]) == 0
+    assert f"resumed from {tmp_path / 'runs' / 'job' / 'ckpt' / 'ckpt-2'} at step 2" in capsys.readouterr().out
+    want, got = _full_from_regions(str(tmp_path / "whole" / "ckpt-4")), \
+        _full_from_regions(str(tmp_path / "runs" / "job" / "ckpt" / "ckpt-4"))
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    assert main(["train", *lm, "--steps", "2", "--resume", "auto"]) == 2
+    assert "--resume auto needs --run-name or --checkpoint-dir" in capsys.readouterr().err
+    assert resume_argv(["--steps", "4", "--resume", "auto", "--run-name", "job"], None, "c/ckpt-2") == \
+        ["--steps", "4", "--run-name", "job", "--resume-from", "c/ckpt-2"]

@@ -22,6 +22,13 @@ _OVERRIDES = (("layers", int, "Transformer blocks"), ("d-model", int, "model wid
               ("experts", int, "mixture-of-experts experts per MoE layer (0: dense)"))
 
 
+def _resume_mode(value: str) -> str:
+    """``--resume``'s optional value: only ``auto``."""
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"{value!r}: the only value --resume takes is 'auto' (or none)")
+    return value
+
+
 def add_train_subcommand(subparsers) -> None:
     """Register ``meshtorch train`` on an argparse sub-parsers object. Every flag is checked before data is loaded
     (:meth:`meshtorch.runtime.train_config.TrainConfig.checked`; a new flag also gets a field there)."""
@@ -144,10 +151,12 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--keep", type=int, default=3,
                    help="keep this run's newest N checkpoints (another run's are never deleted)")
-    p.add_argument("--resume", action="store_true",
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_mode, metavar="auto",
                    help="continue the newest checkpoint of the latest run (or of --run-name / --checkpoint-dir) with "
                         "its model flags (and --init-from) taken from its run.json; an error if there is none, if a "
-                        "model flag given differs from the run's, or if its data differ")
+                        "model flag given differs from the run's, or if its data differ. '--resume auto': continue "
+                        "the run named by --run-name / --checkpoint-dir if it has a checkpoint, else start it (the "
+                        "same command for every attempt of a restarted job, e.g. under torchrun --max-restarts)")
     p.add_argument("--resume-from", default=None,
                    help="continue from this checkpoint directory (e.g. an older ckpt-<step> when the newest is "
                         "damaged); new checkpoints go beside it unless --checkpoint-dir is given")

@@ -75,14 +75,14 @@ def resume_argv(argv: list[str], name: str | None, checkpoint: str) -> list[str]
     """``argv`` (a ``train`` command line) continuing from ``checkpoint``: ``--resume``/``--resume-from``
     dropped, ``--resume-from <checkpoint>`` added (and ``--run-name`` when the run had an automatic name)."""
     out, skip = [], False
-    for a in argv:
+    for i, a in enumerate(argv):
         if skip:
             skip = False
             continue
-        if a == "--resume-from":
+        if a == "--resume-from" or (a == "--resume" and i + 1 < len(argv) and argv[i + 1] == "auto"):
             skip = True
             continue
-        if a == "--resume" or a.startswith("--resume-from="):
+        if a in ("--resume", "--resume=auto") or a.startswith("--resume-from="):
             continue
         out.append(a)
     if name and not any(a == "--run-name" or a.startswith("--run-name=") for a in out):

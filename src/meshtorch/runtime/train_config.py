@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtorch.checkpoint import hf, load_manifest
+from meshtorch.checkpoint import hf, latest_checkpoint, load_manifest
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.core.mesh_spec import MeshSpec
@@ -113,7 +113,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep: int = 3
-    resume: bool = False
+    resume: bool | str = False  # True (--resume), False, or "auto" (--resume auto: resume if a checkpoint exists)
     resume_from: str | None = None
     force_data: bool = False
     # sampling after training
@@ -162,7 +162,7 @@ class TrainConfig:
                 axis of the mesh, listing both.
         """
         self._check_numbers()
-        cfg = self._with_mesh_defaults()
+        cfg = self._with_mesh_defaults()._with_auto_resume()
         mesh = checks.mesh_shape("--mesh", cfg.mesh)
         checks.mesh_fits_world("--mesh", cfg.mesh, mesh, world_size())
         checks.device("--device", cfg.device)
@@ -203,6 +203,27 @@ class TrainConfig:
         checks.layout_rules("--layout", cfg.layout, names, mesh)
         checks.layout_rules("--storage", cfg.storage, names, mesh)
         return cfg, paths
+
+    def _with_auto_resume(self) -> TrainConfig:
+        """``--resume auto``: resume when the run's checkpoint directory holds a checkpoint, else start the run
+        (what a job restarted by torchrun's ``--max-restarts`` or a cluster scheduler needs: the same command
+        line every attempt; TorchTitan's checkpoint auto-load, Levanter's ``load_checkpoint=None``).
+
+        Raises:
+            UsageError: naming ``--resume auto`` when neither ``--run-name`` nor ``--checkpoint-dir`` names the
+                run (with an automatic name a restart could neither find its run nor tell it from another), or
+                with ``--resume-from``.
+        """
+        if self.resume != "auto":
+            return self
+        if self.resume_from:
+            raise UsageError("--resume auto and --resume-from: give one (--resume-from names the checkpoint itself).")
+        if self.run_name is None and not self.checkpoint_dir:
+            raise UsageError("--resume auto needs --run-name or --checkpoint-dir: the run every attempt continues "
+                             "(an automatic name differs per attempt).")
+        paths = runs.resolve_run(self.replace(resume=False))
+        found = os.path.isdir(paths.checkpoint_dir) and latest_checkpoint(paths.checkpoint_dir) is not None
+        return self.replace(resume=found)
 
     def saved_record(self) -> dict:
         """The record (manifest ``extra``) of the checkpoint ``--resume`` / ``--resume-from`` continues ({} when
