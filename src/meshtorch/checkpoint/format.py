@@ -154,7 +154,7 @@ def _volume(sizes) -> int:
     return n
 
 
-def _complete_checkpoints(root: str) -> list[tuple[int, str]]:
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     """``[(step, dir)]`` sorted by step: ``ckpt-<step>`` with a manifest, or its ``.old-`` copy when a
     save that replaces the same step crashed between its two renames."""
     found = {}
@@ -176,7 +176,7 @@ def latest_checkpoint(path: str) -> str | None:
     are ignored. If a save replacing an existing step crashed between moving the old directory aside
     and renaming the new one in, the old one (``.old-ckpt-<step>``) is returned.
     """
-    cks = _complete_checkpoints(os.path.abspath(path))
+    cks = complete_checkpoints(os.path.abspath(path))
     return cks[-1][1] if cks else None
 
 

@@ -48,7 +48,6 @@ from meshtorch.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
     _barrier,
-    _complete_checkpoints,
     _dtype_name,
     _fsync_path,
     _impls,
@@ -61,6 +60,7 @@ from meshtorch.checkpoint.format import (
     _var_table,
     _volume,
     _write_json,
+    complete_checkpoints,
     io_cause,
     latest_checkpoint,
     verify_checkpoint,
@@ -175,7 +175,7 @@ def _finish(lowering, root: str, tmp: str, final: str, step: int, extra, run):
 def _retire(root: str, final: str, keep: int, run) -> str | None:
     """Retention: delete this run's checkpoints older than the ``keep`` newest, only once the new one
     ``final`` verifies (sizes and sha256 read back from disk). Returns an error line, or None."""
-    mine = [d for _, d in _complete_checkpoints(root) if run is None or _run_of(d) == str(run)]
+    mine = [d for _, d in complete_checkpoints(root) if run is None or _run_of(d) == str(run)]
     if not mine[:-keep]:
         return None
     try:

@@ -29,7 +29,7 @@ from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
 from meshtorch.mesh.factory import make_mesh_impl
-from meshtorch.mesh.process import broadcast_object, init_distributed, max_over_ranks
+from meshtorch.mesh.process import broadcast_object, init_distributed, is_main_process, max_over_ranks
 from meshtorch.models.transformer import build_lm
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.command import DEFAULT_LAYOUT, pipeline_fields, plan_lm, why_line
@@ -321,7 +321,7 @@ def _read_cache(key: dict) -> dict | None:
 
 
 def _write_cache(key: dict, choice: dict, world: int) -> None:
-    if world > 1 and int(os.environ.get("RANK", "0")) != 0:
+    if world > 1 and not is_main_process():  # the process group's rank 0 writes (_agreed joined the group)
         return
     path = cache_file(key)
     os.makedirs(os.path.dirname(path), exist_ok=True)

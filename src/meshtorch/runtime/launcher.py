@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from meshtorch.checkpoint.format import _complete_checkpoints, verify_checkpoint
+from meshtorch.checkpoint.format import complete_checkpoints, verify_checkpoint
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.mesh.watchdog import PEER_FAILED_STATUS
 from meshtorch.runtime.failures import LAUNCH_PREFIX_ENV, RUN_STATE_ENV, resume_argv
@@ -123,7 +123,7 @@ def _run_once(command, nprocs, timeout_s, grace_s, poll_s, run_name, extra):
 def newest_verified_checkpoint(checkpoint_dir: str) -> str | None:
     """The newest complete checkpoint under ``checkpoint_dir`` whose files match their sizes and sha256 (None:
     none does)."""
-    for _, d in reversed(_complete_checkpoints(os.path.abspath(checkpoint_dir))):
+    for _, d in reversed(complete_checkpoints(os.path.abspath(checkpoint_dir))):
         try:
             verify_checkpoint(d)
             return d
