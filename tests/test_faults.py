@@ -238,6 +238,26 @@ def _full_from_regions(ckpt):
     return out
 
 
+def _restores_bitwise(ckpt, mesh):
+    """A one-process lowering of the checkpoint's LM on ``mesh`` (storage d_model:data) restores every variable
+    bitwise equal to the regions the checkpoint's files hold."""
+    from meshtorch.checkpoint.restore import restore
+    from meshtorch.lowering import Lowering
+    from meshtorch.mesh.placement import PlacementMeshImpl
+    from meshtorch.models.transformer import build_lm, preset
+    from meshtorch.optim import AdamWOptimizer
+    cfg = mtf_manifest(ckpt)["extra"]["config"]
+    model = preset("tiny", **{k: cfg[k] for k in ("num_layers", "d_model", "num_heads", "d_kv", "d_ff", "length",
+                                                  "batch_size", "vocab_size")})
+    g = build_lm(model, optimizer=AdamWOptimizer(1e-3))  # train's default optimizer: the same slot variables
+    lw = Lowering(g.graph, {g.mesh: PlacementMeshImpl(mesh, "batch:data", storage="d_model:data")})
+    restore(lw, ckpt)
+    full = _full_from_regions(ckpt)
+    assert set(full) == set(lw.variable_names)
+    for name, t in full.items():
+        assert torch.equal(lw.variable_value(name), t), (ckpt, name)
+
+
 def _history(ckpt):
     return mtf_manifest(ckpt)["extra"]["history"]
 
@@ -252,7 +272,8 @@ def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys
     """A 4-rank gloo run (storage d_model:data) to step 14, checkpoints every 2; a 2-rank run resumes its ckpt-4
     and saves ckpt-8; one process resumes that to step 14. Each resume reports what changed (mesh, processes)
     at the same data position; the losses of steps 5-14 (10 steps) equal the 4-rank run's within float32 rounding;
-    the one-process run's variables equal the 2-rank checkpoint's bitwise after restore; a model change is refused."""
+    each restore is bitwise; 4 ranks resume the one-process run's ckpt-10 (back up) and its steps 11-14 equal the
+    4-rank run's within float32 rounding; a model change is refused."""
     lm = [*TINY[:TINY.index("--mesh")], "--schedule", "constant", "--layout", "batch:data", "--storage",
           "d_model:data", "--steps", "14", "--checkpoint-every", "2", "--eval-every", "100", "--keep", "10"]
     env = dict(os.environ, PYTHONPATH=SRC)
@@ -277,24 +298,22 @@ def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys
     want, got = _history(str(a / "ckpt-14"))["loss"], _history(str(c / "ckpt-14"))["loss"]
     assert len(want) == len(got) == 14 and got[:4] == want[:4]
     rel = max(abs(x - y) / abs(y) for x, y in zip(got[4:], want[4:], strict=True))
-    print(f"4 -> 2 -> 1 processes: steps 5-14 losses, max relative difference to the 4-rank run {rel:.2e}")
+    with capsys.disabled():
+        print(f"4 -> 2 -> 1 processes: steps 5-14 losses, max relative difference to the 4-rank run {rel:.2e}")
     assert rel <= 1e-6, (got, want)
-    # the restore itself is exact: the one-process lowering holds the 2-rank checkpoint's values bitwise
-    from meshtorch.checkpoint.restore import restore
-    from meshtorch.lowering import Lowering
-    from meshtorch.mesh.placement import PlacementMeshImpl
-    from meshtorch.models.transformer import build_lm, preset
-    from meshtorch.optim import AdamWOptimizer
-    cfg = mtf_manifest(str(b / "ckpt-8"))["extra"]["config"]
-    model = preset("tiny", **{k: cfg[k] for k in ("num_layers", "d_model", "num_heads", "d_kv", "d_ff", "length",
-                                                  "batch_size", "vocab_size")})
-    g = build_lm(model, optimizer=AdamWOptimizer(1e-3))  # train's default optimizer: the same slot variables
-    lw = Lowering(g.graph, {g.mesh: PlacementMeshImpl("data:2", "batch:data", storage="d_model:data")})
-    restore(lw, str(b / "ckpt-8"))
-    full = _full_from_regions(str(b / "ckpt-8"))
-    assert set(full) == set(lw.variable_names)
-    for name, t in full.items():
-        assert torch.equal(lw.variable_value(name), t), name
+    # each restore itself is exact: a lowering on the next run's layout holds the checkpoint's values bitwise
+    _restores_bitwise(str(a / "ckpt-4"), "data:2")
+    _restores_bitwise(str(b / "ckpt-8"), "data:2")
+    # and back up: 4 ranks resume the one-process run's ckpt-10 and end where the 4-rank run ended
+    out = launch(4, "--checkpoint-dir", str(tmp_path / "e"), "--resume-from", str(c / "ckpt-10"))
+    assert (f"resumed from {c / 'ckpt-10'} at step 10 (epoch 0, batch 10); mesh 'data:2' -> 'data:4', "
+            "processes 1 -> 4") in out, out
+    back = _history(str(tmp_path / "e" / "ckpt-14"))["loss"]
+    assert back[:10] == got[:10]
+    rel = max(abs(x - y) / abs(y) for x, y in zip(back[10:], want[10:], strict=True))
+    with capsys.disabled():
+        print(f"1 -> 4 processes: steps 11-14 losses, max relative difference to the 4-rank run {rel:.2e}")
+    assert rel <= 1e-6, (back, want)
     assert main(["train", *lm, "--mesh", "data:2", "--d-model", "64", "--checkpoint-dir", str(tmp_path / "d"),
                  "--resume-from", str(b / "ckpt-8")]) == 2
     assert "--d-model 64 differs from the resumed run's 32" in capsys.readouterr().err
