@@ -1,14 +1,83 @@
 """Decoding from a trained LM: greedy, temperature / top-k sampling, and beam search.
 
-Each new token costs one forward run of the fixed-shape LM graph on the current token buffer;
-causal attention makes the positions after the current one irrelevant. Logits are fetched as
-full tensors and the choice is made on the host with a seeded ``torch.Generator``, so for a given
-seed the tokens are the same under every mesh and layout (the logits agree to float tolerance).
+:func:`sample` decodes with a KV cache by default (:mod:`meshtorch.layers.kv_cache`): a decoder graph
+(:func:`decoder_graph`: the model's prefill and one-token step programs, on the same mesh and layout as the
+given lowering, with its weights copied in) runs the prompt once, then one position per new token; its
+caches are laid out by the layout rules (``heads:model`` splits them). ``use_cache=False`` (and the
+configurations without a cached decoder: pipelined or MoE native LMs, T5) runs the whole fixed-shape graph
+once per token instead (each token then costs a full forward pass over ``length`` positions). Beam search
+keeps that recompute path (its beams reorder the rows, which the caches do not follow yet).
+
+Logits are fetched as full tensors and the choice is made on the host with a seeded ``torch.Generator``, so
+for a given seed the tokens are the same under every mesh and layout, with or without the cache (the
+logits agree to float tolerance).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def decoder_graph(lm):
+    """The KV-cache decoder graph for ``lm``'s config (an ``LMGraph`` or a GPT-2 / Llama ``HFGraph``), or None
+    where there is none (pipelined or MoE native LMs, T5)."""
+    from meshtorch.models.decoding import build_lm_decoder
+    from meshtorch.models.hf import build_hf_decoder
+    from meshtorch.models.hf_config import HFModelConfig
+    from meshtorch.models.transformer import LMConfig
+
+    c = lm.config
+    if isinstance(c, LMConfig) and not c.pipelined and not any(c.is_moe_layer(i) for i in range(c.num_layers)):
+        return build_lm_decoder(c)
+    if isinstance(c, HFModelConfig) and c.family in ("gpt2", "llama"):
+        return build_hf_decoder(c)
+    return None
+
+
+class CachedDecoder:
+    """``lm``'s decoder graph lowered on ``lowering``'s mesh implementation, with ``lowering``'s weights.
+
+    Built once per (lm, mesh implementation) and kept on ``lm``; :meth:`load` copies the weights again (they
+    may have been trained since).
+    """
+
+    def __init__(self, lowering, lm, graph):
+        self.graph = graph
+        self.impl = lowering.mesh_to_impl[lm.mesh]
+        self.lowering = graph.lowering(self.impl, mode=lowering.session.mode)
+
+    @classmethod
+    def of(cls, lowering, lm):
+        """The decoder of ``lm`` on ``lowering`` (None where ``lm`` has none), weights copied from ``lowering``."""
+        impl = lowering.mesh_to_impl[lm.mesh]
+        dec = getattr(lm, "_cached_decoder", None)
+        if dec is None or dec.impl is not impl:
+            graph = decoder_graph(lm)
+            if graph is None:
+                return None
+            dec = cls(lowering, lm, graph)
+            lm._cached_decoder = dec
+        dec.load(lowering)
+        return dec
+
+    def load(self, lowering):
+        """Copy every weight of the decoder graph from ``lowering`` (full tensors, by variable name)."""
+        caches = set(self.graph.cache_names)
+        for name in self.lowering.variable_names:
+            if name not in caches:
+                self.lowering.set_variable_value(name, lowering.variable_value(name))
+
+    def prefill(self, buf: torch.Tensor) -> torch.Tensor:
+        """Run ``buf`` ``[batch, length]`` (the caches now hold its keys and values); its logits (float32)."""
+        g = self.graph
+        return self.lowering.run([g.prefill_logits] + g.prefill_writes, feeds={g.prefill_ids: buf})[0].float()
+
+    def step(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Run the tokens ``ids`` ``[batch]`` at ``position`` (written into the caches); next-token logits
+        ``[batch, vocab]`` (float32)."""
+        g = self.graph
+        feeds = {g.step_ids: ids, g.position: torch.tensor(position, dtype=torch.int32)}
+        return self.lowering.run([g.step_logits] + g.step_writes, feeds=feeds)[0].float()
 
 
 def _next_logits(lowering, lm, buf: torch.Tensor, t: int) -> torch.Tensor:
@@ -39,12 +108,13 @@ def _slide(buf: torch.Tensor, t: int) -> int:
 
 
 def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
-           seed: int = 0, num_samples: int = 1, progress=None, eos_ids=()) -> list[list[int]]:
+           seed: int = 0, num_samples: int = 1, progress=None, eos_ids=(), use_cache: bool = True) -> list[list[int]]:
     """Sample continuations of ``prompt_ids``; ``temperature=0`` is greedy decoding. A sample ends at its first
     token in ``eos_ids`` (kept, as ``transformers.generate`` keeps it); decoding stops when every sample ended.
 
     Past the model's context (``length``) the window slides: each new token is predicted from the last
-    ``length - 1`` tokens.
+    ``length - 1`` tokens (with the cache: by a prefill of that window per token, as learned positions
+    shift).
 
     Args:
         progress: optional callable, called once per generated token (e.g. a tqdm bar's ``update``).
@@ -54,19 +124,31 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
         num_samples: independent samples (rows of the batch), at most the graph's batch size.
         eos_ids: end-of-sequence token ids (e.g. ``config.json``'s ``eos_token_id``); () decodes
             ``max_new_tokens`` tokens.
+        use_cache: decode with the KV cache (:class:`CachedDecoder`) where ``lm`` has one; False: one
+            full-graph run per token.
 
     Returns:
         ``num_samples`` lists of generated token ids (prompt excluded).
     """
     buf, t = _prepare(lm, prompt_ids, num_samples)
+    dec = CachedDecoder.of(lowering, lm) if use_cache else None
+    vocab = lm.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(num_samples)]
     eos, done = {int(e) for e in eos_ids}, [False] * num_samples
+    fresh = True  # the caches do not hold the window yet
     for _ in range(max_new_tokens):
         if all(done):
             break
-        t = _slide(buf, t)
-        logits = _next_logits(lowering, lm, buf, t)[:num_samples].cpu()  # chosen on the host, any device
+        t_before, t = t, _slide(buf, t)
+        if dec is None:
+            logits = _next_logits(lowering, lm, buf, t)
+        elif fresh or t != t_before:  # the prompt (or, past the context, the slid window): one prefill
+            logits = dec.prefill(buf)[:, t - 1, :vocab]
+            fresh = False
+        else:
+            logits = dec.step(buf[:, t - 1], t - 1)[:, :vocab]
+        logits = logits[:num_samples].cpu()  # chosen on the host, any device
         if temperature <= 0:
             nxt = logits.argmax(-1)
         else:
