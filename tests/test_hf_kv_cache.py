@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import _hf_fixtures as F  # noqa: E402
 import meshtorch as mtf  # noqa: E402
 from meshtorch.checkpoint import hf  # noqa: E402
-from meshtorch.runtime.generate import sample  # noqa: E402
+from meshtorch.runtime.generate import beam_search, sample  # noqa: E402
 
 MP = "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"
 LAYOUTS = [("", ""), ("data:2;model:2", MP)]
@@ -83,3 +83,16 @@ def test_step_logits_equal_transformers_cached_logits(saved):
     for t in range(4, 12):
         got = dec.step(ids[:, t], t)[:, : F.VOCAB]
         assert (got - want[:, t]).abs().max() <= 1e-5 * scale, t
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
+def test_beam_search_equals_transformers(saved, family):
+    """4 beams, no EOS, length penalty 0: the best beam of ``generate(num_beams=4)``."""
+    ref, path = saved[family]
+    prompt = F.token_batch(1, PROMPT, seed=11)
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=16, num_beams=4, do_sample=False, use_cache=True, length_penalty=0.0,
+                            early_stopping=False, eos_token_id=None, pad_token_id=0,
+                            attention_mask=torch.ones_like(prompt))[0, PROMPT:].tolist()
+    model, lw = hf.load(path, mtf.PlacementMeshImpl("data:2;model:2", MP), batch_size=4, length=LENGTH)
+    assert beam_search(lw, model, prompt[0], beam_size=4, max_new_tokens=16) == want

@@ -11,7 +11,7 @@ import torch
 
 from meshtorch.models.decoding import build_lm_decoder
 from meshtorch.models.transformer import LMConfig, build_lm
-from meshtorch.runtime.generate import CachedDecoder, sample
+from meshtorch.runtime.generate import CachedDecoder, beam_search, sample
 from meshtorch.testing.torch_lm import TorchLM, state_dict_from_lowering
 
 C = LMConfig(vocab_size=61, vocab_multiple=4, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_layers=2, length=16,
@@ -79,6 +79,16 @@ def test_tokens_equal_recompute_path_on_every_layout(temperature, top_k):
         runs.append(sample(lw, lm, prompt, use_cache=False, **kw))
     assert all(r == runs[0] for r in runs)
     assert len(runs[0][0]) == 20 and len(set(runs[0][0])) > 3
+
+
+def test_beam_search_with_cache_equals_recompute_on_every_layout():
+    """The caches follow the beams (a wrong reorder gives other beams); 14 tokens slide past the context."""
+    runs = []
+    for mesh, layout in LAYOUTS:
+        lm, lw = _model(mesh, layout)
+        runs += [beam_search(lw, lm, [3, 14, 15, 9, 2], beam_size=4, max_new_tokens=14, use_cache=u)
+                 for u in (True, False)]
+    assert all(r == runs[0] for r in runs) and len(runs[0]) == 14
 
 
 def test_greedy_tokens_equal_plain_pytorch_greedy():

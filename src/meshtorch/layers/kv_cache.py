@@ -35,7 +35,7 @@ from meshtorch.ops.sequence import mtf_range
 from meshtorch.ops.shape import concat, split, where
 from meshtorch.ops.variables import assign, get_variable, import_tensor
 
-__all__ = ["FullSequence", "Prefill", "Step", "MEMORY", "ReplayVariables"]
+__all__ = ["FullSequence", "Prefill", "Step", "MEMORY", "ReplayVariables", "reorder_rows"]
 
 #: the cache's sequence dim (its size is the decoder's context ``length``)
 MEMORY = "memory_length"
@@ -159,6 +159,18 @@ class Step(FullSequence):
         o = attention(reshape(q, grouped, name=f"{name}/q_group"), new[0], new[1], MEMORY, self.key, scale=scale,
                       bias=bias, name=name)
         return reshape(o, Shape([d for d in q.shape]), name=f"{name}/heads")
+
+
+def reorder_rows(prefill: Prefill, src: Tensor, batch: str = "batch") -> list:
+    """Cache writes that make row ``b`` of every cache the old row ``src[b]`` (beam search: each beam takes its
+    parent's keys and values). ``src``: int64 ``[beam_src]`` with ``beam_src`` of the ``batch`` dim's size."""
+    out = []
+    for pair in prefill.caches.pairs:
+        for var in pair:
+            rows = gather(var, src, batch, name=f"{var.operation.name}/reorder_rows")
+            out.append(assign(var, rename_dimension(rows, src.shape[0].name, batch),
+                              name=f"{var.operation.name}/reorder"))
+    return out
 
 
 class ReplayVariables:

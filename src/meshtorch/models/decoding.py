@@ -22,7 +22,7 @@ from meshtorch import layers
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.scopes import variable_scope
-from meshtorch.layers.kv_cache import Prefill, ReplayVariables, Step
+from meshtorch.layers.kv_cache import Prefill, ReplayVariables, Step, reorder_rows
 from meshtorch.lowering import Lowering
 from meshtorch.models.transformer import LMConfig, decoder_block, dims, lm_logits
 from meshtorch.ops.indexing import gather
@@ -43,6 +43,8 @@ class DecoderGraph:
             placeholder (0-based, < length); ``step_logits`` ``[batch, vocab]`` (the next token's);
             ``step_writes``: the cache writes of the step.
         cache_names: the cache variables' names (not in checkpoints).
+        reorder_src: int64 ``[beam_src]`` placeholder (``beam_src`` of the batch's size); ``reorder_writes``: the
+            cache writes making row ``b`` the old row ``reorder_src[b]`` (beam search).
     """
 
     config: object
@@ -56,6 +58,8 @@ class DecoderGraph:
     step_logits: Tensor
     step_writes: list
     cache_names: list
+    reorder_src: Tensor
+    reorder_writes: list
 
     def lowering(self, mesh_impl, init: str = "lazy", mode: str = "codegen") -> Lowering:
         """Lower on ``mesh_impl`` (a MeshImpl or MeshSpec); ``init="lazy"``: variables a copy or restore sets
@@ -87,8 +91,9 @@ def build_decoder(config, forward: Callable, seed: int = 0) -> DecoderGraph:
     with variable_scope("", custom_getter=replay.replay):
         step_logits = forward(mesh, step_ids, position, step)
     names = [v.operation.name for pair in first.caches.pairs for v in pair]
+    src = placeholder(mesh, "reorder_src", [Dimension("beam_src", config.batch_size)], dtype=torch.int64)
     return DecoderGraph(config, graph, mesh, prefill_ids, prefill_logits, first.assigns, step_ids, position,
-                        step_logits, step.assigns, names)
+                        step_logits, step.assigns, names, src, reorder_rows(first, src))
 
 
 def build_lm_decoder(config: LMConfig, seed: int = 0) -> DecoderGraph:

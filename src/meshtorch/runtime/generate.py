@@ -6,7 +6,7 @@ given lowering, with its weights copied in) runs the prompt once, then one posit
 caches are laid out by the layout rules (``heads:model`` splits them). ``use_cache=False`` (and the
 configurations without a cached decoder: pipelined or MoE native LMs, T5) runs the whole fixed-shape graph
 once per token instead (each token then costs a full forward pass over ``length`` positions). Beam search
-keeps that recompute path (its beams reorder the rows, which the caches do not follow yet).
+decodes through the same cache, each beam's cache rows following its parent (one reorder run per token).
 
 Logits are fetched as full tensors and the choice is made on the host with a seeded ``torch.Generator``, so
 for a given seed the tokens are the same under every mesh and layout, with or without the cache (the
@@ -79,6 +79,30 @@ class CachedDecoder:
         feeds = {g.step_ids: ids, g.position: torch.tensor(position, dtype=torch.int32)}
         return self.lowering.run([g.step_logits] + g.step_writes, feeds=feeds)[0].float()
 
+    def reorder(self, src: torch.Tensor):
+        """Make row ``b`` of every cache the old row ``src[b]`` (int64 ``[batch]``)."""
+        g = self.graph
+        self.lowering.run(g.reorder_writes, feeds={g.reorder_src: src})
+
+
+class _NextLogits:
+    """Next-token logits ``[batch, vocab]`` (float32, padding stripped) for the token buffer, with the cache
+    (a prefill for the prompt, or past the context for each slid window; else one step) or without."""
+
+    def __init__(self, lowering, lm, use_cache: bool):
+        self.lowering, self.lm = lowering, lm
+        self.dec = CachedDecoder.of(lowering, lm) if use_cache else None
+        self.fresh = True  # the caches do not hold the window yet
+
+    def __call__(self, buf: torch.Tensor, t: int, slid: bool) -> torch.Tensor:
+        vocab = self.lm.config.vocab_size
+        if self.dec is None:
+            return _next_logits(self.lowering, self.lm, buf, t)
+        if self.fresh or slid:
+            self.fresh = False
+            return self.dec.prefill(buf)[:, t - 1, :vocab]
+        return self.dec.step(buf[:, t - 1], t - 1)[:, :vocab]
+
 
 def _next_logits(lowering, lm, buf: torch.Tensor, t: int) -> torch.Tensor:
     logits = lowering.run(lm.logits, feeds={lm.inputs: buf, lm.targets: buf})
@@ -131,23 +155,15 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
         ``num_samples`` lists of generated token ids (prompt excluded).
     """
     buf, t = _prepare(lm, prompt_ids, num_samples)
-    dec = CachedDecoder.of(lowering, lm) if use_cache else None
-    vocab = lm.config.vocab_size
+    next_logits = _NextLogits(lowering, lm, use_cache)
     gen = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(num_samples)]
     eos, done = {int(e) for e in eos_ids}, [False] * num_samples
-    fresh = True  # the caches do not hold the window yet
     for _ in range(max_new_tokens):
         if all(done):
             break
         t_before, t = t, _slide(buf, t)
-        if dec is None:
-            logits = _next_logits(lowering, lm, buf, t)
-        elif fresh or t != t_before:  # the prompt (or, past the context, the slid window): one prefill
-            logits = dec.prefill(buf)[:, t - 1, :vocab]
-            fresh = False
-        else:
-            logits = dec.step(buf[:, t - 1], t - 1)[:, :vocab]
+        logits = next_logits(buf, t, t != t_before)
         logits = logits[:num_samples].cpu()  # chosen on the host, any device
         if temperature <= 0:
             nxt = logits.argmax(-1)
@@ -169,27 +185,33 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
 
 
 def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32,
-                length_penalty: float = 0.0, progress=None) -> list[int]:
+                length_penalty: float = 0.0, progress=None, use_cache: bool = True) -> list[int]:
     """Beam search (Graves 2012; Mesh TF ``beam_search`` without EOS handling): the best sequence.
 
     Past the model's context the window slides (as :func:`sample`); ``progress`` is called per token.
 
     Beams are rows of the graph's batch. Scores are summed log-probabilities divided by
-    ``len**length_penalty`` when ranking the final beams.
+    ``len**length_penalty`` when ranking the final beams. With the cache (``use_cache``, as :func:`sample`)
+    each beam's cache rows follow its parent (:meth:`CachedDecoder.reorder`).
     """
     buf, t = _prepare(lm, prompt_ids, beam_size)
+    next_logits = _NextLogits(lowering, lm, use_cache)
     scores = torch.full((beam_size,), float("-inf"))
     scores[0] = 0.0  # all beams start equal: expand only the first
     hist = torch.zeros(beam_size, 0, dtype=torch.int64)
     for _ in range(max_new_tokens):
-        t = _slide(buf, t)
-        logp = torch.log_softmax(_next_logits(lowering, lm, buf, t)[:beam_size], -1)
+        t_before, t = t, _slide(buf, t)
+        logp = torch.log_softmax(next_logits(buf, t, t != t_before)[:beam_size].cpu(), -1)
         cand = (scores[:, None] + logp).flatten()
         best = cand.topk(beam_size)
         vocab = logp.shape[-1]
         src, tok = best.indices // vocab, best.indices % vocab
         buf[:beam_size] = buf[src].clone()
         buf[:beam_size, t] = tok
+        if next_logits.dec is not None:
+            rows = torch.arange(buf.shape[0])
+            rows[:beam_size] = src
+            next_logits.dec.reorder(rows)
         hist = torch.cat([hist[src], tok[:, None]], dim=1)
         scores = best.values
         t += 1
