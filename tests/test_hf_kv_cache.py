@@ -20,28 +20,10 @@ LAYOUTS = [("", ""), ("data:2;model:2", MP)]
 PROMPT, NEW, LENGTH = 6, 40, 48
 
 
-def _peaked(family: str):
-    """The fixture model with q and k projections scaled x10 (attention logits x100: the largest weight of the
-    last position's attention is 0.3-0.5 of 6-46 positions, not ~1/n) and the attention output x8 (so attention,
-    not the token's own embedding, decides the next token)."""
-    m = F.make_model(family)
-    with torch.no_grad():
-        for layer in (m.transformer.h if family == "gpt2" else m.model.layers):
-            if family == "gpt2":
-                layer.attn.c_attn.weight[:, : 2 * F.D] *= 10.0  # Conv1D [d, 3d]: the q and k columns
-                layer.attn.c_attn.bias[: 2 * F.D] *= 10.0
-                layer.attn.c_proj.weight *= 8.0
-            else:
-                layer.self_attn.q_proj.weight *= 10.0
-                layer.self_attn.k_proj.weight *= 10.0
-                layer.self_attn.o_proj.weight *= 8.0
-    return m
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_kv")
-    return {fam: (m, F.save(m, str(root / fam))) for fam in F.FAMILIES for m in [_peaked(fam)]}
+    return {fam: (m, F.save(m, str(root / fam))) for fam in F.FAMILIES for m in [F.make_peaked_model(fam)]}
 
 
 def _want(model, prompt):
