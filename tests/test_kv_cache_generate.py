@@ -127,6 +127,12 @@ def test_step_flops_are_one_position_plus_cache_attention():
     assert step * 4 < full  # at length 16; the ratio grows with length
 
 
+def test_step_outside_the_cache_is_refused():
+    lm, lw = _model()
+    with pytest.raises(ValueError, match="position 16 is outside"):
+        CachedDecoder.of(lw, lm).step(torch.zeros(C.batch_size, dtype=torch.int64), C.length)
+
+
 def test_no_cached_decoder_for_pipelines_and_moe():
     with pytest.raises(ValueError, match="pipeline_stages"):
         build_lm_decoder(LMConfig(num_layers=2, pipeline_stages=2, microbatches=2, batch_size=4))

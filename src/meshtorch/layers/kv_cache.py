@@ -122,6 +122,7 @@ class Step(FullSequence):
         self.caches, self.position = prefill.caches, position
         self.assigns: list = []
         self._next = 0
+        self._rotations: dict = {}
         mem = self.caches.memory
         later = greater(mtf_range(position.mesh, mem, dtype=position.dtype), position)
         self._bias = cast(later, torch.float32) * -1e9  # [memory_length]: the positions not yet written
@@ -131,10 +132,14 @@ class Step(FullSequence):
         """``x`` ``[..., key]`` rotated by ``position`` as :func:`meshtorch.ops.rotary.rotary` rotates position
         ``position`` of a sequence (``x cos + rotate_half(x) sin``, same float32 tables)."""
         d = x.shape.get_dim_by_name(self.key)
-        pos = Dimension("rotary_positions", self.caches.memory.size)
-        cos, sin = rotary_cos_sin(pos.size, d.size, theta, x.dtype)
-        cos_p, sin_p = (gather(import_tensor(x.mesh, t, [pos, d], name=f"{name}/{n}"), self.position, pos)
-                        for t, n in ((cos, "cos"), (sin, "sin")))
+        key = (theta, d, x.dtype)
+        if key not in self._rotations:  # one cos / sin row per graph, shared by every layer's q and k
+            pos = Dimension("rotary_positions", self.caches.memory.size)
+            cos, sin = rotary_cos_sin(pos.size, d.size, theta, x.dtype)
+            self._rotations[key] = tuple(
+                gather(import_tensor(x.mesh, t, [pos, d], name=f"rotary_{n}_table"), self.position, pos)
+                for t, n in ((cos, "cos"), (sin, "sin")))
+        cos_p, sin_p = self._rotations[key]
         lo, hi = split(x, self.key, 2, name=f"{name}/halves")
         half = concat([hi * -1.0, lo], self.key, name=f"{name}/rotate_half")
         return x * cos_p + half * sin_p

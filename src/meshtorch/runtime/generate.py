@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
+from meshtorch.models.decoding import build_lm_decoder
+from meshtorch.models.hf import build_hf_decoder
+from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.transformer import LMConfig
+
 
 def decoder_graph(lm):
     """The KV-cache decoder graph for ``lm``'s config (an ``LMGraph`` or a GPT-2 / Llama ``HFGraph``), or None
     where there is none (pipelined or MoE native LMs, T5)."""
-    from meshtorch.models.decoding import build_lm_decoder
-    from meshtorch.models.hf import build_hf_decoder
-    from meshtorch.models.hf_config import HFModelConfig
-    from meshtorch.models.transformer import LMConfig
-
     c = lm.config
     if isinstance(c, LMConfig) and not c.pipelined and not any(c.is_moe_layer(i) for i in range(c.num_layers)):
         return build_lm_decoder(c)
@@ -38,7 +38,8 @@ class CachedDecoder:
     """``lm``'s decoder graph lowered on ``lowering``'s mesh implementation, with ``lowering``'s weights.
 
     Built once per (lm, mesh implementation) and kept on ``lm``; :meth:`load` copies the weights again (they
-    may have been trained since).
+    may have been trained since). It holds its own copy of the weights (laid out as ``lowering`` lays out its
+    own) and the caches, ``2 x layers x batch x heads x length x d_kv`` values.
     """
 
     def __init__(self, lowering, lm, graph):
@@ -74,8 +75,15 @@ class CachedDecoder:
 
     def step(self, ids: torch.Tensor, position: int) -> torch.Tensor:
         """Run the tokens ``ids`` ``[batch]`` at ``position`` (written into the caches); next-token logits
-        ``[batch, vocab]`` (float32)."""
+        ``[batch, vocab]`` (float32).
+
+        Raises:
+            ValueError: naming the position, if it is not in ``0 .. length - 1``.
+        """
         g = self.graph
+        if not 0 <= position < g.config.length:
+            raise ValueError(f"CachedDecoder.step: position {position} is outside the cache's 0.."
+                             f"{g.config.length - 1}; past the context, prefill the slid window instead.")
         feeds = {g.step_ids: ids, g.position: torch.tensor(position, dtype=torch.int32)}
         return self.lowering.run([g.step_logits] + g.step_writes, feeds=feeds)[0].float()
 
