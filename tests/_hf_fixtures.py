@@ -105,3 +105,21 @@ def bpe_tokenizer(path: str, corpus: str, vocab_size: int = 100):
     tok.decoder = decoders.Metaspace()
     tok.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"]))
     tok.save(path)
+
+
+def make_peaked_model(family: str):
+    """The fixture model with q and k projections scaled x10 (attention logits x100: the largest weight of the
+    last position's attention is 0.3-0.5 of 6-46 positions, not ~1/n) and the attention output x8 (so attention,
+    not the token's own embedding, decides the next token)."""
+    m = make_model(family)
+    with torch.no_grad():
+        for layer in (m.transformer.h if family == "gpt2" else m.model.layers):
+            if family == "gpt2":
+                layer.attn.c_attn.weight[:, : 2 * D] *= 10.0  # Conv1D [d, 3d]: the q and k columns
+                layer.attn.c_attn.bias[: 2 * D] *= 10.0
+                layer.attn.c_proj.weight *= 8.0
+            else:
+                layer.self_attn.q_proj.weight *= 10.0
+                layer.self_attn.k_proj.weight *= 10.0
+                layer.self_attn.o_proj.weight *= 8.0
+    return m

@@ -376,7 +376,7 @@ def _fusable(q, k, v, bias, length, memory, key, value, float32_logits) -> bool:
 
 def multihead_attention_layer(x: Tensor, heads_dim, kv_dim, length_dim, memory: Tensor | None = None,
                         memory_length_dim=None, causal: bool = False, bias: Tensor | None = None,
-                        scale: float | None = None, name: str | None = None) -> Tensor:
+                        scale: float | None = None, name: str | None = None, attend=None) -> Tensor:
     """Multi-head attention layer (Vaswani et al. 2017) on :func:`scaled_dot_product_attention`.
 
     meshtorch's layer (default scale ``1/sqrt(d_kv)``); Mesh TF's ``mtf.layers.multihead_attention``
@@ -390,6 +390,9 @@ def multihead_attention_layer(x: Tensor, heads_dim, kv_dim, length_dim, memory: 
         heads_dim, kv_dim: Dimensions ``heads`` and ``d_kv`` (``heads`` may be split).
         memory: encoder output ``[batch..., memory_length, d_model]`` for encoder-decoder attention;
             None for self-attention.
+        attend: causal self-attention of the projected q, k, v instead of :func:`attention`: a
+            :class:`meshtorch.layers.kv_cache.FullSequence` / ``Prefill`` / ``Step`` (decoding with a KV cache;
+            ``x`` may then lack ``length_dim``: one position per sequence).
 
     Returns:
         Tensor of x's shape.
@@ -408,8 +411,11 @@ def multihead_attention_layer(x: Tensor, heads_dim, kv_dim, length_dim, memory: 
     mshape = (mem.shape - [d_model.name]) + [heads, d_kv]
     k = einsum([mem, wk], output_shape=mshape, name=f"{name}/k_proj")
     v = einsum([mem, wv], output_shape=mshape, name=f"{name}/v_proj")
-    o = attention(q, k, v, memory_length_dim if memory_length_dim is not None else length_dim, d_kv,
-                  length_dim=length_dim, causal=causal, bias=bias, scale=scale, name=f"{name}/sdpa")
+    if attend is not None:
+        o = attend.attend(q, k, v, scale if scale is not None else 1.0 / math.sqrt(d_kv.size), name=f"{name}/sdpa")
+    else:
+        o = attention(q, k, v, memory_length_dim if memory_length_dim is not None else length_dim, d_kv,
+                      length_dim=length_dim, causal=causal, bias=bias, scale=scale, name=f"{name}/sdpa")
     return einsum([o, wo], output_shape=x.shape, name=f"{name}/o_proj")
 
 

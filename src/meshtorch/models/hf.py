@@ -1,8 +1,9 @@
 """Graphs of Hugging Face decoder-only families on named dims: GPT-2 and Llama.
 
 :func:`build_hf_lm` builds, from an :class:`~meshtorch.models.hf_config.HFModelConfig`, the exact
-computation of ``transformers``' ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (no dropout, no KV
-cache: the whole ``length`` window is recomputed, as :mod:`meshtorch.runtime.generate` decodes).
+computation of ``transformers``' ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (no dropout) over a
+``length`` window; :func:`build_hf_decoder` the same model as a KV-cache decoder (a prefill and a
+one-token step, :mod:`meshtorch.models.decoding`), which :mod:`meshtorch.runtime.generate` decodes with.
 
 Dimension names are the CLI LM's (``batch``, ``length``, ``d_model``, ``heads``, ``kv_heads``,
 ``d_kv``, ``d_ff``, ``vocab``; GPT-2's position table adds ``positions``), so layouts such as
@@ -19,7 +20,7 @@ values ``[batch, length, kv_heads, d_kv]``); split ``kv_heads`` with ``heads``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,18 +29,19 @@ from meshtorch.autodiff import recompute_grad
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.layers.kv_cache import FullSequence
 from meshtorch.lowering import Lowering
+from meshtorch.models.decoding import DecoderGraph, build_decoder
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes, hf_tensor_map
-from meshtorch.models.transformer import REMAT_POLICIES, _keeps_matmuls, training_updates
+from meshtorch.models.transformer import REMAT_POLICIES, keeps_matmuls, training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.reduce import reduce_mean
-from meshtorch.ops.rotary import rotary
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
-__all__ = ["HFGraph", "build_hf_lm", "hf_flops_per_token", "hf_tensor_map"]
+__all__ = ["HFGraph", "build_hf_lm", "build_hf_decoder", "hf_flops_per_token", "hf_tensor_map"]
 
 
 @dataclass
@@ -91,20 +93,22 @@ class _Vars:
         return get_variable(self.mesh, name, [self.d[n] for n in names], initializer=init)
 
 
+_FULL = FullSequence()  # training: causal attention and rotary over the whole ``length`` window
+
+
 def _proj(x: Tensor, w: Tensor, out_dims: list, name: str) -> Tensor:
     shape = (x.shape - ["d_model"]) + out_dims
     return einsum([x, w], output_shape=shape, name=name)
 
 
-def _gpt2_block(x, v, d, c, i):
+def _gpt2_block(x, v, d, c, i, attn=_FULL):
     p = f"h{i}/"
     h = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}ln_1")
     qkv = []
     for w in "qkv":
         t = _proj(h, v(f"{p}attn/{w}"), [d["heads"], d["d_kv"]], f"{p}attn/{w}_proj") + v(f"{p}attn/{w}_bias")
         qkv.append(t)
-    o = layers.scaled_dot_product_attention(*qkv, "length", "d_kv", causal=True, scale=1.0 / math.sqrt(c.d_kv),
-                                            name=f"{p}attn/sdpa")
+    o = attn.attend(*qkv, 1.0 / math.sqrt(c.d_kv), name=f"{p}attn/sdpa")
     x = x + (einsum([o, v(f"{p}attn/o")], output_shape=x.shape, name=f"{p}attn/o_proj") + v(f"{p}attn/o_bias"))
     h = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}ln_2")
     h = _proj(h, v(f"{p}mlp/wi"), [d["d_ff"]], f"{p}mlp/wi_proj") + v(f"{p}mlp/wi_bias")
@@ -113,28 +117,23 @@ def _gpt2_block(x, v, d, c, i):
     return x + h
 
 
-def _llama_attention(h, v, d, c, p):
+def _llama_attention(h, v, d, c, p, attn):
     """Llama self-attention with rotary q/k; grouped-query attention when ``kv_heads < heads``."""
     kv = "heads" if c.num_kv_heads == c.num_heads else "kv_heads"
-    q = rotary(_proj(h, v(f"{p}attn/q", ["d_model", "heads", "d_kv"]), [d["heads"], d["d_kv"]], f"{p}attn/q_proj"),
-               "length", "d_kv", theta=c.rope_theta, name=f"{p}attn/q_rope")
-    k = rotary(_proj(h, v(f"{p}attn/k", ["d_model", kv, "d_kv"]), [d[kv], d["d_kv"]], f"{p}attn/k_proj"),
-               "length", "d_kv", theta=c.rope_theta, name=f"{p}attn/k_rope")
+    q = attn.rotary(_proj(h, v(f"{p}attn/q", ["d_model", "heads", "d_kv"]), [d["heads"], d["d_kv"]],
+                          f"{p}attn/q_proj"), c.rope_theta, name=f"{p}attn/q_rope")
+    k = attn.rotary(_proj(h, v(f"{p}attn/k", ["d_model", kv, "d_kv"]), [d[kv], d["d_kv"]], f"{p}attn/k_proj"),
+                    c.rope_theta, name=f"{p}attn/k_rope")
     val = _proj(h, v(f"{p}attn/v", ["d_model", kv, "d_kv"]), [d[kv], d["d_kv"]], f"{p}attn/v_proj")
-    scale = 1.0 / math.sqrt(c.d_kv)
-    if kv == "heads":
-        o = layers.scaled_dot_product_attention(q, k, val, "length", "d_kv", causal=True, scale=scale,
-                                                name=f"{p}attn/sdpa")
-    else:
-        o = layers.grouped_query_attention(q, k, val, "length", "d_kv", "heads", "kv_heads", causal=True, scale=scale,
-                                           name=f"{p}attn/gqa")
+    o = attn.attend(q, k, val, 1.0 / math.sqrt(c.d_kv), name=f"{p}attn/{'sdpa' if kv == 'heads' else 'gqa'}",
+                    kv_heads=None if kv == "heads" else kv)
     return einsum([o, v(f"{p}attn/o", ["heads", "d_kv", "d_model"])], output_shape=h.shape, name=f"{p}attn/o_proj")
 
 
-def _llama_block(x, v, d, c, i):
+def _llama_block(x, v, d, c, i, attn=_FULL):
     p = f"layers{i}/"
     h = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}input_layernorm")
-    x = x + _llama_attention(h, v, d, c, p)
+    x = x + _llama_attention(h, v, d, c, p, attn)
     h = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}post_attention_layernorm")
     gate = _proj(h, v(f"{p}mlp/gate", ["d_model", "d_ff"]), [d["d_ff"]], f"{p}mlp/gate_proj")
     up = _proj(h, v(f"{p}mlp/up", ["d_model", "d_ff"]), [d["d_ff"]], f"{p}mlp/up_proj")
@@ -143,13 +142,13 @@ def _llama_block(x, v, d, c, i):
     return x + h
 
 
-def _remat(c: HFModelConfig, block, x, v, d, i):
+def _remat(c: HFModelConfig, block, x, v, d, i, attn=_FULL):
     """Block ``i``, its activations recomputed in the backward pass under ``c.remat`` (``block``: keep only the
     block input; ``selective``: keep the matmul and attention outputs), as the native LM's blocks."""
     if c.remat == "none":
-        return block(x, v, d, c, i)
-    return recompute_grad(lambda t: block(t, v, d, c, i), [x],
-                          keep=_keeps_matmuls if c.remat == "selective" else None)
+        return block(x, v, d, c, i, attn)
+    return recompute_grad(lambda t: block(t, v, d, c, i, attn), [x],
+                          keep=keeps_matmuls if c.remat == "selective" else None)
 
 
 def hf_flops_per_token(c: HFModelConfig) -> float:
@@ -159,6 +158,55 @@ def hf_flops_per_token(c: HFModelConfig) -> float:
     attn_w = c.d_model * c.d_kv * (2 * c.num_heads + 2 * c.num_kv_heads)
     n = c.num_layers * (attn_w + ffn) + c.d_model * c.padded_vocab
     return 6 * n + 6 * c.num_layers * 2 * c.num_heads * c.d_kv * c.length
+
+
+def _forward(c: HFModelConfig, d: dict, v: _Vars, mesh: Mesh, ids: Tensor, position, attn) -> Tensor:
+    """Logits ``[batch, (length,) vocab]`` of ``ids`` ``[batch, length]`` (``position`` None) or ``[batch]`` at
+    the int32 scalar ``position`` (a decoding step); self-attention through ``attn``
+    (:mod:`meshtorch.layers.kv_cache`)."""
+    out = [d["batch"]] + ([d["length"]] if position is None else []) + [d["vocab"]]
+    if c.family == "gpt2":
+        wte = v("wte")
+        pos_ids = position if position is not None else import_tensor(mesh, torch.arange(c.length), [d["length"]],
+                                                                      name="position_ids", dtype=torch.int64)
+        x = layers.embedding_lookup(wte, ids, d["vocab"]) + layers.embedding_lookup(v("wpe"), pos_ids,
+                                                                                   d["positions"])
+        for i in range(c.num_layers):
+            x = _remat(c, _gpt2_block, x, v, d, i, attn)
+        x = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name="ln_f")
+        emb = wte
+    else:
+        emb = v("embed_tokens")
+        x = layers.embedding_lookup(emb, ids, d["vocab"])
+        for i in range(c.num_layers):
+            x = _remat(c, _llama_block, x, v, d, i, attn)
+        x = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name="norm")
+    head = emb if c.tied else v("lm_head")
+    logits = layers.embedding_logits(x, head, d["d_model"], output_shape=out, name="lm_head_proj")
+    if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient), as the native LM
+        mask = torch.zeros(c.padded_vocab)
+        mask[c.vocab_size:] = -1e9
+        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+    return logits
+
+
+def build_hf_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
+    """The KV-cache decoder graph (:func:`meshtorch.models.decoding.build_decoder`) of :func:`build_hf_lm`'s
+    GPT-2 / Llama model: the same variable names, a prefill over ``[batch, length]`` and a one-token step
+    (GPT-2: position embedding of ``position``; Llama: rotary by ``position``); caches
+    ``[batch, heads or kv_heads, memory_length, d_kv]``.
+
+    Raises:
+        ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not GPT-2 / Llama.
+    """
+    c = replace(config, remat="none")
+    if c.length < 1:
+        raise ValueError("build_hf_decoder: config.length is 0; call config.with_shape(batch_size, length) first.")
+    if c.family not in ("gpt2", "llama"):
+        raise ValueError(f"build_hf_decoder: no KV-cache decoder for family {c.family!r} (GPT-2 and Llama have one).")
+    d = _dims(c)
+    return build_decoder(c, lambda mesh, ids, position, attn: _forward(c, d, _Vars(mesh, c, d), mesh, ids, position,
+                                                       attn), seed)
 
 
 def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None) -> HFGraph:
@@ -194,28 +242,7 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     v = _Vars(mesh, c, d)
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
-    if c.family == "gpt2":
-        wte = v("wte")
-        pos_ids = import_tensor(mesh, torch.arange(c.length), [d["length"]], name="position_ids", dtype=torch.int64)
-        x = layers.embedding_lookup(wte, inputs, d["vocab"]) + layers.embedding_lookup(v("wpe"), pos_ids,
-                                                                                      d["positions"])
-        for i in range(c.num_layers):
-            x = _remat(c, _gpt2_block, x, v, d, i)
-        x = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name="ln_f")
-        emb = wte
-    else:
-        emb = v("embed_tokens")
-        x = layers.embedding_lookup(emb, inputs, d["vocab"])
-        for i in range(c.num_layers):
-            x = _remat(c, _llama_block, x, v, d, i)
-        x = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name="norm")
-    head = emb if c.tied else v("lm_head")
-    logits = layers.embedding_logits(x, head, d["d_model"], output_shape=[d["batch"], d["length"], d["vocab"]],
-                                     name="lm_head_proj")
-    if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient), as the native LM
-        mask = torch.zeros(c.padded_vocab)
-        mask[c.vocab_size:] = -1e9
-        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+    logits = _forward(c, d, v, mesh, inputs, None, _FULL)
     xent = layers.softmax_cross_entropy_with_logits(logits, targets, d["vocab"])  # integer targets: no one-hot
     loss = reduce_mean(xent, name="loss")
     updates = training_updates(graph, loss, optimizer, clip_norm)

@@ -249,15 +249,8 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
             x = _block(c, d, x, f"layer_{i}", train, aux_losses, moe)
         else:  # activation checkpointing: the block's activations are recomputed in the backward pass
             x = recompute_grad(lambda t, i=i: _block(c, d, t, f"layer_{i}", train, aux_losses), [x],
-                               keep=_keeps_matmuls if c.remat == "selective" else None)
-    x = _norm(c, x, d["d_model"], "final_norm")
-    logits = layers.dense(x, d["vocab"], use_bias=False, name="logits",
-                              kernel_initializer=VarianceScalingInitializer(1.0, "fan_in", "normal",
-                                                                                [d["d_model"]], [d["vocab"]]))
-    if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient)
-        mask = torch.zeros(c.padded_vocab)
-        mask[c.vocab_size:] = -1e9
-        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+                               keep=keeps_matmuls if c.remat == "selective" else None)
+    logits = lm_logits(c, d, x)
     soft = targets  # integer ids: a sparse cross entropy, no [batch, length, vocab] one-hot tensor
     if c.label_smoothing:  # spread over the real (unpadded) classes only
         spread = torch.zeros(c.padded_vocab)
@@ -286,17 +279,37 @@ def _pipelined_blocks(c, d, x, train):
     micro = Shape([Dimension("batch", c.batch_size // M), Dimension("microbatches", M), d["length"], d["d_model"]])
     xs = reshape(x, micro, name="pipeline/microbatch")
     ys = layers.pipeline(lambda h, name: _block(c, d, h, name, train, []), xs, sched,
-                         remat=c.pipeline_remat, remat_keep=_keeps_matmuls if c.remat == "selective" else None,
+                         remat=c.pipeline_remat, remat_keep=keeps_matmuls if c.remat == "selective" else None,
                          bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0, layer_names=lambda i: f"layer_{i}")
     return reshape(ys, x.shape, name="pipeline/unbatch")
 
 
-def _block(c, d, x, name, train, aux_losses, moe=False):
+def lm_logits(c: LMConfig, d: dict, x: Tensor) -> Tensor:
+    """Final norm and logits ``[..., vocab]`` of the last block's output ``x`` ``[..., d_model]``; padded classes
+    (``vocab_multiple``) get -1e9 added (never win, no gradient)."""
+    x = _norm(c, x, d["d_model"], "final_norm")
+    logits = layers.dense(x, d["vocab"], use_bias=False, name="logits",
+                              kernel_initializer=VarianceScalingInitializer(1.0, "fan_in", "normal",
+                                                                                [d["d_model"]], [d["vocab"]]))
+    if c.padded_vocab != c.vocab_size:
+        mask = torch.zeros(c.padded_vocab)
+        mask[c.vocab_size:] = -1e9
+        logits = logits + import_tensor(x.mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+    return logits
+
+
+def decoder_block(c: LMConfig, d: dict, x: Tensor, name: str, attend) -> Tensor:
+    """Block ``name`` for decoding (no dropout, dense feed-forward), its self-attention through ``attend`` (a
+    :mod:`meshtorch.layers.kv_cache` ``Prefill`` or ``Step``; ``x`` ``[batch, d_model]`` in a step)."""
+    return _block(c, d, x, name, False, [], attend=attend)
+
+
+def _block(c, d, x, name, train, aux_losses, moe=False, attend=None):
     """One pre-norm block named ``name``: self-attention and feed-forward (or MoE) sublayers with residuals.
     ``x`` ``[..., length, d_model]`` may carry leading dims (a pipeline's ``stage``): every op treats them as batch."""
     h = _norm(c, x, d["d_model"], f"{name}/attention_norm")
     h = layers.multihead_attention_layer(h, d["heads"], d["d_kv"], "length", causal=True,
-                                         scale=1.0 / math.sqrt(c.d_kv), name=f"{name}/attention")
+                                         scale=1.0 / math.sqrt(c.d_kv), name=f"{name}/attention", attend=attend)
     x = x + _dropout(c, h, train)
     h = _norm(c, x, d["d_model"], f"{name}/ffn_norm")
     if moe:
@@ -317,7 +330,8 @@ def _block(c, d, x, name, train, aux_losses, moe=False):
 REMAT_POLICIES = ("none", "block", "selective")
 
 
-def _keeps_matmuls(op) -> bool:
+def keeps_matmuls(op) -> bool:
+    """The ``selective`` remat policy's rule (``recompute_grad``'s ``keep``): keep matmul and attention outputs."""
     return isinstance(op, EinsumOperation | AttentionOperation)
 
 

@@ -1,14 +1,115 @@
 """Decoding from a trained LM: greedy, temperature / top-k sampling, and beam search.
 
-Each new token costs one forward run of the fixed-shape LM graph on the current token buffer;
-causal attention makes the positions after the current one irrelevant. Logits are fetched as
-full tensors and the choice is made on the host with a seeded ``torch.Generator``, so for a given
-seed the tokens are the same under every mesh and layout (the logits agree to float tolerance).
+:func:`sample` decodes with a KV cache by default (:mod:`meshtorch.layers.kv_cache`): a decoder graph
+(:func:`decoder_graph`: the model's prefill and one-token step programs, on the same mesh and layout as the
+given lowering, with its weights copied in) runs the prompt once, then one position per new token; its
+caches are laid out by the layout rules (``heads:model`` splits them). ``use_cache=False`` (and the
+configurations without a cached decoder: pipelined or MoE native LMs, T5) runs the whole fixed-shape graph
+once per token instead (each token then costs a full forward pass over ``length`` positions). Beam search
+decodes through the same cache, each beam's cache rows following its parent (one reorder run per token).
+
+Logits are fetched as full tensors and the choice is made on the host with a seeded ``torch.Generator``, so
+for a given seed the tokens are the same under every mesh and layout, with or without the cache (the
+logits agree to float tolerance).
 """
 
 from __future__ import annotations
 
 import torch
+
+from meshtorch.models.decoding import build_lm_decoder
+from meshtorch.models.hf import build_hf_decoder
+from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.transformer import LMConfig
+
+
+def decoder_graph(lm):
+    """The KV-cache decoder graph for ``lm``'s config (an ``LMGraph`` or a GPT-2 / Llama ``HFGraph``), or None
+    where there is none (pipelined or MoE native LMs, T5)."""
+    c = lm.config
+    if isinstance(c, LMConfig) and not c.pipelined and not any(c.is_moe_layer(i) for i in range(c.num_layers)):
+        return build_lm_decoder(c)
+    if isinstance(c, HFModelConfig) and c.family in ("gpt2", "llama"):
+        return build_hf_decoder(c)
+    return None
+
+
+class CachedDecoder:
+    """``lm``'s decoder graph lowered on ``lowering``'s mesh implementation, with ``lowering``'s weights.
+
+    Built once per (lm, mesh implementation) and kept on ``lm``; :meth:`load` copies the weights again (they
+    may have been trained since). It holds its own copy of the weights (laid out as ``lowering`` lays out its
+    own) and the caches, ``2 x layers x batch x heads x length x d_kv`` values.
+    """
+
+    def __init__(self, lowering, lm, graph):
+        self.graph = graph
+        self.impl = lowering.mesh_to_impl[lm.mesh]
+        self.lowering = graph.lowering(self.impl, mode=lowering.session.mode)
+
+    @classmethod
+    def of(cls, lowering, lm):
+        """The decoder of ``lm`` on ``lowering`` (None where ``lm`` has none), weights copied from ``lowering``."""
+        impl = lowering.mesh_to_impl[lm.mesh]
+        dec = getattr(lm, "_cached_decoder", None)
+        if dec is None or dec.impl is not impl:
+            graph = decoder_graph(lm)
+            if graph is None:
+                return None
+            dec = cls(lowering, lm, graph)
+            lm._cached_decoder = dec
+        dec.load(lowering)
+        return dec
+
+    def load(self, lowering):
+        """Copy every weight of the decoder graph from ``lowering`` (full tensors, by variable name)."""
+        caches = set(self.graph.cache_names)
+        for name in self.lowering.variable_names:
+            if name not in caches:
+                self.lowering.set_variable_value(name, lowering.variable_value(name))
+
+    def prefill(self, buf: torch.Tensor) -> torch.Tensor:
+        """Run ``buf`` ``[batch, length]`` (the caches now hold its keys and values); its logits (float32)."""
+        g = self.graph
+        return self.lowering.run([g.prefill_logits] + g.prefill_writes, feeds={g.prefill_ids: buf})[0].float()
+
+    def step(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Run the tokens ``ids`` ``[batch]`` at ``position`` (written into the caches); next-token logits
+        ``[batch, vocab]`` (float32).
+
+        Raises:
+            ValueError: naming the position, if it is not in ``0 .. length - 1``.
+        """
+        g = self.graph
+        if not 0 <= position < g.config.length:
+            raise ValueError(f"CachedDecoder.step: position {position} is outside the cache's 0.."
+                             f"{g.config.length - 1}; past the context, prefill the slid window instead.")
+        feeds = {g.step_ids: ids, g.position: torch.tensor(position, dtype=torch.int32)}
+        return self.lowering.run([g.step_logits] + g.step_writes, feeds=feeds)[0].float()
+
+    def reorder(self, src: torch.Tensor):
+        """Make row ``b`` of every cache the old row ``src[b]`` (int64 ``[batch]``)."""
+        g = self.graph
+        self.lowering.run(g.reorder_writes, feeds={g.reorder_src: src})
+
+
+class _NextLogits:
+    """Next-token logits ``[batch, vocab]`` (float32, padding stripped) for the token buffer, with the cache
+    (a prefill for the prompt, or past the context for each slid window; else one step) or without."""
+
+    def __init__(self, lowering, lm, use_cache: bool):
+        self.lowering, self.lm = lowering, lm
+        self.dec = CachedDecoder.of(lowering, lm) if use_cache else None
+        self.fresh = True  # the caches do not hold the window yet
+
+    def __call__(self, buf: torch.Tensor, t: int, slid: bool) -> torch.Tensor:
+        vocab = self.lm.config.vocab_size
+        if self.dec is None:
+            return _next_logits(self.lowering, self.lm, buf, t)
+        if self.fresh or slid:
+            self.fresh = False
+            return self.dec.prefill(buf)[:, t - 1, :vocab]
+        return self.dec.step(buf[:, t - 1], t - 1)[:, :vocab]
 
 
 def _next_logits(lowering, lm, buf: torch.Tensor, t: int) -> torch.Tensor:
@@ -39,12 +140,13 @@ def _slide(buf: torch.Tensor, t: int) -> int:
 
 
 def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
-           seed: int = 0, num_samples: int = 1, progress=None, eos_ids=()) -> list[list[int]]:
+           seed: int = 0, num_samples: int = 1, progress=None, eos_ids=(), use_cache: bool = True) -> list[list[int]]:
     """Sample continuations of ``prompt_ids``; ``temperature=0`` is greedy decoding. A sample ends at its first
     token in ``eos_ids`` (kept, as ``transformers.generate`` keeps it); decoding stops when every sample ended.
 
     Past the model's context (``length``) the window slides: each new token is predicted from the last
-    ``length - 1`` tokens.
+    ``length - 1`` tokens (with the cache: by a prefill of that window per token, as learned positions
+    shift).
 
     Args:
         progress: optional callable, called once per generated token (e.g. a tqdm bar's ``update``).
@@ -54,19 +156,23 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
         num_samples: independent samples (rows of the batch), at most the graph's batch size.
         eos_ids: end-of-sequence token ids (e.g. ``config.json``'s ``eos_token_id``); () decodes
             ``max_new_tokens`` tokens.
+        use_cache: decode with the KV cache (:class:`CachedDecoder`) where ``lm`` has one; False: one
+            full-graph run per token.
 
     Returns:
         ``num_samples`` lists of generated token ids (prompt excluded).
     """
     buf, t = _prepare(lm, prompt_ids, num_samples)
+    next_logits = _NextLogits(lowering, lm, use_cache)
     gen = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(num_samples)]
     eos, done = {int(e) for e in eos_ids}, [False] * num_samples
     for _ in range(max_new_tokens):
         if all(done):
             break
-        t = _slide(buf, t)
-        logits = _next_logits(lowering, lm, buf, t)[:num_samples].cpu()  # chosen on the host, any device
+        t_before, t = t, _slide(buf, t)
+        logits = next_logits(buf, t, t != t_before)
+        logits = logits[:num_samples].cpu()  # chosen on the host, any device
         if temperature <= 0:
             nxt = logits.argmax(-1)
         else:
@@ -87,27 +193,33 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
 
 
 def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32,
-                length_penalty: float = 0.0, progress=None) -> list[int]:
+                length_penalty: float = 0.0, progress=None, use_cache: bool = True) -> list[int]:
     """Beam search (Graves 2012; Mesh TF ``beam_search`` without EOS handling): the best sequence.
 
     Past the model's context the window slides (as :func:`sample`); ``progress`` is called per token.
 
     Beams are rows of the graph's batch. Scores are summed log-probabilities divided by
-    ``len**length_penalty`` when ranking the final beams.
+    ``len**length_penalty`` when ranking the final beams. With the cache (``use_cache``, as :func:`sample`)
+    each beam's cache rows follow its parent (:meth:`CachedDecoder.reorder`).
     """
     buf, t = _prepare(lm, prompt_ids, beam_size)
+    next_logits = _NextLogits(lowering, lm, use_cache)
     scores = torch.full((beam_size,), float("-inf"))
     scores[0] = 0.0  # all beams start equal: expand only the first
     hist = torch.zeros(beam_size, 0, dtype=torch.int64)
     for _ in range(max_new_tokens):
-        t = _slide(buf, t)
-        logp = torch.log_softmax(_next_logits(lowering, lm, buf, t)[:beam_size], -1)
+        t_before, t = t, _slide(buf, t)
+        logp = torch.log_softmax(next_logits(buf, t, t != t_before)[:beam_size].cpu(), -1)
         cand = (scores[:, None] + logp).flatten()
         best = cand.topk(beam_size)
         vocab = logp.shape[-1]
         src, tok = best.indices // vocab, best.indices % vocab
         buf[:beam_size] = buf[src].clone()
         buf[:beam_size, t] = tok
+        if next_logits.dec is not None:
+            rows = torch.arange(buf.shape[0])
+            rows[:beam_size] = src
+            next_logits.dec.reorder(rows)
         hist = torch.cat([hist[src], tok[:, None]], dim=1)
         scores = best.values
         t += 1

@@ -1,0 +1,210 @@
+"""Key/value caches for incremental decoding (Mesh TF ``mtf.transformer``'s ``first_part`` / ``incremental``
+modes; gpt-fast's static cache), on named dims.
+
+A decoder graph holds two programs over the same weights: the **prefill** (Mesh TF's ``first_part``) runs
+the model over a whole ``[batch, length]`` window, as training does, and writes every self-attention
+layer's keys and values into preallocated caches; the **step** (Mesh TF's ``incremental``) runs one token
+per sequence at a ``position`` (an int32 scalar fed at each run), writes that position of each cache and
+attends over the cache with the later positions masked. A layer's caches are non-trainable variables
+``{layer}/k_cache`` and ``{layer}/v_cache`` of shape ``[batch..., heads, memory_length, d_kv]`` (``kv_heads``
+for grouped-query attention): laid out by the same rules as the activations (``batch:data`` splits their
+batch, ``heads:model`` their heads: tensor-parallel decoding), and never in a checkpoint. The write is a
+select at ``position`` (:func:`meshtorch.ops.shape.where`, exact), kept by an ``assign`` at the end of
+the run (variables are read as of the run's start, :mod:`meshtorch.lowering`): one run of the step costs
+one position of the model's matmuls plus attention over ``memory_length`` cached positions.
+
+The model's attention code calls a :class:`FullSequence` (training: causal attention, rotary over
+``length``), :class:`Prefill` or :class:`Step` object for its rotary positions and its attention, so one
+block definition serves training and both decoding programs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.core.dims import Dimension, Shape, convert_to_shape
+from meshtorch.core.errors import ShapeError
+from meshtorch.core.graph import Tensor
+from meshtorch.layers.attention import attention, grouped_query_attention
+from meshtorch.ops.binary import greater
+from meshtorch.ops.elementwise import cast
+from meshtorch.ops.indexing import gather, one_hot
+from meshtorch.ops.reshape import rename_dimension, reshape
+from meshtorch.ops.rotary import rotary, rotary_cos_sin
+from meshtorch.ops.sequence import mtf_range
+from meshtorch.ops.shape import concat, split, where
+from meshtorch.ops.variables import assign, get_variable, import_tensor
+
+__all__ = ["FullSequence", "Prefill", "Step", "MEMORY", "ReplayVariables", "reorder_rows"]
+
+#: the cache's sequence dim (its size is the decoder's context ``length``)
+MEMORY = "memory_length"
+
+
+class FullSequence:
+    """Positions and attention over a whole ``length`` window (training, and the recompute path).
+
+    Args:
+        length: the query/key sequence dim's name. key: the feature dim's name.
+    """
+
+    def __init__(self, length: str = "length", key: str = "d_kv"):
+        self.length, self.key = length, key
+
+    def rotary(self, x: Tensor, theta: float, name: str) -> Tensor:
+        """Rotary positions 0 .. length - 1 (:func:`meshtorch.ops.rotary.rotary`)."""
+        return rotary(x, self.length, self.key, theta=theta, name=name)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, name: str, heads: str = "heads",
+               kv_heads: str | None = None) -> Tensor:
+        """Causal self-attention of ``q`` ``[batch.., length, heads, key]`` over ``k``/``v`` (grouped-query
+        when ``kv_heads`` names their heads dim)."""
+        if kv_heads is None:
+            return attention(q, k, v, self.length, self.key, length_dim=self.length, causal=True, scale=scale,
+                             name=name)
+        return grouped_query_attention(q, k, v, self.length, self.key, heads, kv_heads, causal=True, scale=scale,
+                                       name=name)
+
+
+class _Caches:
+    """The caches of one decoder graph, in the order the layers ask for them (prefill first, step second)."""
+
+    def __init__(self, memory_length: int):
+        self.memory = Dimension(MEMORY, memory_length)
+        self.pairs: list[tuple[Tensor, Tensor]] = []
+
+
+def _cache_shape(k: Tensor, length: str | None, key: str, memory: Dimension) -> Shape:
+    """``[k's dims but length and key..., memory_length, key]``."""
+    rest = [d for d in k.shape if d.name not in (length, key)]
+    return Shape(rest + [memory, k.shape.get_dim_by_name(key)])
+
+
+class Prefill(FullSequence):
+    """The prefill (``first_part``) pass: :class:`FullSequence` attention that also writes each layer's keys
+    and values, all ``length`` positions, into new cache variables ``{name}/k_cache`` / ``{name}/v_cache``.
+
+    ``assigns`` collects the cache writes: fetch them with the logits.
+    """
+
+    def __init__(self, memory_length: int, length: str = "length", key: str = "d_kv"):
+        super().__init__(length, key)
+        self.caches = _Caches(memory_length)
+        self.assigns: list = []
+
+    def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
+        mem = self.caches.memory
+        if k.shape.get_dim_by_name(self.length).size != mem.size:
+            raise ShapeError(f"Prefill: keys {k.name!r} {k.shape} must have {self.length!r} of the cache's size "
+                             f"{mem.size}.")
+        pair = []
+        for t, what in ((k, "k"), (v, "v")):
+            shape = _cache_shape(t, self.length, self.key, mem)
+            var = get_variable(t.mesh, f"{name}/{what}_cache", shape, dtype=t.dtype, initializer=0.0,
+                               trainable=False)
+            self.assigns.append(assign(var, rename_dimension(t, self.length, MEMORY), name=f"{name}/{what}_write"))
+            pair.append(var)
+        self.caches.pairs.append(tuple(pair))
+        return super().attend(q, k, v, scale, name, heads, kv_heads)
+
+
+class Step(FullSequence):
+    """One incremental decoding step (``incremental``): queries, keys and values of one position per
+    sequence (no ``length`` dim) at ``position`` (an int32 scalar Tensor, 0-based).
+
+    :meth:`attend` writes ``k``/``v`` into the caches the :class:`Prefill` of the same graph made (the
+    ``i``-th call uses the ``i``-th layer's caches) and attends over cached positions ``<= position``;
+    :meth:`rotary` rotates by ``position``. ``assigns`` collects the cache writes.
+    """
+
+    def __init__(self, prefill: Prefill, position: Tensor, key: str = "d_kv"):
+        super().__init__(prefill.length, key)
+        self.caches, self.position = prefill.caches, position
+        self.assigns: list = []
+        self._next = 0
+        self._rotations: dict = {}
+        mem = self.caches.memory
+        later = greater(mtf_range(position.mesh, mem, dtype=position.dtype), position)
+        self._bias = cast(later, torch.float32) * -1e9  # [memory_length]: the positions not yet written
+        self._hot = cast(one_hot(position, mem, dtype=torch.int32), torch.bool)
+
+    def rotary(self, x: Tensor, theta: float, name: str) -> Tensor:
+        """``x`` ``[..., key]`` rotated by ``position`` as :func:`meshtorch.ops.rotary.rotary` rotates position
+        ``position`` of a sequence (``x cos + rotate_half(x) sin``, same float32 tables)."""
+        d = x.shape.get_dim_by_name(self.key)
+        key = (theta, d, x.dtype)
+        if key not in self._rotations:  # one cos / sin row per graph, shared by every layer's q and k
+            pos = Dimension("rotary_positions", self.caches.memory.size)
+            cos, sin = rotary_cos_sin(pos.size, d.size, theta, x.dtype)
+            self._rotations[key] = tuple(
+                gather(import_tensor(x.mesh, t, [pos, d], name=f"rotary_{n}_table"), self.position, pos)
+                for t, n in ((cos, "cos"), (sin, "sin")))
+        cos_p, sin_p = self._rotations[key]
+        lo, hi = split(x, self.key, 2, name=f"{name}/halves")
+        half = concat([hi * -1.0, lo], self.key, name=f"{name}/rotate_half")
+        return x * cos_p + half * sin_p
+
+    def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
+        if self._next >= len(self.caches.pairs):
+            raise ShapeError(f"Step: attention {name!r} is call {self._next + 1}, but the prefill made only "
+                             f"{len(self.caches.pairs)} cache pairs; build the step with the prefill's layers.")
+        k_var, v_var = self.caches.pairs[self._next]
+        self._next += 1
+        new = []
+        for t, var, what in ((k, k_var, "k"), (v, v_var, "v")):
+            full = where(self._hot, t, var, output_shape=var.shape, name=f"{name}/{what}_write_value")
+            self.assigns.append(assign(var, full, name=f"{name}/{what}_write"))
+            new.append(full)
+        bias = cast(self._bias, q.dtype) if q.dtype != torch.float32 else self._bias
+        if kv_heads is None:
+            return attention(q, new[0], new[1], MEMORY, self.key, scale=scale, bias=bias, name=name)
+        h, g = q.shape.get_dim_by_name(heads), k.shape.get_dim_by_name(kv_heads)
+        i = q.shape.dims.index(h)
+        grouped = Shape(q.shape.dims[:i] + [g, Dimension("kv_group", h.size // g.size)] + q.shape.dims[i + 1:])
+        o = attention(reshape(q, grouped, name=f"{name}/q_group"), new[0], new[1], MEMORY, self.key, scale=scale,
+                      bias=bias, name=name)
+        return reshape(o, Shape([d for d in q.shape]), name=f"{name}/heads")
+
+
+def reorder_rows(prefill: Prefill, src: Tensor, batch: str = "batch") -> list:
+    """Cache writes that make row ``b`` of every cache the old row ``src[b]`` (beam search: each beam takes its
+    parent's keys and values). ``src``: int64 ``[beam_src]`` with ``beam_src`` of the ``batch`` dim's size."""
+    out = []
+    for pair in prefill.caches.pairs:
+        for var in pair:
+            rows = gather(var, src, batch, name=f"{var.operation.name}/reorder_rows")
+            out.append(assign(var, rename_dimension(rows, src.shape[0].name, batch),
+                              name=f"{var.operation.name}/reorder"))
+    return out
+
+
+class ReplayVariables:
+    """A ``variable_scope`` custom getter that hands out, in order, the variables a first pass got.
+
+    Layers name their variables after graph-unique scope names (``layer_0/attention``, then
+    ``layer_0/attention_1`` when the same code runs again in the same graph), so a second pass of the
+    same model code would make new variables. :meth:`record` (first pass) notes each ``get_variable`` call;
+    :meth:`replay` (second pass) returns the variable of the same call number, checking shape and leaf name.
+    """
+
+    def __init__(self):
+        self.got: list[Tensor] = []
+        self._i = 0
+
+    def record(self, getter, mesh, full_name, shape, **kw):
+        t = getter(mesh, full_name, shape, **kw)
+        if kw.get("trainable", True):  # the model's weights; not the caches the prefill makes
+            self.got.append((full_name, t))
+        return t
+
+    def replay(self, getter, mesh, full_name, shape, **kw):
+        if self._i >= len(self.got):
+            raise ShapeError(f"ReplayVariables: variable {full_name!r} is call {self._i + 1}; the first pass made "
+                             f"{len(self.got)}.")
+        name, t = self.got[self._i]
+        self._i += 1
+        if name.rsplit("/", 1)[-1] != full_name.rsplit("/", 1)[-1] or t.shape != convert_to_shape(shape):
+            raise ShapeError(f"ReplayVariables: call {self._i} asks for {full_name!r} {shape}; the first pass had "
+                             f"{name!r} {t.shape}.")
+        return t
+
