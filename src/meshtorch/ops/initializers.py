@@ -88,7 +88,8 @@ def _k_values_slice(begin, sizes, device=None, *, initializer, shape, dtype, see
 
 
 def _k_fill_slice(begin, sizes, device=None, *, value: float, dtype: torch.dtype, out_dtype=None) -> torch.Tensor:
-    v = torch.full(sizes, value, dtype=dtype, device=device)
+    with one_thread():  # (see one_thread; a fill is memory-bound)
+        v = torch.full(sizes, value, dtype=dtype, device=device)
     return v if out_dtype is None or out_dtype == dtype else v.to(out_dtype)
 
 
