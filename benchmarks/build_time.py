@@ -16,8 +16,9 @@ timed separately (wall seconds, and process CPU seconds, which a shared host's l
 
 ``build`` = graph + lowering + init (what a training job waits for before its first step; ``plan`` is
 counted in ``lowering``). A model whose variables (weights and AdamW slots) need more than ``--max-gib`` is
-not allocated: its ``init`` is extrapolated from the same shape at 1 and 2 layers (time = a + b x layers,
-exact for a draw that is linear in the elements drawn; printed as "extrapolated") and its steps are not run.
+not allocated: its ``init`` is scaled from a proxy of the same shape with 1 layer and a vocabulary cut until
+it fits in half of ``--max-gib`` (the draw and the zero fills are linear in the elements; printed with a
+``*``) and its steps are not run.
 
 Models: ``124m``: GPT-2 small's shape with untied embeddings (12 layers, d_model 768, 12 heads x 64, d_ff 3072,
 vocab 50257, length 1024: 163M parameters); ``1b``: issue 33's 1.42B shape (24 layers, d_model 2048, 16 heads
@@ -96,18 +97,24 @@ def measure(cfg_kw: dict, batch: int, steps: bool) -> tuple[Clock, object]:
     return clock, lm
 
 
-def extrapolated_init(cfg_kw: dict) -> tuple[float, float]:
-    """(wall, CPU) seconds of ``init`` at ``cfg_kw``'s layer count, fitted as a + b x layers from 1 and 2 layers."""
-    pts = []
-    for layers in (1, 2):
-        lm = _lm(dict(cfg_kw, num_layers=layers), 1)
-        lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec("", "")}, init="lazy")
-        c = Clock()
-        c.phase("init", lw.store.draw_pending)
-        pts.append((c.wall["init"], c.cpu["init"]))
-        del lw, lm
-    layers = cfg_kw["num_layers"]
-    return tuple(p1 + (p2 - p1) * (layers - 1) for p1, p2 in zip(*pts, strict=True))
+def extrapolated_init(cfg_kw: dict, max_bytes: float) -> tuple[float, float, int]:
+    """(wall, CPU) seconds of ``init`` at ``cfg_kw``, scaled from a proxy that fits in ``max_bytes``: the same
+    shape with 1 layer and the vocabulary cut until its variables fit (the draw and the fills are linear in the
+    elements: scaled by the ratio of variable elements, the drawn : filled ratio being AdamW's 1 : 2 in both).
+    Returns the proxy's parameter count too."""
+    proxy = dict(cfg_kw, num_layers=1)
+    lm = _lm(proxy, 1)
+    while variable_bytes(lm) > max_bytes and proxy["vocab_size"] > 64:
+        proxy["vocab_size"] //= 2
+        lm = _lm(proxy, 1)
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec("", "")}, init="lazy")
+    c = Clock()
+    c.phase("init", lw.store.draw_pending)
+    n_proxy = sum(v.shape.size for v in lm.graph.all_variables)
+    params = sum(v.shape.size for v in lm.graph.trainable_variables)
+    del lw, lm
+    n_full = sum(v.shape.size for v in _lm(cfg_kw, 1).graph.all_variables)
+    return c.wall["init"] * n_full / n_proxy, c.cpu["init"] * n_full / n_proxy, params
 
 
 def main(argv=None):
@@ -142,7 +149,7 @@ def main(argv=None):
             fits = nbytes <= args.max_gib * GIB
             clock, _ = measure(cfg_kw, args.batch_size, steps=fits)
             if not fits:
-                clock.wall["init"], clock.cpu["init"] = extrapolated_init(cfg_kw)
+                clock.wall["init"], clock.cpu["init"], proxy = extrapolated_init(cfg_kw, args.max_gib * GIB / 2)
             for d in (clock.wall, clock.cpu):
                 d["build"] = d["graph"] + d["lowering"] + d["init"]
             runs.append(clock)
@@ -157,8 +164,10 @@ def main(argv=None):
 
         label = f"{m} ({cfg_kw['num_layers']}x{cfg_kw['d_model']}, L{cfg_kw['length']})"
         print(f"{label:<28}{params / 1e6:>7.0f}M{nbytes / GIB:>9.2f}  " + "".join(cell(c) for c in cols))
-    print("seconds as wall/CPU (median of --repeats); * init extrapolated from 1 and 2 layers "
-          f"(variables over --max-gib {args.max_gib:g}); build = graph + lowering + init")
+        if not fits:
+            print(f"   * init scaled from a {proxy / 1e6:.0f}M-parameter proxy (1 layer, vocabulary cut to fit "
+                  f"--max-gib {args.max_gib:g} / 2), linear in variable elements; steps not run")
+    print("seconds as wall/CPU (median of --repeats); build = graph + lowering + init (plan is part of lowering)")
 
 
 if __name__ == "__main__":
