@@ -132,6 +132,12 @@ def main(argv=None):
     for m in names:
         if m not in MODELS:
             ap.error(f"--models: unknown model {m!r}; choose from {', '.join(MODELS)}")
+    for flag in ("batch_size", "threads", "repeats", *OVERRIDES):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.max_gib <= 0:
+        ap.error(f"--max-gib must be > 0, got {args.max_gib}")
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
     print(f"{describe()}; {args.threads} intra-op thread(s); load average {load[0]:.1f} (shared host)")

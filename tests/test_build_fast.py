@@ -9,6 +9,7 @@ import hashlib
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,7 +92,6 @@ def test_hash_paths_equal_plain_python_lowbias32():
         want = torch.tensor([_py_bits(5, "w", i, stream) for i in idx], dtype=torch.int64)
         assert torch.equal(_old_bits(5, "w", index, stream), want)
         assert torch.equal(rng.random_bits(5, "w", index, stream), want)
-    import numpy as np
     lo = np.array([i & M32 for i in idx], dtype=np.uint32)
     hi = np.array([i >> 32 for i in idx], dtype=np.uint32)
     out, t = np.empty((2, len(idx)), np.uint32), np.empty((2, len(idx)), np.uint32)

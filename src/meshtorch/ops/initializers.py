@@ -20,12 +20,12 @@ from meshtorch.core.dims import Shape, convert_to_shape
 from meshtorch.ops import rng
 from meshtorch.ops._util import dim_names
 
-#: Elements drawn per chunk. The transient of a draw is ~30 bytes per chunk element (the NumPy uint32 index,
-#: bits and scratch of both Box-Muller streams, float32 top bits, the float part's temporaries), whatever the
-#: variable's size: 16384 keeps every float32 temporary (64 KiB) under glibc's default mmap threshold
-#: (128 KiB), so temporaries are recycled from the heap rather than mapped and faulted in at every op, while
-#: the ~40 NumPy and torch calls per chunk cost little next to its elements. The values do not depend on the
-#: chunk size (the float part is elementwise; :func:`rng.draw_flat` equals the int64 torch path bit for bit).
+#: Elements drawn per chunk. The transient of a draw is its :class:`rng.DrawScratch` (32 bytes per chunk
+#: element for a normal draw, allocated once per slice; :func:`rng.truncated_normal` adds float64 temporaries),
+#: whatever the variable's size, while the ~40 NumPy and torch calls per chunk cost little next to its
+#: elements (8192 cost ~1.5x the CPU time of 16384 to 65536 per element, 2026-11-28). The values do not depend
+#: on the chunk size (the float part is elementwise; :func:`rng.draw_flat` equals the int64 torch path bit for
+#: bit).
 DRAW_CHUNK = 16384
 
 
@@ -67,7 +67,8 @@ def one_thread():
     A chunk's transcendental ops (log, cos, erfinv) are above PyTorch's small parallel grain for them, so with
     more threads each would start an OpenMP team for a few microseconds of work: on a shared, oversubscribed
     host (2 cores, load ~11) that made the draw 10x slower in CPU time (395 vs 31 ns per element, 2 vs 1
-    threads, 2026-11-28). The values are the same: these ops are elementwise."""
+    threads, 2026-11-28). The values are the same: these ops are elementwise. The setting is process-wide: torch
+    ops of other Python threads meanwhile run on one thread too."""
     n = torch.get_num_threads()
     if n == 1:
         yield
