@@ -15,6 +15,7 @@ code below on the values' device, so the float rounding is the torch path's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -142,12 +143,19 @@ def _hash32_np(x: np.ndarray, t: np.ndarray) -> None:
     x ^= t
 
 
+@functools.lru_cache(maxsize=64)
+def _stream_words(seed: int, key: str, streams: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`key_words` of each stream as two uint32 ``[len(streams), 1]`` columns (cached: a slice's chunks
+    share them; read only)."""
+    words = [key_words(seed, f"{key}#{s}") for s in streams]
+    return tuple(np.array([[w[j]] for w in words], dtype=np.uint32) for j in (0, 1))
+
+
 def random_bits_np(seed: int, key: str, streams, lo: np.ndarray, hi, out: np.ndarray, t: np.ndarray) -> None:
     """:func:`random_bits` of each stream in ``streams`` into the rows of ``out`` (uint32
     ``[len(streams), n]``), bit for bit, for the global indices ``lo + hi * 2**32`` (``lo``: uint32 ``[n]``;
     ``hi``: 0 or uint32 ``[n]``); ``t``: uint32 scratch of ``out``'s shape."""
-    words = [key_words(seed, f"{key}#{s}") for s in streams]
-    k0, k1 = (np.array([[w[j]] for w in words], dtype=np.uint32) for j in (0, 1))
+    k0, k1 = _stream_words(seed, key, tuple(streams))
     np.bitwise_xor(lo, k0, out=out)
     _hash32_np(out, t)
     if not np.isscalar(hi):
@@ -158,9 +166,11 @@ def random_bits_np(seed: int, key: str, streams, lo: np.ndarray, hi, out: np.nda
     _hash32_np(out, t)
 
 
-def contiguous_start(full_sizes, begin, slice_sizes) -> int | None:
+@functools.lru_cache(maxsize=64)
+def contiguous_start(full_sizes: tuple, begin: tuple, slice_sizes: tuple) -> int | None:
     """The global (row-major) index of a slice's first element if its elements are consecutive in the full
-    tensor (every dim after the first one of size > 1 in the slice is whole), else None."""
+    tensor (every dim after the first one of size > 1 in the slice is whole), else None (cached: a slice's
+    chunks share it)."""
     lead = next((i for i, s in enumerate(slice_sizes) if s != 1), len(slice_sizes))
     if any(s != f for s, f in zip(slice_sizes[lead + 1:], full_sizes[lead + 1:], strict=True)):
         return None
@@ -203,7 +213,7 @@ def draw_flat(draw, seed: int, key: str, full_sizes, begin, slice_sizes, start: 
     n = stop - start
     sc = scratch if scratch is not None else DrawScratch(draw, n)
     lo, bits, t, top = sc.lo[:n], sc.bits[:, :n], sc.t[:, :n], sc.top[:, :n]
-    first = contiguous_start(full_sizes, begin, slice_sizes)
+    first = contiguous_start(tuple(full_sizes), tuple(begin), tuple(slice_sizes))
     hi = 0
     if first is not None and first + stop <= _MASK32 + 1:
         np.add(sc.ramp[:n], np.uint32(first + start), out=lo)  # no wrap: first + stop <= 2**32
