@@ -10,6 +10,7 @@ lowered program stays data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -19,13 +20,13 @@ from meshtorch.core.dims import Shape, convert_to_shape
 from meshtorch.ops import rng
 from meshtorch.ops._util import dim_names
 
-#: Elements drawn per chunk: the transient of a draw is ~40 bytes per chunk element (int64 index and hash
-#: temporaries), whatever the variable's size. 8192 keeps every int64 temporary (64 KiB) under glibc's
-#: default mmap threshold (128 KiB), so temporaries are recycled from the heap rather than mapped and
-#: faulted in at every op; it is below PyTorch's elementwise grain size (32768), so a chunk's ops never
-#: split across threads: every element but the slice's last few takes the vectorised path, and the values
-#: do not depend on the thread count (a multiple of 64, so no chunk but the last has a scalar tail).
-DRAW_CHUNK = 8192
+#: Elements drawn per chunk. The transient of a draw is its :class:`rng.DrawScratch` (32 bytes per chunk
+#: element for a normal draw, allocated once per slice; :func:`rng.truncated_normal` adds float64 temporaries),
+#: whatever the variable's size, while the ~40 NumPy and torch calls per chunk cost little next to its
+#: elements (8192 cost ~1.5x the CPU time of 16384 to 65536 per element, 2026-11-28). The values do not depend
+#: on the chunk size (the float part is elementwise; :func:`rng.draw_flat` equals the int64 torch path bit for
+#: bit).
+DRAW_CHUNK = 16384
 
 
 def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: int, key: str, draw, mul: float,
@@ -34,22 +35,49 @@ def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: 
     global indices of a tensor of ``full`` sizes, rounded to ``dtype`` (then to ``out_dtype`` if given);
     ``draw`` is an :mod:`rng` function.
 
-    Drawn in chunks of :data:`DRAW_CHUNK` elements straight into the result (float32 arithmetic; only
-    :func:`rng.truncated_normal` uses float64 inside a chunk), so the transient memory is bounded by the
-    chunk, not the slice; each element's value is the same as drawing the whole slice at once.
+    Drawn in chunks of :data:`DRAW_CHUNK` elements straight into the result (:func:`rng.draw_flat`: the
+    integer hash in NumPy, float32 arithmetic; only :func:`rng.truncated_normal` uses float64 inside a
+    chunk), so the transient memory is bounded by the chunk, not the slice; each element's value is the same
+    as drawing the whole slice at once.
     """
     sizes = tuple(int(s) for s in sizes)
     out = torch.empty(sizes, dtype=out_dtype or dtype, device=device)
     flat = out.view(-1)
     n = flat.numel()
-    for start in range(0, n, DRAW_CHUNK):
-        stop = min(n, start + DRAW_CHUNK)
-        v = draw(seed, key, rng.flat_global_index(full, begin, sizes, start, stop, device)) * mul
-        if add is not None:
-            v = v + add
-        v = v.to(dtype)
-        flat[start:stop].copy_(v if out_dtype is None else v.to(out_dtype))
+    chunk = DRAW_CHUNK
+    scratch = rng.DrawScratch(draw, min(n, chunk))
+    direct = flat.dtype == dtype == torch.float32 and flat.device.type == "cpu"  # drawn in place in ``out``
+    with one_thread():
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            seg = flat[start:stop]
+            v = rng.draw_flat(draw, seed, key, full, begin, sizes, start, stop, device, scratch,
+                              out=seg if direct else None).mul_(mul)
+            if add is not None:
+                v.add_(add)
+            if not direct:
+                seg.copy_(v.to(dtype))  # (then to out_dtype: copy_ rounds as .to does)
     return out
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the enclosed torch ops on one intra-op thread (``torch.set_num_threads(1)``, restored after).
+
+    A chunk's transcendental ops (log, cos, erfinv) are above PyTorch's small parallel grain for them, so with
+    more threads each would start an OpenMP team for a few microseconds of work: on a shared, oversubscribed
+    host (2 cores, load ~11) that made the draw 10x slower in CPU time (395 vs 31 ns per element, 2 vs 1
+    threads, 2026-11-28). The values are the same: these ops are elementwise. The setting is process-wide: torch
+    ops of other Python threads meanwhile run on one thread too."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _k_values_slice(begin, sizes, device=None, *, initializer, shape, dtype, seed, key,
@@ -61,7 +89,8 @@ def _k_values_slice(begin, sizes, device=None, *, initializer, shape, dtype, see
 
 
 def _k_fill_slice(begin, sizes, device=None, *, value: float, dtype: torch.dtype, out_dtype=None) -> torch.Tensor:
-    v = torch.full(sizes, value, dtype=dtype, device=device)
+    with one_thread():  # (see one_thread; a fill is memory-bound)
+        v = torch.full(sizes, value, dtype=dtype, device=device)
     return v if out_dtype is None or out_dtype == dtype else v.to(out_dtype)
 
 
