@@ -17,6 +17,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -46,6 +47,7 @@ from meshtorch.optim import (
     linear_warmup,
     rsqrt_decay,
 )
+from meshtorch.optim.accumulate import accumulated_updates
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks, failures, hf_train, runs
 from meshtorch.runtime.generate import sample
@@ -117,12 +119,17 @@ def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
     return feeds
 
 
-def evaluate(lowering, lm, dataset, batches: int) -> float:
-    """Mean validation cross-entropy (nats per token) over ``batches`` batches (per-process batch slices)."""
+def evaluate(lowering, lm, dataset, batches: int, microbatches: int = 1) -> float:
+    """Mean validation cross-entropy (nats per token) over ``batches`` batches (per-process batch slices).
+
+    ``microbatches`` N > 1 (``--accumulate``): ``lm`` is built for a microbatch; each batch of N microbatches is
+    evaluated as N runs, so the same validation rows are read as without accumulation."""
     total, n = 0.0, 0
-    for b in dataset.batches(lm.config.batch_size, seed=0, split="validation"):
-        loss = lm.task_loss if getattr(lm, "task_loss", None) is not None else lm.loss
-        total += lowering.run(loss, feeds=batch_feeds(lowering, lm, b), feed_slices=True).item()
+    loss = lm.task_loss if getattr(lm, "task_loss", None) is not None else lm.loss
+    micro = lm.config.batch_size
+    for b in dataset.batches(micro * microbatches, seed=0, split="validation"):
+        total += sum(lowering.run(loss, feeds=batch_feeds(lowering, lm, b[k * micro:(k + 1) * micro]),
+                                  feed_slices=True).item() for k in range(microbatches)) / microbatches
         n += 1
         if n >= batches:
             break
@@ -147,6 +154,7 @@ class _Job:
     eval_lm: object = None
     eval_lowering: Lowering | None = None
     trace: list | None = None  # --trace-collectives: the flight recorder's records of the training steps
+    accumulation: object = None  # --accumulate N > 1: the AccumulatedUpdates of the microbatch graph
 
     @property
     def main_process(self) -> bool:
@@ -233,19 +241,26 @@ def _load_data(job: _Job) -> tuple | None:
 def _build_model(job: _Job) -> None:
     """The model with its optimizer, its lowering on the mesh (an imported model's weights read into it, unless
     a checkpoint is resumed), and the twin without dropout for evaluation."""
-    cfg, model = job.cfg, job.model
+    cfg, model, n_acc = job.cfg, job.model, job.cfg.accumulate
     opt, clip = make_optimizer(cfg), cfg.clip_norm or None
     kwargs = {"mode": cfg.executor, "bucket_bytes": cfg.bucket_bytes}
     imported = isinstance(model, HFModelConfig)
+    if n_acc > 1:  # the graph is one microbatch's; the optimizer is applied once per n_acc of them
+        model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)
+        opt, clip, accumulate = None, None, (make_optimizer(cfg), cfg.clip_norm or None)
     try:
         if imported:
             job.lm = hf.build(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
+            if n_acc > 1:
+                _accumulate(job, *accumulate)
             if cfg.resuming:  # the weights come from the checkpoint
                 job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
             else:
                 job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
         else:
             job.lm = build_lm(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
+            if n_acc > 1:
+                _accumulate(job, *accumulate)
             job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
     except LayoutError as e:  # e.g. a dimension size the mesh axis does not divide
         raise LayoutError(f"--layout {cfg.layout!r}: {e}") from None
@@ -256,11 +271,20 @@ def _build_model(job: _Job) -> None:
         job.eval_lowering = Lowering(job.eval_lm.graph, {job.eval_lm.mesh: eval_impl})
     n_params = sum(v.shape.size for v in job.lm.graph.trainable_variables)
     source = f"{model.family} from {cfg.init_from!r}: " if imported else ""
+    batch = f"batch {job.model.batch_size}" + (f" ({n_acc} microbatches of {model.batch_size})" if n_acc > 1 else "")
     job.say(f"model: {source}{model.num_layers} layers, d_model {model.d_model}, {model.num_heads} heads x d_kv "
             f"{model.d_kv}, d_ff {model.d_ff}, vocab {model.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
-            f"batch {model.batch_size} x length {model.length}; tokenizer {getattr(job.tok, 'path', cfg.tokenizer)}")
+            f"{batch} x length {model.length}; tokenizer {getattr(job.tok, 'path', cfg.tokenizer)}")
     job.say(f"mesh {cfg.mesh!r} layout {cfg.layout!r} storage {cfg.storage or '(as the layout)'!r}; "
             f"{len(job.dataset.train)} train / {len(job.dataset.validation)} validation sequences")
+
+
+def _accumulate(job: _Job, optimizer, clip) -> None:
+    """``--accumulate N``: the optimizer (and clipping) applied to the gradients summed over N microbatches
+    (:func:`meshtorch.optim.accumulate.accumulated_updates`); ``lm.updates`` are the last microbatch's."""
+    lm = job.lm
+    job.accumulation = accumulated_updates(lm.graph, lm.loss, optimizer, job.cfg.accumulate, clip_norm=clip)
+    lm.updates = job.accumulation.last
 
 
 def _flops_per_token(model) -> float:
@@ -302,6 +326,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
     fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
+    n_acc, micro = cfg.accumulate, lm.config.batch_size
     start, epoch, in_epoch = 0, 0, 0
     if resuming is not None:
         start, epoch, in_epoch = _resume(resuming, lowering, record, history, say)
@@ -328,10 +353,18 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
             epoch, in_epoch, batch = next(batches)
             comp.before("training step")
             t0 = time.perf_counter()
-            outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
+            if n_acc == 1:
+                outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
+                loss = outs[0].item()
+            else:  # one run per microbatch (its forward and backward), the optimizer with the last
+                loss = 0.0
+                for k in range(n_acc):
+                    rows = batch[k * micro:(k + 1) * micro]
+                    fk = fetches if k == n_acc - 1 else [lm.loss] + job.accumulation.fetches(k)
+                    outs = lowering.run(fk, feeds=batch_feeds(lowering, lm, rows), feed_slices=True)
+                    loss += outs[0].item() / n_acc  # the batch's loss: the mean of equal microbatches' means
             dt = time.perf_counter() - t0
             comp.after("training step", dt, steps=1)
-            loss = outs[0].item()
             gnorm = math.sqrt(outs[1].item()) if sumsq is not None and outs[1].item() >= 0 else None
             if sumsq is not None and not math.isfinite(outs[1].item()):
                 gnorm = float("nan")
@@ -392,7 +425,7 @@ def _evaluate_now(job: _Job, comp) -> float:
                 eval_lowering.set_variable_value(name, lowering.variable_value(name))
     comp.before("evaluation step")
     t0 = time.perf_counter()
-    val = evaluate(eval_lowering, job.eval_lm, job.dataset, job.cfg.eval_batches)
+    val = evaluate(eval_lowering, job.eval_lm, job.dataset, job.cfg.eval_batches, job.cfg.accumulate)
     comp.after("evaluation step", time.perf_counter() - t0, steps=0, session=eval_lowering.session)
     return val
 
