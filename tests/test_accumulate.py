@@ -174,3 +174,17 @@ def test_accumulate_with_an_imported_gpt2_trains_as_the_whole_batch(tmp_path):
     wa, wr = _weights(acc), _weights(ref)
     for name in wr:
         torch.testing.assert_close(wa[name], wr[name], rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_resume_continues_an_accumulated_run_exactly_and_accumulators_are_not_required(tmp_path):
+    """4 steps of 2 x batch 4 in one go == 2 steps, then --resume for 2 more (bitwise); a checkpoint written without
+    --accumulate resumes with it (the accumulators are scratch, overwritten by each step's first microbatch)."""
+    base = [*TINY[:-4], "--mesh", "", "--layout", "", "--batch-size", "8", "--eval-every", "2"]
+    ref = _train(*base, "--steps", "4", "--accumulate", "2")["history"]["loss"]
+    _train(*base, "--steps", "2", "--accumulate", "2", "--checkpoint-dir", str(tmp_path / "a"))
+    out = _train(*base, "--steps", "4", "--accumulate", "2", "--checkpoint-dir", str(tmp_path / "a"), "--resume")
+    assert out["history"]["loss"] == ref
+    _train(*base, "--steps", "2", "--checkpoint-dir", str(tmp_path / "b"))
+    plain = _train(*base, "--steps", "4", "--checkpoint-dir", str(tmp_path / "c"))["history"]["loss"]
+    mixed = _train(*base, "--steps", "4", "--accumulate", "2", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    torch.testing.assert_close(torch.tensor(mixed["history"]["loss"]), torch.tensor(plain), rtol=2e-6, atol=0)

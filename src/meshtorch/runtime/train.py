@@ -47,7 +47,7 @@ from meshtorch.optim import (
     linear_warmup,
     rsqrt_decay,
 )
-from meshtorch.optim.accumulate import accumulated_updates
+from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, accumulated_updates
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks, failures, hf_train, runs
 from meshtorch.runtime.generate import sample
@@ -499,8 +499,12 @@ def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple
         CheckpointError: naming the checkpoint (and older ones) if it cannot be restored.
     """
     point, older, saved, force = checked
+    # --accumulate's accumulators are scratch (overwritten by each step's first microbatch): a checkpoint written
+    # with another --accumulate (or none) may lack them; every other variable must be there
+    held = load_manifest(point).get("variables", {})
+    scratch = all(n in held or n.endswith("/" + ACCUMULATOR_SUFFIX) for n in lowering.variable_names)
     try:
-        meta = restore(lowering, point)
+        meta = restore(lowering, point, strict=not scratch)
     except CheckpointError as e:
         raise CheckpointError(f"{e} ({older_hint(older)})") from None
     pos = {} if force else saved.get("data", {})
