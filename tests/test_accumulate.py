@@ -14,13 +14,11 @@ import pytest
 import torch
 
 from meshtorch.cli import main
+from meshtorch.cli.plan import add_plan_subcommand
 from meshtorch.cli.train import add_train_subcommand
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
-from meshtorch.models.transformer import build_lm, preset
-from meshtorch.optim import AdamWOptimizer
-from meshtorch.optim.accumulate import accumulated_updates
-from meshtorch.planning.budget import plan_memory
+from meshtorch.models.transformer import build_lm
 
 TINY = ["--preset", "tiny", "--layers", "2", "--d-model", "32", "--heads", "2", "--d-kv", "16", "--d-ff", "64",
         "--length", "16", "--eval-batches", "2", "--eval-every", "3", "--sample", "0", "--plot", "",
@@ -69,24 +67,30 @@ def _initial(out) -> dict:
     return {n: lw.variable_value(n) for n in lw.variable_names}
 
 
-def _cfg(batch):
-    return preset("tiny", num_layers=2, d_model=64, num_heads=2, d_kv=32, d_ff=256, length=64, batch_size=batch,
-                  vocab_size=256)
+def _plan(*argv):
+    """``meshtorch plan`` through its parser: ``[(layout, MemoryReport)]``."""
+    p = argparse.ArgumentParser()
+    add_plan_subcommand(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["plan", "--preset", "tiny", "--mesh", "", "--layout", "", "--hardware", "cpu", *argv])
+    return args.func(args)
 
 
-def test_plan_prices_one_microbatch_plus_the_accumulator():
-    """The planned activation peak of 4 x batch 4 is batch 4's, not batch 16's; the variables grow by exactly one
-    float32 accumulator per trainable parameter."""
-    reports = {}
-    for batch, n in ((16, 1), (4, 1), (4, 4)):
-        lm = build_lm(_cfg(batch), optimizer=AdamWOptimizer(1e-3) if n == 1 else None)
-        updates = lm.updates if n == 1 else accumulated_updates(lm.graph, lm.loss, AdamWOptimizer(1e-3), n).last
-        reports[batch, n] = plan_memory(lm.graph, lm.mesh, [lm.loss] + updates, "", "", "")
-    params = sum(v.shape.size for v in build_lm(_cfg(4)).graph.trainable_variables)
-    act = {k: r.peak_activation_bytes for k, r in reports.items()}
-    assert act[16, 1] > 2.5 * act[4, 1]  # the batch's activations dominate at this shape
-    assert act[4, 4] <= 1.05 * act[4, 1] + 4 * params
-    assert reports[4, 4].variable_bytes - reports[4, 1].variable_bytes == 4 * params
+PLAN_SHAPE = ["--layers", "2", "--d-model", "128", "--heads", "4", "--d-kv", "32", "--d-ff", "512", "--length", "128",
+              "--vocab", "256"]
+
+
+def test_plan_prices_one_microbatch_plus_the_accumulator(capsys):
+    """``meshtorch plan --accumulate 4 --batch-size 16``: the activation peak of ``--batch-size 4``, not 16; the
+    variables grow by exactly one float32 accumulator per trainable parameter."""
+    rep = {(b, n): _plan(*PLAN_SHAPE, "--batch-size", str(b), "--accumulate", str(n))[0][1]
+           for b, n in ((16, 1), (4, 1), (16, 4))}
+    assert "batch 16 (4 microbatches of 4)" in capsys.readouterr().out
+    params = rep[4, 1].trainable_bytes // 4
+    act = {k: r.peak_activation_bytes for k, r in rep.items()}
+    assert act[16, 1] > 3 * act[4, 1]  # the batch's activations dominate at this shape
+    assert act[4, 1] <= act[16, 4] <= 1.02 * act[4, 1], act
+    assert rep[16, 4].variable_bytes - rep[4, 1].variable_bytes == 4 * params
+    assert rep[16, 4].trainable_bytes == rep[16, 1].trainable_bytes
 
 
 _MEASURE = r"""
@@ -119,9 +123,9 @@ for batch, n in ((4, 4), (4, 1), (16, 1)):
 
 
 def _measured_growth() -> tuple[dict, int]:
-    """``{(batch, microbatches): peak RSS growth in bytes}`` (and the model's parameters) of one training step (after a first one), in a fresh
-    process; glibc's mmap threshold pinned at 64 KiB so freed tensors go back to the OS (the high-water mark
-    is the step's own peak)."""
+    """``{(batch, microbatches): peak RSS growth in bytes}`` (and the model's parameters) of one training step
+    (after a first one), in a fresh process; glibc's mmap threshold pinned at 64 KiB so freed tensors go back
+    to the OS (the high-water mark is the step's own peak)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")])}
@@ -188,3 +192,15 @@ def test_resume_continues_an_accumulated_run_exactly_and_accumulators_are_not_re
     plain = _train(*base, "--steps", "4", "--checkpoint-dir", str(tmp_path / "c"))["history"]["loss"]
     mixed = _train(*base, "--steps", "4", "--accumulate", "2", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
     torch.testing.assert_close(torch.tensor(mixed["history"]["loss"]), torch.tensor(plain), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--accumulate", "3", "--batch-size", "8"], ["--accumulate 3", "--batch-size 8"]),
+    (["--accumulate", "0"], ["--accumulate"]),
+    (["--accumulate", "2", "--search"], ["--accumulate 2", "--search"]),
+])
+def test_plan_refuses_bad_accumulate_naming_the_flag(capsys, argv, words):
+    rc = main(["plan", "--preset", "tiny", *argv])
+    cap = capsys.readouterr()
+    last = (cap.out + cap.err).strip().splitlines()[-1]
+    assert rc == 2 and all(w in last for w in words) and "Traceback" not in cap.err, cap.out + cap.err

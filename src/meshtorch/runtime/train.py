@@ -37,53 +37,15 @@ from meshtorch.mesh.recorder import collective_report, flight_recorder
 from meshtorch.models.hf import hf_flops_per_token
 from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
-from meshtorch.optim import (
-    AdafactorOptimizer,
-    AdamOptimizer,
-    AdamWOptimizer,
-    MomentumOptimizer,
-    SgdOptimizer,
-    cosine_decay_with_warmup,
-    linear_warmup,
-    rsqrt_decay,
-)
 from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, accumulated_updates
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks, failures, hf_train, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
+from meshtorch.runtime.optimizers import make_optimizer
 from meshtorch.runtime.optional import optional_module
 from meshtorch.runtime.report import CompileClock, plot_history
 from meshtorch.runtime.train_config import TrainConfig, older_hint, resume_point, vocab_multiple, world_size
-
-
-def make_optimizer(args):
-    """The optimizer named by ``--optimizer`` with the ``--schedule`` learning rate."""
-    lr = learning_rate(args)
-    if args.optimizer == "adamw":
-        return AdamWOptimizer(lr, weight_decay=args.weight_decay)
-    if args.optimizer == "adam":
-        return AdamOptimizer(lr, weight_decay=args.weight_decay)
-    if args.optimizer == "adafactor":
-        return AdafactorOptimizer(learning_rate=None if args.lr <= 0 else lr)
-    if args.optimizer == "momentum":
-        return MomentumOptimizer(lr, 0.9)
-    return SgdOptimizer(lr)
-
-
-def learning_rate(args):
-    """The ``--schedule`` learning rate: a float or a function of the step."""
-    total = max(args.steps, 2)
-    peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
-    if args.schedule == "constant":
-        lr = peak
-    elif args.schedule == "linear-warmup":
-        lr = lambda step: linear_warmup(step, warm, peak)  # noqa: E731
-    elif args.schedule == "rsqrt":
-        lr = lambda step: rsqrt_decay(step, warm, peak * math.sqrt(warm))  # noqa: E731
-    else:
-        lr = lambda step: cosine_decay_with_warmup(step, peak, warm, total)  # noqa: E731
-    return lr
 
 
 def grad_sum_of_squares(graph):

@@ -271,9 +271,10 @@ class TrainConfig:
                              "search plans the whole batch); give --layout (and --storage) rules.")
         split = MeshSpec(self.mesh, self.layout).axis_size_for("batch") if n > 1 and self.layout != "auto" else 1
         if (batch_size // n) % split:
-            raise UsageError(f"--accumulate {n}: a microbatch of {batch_size // n} sequences (--batch-size {batch_size} "
-                             f"/ {n}) does not split over the {split} processors that --layout {self.layout!r} "
-                             f"splits 'batch' over; give a --batch-size that is a multiple of {n * split}.")
+            raise UsageError(f"--accumulate {n}: a microbatch of {batch_size // n} sequences (--batch-size "
+                             f"{batch_size} / {n}) does not split over the {split} processors that --layout "
+                             f"{self.layout!r} splits 'batch' over; give a --batch-size that is a multiple of "
+                             f"{n * split}.")
 
     def _with_native_defaults(self) -> TrainConfig:
         """A native run's ``--preset``, ``--tokenizer``, ``--remat``, ``--gated`` and ``--vocab-size`` defaults
