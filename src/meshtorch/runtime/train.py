@@ -176,7 +176,7 @@ def _load_data(job: _Job) -> tuple | None:
         tok = hf_train.tokenizer(cfg, model)
         if job.main_process:
             hf_train.save_tokenizer(tok, cfg.checkpoint_dir)
-        extra = {"preset": None, "tokenizer": "byte" if cfg.tokenizer == "byte" else hf_train.HF_TOKENIZER,
+        extra = {"preset": None, "tokenizer": "byte" if cfg.tokenizer == "byte" else hf_train.TOKENIZER,
                  **hf_train.record_fields(cfg, model)}
     else:
         if cfg.tokenizer == "sentencepiece":
