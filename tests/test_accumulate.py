@@ -204,3 +204,15 @@ def test_plan_refuses_bad_accumulate_naming_the_flag(capsys, argv, words):
     cap = capsys.readouterr()
     last = (cap.out + cap.err).strip().splitlines()[-1]
     assert rc == 2 and all(w in last for w in words) and "Traceback" not in cap.err, cap.out + cap.err
+
+
+def test_accumulate_on_two_gloo_ranks_with_fsdp_storage():
+    """2 gloo ranks (``data:2``, storage ``d_model:data``): 2 x batch 4 == batch 8 (SGD after clipping)."""
+    from meshtorch.testing.spmd import run_spmd
+    tests = os.path.dirname(os.path.abspath(__file__))
+    results = run_spmd("_accumulate_jobs:accumulate_pair", args=(8, 2), nprocs=2, timeout_s=300,
+                       extra_path=[tests]).check().results
+    for ref, acc in results:
+        torch.testing.assert_close(torch.tensor(acc["losses"]), torch.tensor(ref["losses"]), rtol=2e-6, atol=0)
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(acc["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
