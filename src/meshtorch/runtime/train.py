@@ -211,18 +211,13 @@ def _build_model(job: _Job) -> None:
         model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)
         opt, clip, accumulate = None, None, (make_optimizer(cfg), cfg.clip_norm or None)
     try:
-        if imported:
-            job.lm = hf.build(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
-            if n_acc > 1:
-                _accumulate(job, *accumulate)
-            if cfg.resuming:  # the weights come from the checkpoint
-                job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
-            else:
-                job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
+        builder = hf.build if imported else build_lm
+        job.lm = builder(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
+        if n_acc > 1:
+            _accumulate(job, *accumulate)
+        if imported and not cfg.resuming:  # an imported model's weights (resumed: from the checkpoint)
+            job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
         else:
-            job.lm = build_lm(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
-            if n_acc > 1:
-                _accumulate(job, *accumulate)
             job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
     except LayoutError as e:  # e.g. a dimension size the mesh axis does not divide
         raise LayoutError(f"--layout {cfg.layout!r}: {e}") from None
