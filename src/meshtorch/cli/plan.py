@@ -35,6 +35,12 @@ def add_plan_subcommand(subparsers) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts to print with --search")
     p.add_argument("--memory-limit", default=None, help="bytes per processor (e.g. 16GiB): with --search, drop "
                    "layouts needing more; over it, pick the fastest --remat policy and storage rules that fit")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "adafactor", "sgd", "momentum"],
+                   help="the optimizer whose state to plan, as meshtorch train --optimizer (adafactor: factored second "
+                        "moments, no first moment)")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="gradient accumulation as meshtorch train --accumulate N: plan one microbatch of "
+                        "--batch-size / N (its activations) plus the float32 gradient accumulators")
     p.add_argument("--remat", default="none", choices=list(REMAT_POLICIES),
                    help="activation checkpointing to plan (meshtorch train --remat); --memory-limit may pick another")
     p.add_argument("--hardware", default="auto", choices=["auto", "calibrated", "gpu", "cpu"],

@@ -103,6 +103,10 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--warmup-steps", type=int, default=50, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (adamw, adam)")
     p.add_argument("--clip-norm", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="gradient accumulation: N microbatches of --batch-size / N per optimizer step (N runs of "
+                        "one microbatch's forward and backward, gradients summed in place: the activation memory of "
+                        "one microbatch, the losses and updates of the whole batch); N must divide --batch-size")
     p.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations")
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, batches and sampling")

@@ -18,6 +18,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering.counters import _human
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm
+from meshtorch.optim.accumulate import accumulated_updates
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel
@@ -28,6 +29,20 @@ DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20,
           "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def training_lm(cfg, optimizer=None, accumulate: int = 1):
+    """The LM graph of one training run as ``meshtorch train`` builds it: ``cfg`` with ``optimizer()`` (a
+    factory; None: AdamW), and with ``accumulate`` N > 1 the graph of one microbatch (``cfg.batch_size / N``
+    rows) whose ``updates`` are the last microbatch's (the optimizer applied to the accumulated gradients,
+    :func:`meshtorch.optim.accumulate.accumulated_updates`): its plan prices one microbatch's activations plus
+    the float32 accumulators."""
+    opt = optimizer() if optimizer is not None else AdamWOptimizer(1e-3)
+    if accumulate == 1:
+        return build_lm(cfg, optimizer=opt)
+    lm = build_lm(replace(cfg, batch_size=cfg.batch_size // accumulate))
+    lm.updates = accumulated_updates(lm.graph, lm.loss, opt, accumulate).last
+    return lm
 
 
 def parse_bytes(text: str) -> int:
@@ -85,11 +100,11 @@ def why_line(ranked) -> str:
     return f"why: {a or '(replicated)'} beats {b or '(replicated)'} by {what}."
 
 
-def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
+def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_lm=training_lm):
     """Over ``memory_limit``: the fastest ``--remat`` policy and storage rules that fit, printed (or why none
     does); returns its MemoryReport, or None."""
     def build(remat):
-        lm = build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        lm = train_lm(replace(cfg, remat=remat))
         return lm.graph, lm.mesh, [lm.loss] + lm.updates
     options = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
     try:
@@ -107,7 +122,7 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "", microbatches: int | None = None, schedule: bool = False,
-            pipelines: bool = True) -> list:
+            pipelines: bool = True, optimizer=None, accumulate: int = 1) -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -130,6 +145,9 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         pipelines: with ``search``, also rank pipelined variants of the model: for every mesh axis whose size
             divides the layers, the layers stacked on ``stage`` split over that axis (``stage:<axis>`` plus the
             layouts of the other axes; ``report.pipeline`` says S, M and R).
+        optimizer: a factory of the :mod:`meshtorch.optim` optimizer to plan (None: AdamW).
+        accumulate: gradient accumulation over N microbatches of ``config.batch_size / N`` rows
+            (:func:`training_lm`; ``meshtorch train --accumulate``).
 
     Returns:
         ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules,
@@ -145,11 +163,16 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     else:
         multiple = spec.axis_size_for("vocab")
     cfg = config(multiple) if callable(config) else config
-    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
+
+    def train_lm(c):
+        return training_lm(c, optimizer, accumulate)
+    lm = train_lm(cfg)
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
+    micro = f" ({accumulate} microbatches of {cfg.batch_size // accumulate})" if accumulate > 1 else ""
+    opt_name = type(optimizer()).__name__.replace("Optimizer", "") if optimizer is not None else "AdamW"
     print_fn(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
-             f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size} "
-             f"x length {cfg.length}; AdamW training step; mesh {mesh_shape!r}")
+             f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size}"
+             f"{micro} x length {cfg.length}; {opt_name} training step; mesh {mesh_shape!r}")
     hw = f" ({hardware})" if hardware else ""
     extra = f", {cost.kernel_overhead * 1e6:.1f} us per kernel call" if cost.kernel_overhead else ""
     how = ("processors simulated one after another in one process (placement mesh): step time = the sum over "
@@ -170,7 +193,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         if schedule and lm.pipeline is not None:
             print_fn(schedule_table(lm.pipeline))
         if memory_limit is not None and rep.total_bytes > memory_limit:
-            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn) or rep
+            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn, train_lm) or rep
         return [(layout, rep)]
     if storage == "auto" or (memory_limit is not None and not storage):
         storage_rules = "auto"
@@ -183,7 +206,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             # of the same times, and the ranking below keeps one of each such pair (the first searched)
             continue
         stage_sizes.add(pcfg.pipeline_stages)
-        plm = build_lm(pcfg, optimizer=AdamWOptimizer(1e-3))
+        plm = train_lm(pcfg)
         pfetches = [plm.loss] + plm.updates
         try:
             piped += search_layouts(lambda plm=plm: plm, mesh_shape, pipeline_layouts(plm.graph, mesh_shape, axis),
@@ -193,7 +216,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             failure = e
     remats = [cfg.remat] + ([r for r in REMAT_POLICIES if r != cfg.remat] if memory_limit is not None else [])
     for k, remat in enumerate(remats):  # a heavier --remat only when no layout fits the limit without it
-        lm_r = lm if k == 0 else build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        lm_r = lm if k == 0 else train_lm(replace(cfg, remat=remat))
         try:
             plain = search_layouts(lambda lm_r=lm_r: lm_r, mesh_shape, memory_limit_bytes=memory_limit,
                                    fetches_fn=lambda m, lm_r=lm_r: [lm_r.loss] + lm_r.updates, cost=cost,

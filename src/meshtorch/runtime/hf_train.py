@@ -24,9 +24,9 @@ from meshtorch.data.hf_tokenizer import HFTokenizer
 from meshtorch.data.text import ByteTokenizer
 from meshtorch.models.hf_config import HFModelConfig, parse_hf_config
 
+#: the model's tokenizer file in DIR (and beside the run's checkpoints); also ``TrainConfig.tokenizer`` (and
+#: run.json's ``tokenizer``) of a run tokenized with it
 TOKENIZER = "tokenizer.json"
-#: ``TrainConfig.tokenizer`` (and run.json's ``tokenizer``) of a run tokenized with the model's tokenizer.json
-HF_TOKENIZER = "tokenizer.json"
 DEFAULT_BATCH, MAX_DEFAULT_LENGTH = 8, 128
 
 #: flags (TrainConfig fields) that cannot apply to an imported model, and why
@@ -152,5 +152,5 @@ def record_fields(cfg, model: HFModelConfig) -> dict:
     return {"init_from": os.path.abspath(cfg.init_from) if cfg.init_from else None, "hf_config": model.hf_config}
 
 
-__all__ = ["HF_TOKENIZER", "TOKENIZER", "check_prompt", "model_config", "record_fields", "refuse_flags",
+__all__ = ["TOKENIZER", "check_prompt", "model_config", "record_fields", "refuse_flags",
            "save_tokenizer", "tokenizer"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -18,10 +19,10 @@ from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.stages import plan
 from meshtorch.models.transformer import build_lm, preset
-from meshtorch.optim.adam import AdamWOptimizer
-from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, why_line
+from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, training_lm, why_line
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
+from meshtorch.runtime.optimizers import make_optimizer
 
 __all__ = ["check_args", "hardware_cost_model", "main_plan", "your_layout_line"]
 
@@ -60,6 +61,7 @@ def check_args(args) -> None:
         raise UsageError(f"--latency must be a finite number >= 0, got {args.latency}.")
     if args.memory_limit:
         parse_bytes(args.memory_limit)
+    _check_accumulate(args)
     storage = getattr(args, "storage", "") or ""
     if args.search and storage not in ("", "auto"):
         raise UsageError("--storage with --search: give --storage auto (search storage rules too) or drop "
@@ -89,6 +91,38 @@ def check_args(args) -> None:
         check_rules_strict(args.layout, names, mesh, flag="--layout")
     if storage != "auto":
         check_rules_strict(storage, names, mesh, flag="--storage")
+
+
+def _check_accumulate(args) -> None:
+    """``--accumulate N``: a whole number >= 1 dividing the batch, for one ``--layout`` without a pipeline.
+
+    Raises:
+        UsageError: naming ``--accumulate``.
+    """
+    n = getattr(args, "accumulate", 1)
+    if n == 1:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UsageError(f"--accumulate must be an integer >= 1 (microbatches per optimizer step), got {n!r}.")
+    batch = preset(args.preset, batch_size=args.batch_size).batch_size
+    if batch % n:
+        raise UsageError(f"--accumulate {n} does not divide --batch-size {batch}; give a --batch-size that is a "
+                         f"multiple of {n}.")
+    if args.search or "stage" in dict(LayoutRules(args.layout).pairs) or getattr(args, "pipeline_stages", None):
+        raise UsageError(f"--accumulate {n} plans one --layout without a pipeline; drop --search / the 'stage' rule "
+                         "(a pipeline splits the batch into --microbatches itself).")
+
+
+def _optimizer(args):
+    """A factory of ``--optimizer``'s optimizer as ``meshtorch train`` builds it (None: AdamW)."""
+    name = getattr(args, "optimizer", "adamw")
+    flags = SimpleNamespace(optimizer=name, lr=6e-3, weight_decay=0.0, schedule="constant", steps=2, warmup_steps=1)
+    return lambda: make_optimizer(flags)  # the state's size does not depend on the rates
+
+
+def _train_lm(args, cfg):
+    """The training graph ``meshtorch train`` would build for ``cfg`` with ``--optimizer`` and ``--accumulate``."""
+    return training_lm(cfg, _optimizer(args), getattr(args, "accumulate", 1))
 
 
 def hardware_cost_model(args) -> tuple[CostModel, str]:
@@ -123,7 +157,7 @@ def main_plan(args) -> list:
     limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
     if not args.search:  # an illegal layout is refused before anything is printed
         spec = MeshSpec(args.mesh, args.layout, storage=storage or None)
-        lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
+        lm = _train_lm(args, _config(args, spec.axis_size_for("vocab"), args.layout))
         try:
             plan(lm.graph, [lm.loss] + lm.updates, {lm.mesh: spec})
         except LayoutError as e:
@@ -132,7 +166,8 @@ def main_plan(args) -> list:
         ranked = plan_lm(lambda multiple: _config(args, multiple, None if args.search else args.layout), args.mesh,
                          args.layout, storage=storage, memory_limit=limit, search=args.search, top=args.top,
                          cost=cost, hardware=hw, microbatches=getattr(args, "microbatches", None),
-                         schedule=getattr(args, "schedule", False))
+                         schedule=getattr(args, "schedule", False), optimizer=_optimizer(args),
+                         accumulate=getattr(args, "accumulate", 1))
     except ValueError as e:
         raise UsageError(f"--search: {e}") from None
     if args.search:
@@ -151,7 +186,7 @@ def your_layout_line(args, ranked, cost) -> str:
                 f"{t['total_s'] * 1e3:.3f} ms")
     # not among the candidates tried: lower it and place it by its estimated time
     spec = MeshSpec(args.mesh, args.layout)
-    lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
+    lm = _train_lm(args, _config(args, spec.axis_size_for("vocab"), args.layout))
     try:
         program = plan(lm.graph, [lm.loss] + lm.updates, {lm.mesh: spec})
     except LayoutError as e:

@@ -17,6 +17,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -36,52 +37,15 @@ from meshtorch.mesh.recorder import collective_report, flight_recorder
 from meshtorch.models.hf import hf_flops_per_token
 from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
-from meshtorch.optim import (
-    AdafactorOptimizer,
-    AdamOptimizer,
-    AdamWOptimizer,
-    MomentumOptimizer,
-    SgdOptimizer,
-    cosine_decay_with_warmup,
-    linear_warmup,
-    rsqrt_decay,
-)
+from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, accumulated_updates
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks, failures, hf_train, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
+from meshtorch.runtime.optimizers import make_optimizer
 from meshtorch.runtime.optional import optional_module
 from meshtorch.runtime.report import CompileClock, plot_history
 from meshtorch.runtime.train_config import TrainConfig, older_hint, resume_point, vocab_multiple, world_size
-
-
-def make_optimizer(args):
-    """The optimizer named by ``--optimizer`` with the ``--schedule`` learning rate."""
-    lr = learning_rate(args)
-    if args.optimizer == "adamw":
-        return AdamWOptimizer(lr, weight_decay=args.weight_decay)
-    if args.optimizer == "adam":
-        return AdamOptimizer(lr, weight_decay=args.weight_decay)
-    if args.optimizer == "adafactor":
-        return AdafactorOptimizer(learning_rate=None if args.lr <= 0 else lr)
-    if args.optimizer == "momentum":
-        return MomentumOptimizer(lr, 0.9)
-    return SgdOptimizer(lr)
-
-
-def learning_rate(args):
-    """The ``--schedule`` learning rate: a float or a function of the step."""
-    total = max(args.steps, 2)
-    peak, warm = args.lr, min(max(args.warmup_steps, 1), total - 1)
-    if args.schedule == "constant":
-        lr = peak
-    elif args.schedule == "linear-warmup":
-        lr = lambda step: linear_warmup(step, warm, peak)  # noqa: E731
-    elif args.schedule == "rsqrt":
-        lr = lambda step: rsqrt_decay(step, warm, peak * math.sqrt(warm))  # noqa: E731
-    else:
-        lr = lambda step: cosine_decay_with_warmup(step, peak, warm, total)  # noqa: E731
-    return lr
 
 
 def grad_sum_of_squares(graph):
@@ -117,12 +81,17 @@ def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
     return feeds
 
 
-def evaluate(lowering, lm, dataset, batches: int) -> float:
-    """Mean validation cross-entropy (nats per token) over ``batches`` batches (per-process batch slices)."""
+def evaluate(lowering, lm, dataset, batches: int, microbatches: int = 1) -> float:
+    """Mean validation cross-entropy (nats per token) over ``batches`` batches (per-process batch slices).
+
+    ``microbatches`` N > 1 (``--accumulate``): ``lm`` is built for a microbatch; each batch of N microbatches is
+    evaluated as N runs, so the same validation rows are read as without accumulation."""
     total, n = 0.0, 0
-    for b in dataset.batches(lm.config.batch_size, seed=0, split="validation"):
-        loss = lm.task_loss if getattr(lm, "task_loss", None) is not None else lm.loss
-        total += lowering.run(loss, feeds=batch_feeds(lowering, lm, b), feed_slices=True).item()
+    loss = lm.task_loss if getattr(lm, "task_loss", None) is not None else lm.loss
+    micro = lm.config.batch_size
+    for b in dataset.batches(micro * microbatches, seed=0, split="validation"):
+        total += sum(lowering.run(loss, feeds=batch_feeds(lowering, lm, b[k * micro:(k + 1) * micro]),
+                                  feed_slices=True).item() for k in range(microbatches)) / microbatches
         n += 1
         if n >= batches:
             break
@@ -147,6 +116,7 @@ class _Job:
     eval_lm: object = None
     eval_lowering: Lowering | None = None
     trace: list | None = None  # --trace-collectives: the flight recorder's records of the training steps
+    accumulation: object = None  # --accumulate N > 1: the AccumulatedUpdates of the microbatch graph
 
     @property
     def main_process(self) -> bool:
@@ -206,7 +176,7 @@ def _load_data(job: _Job) -> tuple | None:
         tok = hf_train.tokenizer(cfg, model)
         if job.main_process:
             hf_train.save_tokenizer(tok, cfg.checkpoint_dir)
-        extra = {"preset": None, "tokenizer": "byte" if cfg.tokenizer == "byte" else hf_train.HF_TOKENIZER,
+        extra = {"preset": None, "tokenizer": "byte" if cfg.tokenizer == "byte" else hf_train.TOKENIZER,
                  **hf_train.record_fields(cfg, model)}
     else:
         if cfg.tokenizer == "sentencepiece":
@@ -233,19 +203,21 @@ def _load_data(job: _Job) -> tuple | None:
 def _build_model(job: _Job) -> None:
     """The model with its optimizer, its lowering on the mesh (an imported model's weights read into it, unless
     a checkpoint is resumed), and the twin without dropout for evaluation."""
-    cfg, model = job.cfg, job.model
+    cfg, model, n_acc = job.cfg, job.model, job.cfg.accumulate
     opt, clip = make_optimizer(cfg), cfg.clip_norm or None
     kwargs = {"mode": cfg.executor, "bucket_bytes": cfg.bucket_bytes}
     imported = isinstance(model, HFModelConfig)
+    if n_acc > 1:  # the graph is one microbatch's; the optimizer is applied once per n_acc of them
+        model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)
+        opt, clip, accumulate = None, None, (make_optimizer(cfg), cfg.clip_norm or None)
     try:
-        if imported:
-            job.lm = hf.build(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
-            if cfg.resuming:  # the weights come from the checkpoint
-                job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
-            else:
-                job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
+        builder = hf.build if imported else build_lm
+        job.lm = builder(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
+        if n_acc > 1:
+            _accumulate(job, *accumulate)
+        if imported and not cfg.resuming:  # an imported model's weights (resumed: from the checkpoint)
+            job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
         else:
-            job.lm = build_lm(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
             job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
     except LayoutError as e:  # e.g. a dimension size the mesh axis does not divide
         raise LayoutError(f"--layout {cfg.layout!r}: {e}") from None
@@ -256,11 +228,20 @@ def _build_model(job: _Job) -> None:
         job.eval_lowering = Lowering(job.eval_lm.graph, {job.eval_lm.mesh: eval_impl})
     n_params = sum(v.shape.size for v in job.lm.graph.trainable_variables)
     source = f"{model.family} from {cfg.init_from!r}: " if imported else ""
+    batch = f"batch {job.model.batch_size}" + (f" ({n_acc} microbatches of {model.batch_size})" if n_acc > 1 else "")
     job.say(f"model: {source}{model.num_layers} layers, d_model {model.d_model}, {model.num_heads} heads x d_kv "
             f"{model.d_kv}, d_ff {model.d_ff}, vocab {model.padded_vocab}, {n_params / 1e6:.2f}M parameters; "
-            f"batch {model.batch_size} x length {model.length}; tokenizer {getattr(job.tok, 'path', cfg.tokenizer)}")
+            f"{batch} x length {model.length}; tokenizer {getattr(job.tok, 'path', cfg.tokenizer)}")
     job.say(f"mesh {cfg.mesh!r} layout {cfg.layout!r} storage {cfg.storage or '(as the layout)'!r}; "
             f"{len(job.dataset.train)} train / {len(job.dataset.validation)} validation sequences")
+
+
+def _accumulate(job: _Job, optimizer, clip) -> None:
+    """``--accumulate N``: the optimizer (and clipping) applied to the gradients summed over N microbatches
+    (:func:`meshtorch.optim.accumulate.accumulated_updates`); ``lm.updates`` are the last microbatch's."""
+    lm = job.lm
+    job.accumulation = accumulated_updates(lm.graph, lm.loss, optimizer, job.cfg.accumulate, clip_norm=clip)
+    lm.updates = job.accumulation.last
 
 
 def _flops_per_token(model) -> float:
@@ -302,6 +283,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
     history = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     sumsq = grad_sum_of_squares(lm.graph)  # the clipping's global norm, if --clip-norm > 0
     fetches = [lm.loss] + ([sumsq] if sumsq is not None else []) + lm.updates
+    n_acc, micro = cfg.accumulate, lm.config.batch_size
     start, epoch, in_epoch = 0, 0, 0
     if resuming is not None:
         start, epoch, in_epoch = _resume(resuming, lowering, record, history, say)
@@ -328,10 +310,18 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
             epoch, in_epoch, batch = next(batches)
             comp.before("training step")
             t0 = time.perf_counter()
-            outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
+            if n_acc == 1:
+                outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
+                loss = outs[0].item()
+            else:  # one run per microbatch (its forward and backward), the optimizer with the last
+                loss = 0.0
+                for k in range(n_acc):
+                    rows = batch[k * micro:(k + 1) * micro]
+                    fk = fetches if k == n_acc - 1 else [lm.loss] + job.accumulation.fetches(k)
+                    outs = lowering.run(fk, feeds=batch_feeds(lowering, lm, rows), feed_slices=True)
+                    loss += outs[0].item() / n_acc  # the batch's loss: the mean of equal microbatches' means
             dt = time.perf_counter() - t0
             comp.after("training step", dt, steps=1)
-            loss = outs[0].item()
             gnorm = math.sqrt(outs[1].item()) if sumsq is not None and outs[1].item() >= 0 else None
             if sumsq is not None and not math.isfinite(outs[1].item()):
                 gnorm = float("nan")
@@ -392,7 +382,7 @@ def _evaluate_now(job: _Job, comp) -> float:
                 eval_lowering.set_variable_value(name, lowering.variable_value(name))
     comp.before("evaluation step")
     t0 = time.perf_counter()
-    val = evaluate(eval_lowering, job.eval_lm, job.dataset, job.cfg.eval_batches)
+    val = evaluate(eval_lowering, job.eval_lm, job.dataset, job.cfg.eval_batches, job.cfg.accumulate)
     comp.after("evaluation step", time.perf_counter() - t0, steps=0, session=eval_lowering.session)
     return val
 
@@ -466,8 +456,12 @@ def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple
         CheckpointError: naming the checkpoint (and older ones) if it cannot be restored.
     """
     point, older, saved, force = checked
+    # --accumulate's accumulators are scratch (overwritten by each step's first microbatch): a checkpoint written
+    # with another --accumulate (or none) may lack them; every other variable must be there
+    held = load_manifest(point).get("variables", {})
+    scratch = all(n in held or n.endswith("/" + ACCUMULATOR_SUFFIX) for n in lowering.variable_names)
     try:
-        meta = restore(lowering, point)
+        meta = restore(lowering, point, strict=not scratch)
     except CheckpointError as e:
         raise CheckpointError(f"{e} ({older_hint(older)})") from None
     pos = {} if force else saved.get("data", {})

@@ -94,6 +94,7 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.0
     clip_norm: float = 1.0
+    accumulate: int = 1  # gradient accumulation: microbatches per optimizer step (meshtorch.optim.accumulate)
     eval_every: int = 200
     eval_batches: int = 8
     seed: int = 0
@@ -193,12 +194,18 @@ class TrainConfig:
             checks.writable_dir("--log-dir", cfg.log_dir)
             optional_module("tensorboard", "meshtorch train --log-dir")
         if cfg.init_from:
+            cfg._check_accumulate(hf_train.model_config(cfg, 1, cfg.saved_record()).batch_size)
             cfg._check_imported(mesh)
             return cfg, paths
         cfg._check_prompt()
+        cfg._check_accumulate(preset(cfg.preset, batch_size=cfg.batch_size).batch_size)
         if cfg.layout == "auto" or cfg.storage == "auto":
             cfg = cfg._choose_layout()  # with --microbatches, pipelined layouts are candidates too
         cfg = cfg._resolve_pipeline(mesh)
+        if cfg.accumulate > 1 and (cfg.pipeline_stages or 0) > 1:
+            raise UsageError(f"--accumulate {cfg.accumulate} cannot be combined with a pipelined --layout "
+                             f"({cfg.layout!r}): a pipeline already splits the batch into --microbatches; use "
+                             "--microbatches, or a layout without 'stage'.")
         names = checks.graph_dim_names(build_lm(cfg._probe_model()).graph)
         checks.layout_rules("--layout", cfg.layout, names, mesh)
         checks.layout_rules("--storage", cfg.storage, names, mesh)
@@ -269,6 +276,27 @@ class TrainConfig:
                                  "run without --resume.")
         return self.replace(**changes)
 
+    def _check_accumulate(self, batch_size: int) -> None:
+        """``--accumulate N``: ``batch_size`` (the run's ``--batch-size``, resolved) split into N equal microbatches.
+
+        Raises:
+            UsageError: naming ``--accumulate``: N < 1, N not dividing the batch, or with ``--layout auto``.
+        """
+        n = self.accumulate
+        if batch_size % n:
+            raise UsageError(f"--accumulate {n} does not divide --batch-size {batch_size}: each optimizer step "
+                             f"splits the batch into {n} equal microbatches; give a --batch-size that is a "
+                             f"multiple of {n}.")
+        if n > 1 and "auto" in (self.layout, self.storage):
+            raise UsageError(f"--accumulate {n} cannot be combined with --layout auto / --storage auto yet (the "
+                             "search plans the whole batch); give --layout (and --storage) rules.")
+        split = MeshSpec(self.mesh, self.layout).axis_size_for("batch") if n > 1 and self.layout != "auto" else 1
+        if (batch_size // n) % split:
+            raise UsageError(f"--accumulate {n}: a microbatch of {batch_size // n} sequences (--batch-size "
+                             f"{batch_size} / {n}) does not split over the {split} processors that --layout "
+                             f"{self.layout!r} splits 'batch' over; give a --batch-size that is a multiple of "
+                             f"{n * split}.")
+
     def _with_native_defaults(self) -> TrainConfig:
         """A native run's ``--preset``, ``--tokenizer``, ``--remat``, ``--gated`` and ``--vocab-size`` defaults
         filled in."""
@@ -301,6 +329,9 @@ class TrainConfig:
         for flag in ("layers", "d_model", "heads", "d_kv", "d_ff", "length", "batch_size", "steps", "eval_every",
                      "eval_batches", "vocab_size", "keep"):
             checks.positive("--" + flag.replace("_", "-"), getattr(self, flag))
+        checks.positive("--accumulate", self.accumulate)
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):
+            raise UsageError(f"--accumulate must be a whole number of microbatches, got {self.accumulate!r}.")
         if self.experts is not None:
             checks.non_negative("--experts", self.experts)
         for flag in ("threads", "warmup_steps", "weight_decay", "clip_norm", "checkpoint_every", "sample",
