@@ -215,7 +215,7 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient), as the native LM
         mask = torch.zeros(c.padded_vocab)
         mask[c.vocab_size:] = -1e9
-        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+        logits = logits + import_tensor(mesh, mask.to(logits.dtype), [d["vocab"]], name="vocab_pad_mask")
     xent = layers.softmax_cross_entropy_with_logits(logits, targets, d["vocab"])  # integer targets: no one-hot
     loss = reduce_mean(xent, name="loss")
     updates = training_updates(graph, loss, optimizer, clip_norm)

@@ -18,6 +18,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering.counters import _human
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel
@@ -85,11 +86,17 @@ def why_line(ranked) -> str:
     return f"why: {a or '(replicated)'} beats {b or '(replicated)'} by {what}."
 
 
-def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
+def _precision_words(precision) -> str:
+    policy = PrecisionPolicy.of(precision)
+    return "" if not policy.mixed else (f", {policy.name} (float32 masters, {policy.compute_dtype} compute, "
+                                        f"gradients reduced in {policy.reduce_dtype})").replace("torch.", "")
+
+
+def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, precision=None):
     """Over ``memory_limit``: the fastest ``--remat`` policy and storage rules that fit, printed (or why none
     does); returns its MemoryReport, or None."""
     def build(remat):
-        lm = build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        lm = build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3), precision=precision)
         return lm.graph, lm.mesh, [lm.loss] + lm.updates
     options = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
     try:
@@ -107,7 +114,7 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "", microbatches: int | None = None, schedule: bool = False,
-            pipelines: bool = True) -> list:
+            pipelines: bool = True, precision=None) -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -130,6 +137,9 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         pipelines: with ``search``, also rank pipelined variants of the model: for every mesh axis whose size
             divides the layers, the layers stacked on ``stage`` split over that axis (``stage:<axis>`` plus the
             layouts of the other axes; ``report.pipeline`` says S, M and R).
+        precision: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name) the model is built with:
+            under bf16 activations, gathered weights and (with a bfloat16 ``reduce_dtype``) gradient reductions
+            are priced at 2 bytes per element, masters and optimizer state at 4.
 
     Returns:
         ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules,
@@ -145,11 +155,11 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     else:
         multiple = spec.axis_size_for("vocab")
     cfg = config(multiple) if callable(config) else config
-    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
+    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3), precision=precision)
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     print_fn(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
              f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size} "
-             f"x length {cfg.length}; AdamW training step; mesh {mesh_shape!r}")
+             f"x length {cfg.length}; AdamW training step{_precision_words(precision)}; mesh {mesh_shape!r}")
     hw = f" ({hardware})" if hardware else ""
     extra = f", {cost.kernel_overhead * 1e6:.1f} us per kernel call" if cost.kernel_overhead else ""
     how = ("processors simulated one after another in one process (placement mesh): step time = the sum over "
@@ -170,7 +180,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         if schedule and lm.pipeline is not None:
             print_fn(schedule_table(lm.pipeline))
         if memory_limit is not None and rep.total_bytes > memory_limit:
-            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn) or rep
+            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn, precision) or rep
         return [(layout, rep)]
     if storage == "auto" or (memory_limit is not None and not storage):
         storage_rules = "auto"
@@ -183,7 +193,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             # of the same times, and the ranking below keeps one of each such pair (the first searched)
             continue
         stage_sizes.add(pcfg.pipeline_stages)
-        plm = build_lm(pcfg, optimizer=AdamWOptimizer(1e-3))
+        plm = build_lm(pcfg, optimizer=AdamWOptimizer(1e-3), precision=precision)
         pfetches = [plm.loss] + plm.updates
         try:
             piped += search_layouts(lambda plm=plm: plm, mesh_shape, pipeline_layouts(plm.graph, mesh_shape, axis),
@@ -193,7 +203,8 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             failure = e
     remats = [cfg.remat] + ([r for r in REMAT_POLICIES if r != cfg.remat] if memory_limit is not None else [])
     for k, remat in enumerate(remats):  # a heavier --remat only when no layout fits the limit without it
-        lm_r = lm if k == 0 else build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
+        lm_r = lm if k == 0 else build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3),
+                                          precision=precision)
         try:
             plain = search_layouts(lambda lm_r=lm_r: lm_r, mesh_shape, memory_limit_bytes=memory_limit,
                                    fetches_fn=lambda m, lm_r=lm_r: [lm_r.loss] + lm_r.updates, cost=cost,

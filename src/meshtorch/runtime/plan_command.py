@@ -18,6 +18,7 @@ from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.stages import plan
 from meshtorch.models.transformer import build_lm, preset
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, why_line
 from meshtorch.planning.cost import CostModel, estimate_time
@@ -36,6 +37,15 @@ def _config(args, vocab_multiple: int, layout: str | None = None):
                                     getattr(args, "pipeline_repeats", None),
                                     getattr(args, "pipeline_stages", None) if layout is not None else None,
                                     preset(args.preset, num_layers=args.layers).num_layers))
+
+
+def _policy(args) -> PrecisionPolicy:
+    """``--precision`` / ``--reduce-dtype`` (absent: float32). Raises UsageError naming the flag."""
+    try:
+        return PrecisionPolicy.named(getattr(args, "precision", None) or "fp32",
+                                     getattr(args, "reduce_dtype", None) or "float32")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _positive(flag: str, value) -> None:
@@ -60,6 +70,7 @@ def check_args(args) -> None:
         raise UsageError(f"--latency must be a finite number >= 0, got {args.latency}.")
     if args.memory_limit:
         parse_bytes(args.memory_limit)
+    _policy(args)
     storage = getattr(args, "storage", "") or ""
     if args.search and storage not in ("", "auto"):
         raise UsageError("--storage with --search: give --storage auto (search storage rules too) or drop "
@@ -123,7 +134,8 @@ def main_plan(args) -> list:
     limit = parse_bytes(args.memory_limit) if getattr(args, "memory_limit", None) else None
     if not args.search:  # an illegal layout is refused before anything is printed
         spec = MeshSpec(args.mesh, args.layout, storage=storage or None)
-        lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
+        lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3),
+                      precision=_policy(args))
         try:
             plan(lm.graph, [lm.loss] + lm.updates, {lm.mesh: spec})
         except LayoutError as e:
@@ -132,7 +144,7 @@ def main_plan(args) -> list:
         ranked = plan_lm(lambda multiple: _config(args, multiple, None if args.search else args.layout), args.mesh,
                          args.layout, storage=storage, memory_limit=limit, search=args.search, top=args.top,
                          cost=cost, hardware=hw, microbatches=getattr(args, "microbatches", None),
-                         schedule=getattr(args, "schedule", False))
+                         schedule=getattr(args, "schedule", False), precision=_policy(args))
     except ValueError as e:
         raise UsageError(f"--search: {e}") from None
     if args.search:
@@ -151,7 +163,8 @@ def your_layout_line(args, ranked, cost) -> str:
                 f"{t['total_s'] * 1e3:.3f} ms")
     # not among the candidates tried: lower it and place it by its estimated time
     spec = MeshSpec(args.mesh, args.layout)
-    lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3))
+    lm = build_lm(_config(args, spec.axis_size_for("vocab"), args.layout), optimizer=AdamWOptimizer(1e-3),
+                  precision=_policy(args))
     try:
         program = plan(lm.graph, [lm.loss] + lm.updates, {lm.mesh: spec})
     except LayoutError as e:
