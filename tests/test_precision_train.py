@@ -62,7 +62,6 @@ def test_init_from_bf16_first_loss_matches_transformers_in_bf16(tmp_path, family
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     import _hf_fixtures as F
-
     from meshtorch.cli import build_parser
     from meshtorch.data.hf_tokenizer import HFTokenizer
     from meshtorch.data.text import ByteTokenizer, PackedDataset, load_documents
