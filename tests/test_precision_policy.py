@@ -316,3 +316,20 @@ def test_bf16_rms_norm_statistics_in_float32():
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     low = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # statistics rounded to bf16
     assert not torch.equal(got, low)
+
+
+@pytest.mark.parametrize("extra", [dict(num_experts=4), dict(norm="layer", gated=True, activation="gelu"),
+                                   dict(label_smoothing=0.1, z_loss=1e-4, vocab_multiple=3)],
+                         ids=["moe", "layer-norm-gated", "label-smoothing-z-loss-padded-vocab"])
+def test_bf16_model_options_keep_a_float32_loss(extra):
+    """MoE (its auxiliary loss), layer norm with biases and a gated GELU feed-forward, label smoothing (the
+    dense soft-target cross-entropy) with z-loss and a padded vocabulary: the bf16 loss is float32 and its
+    first value is the float32 model's to bf16 rounding (bound 1e-2, five roundings of 2**-9)."""
+    cfg = replace(CFG, **extra)
+    b = _batches(1)[0]
+    first = {}
+    for precision in (None, BF16):
+        lm, lw = _lowering("", "", None, precision=precision, cfg=cfg)
+        assert lm.loss.dtype == torch.float32
+        first[precision] = _train(lm, lw, [b])[0].item()
+    assert abs(first[BF16] - first[None]) <= 1e-2 * first[None]

@@ -29,6 +29,7 @@ from meshtorch.core.pipeline import PipelineSchedule
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
 from meshtorch.ops.einsum import EinsumOperation
+from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal_initializer
 from meshtorch.ops.precision import PrecisionPolicy
@@ -266,18 +267,19 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         mask = torch.zeros(c.padded_vocab)
         mask[c.vocab_size:] = -1e9
         logits = logits + import_tensor(mesh, mask.to(logits.dtype), [d["vocab"]], name="vocab_pad_mask")
-    soft = targets  # integer ids: a sparse cross entropy, no [batch, length, vocab] one-hot tensor
-    if c.label_smoothing:  # spread over the real (unpadded) classes only
+    soft, xlogits = targets, logits  # integer ids: a sparse cross entropy, no [batch, length, vocab] one-hot tensor
+    if c.label_smoothing:  # spread over the real (unpadded) classes only; softmax and loss in float32
+        xlogits = cast(logits, torch.float32)
         spread = torch.zeros(c.padded_vocab)
         spread[: c.vocab_size] = c.label_smoothing / c.vocab_size
-        soft = one_hot(targets, d["vocab"], dtype=logits.dtype) * (1.0 - c.label_smoothing) + import_tensor(
-            mesh, spread.to(logits.dtype), [d["vocab"]], name="smoothing")
-    xent = layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"], z_loss=c.z_loss)
+        soft = one_hot(targets, d["vocab"], dtype=xlogits.dtype) * (1.0 - c.label_smoothing) + import_tensor(
+            mesh, spread, [d["vocab"]], name="smoothing")
+    xent = layers.softmax_cross_entropy_with_logits(xlogits, soft, d["vocab"], z_loss=c.z_loss)
     loss = task_loss = reduce_mean(xent, name="loss")
     aux_loss = None
     if aux_losses:
         aux_loss = add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
-        loss = loss + aux_loss * c.moe_aux_loss_coef
+        loss = loss + cast(aux_loss, loss.dtype) * c.moe_aux_loss_coef
     updates, step = training_updates(graph, loss, optimizer, clip_norm), None
     lm = LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
     lm.pipeline = graph.pipeline_schedule = c.pipeline_schedule
