@@ -205,6 +205,9 @@ def main():
     ap.add_argument("--blocks", type=int, default=None,
                     help="timed blocks per side, the sides alternating per block (default 4; --tiny 2)")
     ap.add_argument("--block", type=int, default=None, help="steps per block (default 3; --tiny 2)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 on the CPU, as meshtorch train: two threads on two busy cores "
+                         "wait on each other; torch's own choice on CUDA)")
     ap.add_argument("--skip-checks", action="store_true", help="skip sections 1 and 2")
     ap.add_argument("--time-budget", type=float, default=420.0,
                     help="seconds after which no new configuration starts (default: %(default)s)")
@@ -214,6 +217,8 @@ def main():
             setattr(args, flag, tiny if args.shape == "tiny" else full)
     start = time.perf_counter()
     device = torch.device(args.device)
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
     print(describe())
     if device.type == "cuda":
         if not torch.cuda.is_available():
