@@ -1,7 +1,9 @@
 """meshtorch on one GPU: correctness against the CPU, the NCCL path, and fp32 / TF32 / bf16 steps against PyTorch.
 
-Not a test (CI has no GPU). One command on a machine with one CUDA GPU (about 5-8 minutes at the default
-162M shape on an H100; ``--time-budget`` stops starting new configurations after that many seconds):
+Not a test (CI has no GPU). One command on a machine with one CUDA GPU (not yet run on one in this form: the
+2026-11-25 H100 run compiled each 162M-shaped side in about 50 s, so six compiled configurations and the
+eager ones should fit 8 minutes; ``--time-budget``, default 420 s, stops starting new configurations after
+that many seconds, and ``--modes eager`` or ``--precisions`` narrow it):
 
     cd benchmarks && PYTHONPATH=../src python3 gpu_check.py
 
