@@ -227,6 +227,12 @@ def test_storage_sharded_weights_gather_bf16_and_gradients_reduce_in_reduce_dtyp
     item = torch.finfo(reduce_dtype).bits // 8
     assert scatters == sorted(s * item for s in sizes.values())  # each whole partial gradient, reduce_dtype
     assert not [c for c in recs if c.kind == "allreduce" and c.bytes_per_processor > 4]
+    # one cast per weight per step, on the shard: the backward pass's second all-gather (reshard after
+    # forward) gathers the same bfloat16 shard again, it does not cast again
+    steps = lw.plan([lm.loss] + lm.updates).steps
+    casts = [st.op for st in steps if st.kind == "slicewise" and st.op.endswith("/read")]  # op names
+    assert sorted(casts) == sorted(f"{n}/read" for n in sizes)
+    assert sum(st.kind == "allgather" for st in steps) > len(sizes)  # some weights are gathered twice
 
 
 def test_executed_gather_records_bfloat16():
