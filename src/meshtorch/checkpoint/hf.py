@@ -43,6 +43,7 @@ from meshtorch.models.hf_config import (
     parse_hf_config,
     tied_keys,
 )
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.transformer.t5 import build_hf_t5
 
 __all__ = ["read_config", "load", "load_hf_weights", "lower_loaded", "export", "check_files", "build"]
@@ -54,14 +55,22 @@ _ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "t5": "T5ForCon
 
 
 def build(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None,
-          decode_length: int = 0) -> HFGraph:
+          decode_length: int = 0, precision: PrecisionPolicy | str | None = None) -> HFGraph:
     """The graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (GPT-2, Llama) or
     :func:`~meshtorch.transformer.t5.build_hf_t5` (T5; ``decode_length`` > 0: its greedy decoding graph).
+    ``precision``: a :class:`~meshtorch.ops.precision.PrecisionPolicy` or its name (None: float32); the
+    imported weights stay float32 masters under bf16 (GPT-2 and Llama).
 
     Raises:
         ValueError: ``decode_length`` for a decoder-only family (decode those with
-            :func:`meshtorch.runtime.generate.sample`).
+            :func:`meshtorch.runtime.generate.sample`); a bf16 policy for T5.
     """
+    policy = PrecisionPolicy.of(precision)
+    if policy.mixed:
+        if config.family == "t5":
+            raise ValueError(f"hf.build: precision {policy.name} is for GPT-2 and Llama models; T5 runs in float32.")
+        with policy.scope():
+            return build(config, seed, optimizer, clip_norm, decode_length)
     if config.family == "t5":
         return build_hf_t5(config, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
     if decode_length:

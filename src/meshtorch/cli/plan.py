@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
+from meshtorch.ops.precision import PRECISIONS, REDUCE_DTYPES
 from meshtorch.planning.command import DEFAULT_LAYOUT, DEFAULT_MESH
 from meshtorch.runtime.calibrate import run_plan
 
@@ -41,6 +42,11 @@ def add_plan_subcommand(subparsers) -> None:
     p.add_argument("--accumulate", type=int, default=1,
                    help="gradient accumulation as meshtorch train --accumulate N: plan one microbatch of "
                         "--batch-size / N (its activations) plus the float32 gradient accumulators")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="price the step as meshtorch train --precision runs it: bf16 activations, weight gathers "
+                        "and bf16 gradient reductions at 2 bytes per element, masters and optimizer state at 4")
+    p.add_argument("--reduce-dtype", default="float32", choices=list(REDUCE_DTYPES),
+                   help="gradient reduction dtype under --precision bf16 (default: %(default)s)")
     p.add_argument("--remat", default="none", choices=list(REMAT_POLICIES),
                    help="activation checkpointing to plan (meshtorch train --remat); --memory-limit may pick another")
     p.add_argument("--hardware", default="auto", choices=["auto", "calibrated", "gpu", "cpu"],

@@ -6,6 +6,7 @@ import argparse
 
 from meshtorch.cli._help import HelpFormatter
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
+from meshtorch.ops.precision import PRECISIONS, REDUCE_DTYPES
 from meshtorch.runtime.train import main_train
 from meshtorch.runtime.train_config import (
     DATA_PARALLEL_LAYOUT,
@@ -120,6 +121,13 @@ def add_train_subcommand(subparsers) -> None:
                         "step compiles, tens of seconds on a CPU; plans with dropout stay uncompiled)")
     p.add_argument("--compile", dest="executor", action="store_const", const="compile",
                    help="shorthand for --executor compile")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="numerics (docs/precision.md): fp32; tf32 (float32 with TF32 matmuls on CUDA, set in every "
+                        "process before any step is compiled); bf16 (float32 master weights and optimizer state, "
+                        "bfloat16 matmuls and activations, softmax, loss and norm statistics in float32)")
+    p.add_argument("--reduce-dtype", default="float32", choices=list(REDUCE_DTYPES),
+                   help="dtype of the gradient all-reduces / reduce-scatters under --precision bf16 (FSDP2's "
+                        "reduce_dtype; default: %(default)s)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the whole job's peak FLOP/s in TFLOP/s, the MFU denominator (default: a float32 matmul "
                         "loop measured at start, the best of several rounds, scaled to the job's cores)")

@@ -2,15 +2,23 @@
 
 Both reduce over ``dim``; if ``dim`` is split over a mesh axis, the means are lazy all-reduces
 over that axis (two small all-reduces per call), otherwise they are local.
+
+Low-precision inputs (bfloat16, float16): the statistics (mean, variance or mean square, and the reciprocal
+square root) are computed in float32 from a float32 copy of ``x``, and the normalised value is rounded to
+``x``'s dtype before the scale is applied, as Hugging Face's ``LlamaRMSNorm`` does and as
+``torch.autocast`` runs ``layer_norm`` (float32 list).
 """
 
 from __future__ import annotations
+
+import torch
 
 from meshtorch.core.dims import convert_to_dimension
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import ones_initializer, zeros_initializer
+from meshtorch.ops.precision import LOW_PRECISION_DTYPES
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.variables import get_variable
 
@@ -20,6 +28,11 @@ def _dim(x: Tensor, dim, what):
     if name not in x.shape:
         raise ShapeError(f"{what}: tensor {x.name!r} {x.shape} has no dimension {name!r} to normalize over.")
     return x.shape.get_dim_by_name(name)
+
+
+def _stats_input(x: Tensor) -> Tensor:
+    """``x`` in float32 when it is bfloat16 / float16 (the statistics are computed in float32), else ``x``."""
+    return ew.cast(x, torch.float32) if x.dtype in LOW_PRECISION_DTYPES else x
 
 
 def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None, use_bias: bool = True) -> Tensor:
@@ -33,14 +46,15 @@ def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None, u
         dim: the Dimension (or name) to normalize over.
 
     Returns:
-        Tensor of x's shape and dtype.
+        Tensor of x's shape and dtype (statistics in float32 for bfloat16 / float16 ``x``).
     """
     d = _dim(x, dim, "layer_norm")
     name = x.graph.unique_name(name or "layer_norm")
-    mean = reduce_mean(x, reduced_dim=d.name)
-    centered = x - mean
+    xs = _stats_input(x)
+    mean = reduce_mean(xs, reduced_dim=d.name)
+    centered = xs - mean
     var = reduce_mean(ew.square(centered), reduced_dim=d.name)
-    y = centered * ew.rsqrt(var + epsilon)
+    y = ew.cast(centered * ew.rsqrt(var + epsilon), x.dtype)
     scale = get_variable(x.mesh, f"{name}/scale", [d], initializer=ones_initializer(), dtype=x.dtype)
     y = y * scale
     if use_bias:
@@ -52,10 +66,14 @@ def rms_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -> 
     """``x / sqrt(mean(x**2) + epsilon) * scale`` over ``dim`` (Zhang & Sennrich 2019; T5's layer norm).
 
     Matches ``torch.nn.functional.rms_norm(x, [dim], weight=scale, eps=epsilon)``. Variable
-    ``{name}/scale`` of shape ``[dim]`` (ones).
+    ``{name}/scale`` of shape ``[dim]`` (ones). Tensor of x's shape and dtype (statistics in float32 for
+    bfloat16 / float16 ``x``).
     """
     d = _dim(x, dim, "rms_norm")
     name = x.graph.unique_name(name or "rms_norm")
-    ms = reduce_mean(ew.square(x), reduced_dim=d.name)
+    xs = _stats_input(x)
+    ms = reduce_mean(ew.square(xs), reduced_dim=d.name)
     scale = get_variable(x.mesh, f"{name}/scale", [d], initializer=ones_initializer(), dtype=x.dtype)
-    return x * ew.rsqrt(ms + epsilon) * scale
+    if xs is x:
+        return x * ew.rsqrt(ms + epsilon) * scale
+    return ew.cast(xs * ew.rsqrt(ms + epsilon), x.dtype) * scale

@@ -186,7 +186,7 @@ def _forward(c: HFModelConfig, d: dict, v: _Vars, mesh: Mesh, ids: Tensor, posit
     if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient), as the native LM
         mask = torch.zeros(c.padded_vocab)
         mask[c.vocab_size:] = -1e9
-        logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+        logits = logits + import_tensor(mesh, mask.to(logits.dtype), [d["vocab"]], name="vocab_pad_mask")
     return logits
 
 

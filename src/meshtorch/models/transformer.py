@@ -29,8 +29,10 @@ from meshtorch.core.pipeline import PipelineSchedule
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
 from meshtorch.ops.einsum import EinsumOperation
+from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import one_hot
 from meshtorch.ops.initializers import VarianceScalingInitializer, random_normal_initializer
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.ops.random import dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.reshape import reshape
@@ -193,7 +195,7 @@ def _dropout(c, x, train):
 
 
 def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True,
-             clip_norm: float | None = None) -> LMGraph:
+             clip_norm: float | None = None, precision: PrecisionPolicy | str | None = None) -> LMGraph:
     """Build the LM graph: embeddings, ``num_layers`` pre-norm blocks, final norm, logits, loss.
 
     Variables: ``embedding`` [vocab, d_model] (std 1), ``pos_embedding`` [length, d_model]
@@ -219,11 +221,18 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         optimizer: an ``meshtorch.optim`` optimizer; its update ops go to ``LMGraph.updates``.
         train: build dropout (only when ``config.dropout > 0``).
         clip_norm: clip gradients to this global norm before the optimizer (``meshtorch.optim.clip_by_global_norm``).
+        precision: a :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name, ``fp32``/``tf32``/``bf16``;
+            None: float32): bf16 keeps float32 masters and optimizer state and computes in bfloat16, with
+            softmax, loss and norms' statistics in float32 (``loss`` is float32).
 
     Raises:
         ValueError: MoE layers with ``gated=True`` (not implemented); bad pipeline fields (see
             :func:`check_pipeline_config`, run when the config is made).
     """
+    policy = PrecisionPolicy.of(precision)
+    if policy.mixed:
+        with policy.scope():
+            return build_lm(config, seed, optimizer, train, clip_norm)
     c = config
     if c.remat not in REMAT_POLICIES:
         raise ValueError(f"build_lm: remat must be one of {', '.join(REMAT_POLICIES)}, got {c.remat!r}.")
@@ -251,18 +260,19 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
             x = recompute_grad(lambda t, i=i: _block(c, d, t, f"layer_{i}", train, aux_losses), [x],
                                keep=keeps_matmuls if c.remat == "selective" else None)
     logits = lm_logits(c, d, x)
-    soft = targets  # integer ids: a sparse cross entropy, no [batch, length, vocab] one-hot tensor
-    if c.label_smoothing:  # spread over the real (unpadded) classes only
+    soft, xlogits = targets, logits  # integer ids: a sparse cross entropy, no [batch, length, vocab] one-hot tensor
+    if c.label_smoothing:  # spread over the real (unpadded) classes only; softmax and loss in float32
+        xlogits = cast(logits, torch.float32)
         spread = torch.zeros(c.padded_vocab)
         spread[: c.vocab_size] = c.label_smoothing / c.vocab_size
-        soft = one_hot(targets, d["vocab"], dtype=logits.dtype) * (1.0 - c.label_smoothing) + import_tensor(
+        soft = one_hot(targets, d["vocab"], dtype=xlogits.dtype) * (1.0 - c.label_smoothing) + import_tensor(
             mesh, spread, [d["vocab"]], name="smoothing")
-    xent = layers.softmax_cross_entropy_with_logits(logits, soft, d["vocab"], z_loss=c.z_loss)
+    xent = layers.softmax_cross_entropy_with_logits(xlogits, soft, d["vocab"], z_loss=c.z_loss)
     loss = task_loss = reduce_mean(xent, name="loss")
     aux_loss = None
     if aux_losses:
         aux_loss = add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
-        loss = loss + aux_loss * c.moe_aux_loss_coef
+        loss = loss + cast(aux_loss, loss.dtype) * c.moe_aux_loss_coef
     updates, step = training_updates(graph, loss, optimizer, clip_norm), None
     lm = LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
     lm.pipeline = graph.pipeline_schedule = c.pipeline_schedule
@@ -294,7 +304,7 @@ def lm_logits(c: LMConfig, d: dict, x: Tensor) -> Tensor:
     if c.padded_vocab != c.vocab_size:
         mask = torch.zeros(c.padded_vocab)
         mask[c.vocab_size:] = -1e9
-        logits = logits + import_tensor(x.mesh, mask, [d["vocab"]], name="vocab_pad_mask")
+        logits = logits + import_tensor(x.mesh, mask.to(logits.dtype), [d["vocab"]], name="vocab_pad_mask")
     return logits
 
 

@@ -286,13 +286,26 @@ def sign(x: Tensor, name: str | None = None) -> Tensor:
     return _unary(torch.sign, x, lambda op, dy: [None], name or "sign")
 
 
-def cast(x: Tensor, dtype: torch.dtype, name: str | None = None) -> Tensor:
-    """``x`` converted to ``dtype``; the gradient is cast back to ``x``'s dtype (none for non-float)."""
+def cast(x: Tensor, dtype: torch.dtype, name: str | None = None,
+         grad_reduce_dtype: torch.dtype | None = None) -> Tensor:
+    """``x`` converted to ``dtype``; the gradient is cast back to ``x``'s dtype (none for non-float).
+
+    ``grad_reduce_dtype``: the dtype in which a gradient that is a pending partial sum is summed over processors
+    (a mixed-precision weight read, :class:`~meshtorch.ops.precision.VariableDType`'s ``reduce_dtype``): the
+    gradient is first cast to it by a cast that lets the partial sum pass (exact for a widening cast), so the
+    all-reduce / reduce-scatter runs in it. None: the sum runs in the gradient's own dtype."""
     if x.dtype == dtype:
         return x
 
     def grad(op, dy):
-        return [cast(dy, op.inputs[0].dtype)] if op.inputs[0].dtype.is_floating_point else [None]
+        if not op.inputs[0].dtype.is_floating_point:
+            return [None]
+        if grad_reduce_dtype is not None and grad_reduce_dtype != dy.dtype:
+            dy = _unary(functools.partial(_k_cast, dtype=grad_reduce_dtype), dy, None, f"{op.name}_grad_cast",
+                        dtype=grad_reduce_dtype, linear=True)
+            # in the compute layout, where dy is still a partial sum (a storage-side op would see it reduced)
+            dy.operation.storage_side = False
+        return [cast(dy, op.inputs[0].dtype)]
 
     return _unary(functools.partial(_k_cast, dtype=dtype), x, grad if dtype.is_floating_point else None,
                   name or "cast", dtype=dtype)

@@ -165,7 +165,8 @@ def _get_variable(mesh: Mesh, full_name: str, shape, dtype=torch.float32, initia
     # cast the stored shard (storage layout): with storage rules (FSDP) the weight is then all-gathered in the
     # activation dtype while the master copy keeps its own (FSDP2's mixed-precision param_dtype)
     with mesh.graph.storage_scope():
-        out = cast(value, var.activation_dtype, name=f"{full_name}/read")
+        out = cast(value, var.activation_dtype, name=f"{full_name}/read",
+                   grad_reduce_dtype=var.variable_dtype.reduce_dtype)
     out.operation.variable = var  # lets assign / optimizers find the variable from its read
     return out
 

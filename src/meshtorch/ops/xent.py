@@ -34,8 +34,15 @@ __all__ = ["sparse_softmax_cross_entropy_with_logits"]
 _LOW = (torch.bfloat16, torch.float16)
 
 
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The outputs' dtype: float32 for bfloat16 / float16 logits (the loss is computed and kept in float32, as
+    ``torch.autocast`` runs ``cross_entropy``), else the logits' dtype."""
+    return torch.float32 if dtype in _LOW else dtype
+
+
 class SparseSoftmaxCrossEntropyOperation(Operation):
-    """Outputs ``loss`` and ``log_z`` (both ``logits.shape - vocab_dim``, the logits' dtype)."""
+    """Outputs ``loss`` and ``log_z`` (both ``logits.shape - vocab_dim``; the logits' dtype, float32 for
+    bfloat16 / float16 logits)."""
 
     def __init__(self, logits: Tensor, targets: Tensor, vocab_dim, name=None):
         super().__init__([logits, targets], name=name or "sparse_softmax_cross_entropy")
@@ -55,7 +62,8 @@ class SparseSoftmaxCrossEntropyOperation(Operation):
             raise ShapeError(f"sparse_softmax_cross_entropy_with_logits: targets {targets.name!r} {targets.shape} "
                              f"must have the logits' dims other than {vname!r}: {out_shape}.")
         self.vocab_dim = logits.shape.get_dim_by_name(vname)
-        self.outputs = [Tensor(self, out_shape, logits.dtype), Tensor(self, out_shape, logits.dtype)]
+        self.outputs = [Tensor(self, out_shape, _loss_dtype(logits.dtype)), Tensor(self, out_shape,
+                                                                                    _loss_dtype(logits.dtype))]
 
     def lower(self, lw):
         logits, targets = self.inputs
@@ -133,7 +141,7 @@ def _k_xent(x, t, *, vpos, align):
     valid = (t >= 0) & (t < xf.shape[-1])
     picked = xf.gather(-1, t.clamp(0, xf.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     loss = torch.where(valid, lse - picked, torch.zeros((), dtype=lse.dtype, device=lse.device))
-    return loss.to(x.dtype), lse.to(x.dtype)
+    return loss, lse
 
 
 def _k_local_max(x, *, vpos):
@@ -197,7 +205,9 @@ def sparse_softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vo
         name: optional name of the op.
 
     Returns:
-        Tensor ``logits.shape - vocab_dim`` (logits' dim order), the logits' dtype.
+        Tensor ``logits.shape - vocab_dim`` (logits' dim order), the logits' dtype; float32 for bfloat16 /
+        float16 logits (the loss of a mixed-precision model is summed in float32). The logits' gradient has
+        the logits' dtype.
 
     Raises:
         ShapeError: ``vocab_dim`` not in ``logits``; ``targets``' dims not the logits' dims minus ``vocab_dim``.

@@ -18,6 +18,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering.counters import _human
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.accumulate import accumulated_updates
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
@@ -31,16 +32,17 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 *
           "GIB": 2 ** 30, "TIB": 2 ** 40}
 
 
-def training_lm(cfg, optimizer=None, accumulate: int = 1):
+def training_lm(cfg, optimizer=None, accumulate: int = 1, precision=None):
     """The LM graph of one training run as ``meshtorch train`` builds it: ``cfg`` with ``optimizer()`` (a
     factory; None: AdamW), and with ``accumulate`` N > 1 the graph of one microbatch (``cfg.batch_size / N``
     rows) whose ``updates`` are the last microbatch's (the optimizer applied to the accumulated gradients,
     :func:`meshtorch.optim.accumulate.accumulated_updates`): its plan prices one microbatch's activations plus
-    the float32 accumulators."""
+    the float32 accumulators; ``precision``: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its
+    name) the model is built with."""
     opt = optimizer() if optimizer is not None else AdamWOptimizer(1e-3)
     if accumulate == 1:
-        return build_lm(cfg, optimizer=opt)
-    lm = build_lm(replace(cfg, batch_size=cfg.batch_size // accumulate))
+        return build_lm(cfg, optimizer=opt, precision=precision)
+    lm = build_lm(replace(cfg, batch_size=cfg.batch_size // accumulate), precision=precision)
     lm.updates = accumulated_updates(lm.graph, lm.loss, opt, accumulate).last
     return lm
 
@@ -100,6 +102,12 @@ def why_line(ranked) -> str:
     return f"why: {a or '(replicated)'} beats {b or '(replicated)'} by {what}."
 
 
+def _precision_words(precision) -> str:
+    policy = PrecisionPolicy.of(precision)
+    return "" if not policy.mixed else (f", {policy.name} (float32 masters, {policy.compute_dtype} compute, "
+                                        f"gradients reduced in {policy.reduce_dtype})").replace("torch.", "")
+
+
 def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_lm=training_lm):
     """Over ``memory_limit``: the fastest ``--remat`` policy and storage rules that fit, printed (or why none
     does); returns its MemoryReport, or None."""
@@ -122,7 +130,7 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_l
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "", microbatches: int | None = None, schedule: bool = False,
-            pipelines: bool = True, optimizer=None, accumulate: int = 1) -> list:
+            pipelines: bool = True, optimizer=None, accumulate: int = 1, precision=None) -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -148,6 +156,9 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         optimizer: a factory of the :mod:`meshtorch.optim` optimizer to plan (None: AdamW).
         accumulate: gradient accumulation over N microbatches of ``config.batch_size / N`` rows
             (:func:`training_lm`; ``meshtorch train --accumulate``).
+        precision: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name) the model is built with:
+            under bf16 activations, gathered weights and (with a bfloat16 ``reduce_dtype``) gradient reductions
+            are priced at 2 bytes per element, masters and optimizer state at 4.
 
     Returns:
         ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules,
@@ -165,14 +176,15 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     cfg = config(multiple) if callable(config) else config
 
     def train_lm(c):
-        return training_lm(c, optimizer, accumulate)
+        return training_lm(c, optimizer, accumulate, precision)
     lm = train_lm(cfg)
     n_params = sum(v.shape.size for v in lm.graph.trainable_variables)
     micro = f" ({accumulate} microbatches of {cfg.batch_size // accumulate})" if accumulate > 1 else ""
     opt_name = type(optimizer()).__name__.replace("Optimizer", "") if optimizer is not None else "AdamW"
     print_fn(f"model: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads x d_kv {cfg.d_kv}, "
              f"d_ff {cfg.d_ff}, vocab {cfg.padded_vocab}, {n_params / 1e6:.2f}M parameters; batch {cfg.batch_size}"
-             f"{micro} x length {cfg.length}; {opt_name} training step; mesh {mesh_shape!r}")
+             f"{micro} x length {cfg.length}; {opt_name} training step{_precision_words(precision)}; "
+             f"mesh {mesh_shape!r}")
     hw = f" ({hardware})" if hardware else ""
     extra = f", {cost.kernel_overhead * 1e6:.1f} us per kernel call" if cost.kernel_overhead else ""
     how = ("processors simulated one after another in one process (placement mesh): step time = the sum over "

@@ -19,6 +19,7 @@ from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.stages import plan
 from meshtorch.models.transformer import build_lm, preset
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, training_lm, why_line
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
@@ -37,6 +38,15 @@ def _config(args, vocab_multiple: int, layout: str | None = None):
                                     getattr(args, "pipeline_repeats", None),
                                     getattr(args, "pipeline_stages", None) if layout is not None else None,
                                     preset(args.preset, num_layers=args.layers).num_layers))
+
+
+def _policy(args) -> PrecisionPolicy:
+    """``--precision`` / ``--reduce-dtype`` (absent: float32). Raises UsageError naming the flag."""
+    try:
+        return PrecisionPolicy.named(getattr(args, "precision", None) or "fp32",
+                                     getattr(args, "reduce_dtype", None) or "float32")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _positive(flag: str, value) -> None:
@@ -62,6 +72,7 @@ def check_args(args) -> None:
     if args.memory_limit:
         parse_bytes(args.memory_limit)
     _check_accumulate(args)
+    _policy(args)
     storage = getattr(args, "storage", "") or ""
     if args.search and storage not in ("", "auto"):
         raise UsageError("--storage with --search: give --storage auto (search storage rules too) or drop "
@@ -121,8 +132,9 @@ def _optimizer(args):
 
 
 def _train_lm(args, cfg):
-    """The training graph ``meshtorch train`` would build for ``cfg`` with ``--optimizer`` and ``--accumulate``."""
-    return training_lm(cfg, _optimizer(args), getattr(args, "accumulate", 1))
+    """The training graph ``meshtorch train`` would build for ``cfg`` with ``--optimizer``, ``--accumulate`` and
+    ``--precision``."""
+    return training_lm(cfg, _optimizer(args), getattr(args, "accumulate", 1), _policy(args))
 
 
 def hardware_cost_model(args) -> tuple[CostModel, str]:
@@ -167,7 +179,7 @@ def main_plan(args) -> list:
                          args.layout, storage=storage, memory_limit=limit, search=args.search, top=args.top,
                          cost=cost, hardware=hw, microbatches=getattr(args, "microbatches", None),
                          schedule=getattr(args, "schedule", False), optimizer=_optimizer(args),
-                         accumulate=getattr(args, "accumulate", 1))
+                         accumulate=getattr(args, "accumulate", 1), precision=_policy(args))
     except ValueError as e:
         raise UsageError(f"--search: {e}") from None
     if args.search:

@@ -147,6 +147,7 @@ def main_train(args) -> dict:
 def _start(cfg: TrainConfig, paths: runs.RunPaths) -> _Job:
     """Seed, threads, the torchrun job (joined before anything prints) and the mesh implementation."""
     torch.manual_seed(cfg.seed)
+    cfg.precision_policy.set_matmul_precision()  # every process (torchrun rank), before any step is compiled
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device
@@ -194,7 +195,8 @@ def _load_data(job: _Job) -> tuple | None:
         raise UsageError(f"--prompt is {len(tok.encode(cfg.prompt))} tokens, but the model's context is "
                          f"{model.length} tokens (--length); give a shorter prompt or a longer --length.")
     job.tok, job.model = tok, model
-    job.record = {**runs.run_record(job.paths, cfg, model.to_dict(), fingerprint, len(docs)), **extra}
+    job.record = {**runs.run_record(job.paths, cfg, model.to_dict(), fingerprint, len(docs)), **extra,
+                  "precision": cfg.precision_policy.record()}
     resuming = _resume_check(cfg, job.record) if cfg.resuming else None
     job.dataset = PackedDataset.from_documents(docs, tok, model.length + 1)
     return resuming
@@ -212,7 +214,7 @@ def _build_model(job: _Job) -> None:
         opt, clip, accumulate = None, None, (make_optimizer(cfg), cfg.clip_norm or None)
     try:
         builder = hf.build if imported else build_lm
-        job.lm = builder(model, seed=cfg.seed, optimizer=opt, clip_norm=clip)
+        job.lm = builder(model, seed=cfg.seed, optimizer=opt, clip_norm=clip, precision=cfg.precision_policy)
         if n_acc > 1:
             _accumulate(job, *accumulate)
         if imported and not cfg.resuming:  # an imported model's weights (resumed: from the checkpoint)
@@ -223,7 +225,7 @@ def _build_model(job: _Job) -> None:
         raise LayoutError(f"--layout {cfg.layout!r}: {e}") from None
     job.eval_lm, job.eval_lowering = job.lm, job.lowering
     if not imported and model.dropout > 0:  # evaluate without dropout: a twin graph, weights copied each time
-        job.eval_lm = build_lm(model, seed=cfg.seed, train=False)
+        job.eval_lm = build_lm(model, seed=cfg.seed, train=False, precision=cfg.precision_policy)
         eval_impl = make_mesh_impl(cfg.mesh, cfg.layout, device=cfg.device, storage=cfg.storage or None)
         job.eval_lowering = Lowering(job.eval_lm.graph, {job.eval_lm.mesh: eval_impl})
     n_params = sum(v.shape.size for v in job.lm.graph.trainable_variables)

@@ -20,6 +20,7 @@ from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.models.transformer import build_lm, preset
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.command import parse_bytes
 from meshtorch.runtime import checks, hf_train, runs
 from meshtorch.runtime.autolayout import choose_layout
@@ -101,6 +102,8 @@ class TrainConfig:
     # execution
     threads: int = 1
     executor: str = "codegen"
+    precision: str = "fp32"  # fp32 | tf32 | bf16 (meshtorch.ops.precision.PrecisionPolicy.named)
+    reduce_dtype: str = "float32"  # float32 | bfloat16: gradient reductions under bf16
     peak_tflops: float | None = None
     bucket_mb: float | None = None  # None: the Lowering's default (DDP's: 25 MiB, first bucket 1 MiB)
     async_collectives: bool | None = None
@@ -144,6 +147,11 @@ class TrainConfig:
     def resuming(self) -> bool:
         """``--resume`` or ``--resume-from`` was given."""
         return bool(self.resume or self.resume_from)
+
+    @property
+    def precision_policy(self) -> PrecisionPolicy:
+        """The :class:`~meshtorch.ops.precision.PrecisionPolicy` of ``--precision`` and ``--reduce-dtype``."""
+        return PrecisionPolicy.named(self.precision, self.reduce_dtype)
 
     @property
     def bucket_bytes(self) -> int | None:
@@ -340,6 +348,10 @@ class TrainConfig:
                 checks.non_negative("--" + flag.replace("_", "-"), getattr(self, flag))
         checks.positive("--peak-tflops", self.peak_tflops)
         checks.fraction("--dropout", self.dropout)
+        try:
+            PrecisionPolicy.named(self.precision, self.reduce_dtype)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if self.optimizer == "adafactor":
             checks.number("--lr", self.lr)  # <= 0: Adafactor's own schedule
         else:
