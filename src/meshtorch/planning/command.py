@@ -85,15 +85,15 @@ def why_line(ranked) -> str:
     return f"why: {a or '(replicated)'} beats {b or '(replicated)'} by {what}."
 
 
-def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
+def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, options=None):
     """Over ``memory_limit``: the fastest ``--remat`` policy and storage rules that fit, printed (or why none
     does); returns its MemoryReport, or None."""
     def build(remat):
         lm = build_lm(replace(cfg, remat=remat), optimizer=AdamWOptimizer(1e-3))
         return lm.graph, lm.mesh, [lm.loss] + lm.updates
-    options = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
+    remats = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
     try:
-        remat, st, rep = fit_memory_limit(build, options, mesh_shape, layout, storage, memory_limit, cost)
+        remat, st, rep = fit_memory_limit(build, remats, mesh_shape, layout, storage, memory_limit, cost, options)
     except MemoryLimitError as e:
         print_fn(f"over the memory limit: {e}")
         return None
@@ -107,7 +107,7 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn):
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "", microbatches: int | None = None, schedule: bool = False,
-            pipelines: bool = True) -> list:
+            pipelines: bool = True, options=None) -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -130,6 +130,9 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         pipelines: with ``search``, also rank pipelined variants of the model: for every mesh axis whose size
             divides the layers, the layers stacked on ``stage`` split over that axis (``stage:<axis>`` plus the
             layouts of the other axes; ``report.pipeline`` says S, M and R).
+        options: the :class:`~meshtorch.lowering.stages.PlanOptions` of the report of one layout and of the
+            ``memory_limit`` fit (``meshtorch plan --backend gloo``: one process per processor, in-place
+            updates, the SPMD mesh's gradient buckets); default the placement mesh's. Not used by ``search``.
 
     Returns:
         ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules,
@@ -163,14 +166,14 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     if not search:
         st = "" if storage == "auto" else storage
         try:
-            rep = plan_memory(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, cost)
+            rep = plan_memory(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, cost, options)
         except LayoutError as e:
             raise SystemExit(f"meshtorch plan: illegal layout {layout!r} / storage {st!r}: {e}") from None
         print_fn(rep.summary())
         if schedule and lm.pipeline is not None:
             print_fn(schedule_table(lm.pipeline))
         if memory_limit is not None and rep.total_bytes > memory_limit:
-            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn) or rep
+            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn, options) or rep
         return [(layout, rep)]
     if storage == "auto" or (memory_limit is not None and not storage):
         storage_rules = "auto"
