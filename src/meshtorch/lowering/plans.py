@@ -109,7 +109,7 @@ def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, 
     # scheduling passes (schedule.py): FSDP gather buckets, prefetch as deep as the storage-ruled
     # meshes ask, DDP / FSDP gradient buckets
     prefetch = max([impl.prefetch for impl in processes.values() if impl.storage_rules.pairs], default=0)
-    steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, bucket_bytes), prefetch),
+    steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, bucket_bytes, p.slot_bytes), prefetch),
                               bucket_bytes, first_bucket_bytes)
     var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
     variable_slots = {s for _, s in var_reads}
