@@ -3,8 +3,8 @@ weights made locally with ``transformers``), replicated in one process and FSDP-
 
 Each process first imports a tiny GPT-2 (so torch's and meshtorch's lazy allocations are paid), then resets
 its RSS high-water mark (``/proc/self/clear_refs``), runs ``mtf.hf.load`` on the 124M directory and reports
-the peak growth against the bytes of the variable slices it holds. Goal (issue 20): FSDP growth <= 1.3x the
-rank's slice bytes; replicated growth <= 1.3x the model's bytes.
+the peak growth against the bytes of the variable slices it holds. Goal (issue 33): growth <= 1.05x the slice
+bytes held, replicated and per FSDP rank (``tests/test_hf_load_memory.py`` fails past 1.1x at a small size).
 
 Run: ``python benchmarks/hf_load_memory.py [--dir /tmp/gpt2-124m] [--nprocs 4]`` (needs ``transformers``).
 """
@@ -25,14 +25,15 @@ sys.path.insert(0, HERE)
 MIB = 2**20
 
 
-def make_checkpoints(root: str) -> tuple[str, str]:
-    """``(tiny, big)`` GPT-2 directories under ``root`` (made once, reused)."""
+def make_checkpoints(root: str, big: dict | None = None, big_name: str = "gpt2-124m") -> tuple[str, str]:
+    """``(tiny, big)`` GPT-2 directories under ``root`` (made once, reused, with seed 0); ``big``: the
+    ``GPT2Config`` fields of the big one (default GPT-2 small's, 124M parameters), named ``big_name``."""
     import torch
     import transformers
 
     dirs = []
     for name, kw in (("tiny", {"n_layer": 1, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64}),
-                     ("gpt2-124m", {})):
+                     (big_name, big or {})):
         d = os.path.join(root, name)
         if not os.path.isfile(os.path.join(d, "model.safetensors")):
             torch.manual_seed(0)
@@ -92,13 +93,13 @@ def main():
     r = json.loads(out)
     print(f"replicated (1 process): model {r['total'] / MIB:.1f} MiB, slices held {r['held'] / MIB:.1f} MiB, "
           f"peak RSS growth {r['growth'] / MIB:.1f} MiB = {r['growth'] / r['held']:.2f}x the bytes held "
-          f"(goal <= 1.3x); RSS after load +{r['rss_after'] / MIB:.1f} MiB")
+          f"(goal <= 1.05x); RSS after load +{r['rss_after'] / MIB:.1f} MiB")
     run = run_spmd("hf_load_memory:spmd_worker", args=(tiny, big), nprocs=a.nprocs, timeout_s=900,
                    extra_path=[HERE]).check()
     for rank, r in enumerate(run.results):
         print(f"FSDP rank {rank}/{a.nprocs} (storage d_model:data): slices held {r['held'] / MIB:.1f} MiB of "
               f"{r['total'] / MIB:.1f}, peak RSS growth {r['growth'] / MIB:.1f} MiB = {r['growth'] / r['held']:.2f}x "
-              f"(goal <= 1.3x); RSS after load +{r['rss_after'] / MIB:.1f} MiB")
+              f"(goal <= 1.05x); RSS after load +{r['rss_after'] / MIB:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -113,9 +113,12 @@ def test_buckets_merge_weight_gathers_and_gradient_reduce_scatters(name):
         kinds[cap] = [st.kind for st in steps]
         if cap:
             for st in steps:
-                if st.kind in ("allgather_bucket", "reduce_scatter_bucket"):
+                if st.kind == "reduce_scatter_bucket":  # at most cap bytes of unsharded gradients
                     assert 2 <= len(st.inputs)
                     assert sum(c.bytes_per_processor for c in _members(st, lw)) <= cap
+                if st.kind == "allgather_bucket":  # at most cap bytes of gathered weights (FSDP2's unit)
+                    assert 2 <= len(st.inputs)
+                    assert sum(lw.program.slot_bytes[o] for o in st.outputs) <= cap
     calls = {cap: sum(k in ("allgather", "allgather_bucket") for k in ks) for cap, ks in kinds.items()}
     assert "allgather_bucket" in kinds[BUCKET_BYTES] and "reduce_scatter_bucket" in kinds[BUCKET_BYTES]
     assert calls[BUCKET_BYTES] < calls[0] / 2

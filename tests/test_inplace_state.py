@@ -142,21 +142,28 @@ def _donated(lw, fetches):
             if d and "/" not in names[st.inputs[j]]]
 
 
-def test_fused_adam_updates_in_place_on_a_one_processor_mesh_with_the_same_values():
+@pytest.mark.parametrize("remat", [False, True])
+def test_fused_adam_updates_in_place_on_one_processor_and_on_shared_replicas_with_the_same_values(remat):
+    """One processor and replicas sharing one tensor (all:2, replicated): both fused updates write in place (the
+    replicas share one call). all:2 with ``b:all``: w1 is replicated but w2 split, so the two processors' calls
+    differ and both read w1's one tensor: w1 is copied, w2 updated in place. Values are bitwise those of one
+    processor. ``remat``: recompute_grad reads the weights through identities, dead before the update."""
     torch.manual_seed(0)
     x_val, y_val = torch.randn(8, 8), torch.randn(8, 4)
     runs = {}
-    for mesh_shape in ("", "all:2"):  # one processor: donated; two (shared replicas): copies
-        g, mesh, loss, updates = _model("adamw_fused", x_val, y_val)
-        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, "")})
+    for mesh_shape, layout in [("", ""), ("all:2", ""), ("all:2", "b:all")]:
+        g, mesh, loss, updates = _model("adamw_fused", x_val, y_val, remat=remat)
+        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, layout)})
         before = _ptrs(lw)
         losses = [lw.run([loss] + updates)[0].item() for _ in range(3)]
         assert _ptrs(lw) == before
-        runs[mesh_shape] = losses, {n: lw.variable_value(n) for n in lw.store.names}, _donated(lw, [loss] + updates)
-    assert len(runs[""][2]) == 2 and runs["all:2"][2] == []  # both fused updates write in place on ""
-    torch.testing.assert_close(runs[""][0], runs["all:2"][0], rtol=0, atol=0)
-    for n, v in runs[""][1].items():
-        torch.testing.assert_close(v, runs["all:2"][1][n], rtol=0, atol=0)
+        runs[layout or mesh_shape] = (losses, {n: lw.variable_value(n) for n in lw.store.names},
+                                      _donated(lw, [loss] + updates))
+    assert runs[""][2] == runs["all:2"][2] == ["w1", "w2"] and runs["b:all"][2] == ["w2"]
+    for k, tol in (("all:2", 0), ("b:all", 1e-6)):  # b:all sums its split matmuls in another order
+        torch.testing.assert_close(runs[""][0], runs[k][0], rtol=tol, atol=0)
+        for n, v in runs[""][1].items():
+            torch.testing.assert_close(v, runs[k][1][n], rtol=tol, atol=tol, msg=f"{n} on {k}")
 
 
 @pytest.mark.parametrize("reader", ["matmul", "elementwise"])
@@ -182,7 +189,8 @@ def test_no_in_place_update_where_a_later_step_or_a_fetch_reads_the_variable(rea
 
 
 def test_memory_report_counts_in_place_updates_as_no_new_buffers():
-    """Big weights, tiny batch: the peak is the update phase; in place it holds no second copy of w, m, v."""
+    """Big weights, tiny batch: the peak is the update phase; in place (one processor, or replicas sharing one
+    tensor) it holds no second copy of w, m, v; fetching w keeps its old value, so its update copies w (not m, v)."""
     from meshtorch.planning import memory_report
     g = mtf.Graph(seed=1)
     mesh = mtf.Mesh(g, "m")
@@ -190,28 +198,13 @@ def test_memory_report_counts_in_place_updates_as_no_new_buffers():
     w = mtf.get_variable(mesh, "w", "a:256,b:256")
     loss = mtf.reduce_sum(mtf.square(mtf.einsum([x, w], output_shape="batch:1,b:256")))
     updates = optim.AdamWOptimizer(0.01, fused=True).apply_grads(mtf.gradients([loss], [w]), [w.operation])
-    reps = {m: memory_report(mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(m, "")}, materialize=False),
-                             [loss] + updates) for m in ("", "all:2")}
-    state = 3 * 256 * 256 * 4  # the new w, m, v a copying update allocates
-    assert reps["all:2"].peak_activation_bytes - reps[""].peak_activation_bytes >= 0.95 * state
-
-
-def test_fused_adam_updates_in_place_under_recompute_grad_with_the_same_values():
-    """recompute_grad reads the block's weights through identities (views of the variables): they are dead
-    before the update, so the update still writes in place; values equal the copying run on all:2."""
-    torch.manual_seed(0)
-    x_val, y_val = torch.randn(8, 8), torch.randn(8, 4)
-    runs = {}
-    for mesh_shape in ("", "all:2"):
-        g, mesh, loss, updates = _model("adamw_fused", x_val, y_val, remat=True)
-        lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(mesh_shape, "")})
-        before = _ptrs(lw)
-        losses = [lw.run([loss] + updates)[0].item() for _ in range(3)]
-        assert _ptrs(lw) == before
-        runs[mesh_shape] = losses, lw.variable_value("w1"), _donated(lw, [loss] + updates)
-    assert len(runs[""][2]) == 2 and runs["all:2"][2] == []
-    torch.testing.assert_close(runs[""][0], runs["all:2"][0], rtol=0, atol=0)
-    torch.testing.assert_close(runs[""][1], runs["all:2"][1], rtol=0, atol=0)
+    reps = {(m, fetch_w): memory_report(mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl(m, "")}, materialize=False),
+                                        [loss] + updates + ([w] if fetch_w else []))
+            for m in ("", "all:2") for fetch_w in (False, True)}
+    w_bytes = 256 * 256 * 4  # the new w a copying update allocates
+    for m in ("", "all:2"):
+        assert reps[(m, True)].peak_activation_bytes - reps[(m, False)].peak_activation_bytes >= 0.95 * w_bytes
+    assert reps[("", False)].peak_activation_bytes == reps[("all:2", False)].peak_activation_bytes
 
 
 def test_compiled_fused_adam_writes_in_place_with_the_eager_values():

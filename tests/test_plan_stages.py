@@ -44,7 +44,7 @@ def test_plan_search_and_memory_limit_build_no_executor(constructions, capsys):
     out = capsys.readouterr().out
     assert "legal layouts" in out and "(yours, or train's default): rank" in out
     main(["plan", "--preset", "base", "--layers", "1", "--length", "32", "--mesh", "data:2,model:2", "--layout",
-          "batch:data", "--memory-limit", "20MiB", "--hardware", "cpu"])
+          "batch:data", "--memory-limit", "15MiB", "--hardware", "cpu"])
     assert "memory limit" in capsys.readouterr().out
     assert constructions == {}, constructions
     placement_mesh_impl("data:2")  # the counter sees a construction when there is one

@@ -293,7 +293,7 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
                     cache[key] = _read_padded(files, t, names, b, sizes, out.dtype, c.vocab_size)
                 return cache[key]
 
-            lowering.set_variable_slices(var, fn)
+            lowering.store.set_slices(var.name, fn, owned=True)  # each slice is a buffer read for it: no copy
             done.append(t.var)
         return done
     finally:

@@ -58,8 +58,9 @@ def add_plan_subcommand(subparsers) -> None:
                    help="measure this machine now (GEMM rate, kernel-call overhead, collectives of --backend), "
                         "replace the cached calibration, print what was measured, and plan with it")
     p.add_argument("--backend", default="placement", choices=["placement", "gloo", "nccl"],
-                   help="what the plan's times model: placement = one process simulating the mesh (meshtorch "
-                        "train without torchrun), gloo / nccl = one process per processor")
+                   help="what the plan's times and memory model: placement = one process simulating the mesh "
+                        "(meshtorch train without torchrun), gloo / nccl = one process per processor (the report "
+                        "of one --layout plans its schedule: 25 MiB gradient buckets, a 1 MiB first)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per process the times model (meshtorch train's --threads default: 1)")
     p.add_argument("--flop-rate", type=float, default=None, help="cost model: FLOP/s per processor")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import linecache
 from collections.abc import Callable
 
+from meshtorch.lowering.donate import donated_mask
 from meshtorch.lowering.executor import bind_step
 
 
@@ -66,7 +67,9 @@ def generate(steps, frees, impls: dict, counters, reads, writes, tagged: bool = 
     for i, (st, fr) in enumerate(zip(steps, frees, strict=True)):
         impl = impls[st.mesh]
         n = _unrolled(impl)
-        if st.kind == "slicewise" and n:
+        # an in-place update on an unrolled mesh goes through impl.slicewise, which lets no call write a slice
+        # another processor's call reads (a compiled plan's variable slices are never shared: Session unaliases)
+        if st.kind == "slicewise" and n and not (tagged and any(donated_mask(st))):
             f = f"k{i}"
             names[f] = st.fn
 

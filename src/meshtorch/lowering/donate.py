@@ -16,8 +16,11 @@ bools instead: ``donate[k]`` for its ``k``-th donatable input alone),
   one processor), or returns possibly-aliasing tensors (an identity, e.g. the inputs of a
   ``recompute_grad`` block, views) that are not results of the run and whose own readers all run
   before the update and satisfy the same rule: no view of the slice outlives the update;
-* the mesh gives this process one processor (SPMD, or a one-processor mesh): a placement mesh may run
-  one kernel call per processor on a shared replicated slice.
+* on a mesh holding several processors' slices in this process (the placement mesh), processors holding
+  the same slices of all the kernel's donatable inputs share one call (a replicated variable is updated in
+  place once for all its replicas), and a slice that two calls read is donated by neither
+  (:meth:`~meshtorch.mesh.placement.PlacementMeshImpl.slicewise`); the plan marks a variable only if its
+  layout splits it over every mesh axis that splits the kernel's other variables (:func:`_replica_safe`).
 
 The session's commit then finds the new value already in the variable's storage and copies nothing:
 no new weight or optimizer-state buffers per step (PyTorch's optimizers' in-place ``step``).
@@ -28,32 +31,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from meshtorch.core.donation import donatable_positions, kernel_of
 from meshtorch.lowering.collectives import KINDS, is_collective, kind_of
 from meshtorch.lowering.program import Step
 
 
-def _kernel(fn):
-    """The function under ``functools.partial`` layers."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return fn
-
-
 def donatable_inputs(st: Step) -> tuple:
-    """Input positions ``st``'s kernel may update in place: its ``donates`` attribute, a tuple or a function of
-    the step's bound parameters (a multi-tensor update's positions depend on how many tensors it takes)."""
-    if st.kind != "slicewise":
-        return ()
-    d = getattr(_kernel(st.fn), "donates", ())
-    if callable(d):
-        return tuple(d(**st.fn.keywords)) if isinstance(st.fn, functools.partial) else ()
-    return tuple(d)
+    """Input positions ``st``'s kernel may update in place (:func:`~meshtorch.core.donation.donatable_positions`)."""
+    return donatable_positions(st.fn) if st.kind == "slicewise" else ()
 
 
 def _fresh(st: Step, impl) -> bool:
     """Are ``st``'s outputs new tensors, sharing no storage with its inputs?"""
     if st.kind == "slicewise":
-        return bool(getattr(_kernel(st.fn), "fresh_outputs", False))
+        return bool(getattr(kernel_of(st.fn), "fresh_outputs", False))
     if is_collective(st.kind) and kind_of(st.kind)[0].fresh_output:  # single or bucket
         return impl.shape[st.params["mesh_axis"]].size > 1
     return False
@@ -127,8 +118,22 @@ def donate_reductions(steps: list[Step], variable_slots: set, keep: set, impls: 
     return out
 
 
-def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict) -> list[Step]:
-    """``steps`` with the update steps that may write variables in place called with ``donate=True``."""
+def _replica_safe(slots: list, layouts: dict, impl) -> list[bool]:
+    """On a mesh holding several processors (the placement mesh): may each of a kernel's donatable variable
+    ``slots`` be written in place, given that processors holding the same slices of all of them share one call
+    and a slice two calls read is not donated (:meth:`~meshtorch.mesh.placement.PlacementMeshImpl.slicewise`)?
+    A variable's replicas share one tensor, so a slice is read by one call only if it is split over every
+    mesh axis (of size > 1) that splits any of the others."""
+    axes = [{a for a in layouts.get(s, ()) if a is not None and impl.shape[a].size > 1} for s in slots]
+    union = set().union(*axes)
+    return [a == union for a in axes]
+
+
+def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict,
+                  layouts: dict | None = None) -> list[Step]:
+    """``steps`` with the update steps that may write variables in place called with ``donate=True``.
+
+    ``layouts``: ``{variable slot: its layout}`` (mesh axis per dim), for meshes holding several processors."""
     readers: dict[int, list[int]] = {}
     for i, st in enumerate(steps):
         for s in st.inputs:
@@ -137,13 +142,15 @@ def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict
     for i, st in enumerate(steps):
         donates = donatable_inputs(st)
         impl = impls[st.mesh]
-        if not donates or len(impl.local_pnums()) != 1:
+        if not donates:
             continue
         slots = [st.inputs[j] for j in donates]
         ok = [slots.count(s) == 1 and s in variable_slots and s not in keep and readers[s][-1] == i
               and all(_safe_reader(steps, readers, k, i, impl, keep) for k in readers[s]) for s in slots]
+        if len(impl.local_pnums()) > 1:
+            ok = [o and r for o, r in zip(ok, _replica_safe(slots, layouts or {}, impl), strict=True)]
         if all(ok):
             out[i] = dataclasses.replace(st, fn=functools.partial(st.fn, donate=True))
-        elif any(ok) and callable(getattr(_kernel(st.fn), "donates", None)):  # multi-tensor: per tensor
+        elif any(ok) and callable(getattr(kernel_of(st.fn), "donates", None)):  # multi-tensor: per tensor
             out[i] = dataclasses.replace(st, fn=functools.partial(st.fn, donate=tuple(ok)))
     return out

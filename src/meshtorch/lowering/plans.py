@@ -109,11 +109,12 @@ def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, 
     # scheduling passes (schedule.py): FSDP gather buckets, prefetch as deep as the storage-ruled
     # meshes ask, DDP / FSDP gradient buckets
     prefetch = max([impl.prefetch for impl in processes.values() if impl.storage_rules.pairs], default=0)
-    steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, bucket_bytes), prefetch),
+    steps = bucket_reductions(prefetch_gathers(bucket_gathers(steps, bucket_bytes, p.slot_bytes), prefetch),
                               bucket_bytes, first_bucket_bytes)
     var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
     variable_slots = {s for _, s in var_reads}
-    steps = donate_inputs(steps, variable_slots, keep, processes)  # in-place updates
+    layouts = {t.slot: t.layout for t in p.variables.values()}
+    steps = donate_inputs(steps, variable_slots, keep, processes, layouts)  # in-place updates
     steps = donate_reductions(steps, variable_slots, keep, processes)  # all-reduces in their input's buffer
     frees = frees_after(steps, keep)
     return Plan(steps, frees,

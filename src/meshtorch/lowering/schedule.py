@@ -13,10 +13,10 @@ same on every rank; the bytes moved, and so the counters, do not change, only th
   gradient buckets (``bucket_cap_mb``); FSDP's reduce-scatter of a unit's flat gradient.
 - :func:`bucket_gathers` merges consecutive *weight* all-gathers (inputs computed from nothing but
   the values a run starts with: variables in their storage layout) over the same mesh axis into
-  ``allgather_bucket`` steps of at most ``cap_bytes`` per processor (the collectives' recorded bytes),
-  issued where
-  the first member was: FSDP's all-gather of a unit's flat parameter. Gathered weights of a bucket
-  are alive together, which the planner's memory walk sees.
+  ``allgather_bucket`` steps of at most ``cap_bytes`` of *gathered* weights per processor (the outputs'
+  bytes where the plan knows them, so a bucket never holds more than ``cap_bytes`` of unsharded weights),
+  issued where the first member was: FSDP's all-gather of a unit's flat parameter. Gathered weights of a
+  bucket are alive together, which the planner's memory walk sees.
 - :func:`prefetch_gathers` issues each weight gather (or gather bucket) before the previous one is
   used: FSDP's forward and backward prefetch.
 
@@ -141,19 +141,22 @@ def weight_gathers(steps: list) -> list[int]:
     return [i for i, st in enumerate(steps) if static[i] and _gathers_weights(st.kind)]
 
 
-def bucket_gathers(steps: list, cap_bytes: int) -> list:
+def bucket_gathers(steps: list, cap_bytes: int, slot_bytes: dict | None = None) -> list:
     """``steps`` with consecutive weight all-gathers over the same mesh axis merged into
-    ``allgather_bucket`` steps of at most ``cap_bytes`` per processor (recorded bytes), each issued
-    where its first member was (the other members' input steps move up with them)."""
+    ``allgather_bucket`` steps of at most ``cap_bytes`` per processor, each issued where its first member
+    was (the other members' input steps move up with them). A member counts its gathered output's bytes
+    (``slot_bytes``: ``{slot: per-processor bytes}``, the program's), else its recorded (shard) bytes: a
+    bucket of shards adding up to ``cap_bytes`` would hold the group size times that of gathered weights."""
     if cap_bytes <= 0:
         return steps
+    slot_bytes = slot_bytes or {}
     made = {o: i for i, st in enumerate(steps) for o in st.outputs}
     buckets: list[list[int]] = []
     cur: list[int] = []
     size = 0
     for i in weight_gathers(steps):
         st = steps[i]
-        b = st.collective.bytes_per_processor
+        b = sum(slot_bytes.get(o, st.collective.bytes_per_processor) for o in st.outputs)
         if cur and (steps[cur[0]].mesh != st.mesh or steps[cur[0]].params["mesh_axis"] != st.params["mesh_axis"]
                     or size + b > cap_bytes):
             buckets.append(cur)

@@ -191,9 +191,13 @@ class VariableStore:
         self.pending.pop(name, None)
         self.values[name] = self.impl(name).import_full(value, self.layout(name))
 
-    def set_slices(self, name: str, fn: Callable[[int], torch.Tensor]):
+    def set_slices(self, name: str, fn: Callable[[int], torch.Tensor], owned: bool = False):
         """Overwrite variable ``name`` slice by slice: processor ``pnum`` gets ``fn(pnum)`` (see
-        :meth:`meshtorch.Lowering.set_variable_slices`).
+        :meth:`meshtorch.Lowering.set_variable_slices`). ``owned``: ``fn`` returns new tensors nobody else
+        holds (e.g. read from a file), kept as they are when of the variable's dtype and the processor's device
+        and contiguous; otherwise each slice is copied (later runs update the store's slices in place), and a
+        process reading a large model holds every slice twice for a moment (and the C allocator may keep the
+        freed copies: the resident set then stays above the bytes held).
 
         Raises:
             FeedError: naming the variable and processor, if a slice has the wrong shape.
@@ -208,6 +212,8 @@ class VariableStore:
             if list(t.shape) != want:
                 raise FeedError(f"set_variable_slices: variable {name!r} {spec_shape(spec)} needs slices of sizes "
                                 f"{want} on processor {p}, got {list(t.shape)}.")
+            if owned and t.dtype == spec.dtype and t.device == impl.device(p) and t.is_contiguous():
+                return t
             return t.to(device=impl.device(p), dtype=spec.dtype, copy=True)  # runs update it in place
 
         self.pending.pop(name, None)

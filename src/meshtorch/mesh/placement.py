@@ -7,10 +7,13 @@ A laid-out value is a Python list of torch tensors, index = processor number.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
+from meshtorch.core.donation import donatable_positions, kernel_of
 from meshtorch.core.layout import TensorLayout
 from meshtorch.mesh.base import REDUCTIONS, MeshImpl
 
@@ -60,6 +63,8 @@ class PlacementMeshImpl(MeshImpl):
     def slicewise(self, fn, *inputs, num_outputs: int = 1):
         if self.size == 1:
             out = [fn(*[x[0] for x in inputs])]
+        elif isinstance(fn, functools.partial) and fn.keywords.get("donate"):
+            out = _donating_calls(fn, inputs, self.size)
         elif inputs and all(x[p] is x[0] for x in inputs for p in range(1, self.size)):
             out = [fn(*[x[0] for x in inputs])] * self.size  # replicated inputs: one call, a shared result
         else:
@@ -259,3 +264,30 @@ def _assemble(pieces: dict, split, mesh_shape):
         sub = {k[1:]: v for k, v in pieces.items() if k[0] == c}
         parts.append(_assemble(sub, rest, mesh_shape))
     return torch.cat(parts, dim=tdim)
+
+
+def _donating_calls(fn, inputs, size: int) -> list:
+    """Per processor, the result of ``fn`` (a kernel called with ``donate``: it may update the inputs at
+    :func:`~meshtorch.core.donation.donatable_positions` in place) on its slices.
+
+    Processors holding the same tensors at every donatable position (the replicas of a variable and its
+    slots: their gradients are replicas too, as every value in a replicated layout) share one call and its
+    result, so a replicated variable is updated in place once for all its replicas (the commit keeps one
+    replica's value likewise). A donated slice that several calls read (one held by processors whose other
+    slices differ) is donated by none of them: those calls return new tensors, as without ``donate``."""
+    positions = donatable_positions(fn)
+    calls: dict = {}  # the identities of a processor's donatable slices -> the first processor holding them
+    for p in range(size):
+        calls.setdefault(tuple(id(inputs[j][p]) for j in positions), p)
+    readers = Counter(ptr for p in calls.values()
+                      for ptr in {x[p].data_ptr() for x in inputs if isinstance(x[p], torch.Tensor)})
+    flag = fn.keywords["donate"]
+    flags = tuple(flag) if isinstance(flag, tuple) else (True,) * len(positions)
+    per_tensor = callable(getattr(kernel_of(fn), "donates", None))  # a multi-tensor kernel takes a tuple
+    results = {}
+    for p in calls.values():
+        ok = tuple(f and readers[inputs[j][p].data_ptr()] == 1 for j, f in zip(positions, flags, strict=True))
+        donate = ok if per_tensor else all(ok)
+        call = fn if donate == flag else functools.partial(fn, donate=donate)
+        results[p] = call(*[x[p] for x in inputs])
+    return [results[calls[tuple(id(inputs[j][p]) for j in positions)]] for p in range(size)]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from meshtorch.core.errors import LayoutError, MeshtorchError
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.counters import _human
-from meshtorch.lowering.stages import plan
+from meshtorch.lowering.stages import PlanOptions, plan
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 from meshtorch.planning.search import storage_candidates
@@ -42,14 +42,16 @@ def _join(storage: str, extra: str) -> str:
 
 
 def plan_memory(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str = "",
-                cost: CostModel | None = None) -> MemoryReport:
+                cost: CostModel | None = None, options: PlanOptions | None = None) -> MemoryReport:
     """The :class:`MemoryReport` of one ``run(fetches)`` of ``graph`` on ``mesh_shape`` with compute rules
     ``layout`` and storage rules ``storage`` (dry run: nothing allocated), with its estimated time.
+    ``options``: the schedule planned (:class:`~meshtorch.lowering.stages.PlanOptions`: buckets, one process
+    per processor or one for all); default the placement mesh's.
 
     Raises:
         LayoutError: naming the tensor and dimension, if the rules are illegal for the graph.
     """
-    rep = memory_report(plan(graph, fetches, {mesh: MeshSpec(mesh_shape, layout, storage=storage)}))
+    rep = memory_report(plan(graph, fetches, {mesh: MeshSpec(mesh_shape, layout, storage=storage)}, options))
     rep.layout, rep.storage = layout, storage
     rep.estimated_time = estimate_time(rep, cost or CostModel())
     return rep
@@ -62,7 +64,7 @@ def _breakdown(r: MemoryReport) -> str:
 
 def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str = "",
                        memory_limit: int | None = None, candidates: Sequence[str] | None = None,
-                       cost: CostModel | None = None) -> MemoryReport:
+                       cost: CostModel | None = None, options: PlanOptions | None = None) -> MemoryReport:
     """Plan ``fetches`` (e.g. ``[loss] + updates``) and fail before training if over ``memory_limit``.
 
     Args:
@@ -72,6 +74,7 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
         candidates: storage rules to suggest from (added to ``storage``); default
             :func:`~meshtorch.planning.search.storage_candidates` (``d_model:<axis>`` first).
         cost: the cost model ranking the storage rules that fit (default :class:`CostModel`).
+        options: the schedule planned (:func:`plan_memory`).
 
     Returns:
         The :class:`MemoryReport` of the configuration (it fits).
@@ -82,7 +85,7 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
             rule that fits (by estimated time), or says that none of the candidates does.
         LayoutError: the rules are illegal for the graph.
     """
-    rep = plan_memory(graph, mesh, fetches, mesh_shape, layout, storage, cost)
+    rep = plan_memory(graph, mesh, fetches, mesh_shape, layout, storage, cost, options)
     if memory_limit is None or rep.total_bytes <= memory_limit:
         return rep
     cands = storage_candidates(graph, mesh_shape, layout) if candidates is None else list(candidates)
@@ -93,7 +96,7 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
             continue
         st = _join(storage, extra)
         try:
-            r = plan_memory(graph, mesh, fetches, mesh_shape, layout, st, cost)
+            r = plan_memory(graph, mesh, fetches, mesh_shape, layout, st, cost, options)
         except LayoutError:
             continue
         if smallest is None or r.total_bytes < smallest[1].total_bytes:
@@ -119,7 +122,8 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
 
 
 def fit_memory_limit(build, options: Sequence, mesh_shape, layout: str = "", storage: str = "",
-                     memory_limit: int | None = None, cost: CostModel | None = None):
+                     memory_limit: int | None = None, cost: CostModel | None = None,
+                     plan_options: PlanOptions | None = None):
     """The fastest configuration within ``memory_limit``: a graph variant and storage rules.
 
     Each of ``options`` (e.g. activation-checkpointing policies ``("none", "selective", "block")``) names a
@@ -129,7 +133,7 @@ def fit_memory_limit(build, options: Sequence, mesh_shape, layout: str = "", sto
     (:func:`check_memory_limit`'s suggestion); of the configurations that fit, the one with the smallest
     estimated time (then fewest bytes) wins, so recomputation is chosen only where it is cheaper than
     sharding or where nothing else fits (the planner's memory walk and FLOP count both see the
-    recomputed steps).
+    recomputed steps). ``plan_options``: the schedule planned (:func:`plan_memory`).
 
     Returns:
         ``(option, storage rules, MemoryReport)``.
@@ -144,7 +148,8 @@ def fit_memory_limit(build, options: Sequence, mesh_shape, layout: str = "", sto
     for i, opt in enumerate(options):
         graph, mesh, fetches = build(opt)
         try:
-            rep = check_memory_limit(graph, mesh, fetches, mesh_shape, layout, storage, memory_limit, cost=cost)
+            rep = check_memory_limit(graph, mesh, fetches, mesh_shape, layout, storage, memory_limit, cost=cost,
+                                     options=plan_options)
             if i == 0:
                 return opt, storage, rep
             fits.append((opt, storage, rep))

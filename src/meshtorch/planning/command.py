@@ -108,15 +108,15 @@ def _precision_words(precision) -> str:
                                         f"gradients reduced in {policy.reduce_dtype})").replace("torch.", "")
 
 
-def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_lm=training_lm):
+def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_lm=training_lm, options=None):
     """Over ``memory_limit``: the fastest ``--remat`` policy and storage rules that fit, printed (or why none
     does); returns its MemoryReport, or None."""
     def build(remat):
         lm = train_lm(replace(cfg, remat=remat))
         return lm.graph, lm.mesh, [lm.loss] + lm.updates
-    options = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
+    remats = [cfg.remat] + [r for r in REMAT_POLICIES if r != cfg.remat]
     try:
-        remat, st, rep = fit_memory_limit(build, options, mesh_shape, layout, storage, memory_limit, cost)
+        remat, st, rep = fit_memory_limit(build, remats, mesh_shape, layout, storage, memory_limit, cost, options)
     except MemoryLimitError as e:
         print_fn(f"over the memory limit: {e}")
         return None
@@ -130,7 +130,7 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_l
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "", microbatches: int | None = None, schedule: bool = False,
-            pipelines: bool = True, optimizer=None, accumulate: int = 1, precision=None) -> list:
+            pipelines: bool = True, optimizer=None, accumulate: int = 1, precision=None, options=None) -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -159,6 +159,9 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         precision: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name) the model is built with:
             under bf16 activations, gathered weights and (with a bfloat16 ``reduce_dtype``) gradient reductions
             are priced at 2 bytes per element, masters and optimizer state at 4.
+        options: the :class:`~meshtorch.lowering.stages.PlanOptions` of the report of one layout and of the
+            ``memory_limit`` fit (``meshtorch plan --backend gloo``: one process per processor, in-place
+            updates, the SPMD mesh's gradient buckets); default the placement mesh's. Not used by ``search``.
 
     Returns:
         ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules,
@@ -198,14 +201,14 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     if not search:
         st = "" if storage == "auto" else storage
         try:
-            rep = plan_memory(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, cost)
+            rep = plan_memory(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, cost, options)
         except LayoutError as e:
             raise SystemExit(f"meshtorch plan: illegal layout {layout!r} / storage {st!r}: {e}") from None
         print_fn(rep.summary())
         if schedule and lm.pipeline is not None:
             print_fn(schedule_table(lm.pipeline))
         if memory_limit is not None and rep.total_bytes > memory_limit:
-            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn, train_lm) or rep
+            rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn, train_lm, options) or rep
         return [(layout, rep)]
     if storage == "auto" or (memory_limit is not None and not storage):
         storage_rules = "auto"

@@ -341,10 +341,9 @@ def _report(program: Program, prog, specs: dict, op_axes: dict, pipeline) -> Mem
     peak_op = "<feeds>" if peak_i < 0 else prog.steps[peak_i].op
     local_flops = kernel_steps = kernel_bytes = 0
     for st in prog.steps:
-        axes = op_axes.get(st.op)
-        split = _split_factor(specs[st.mesh], axes) if axes is not None else 1
-        if st.flops:
-            local_flops += st.flops // split
+        if st.flops:  # the einsum's work, divided by the axes that split it
+            axes = op_axes.get(st.op)
+            local_flops += st.flops // (_split_factor(specs[st.mesh], axes) if axes is not None else 1)
         if st.kind == "slicewise":
             kernel_steps += 1
             kernel_bytes += sum(size(s) for s in st.outputs)
@@ -353,8 +352,7 @@ def _report(program: Program, prog, specs: dict, op_axes: dict, pipeline) -> Mem
     # gets one fed slice per processor from train's feed_slices=True batches, so its replicas share nothing
     # either (measured 2026-11-27: tiny preset, replicated on data:2,model:2, 325-450 ms per step with sliced
     # feeds, 113-115 ms with whole-batch feeds, 77-82 ms on one processor)
-    n_proc = max((spec.size for spec in specs.values()), default=1)
-    serial = n_proc
+    serial = max((spec.size for spec in specs.values()), default=1)  # processors a one-process simulation runs
     impls = list(specs.values())
     counters = Counters()
     counters.add(prog.counters)

@@ -17,7 +17,9 @@ import torch
 from meshtorch.core.errors import LayoutError, ShapeError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.lowering.stages import plan
+from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
+from meshtorch.lowering.stages import PlanOptions, plan
+from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, training_lm, why_line
@@ -25,7 +27,18 @@ from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
 from meshtorch.runtime.optimizers import make_optimizer
 
-__all__ = ["check_args", "hardware_cost_model", "main_plan", "your_layout_line"]
+__all__ = ["backend_options", "check_args", "hardware_cost_model", "main_plan", "your_layout_line"]
+
+
+def backend_options(backend: str) -> PlanOptions | None:
+    """The schedule ``--backend`` runs: ``placement`` (None: one process holds every processor, no buckets, as
+    ``meshtorch train`` without torchrun); ``gloo``/``nccl``: one process per processor (in-place updates, as
+    :mod:`meshtorch.lowering.donate` plans them) with the SPMD mesh's default gradient buckets (a
+    :class:`~meshtorch.Lowering`'s on :class:`~meshtorch.mesh.spmd.SpmdMeshImpl`: 25 MiB, a 1 MiB first)."""
+    if backend == "placement":
+        return None
+    b = SpmdMeshImpl.default_bucket_bytes
+    return PlanOptions(bucket_bytes=b, first_bucket_bytes=FIRST_BUCKET_BYTES if b > FIRST_BUCKET_BYTES else 0, local=1)
 
 
 def _config(args, vocab_multiple: int, layout: str | None = None):
@@ -179,7 +192,8 @@ def main_plan(args) -> list:
                          args.layout, storage=storage, memory_limit=limit, search=args.search, top=args.top,
                          cost=cost, hardware=hw, microbatches=getattr(args, "microbatches", None),
                          schedule=getattr(args, "schedule", False), optimizer=_optimizer(args),
-                         accumulate=getattr(args, "accumulate", 1), precision=_policy(args))
+                         accumulate=getattr(args, "accumulate", 1), precision=_policy(args),
+                         options=backend_options(getattr(args, "backend", "placement")))
     except ValueError as e:
         raise UsageError(f"--search: {e}") from None
     if args.search:
