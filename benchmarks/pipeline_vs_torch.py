@@ -206,8 +206,13 @@ def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None
     returns the loss on the last stage (None elsewhere); ``waits[0]`` accumulates the seconds spent waiting for
     transfers."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
     from torch.distributed.pipelining import schedules as sched_mod
 
     rank = dist.get_rank()

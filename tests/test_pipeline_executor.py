@@ -6,6 +6,7 @@ parallelism and FSDP storage inside each stage."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from meshtorch.autodiff import gradients
 from meshtorch.core.schedules import build_schedule
 from meshtorch.models.lm_stages import run_schedule, stage_programs
 from meshtorch.models.transformer import build_lm, preset
+from meshtorch.testing.spmd import run_spmd
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 MESH, LAYOUT, STORAGE = "data:2", "batch:data", "d_model:data"  # inside each stage: data parallel + FSDP
 BATCH = 16
@@ -29,7 +33,7 @@ def _batch():
     return torch.randint(0, 30, (BATCH, 8), generator=g), torch.randint(0, 30, (BATCH, 8), generator=g)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(layers):
     """The unpipelined LM's loss and gradients by variable name (the same initial values: drawn by name)."""
     lm = build_lm(_cfg(layers))
@@ -40,7 +44,7 @@ def _reference(layers):
     return float(out[0]), {w.name: g for w, g in zip(ws, out[1:], strict=True)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _programs(S, M, R):
     return stage_programs(_cfg(S * R), S, M, R, MESH, LAYOUT, STORAGE)
 
@@ -71,3 +75,31 @@ def test_refuses_what_it_cannot_cut():
         stage_programs(_cfg(3), 2, 4)
     with pytest.raises(ValueError, match="virtual stages"):
         run_schedule(build_schedule("1f1b", 2, 4), _programs(2, 4, 2), *_batch())
+
+
+@pytest.mark.parametrize("S,cases", [
+    (2, [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2), ("zero-bubble", 2, 4, 2)]),
+    pytest.param(4, [("zero-bubble", 4, 4, 1)], marks=pytest.mark.slow),
+])
+def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases):
+    """One process per pipeline rank (gloo): each walks its own row of the table, exchanging activations and
+    gradients point to point; the ranks' gradients together, and the last rank's loss, are the unpipelined LM's
+    (computed here, in the parent), their sends together the table's."""
+    res = run_spmd("_spmd_pipeline:schedule_worker", args=(cases,), nprocs=S, timeout_s=300,
+                   extra_path=[TESTS_DIR]).check().results
+    for i, (name, S_, M, R) in enumerate(cases):
+        table = build_schedule(name, S_, M, R)
+        loss, grads = _reference(S_ * R)
+        per_rank = [res[r][i] for r in range(S)]
+        assert [x[0] is None for x in per_rank] == [r != S - 1 for r in range(S)]
+        assert abs(per_rank[S - 1][0] - loss) <= 1e-6
+        got = {}
+        for x in per_rank:
+            assert not set(got) & set(x[1])  # each variable on one rank
+            got.update(x[1])
+        assert set(got) == set(grads)
+        for n, g in grads.items():
+            assert (got[n] - g).abs().max().item() <= 1e-6, (name, n)
+        assert sum(x[2] for x in per_rank) == len(table.sends())
+        assert [x[3] for x in per_rank] == table.in_flight()
+        assert [x[4] for x in per_rank] == [[str(a) for a in o] for o in table.order]

@@ -139,7 +139,7 @@ def test_a_deadlocking_order_is_refused():
     t = ScheduleTable("gpipe", 2, 1, 1, ((Action(0, "F", 0), Action(0, "B", 0)),
                                          (Action(1, "B", 0), Action(1, "F", 0))))
     with pytest.raises(ValueError, match="deadlock"):
-        t.timed
+        _ = t.timed
 
 
 def _parse_actions(text: str) -> list[list[str | None]]:

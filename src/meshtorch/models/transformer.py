@@ -235,11 +235,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     mesh = Mesh(graph, "mesh")
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
-    emb = get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
-                           initializer=random_normal_initializer(0.0, 1.0))
-    pos = get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
-                           initializer=random_normal_initializer(0.0, 0.02))
-    x = _embed(inputs, emb, d) + pos
+    x = _embeddings(mesh, inputs, d)
     x = _dropout(c, x, train)
     if c.pipelined:
         x = _pipelined_blocks(c, d, x, train)
@@ -319,6 +315,14 @@ REMAT_POLICIES = ("none", "block", "selective")
 
 def _keeps_matmuls(op) -> bool:
     return isinstance(op, EinsumOperation | AttentionOperation)
+
+
+def _embeddings(mesh, inputs, d):
+    """Token plus position embeddings of ``inputs`` (variables ``embedding``, ``pos_embedding``)."""
+    emb = get_variable(mesh, "embedding", [d["vocab"], d["d_model"]], initializer=random_normal_initializer(0.0, 1.0))
+    pos = get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
+                       initializer=random_normal_initializer(0.0, 0.02))
+    return _embed(inputs, emb, d) + pos
 
 
 def _embed(ids, table, d):
