@@ -194,9 +194,44 @@ TORCH_RUNS = {"torch": "gpipe", "torch_1f1b": "1f1b", "torch_interleaved": "inte
               "torch_zero_bubble": "zero-bubble"}
 
 
+#: meshtorch's stage executor (:mod:`meshtorch.models.lm_stages`, a prototype): name -> schedule; forward and
+#: backward passes only (no optimizer step), each gradient program recomputing its stage's forward pass
+EXEC_RUNS = {"mt_gpipe": "gpipe", "mt_1f1b": "1f1b", "mt_interleaved": "interleaved-1f1b",
+             "mt_zero_bubble": "zero-bubble"}
+SCHEDULE_OF = {**TORCH_RUNS, **EXEC_RUNS}
+
+
 def torch_local_stages(run: str, virtual: int) -> int:
-    """Virtual stages per rank of a torch run: ``virtual`` for the interleaved and zero-bubble ones, else 1."""
-    return virtual if TORCH_RUNS[run] in ("interleaved-1f1b", "zero-bubble") else 1
+    """Virtual stages per rank of a torch or executor run: ``virtual`` for the interleaved and zero-bubble ones,
+    else 1."""
+    return virtual if SCHEDULE_OF[run] in ("interleaved-1f1b", "zero-bubble") else 1
+
+
+def _exec_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None, schedule: str = "gpipe",
+              local: int = 1):
+    """``(step_fn, waits, None)`` of this rank's stage programs run by :func:`meshtorch.models.lm_stages.run_rank`
+    in ``schedule``'s order (forward and backward, no optimizer step; the programs draw the unpipelined LM's
+    initial values by name, seed 0, so ``state`` is that already)."""
+    import torch.distributed as dist
+
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import run_rank, stage_programs
+
+    programs = stage_programs(cfg, stages, microbatches, local, rank=dist.get_rank())
+    table = build_schedule(schedule, stages, microbatches, local)
+    waits = [0.0]
+
+    def step(x, y):
+        run = run_rank(table, programs, x, y)
+        waits[0] += run.wait_s
+        return run.loss
+
+    def var_bytes():
+        return sum(p.lowering.variable_value(n).numel() * 4 for p in programs if p is not None
+                   for n in p.lowering.variable_names)
+
+    step.var_bytes = var_bytes
+    return step, waits, None
 
 
 def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None, schedule: str = "gpipe",
@@ -323,13 +358,14 @@ def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, t
     if run in MESHTORCH_RUNS:
         def job(*a):
             return _meshtorch_job(*a, remat=MESHTORCH_RUNS[run])
-    elif run in TORCH_RUNS:
+    elif run in SCHEDULE_OF:
         def job(*a):
-            return _torch_job(*a, schedule=TORCH_RUNS[run], local=torch_local_stages(run, virtual))
+            return (_torch_job if run in TORCH_RUNS else _exec_job)(*a, schedule=SCHEDULE_OF[run],
+                                                                     local=torch_local_stages(run, virtual))
     else:
-        raise ValueError(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, *TORCH_RUNS])}.")
+        raise ValueError(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, *SCHEDULE_OF])}.")
     tiny = config(dict(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32, length=8, batch_size=microbatches,
-                       num_layers=stages * (torch_local_stages(run, virtual) if run in TORCH_RUNS else 1)))
+                       num_layers=stages * (torch_local_stages(run, virtual) if run in SCHEDULE_OF else 1)))
     step, _, _ = job(tiny, stages, microbatches, None)
     x, y = batches(tiny, 1)[0]
     step(x, y)
@@ -386,15 +422,16 @@ def main(argv=None):
                     help="jobs per round, alternated: meshtorch (per-iteration recompute, the LM's default), "
                          "meshtorch_noremat (keeps every block's activations, as GPipe does), torch (ScheduleGPipe), "
                          "torch_1f1b (Schedule1F1B), torch_interleaved (ScheduleInterleaved1F1B), torch_zero_bubble "
-                         "(ScheduleInterleavedZeroBubble)")
+                         "(ScheduleInterleavedZeroBubble); mt_gpipe, mt_1f1b, mt_interleaved, mt_zero_bubble: "
+                         "meshtorch's prototype stage executor in that schedule's order (forward and backward only)")
     ap.add_argument("--virtual-stages", type=int, default=2,
                     help="virtual stages per rank of torch_interleaved and torch_zero_bubble (--layers must be a "
                          "multiple of stages x this)")
     args = ap.parse_args(argv)
     for run in args.runs.split(","):
-        if run not in MESHTORCH_RUNS and run not in TORCH_RUNS:
-            ap.error(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, *TORCH_RUNS])}.")
-        if run in TORCH_RUNS and args.layers % (args.stages * torch_local_stages(run, args.virtual_stages)):
+        if run not in MESHTORCH_RUNS and run not in SCHEDULE_OF:
+            ap.error(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, *SCHEDULE_OF])}.")
+        if run in SCHEDULE_OF and args.layers % (args.stages * torch_local_stages(run, args.virtual_stages)):
             ap.error(f"--runs {run}: --layers {args.layers} must be a multiple of --stages x its virtual stages "
                      f"({args.stages} x {torch_local_stages(run, args.virtual_stages)}).")
     from meshtorch.testing.spmd import run_spmd
@@ -474,14 +511,22 @@ def torch_schedules(results: dict, med: dict, S: int, M: int, virtual: int) -> N
     against the measured waiting share and peak RSS growth, and its losses against GPipe's."""
     from meshtorch.core.schedules import build_schedule
 
-    for run in [r for r in results if r in TORCH_RUNS]:
+    for run in [r for r in results if r in SCHEDULE_OF]:
         R = torch_local_stages(run, virtual)
-        table = build_schedule(TORCH_RUNS[run], S, M, R)
-        print(f"\n{run} ({TORCH_RUNS[run]}, {R} virtual stage(s) per rank): table: {table.steps} steps, bubble "
+        table = build_schedule(SCHEDULE_OF[run], S, M, R)
+        print(f"\n{run} ({SCHEDULE_OF[run]}, {R} virtual stage(s) per rank): table: {table.steps} steps, bubble "
               f"{table.bubble_fraction():.3f}, peak in-flight (stage, microbatch) per rank {table.in_flight()}; "
               f"measured: waiting share per rank {' '.join(f'{b:.2f}' for b in med[run + '_step'])}, peak RSS "
               f"growth per rank MiB {' '.join(f'{g:.1f}' for g in med[run + '_rss'])}")
-        if run != "torch" and "torch" in results:
+        twin = next((t for t, n in TORCH_RUNS.items() if n == SCHEDULE_OF[run]), None)
+        if run in EXEC_RUNS and twin in results:
+            per_round = [statistics.median(x for r in a for x in r["times"]) / statistics.median(
+                x for r in b for x in r["times"]) for a, b in zip(results[run], results[twin], strict=True)]
+            ml, tl = results[run][0][S - 1]["losses"][0], results[twin][0][S - 1]["losses"][0]
+            print(f"  / {twin} (the same schedule, with its AdamW step) step time: per round "
+                  f"{' '.join(f'{x:.2f}' for x in per_round)}, median {statistics.median(per_round):.3f}; first "
+                  f"loss {ml:.5f} vs {tl:.5f} (rel. diff {abs(ml - tl) / abs(tl):.1e})")
+        if run in TORCH_RUNS and run != "torch" and "torch" in results:
             per_round = [statistics.median(x for r in a for x in r["times"]) / statistics.median(
                 x for r in b for x in r["times"]) for a, b in zip(results[run], results["torch"], strict=True)]
             ml, tl = results[run][0][S - 1]["losses"], results["torch"][0][S - 1]["losses"]

@@ -45,21 +45,22 @@ def _reference(layers):
 
 
 @functools.cache
-def _programs(S, M, R):
-    return stage_programs(_cfg(S * R), S, M, R, MESH, LAYOUT, STORAGE)
+def _programs(S, M, R, per=1):
+    return stage_programs(_cfg(S * R * per), S, M, R, MESH, LAYOUT, STORAGE)
 
 
-@pytest.mark.parametrize("name,S,M,R", [
-    ("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("gpipe", 2, 4, 2), ("interleaved-1f1b", 2, 4, 2),
-    ("zero-bubble", 2, 4, 1), ("zero-bubble", 2, 4, 2),
-    ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 4, 1), ("interleaved-1f1b", 4, 8, 2),
-    ("zero-bubble", 4, 8, 1), ("zero-bubble", 2, 8, 2),
+@pytest.mark.parametrize("name,S,M,R,per", [
+    ("gpipe", 2, 4, 1, 1), ("1f1b", 2, 4, 1, 1), ("gpipe", 2, 4, 2, 1), ("interleaved-1f1b", 2, 4, 2, 1),
+    ("zero-bubble", 2, 4, 1, 1), ("zero-bubble", 2, 4, 2, 1),
+    ("gpipe", 4, 8, 1, 1), ("1f1b", 4, 8, 1, 1), ("1f1b", 4, 4, 1, 1), ("interleaved-1f1b", 4, 8, 2, 1),
+    ("zero-bubble", 4, 8, 1, 1), ("zero-bubble", 2, 8, 2, 1), ("1f1b", 2, 4, 1, 2),
 ])
-def test_schedule_order_gives_the_unpipelined_loss_and_gradients(name, S, M, R):
+def test_schedule_order_gives_the_unpipelined_loss_and_gradients(name, S, M, R, per):
+    """``per``: layers per virtual stage."""
     table = build_schedule(name, S, M, R)
     ids, tg = _batch()
-    run = run_schedule(table, _programs(S, M, R), ids, tg)
-    loss, grads = _reference(S * R)
+    run = run_schedule(table, _programs(S, M, R, per), ids, tg)
+    loss, grads = _reference(S * R * per)
     assert abs(run.loss - loss) <= 1e-6
     assert set(run.grads) == set(grads)
     for n, g in grads.items():

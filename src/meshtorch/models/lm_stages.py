@@ -18,6 +18,7 @@ an optimizer step, or wired to ``meshtorch train``; inside a stage the mesh is a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -56,19 +57,21 @@ class StageProgram:
 
 def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: int = 1, mesh_shape: str = "",
                    layout: str = "", storage: str = "", seed: int = 0, rank: int | None = None) -> list:
-    """The ``V = stages x repeats`` virtual stages of the unpipelined LM ``config`` (``num_layers == V``, one
-    layer each), each a graph of one microbatch (``batch_size / microbatches`` sequences) lowered on
+    """The ``V = stages x repeats`` virtual stages of the unpipelined LM ``config`` (``num_layers`` a multiple of
+    ``V``: stage ``v`` runs layers ``v L/V .. (v+1) L/V - 1``), each a graph of one microbatch (``batch_size / microbatches`` sequences) lowered on
     ``MeshSpec(mesh_shape, layout, storage)``. Variables keep the unpipelined LM's names (``embedding``,
     ``layer_{v}/...``, ``final_norm/...``, ``logits/kernel``) and so, drawn from ``seed`` by name, its initial values.
     ``rank``: build only that rank's virtual stages (``v mod stages == rank``; None in the other entries).
 
     Raises:
-        ValueError: ``num_layers != V``, a batch that ``microbatches`` does not divide, dropout, MoE layers, or a
+        ValueError: ``num_layers`` not a multiple of ``V``, a batch that ``microbatches`` does not divide, dropout, MoE layers, or a
             pipelined ``config`` (give the unpipelined one).
     """
     V = stages * repeats
-    if config.num_layers != V:
-        raise ValueError(f"stage_programs: num_layers ({config.num_layers}) must be stages x repeats ({V}).")
+    if config.num_layers % V:
+        raise ValueError(f"stage_programs: num_layers ({config.num_layers}) must be a multiple of stages x repeats "
+                         f"({V}).")
+    per = config.num_layers // V
     if config.batch_size % microbatches:
         raise ValueError(f"stage_programs: microbatches ({microbatches}) must divide batch_size "
                          f"({config.batch_size}).")
@@ -89,7 +92,9 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
         else:
             inputs = placeholder(mesh, "stage_input", [d["batch"], d["length"], d["d_model"]])
             x = inputs
-        y = _block(c, d, x, f"layer_{v}", False, [])
+        y = x
+        for i in range(v * per, (v + 1) * per):
+            y = _block(c, d, y, f"layer_{i}", False, [])
         targets = None
         if v == V - 1:  # as build_lm's head
             targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
@@ -128,6 +133,7 @@ class ScheduleRun:
     actions: list = field(default_factory=list)
     sends: int = 0
     peak_stash: list = field(default_factory=list)
+    wait_s: float = 0.0  # run_rank: seconds spent waiting for receives and the last sends
 
 
 class _Executor:
@@ -216,13 +222,17 @@ class _DistExecutor(_Executor):
         import torch.distributed as dist
 
         buf = torch.empty([d.size for d in like.shape], dtype=like.dtype)
+        t0 = time.perf_counter()
         dist.recv(buf, src, tag=tag)
+        self.run.wait_s += time.perf_counter() - t0
         store[key] = buf
         return buf
 
     def result(self):
+        t0 = time.perf_counter()
         for work, _ in self.pending:
             work.wait()
+        self.run.wait_s += time.perf_counter() - t0
         return super().result()
 
 
