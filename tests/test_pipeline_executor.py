@@ -74,6 +74,10 @@ def test_schedule_order_gives_the_unpipelined_loss_and_gradients(name, S, M, R, 
 def test_refuses_what_it_cannot_cut():
     with pytest.raises(ValueError, match="num_layers"):
         stage_programs(_cfg(3), 2, 4)
+    with pytest.raises(ValueError, match="MoE layers are not supported"):
+        stage_programs(preset("tiny", num_layers=2, num_experts=2), 2, 4)
+    with pytest.raises(ValueError, match="dropout"):
+        stage_programs(preset("tiny", num_layers=2, dropout=0.1), 2, 4)
     with pytest.raises(ValueError, match="virtual stages"):
         run_schedule(build_schedule("1f1b", 2, 4), _programs(2, 4, 2), *_batch())
 

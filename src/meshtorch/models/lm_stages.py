@@ -64,8 +64,8 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
     ``rank``: build only that rank's virtual stages (``v mod stages == rank``; None in the other entries).
 
     Raises:
-        ValueError: ``num_layers`` not a multiple of ``V``, a batch that ``microbatches`` does not divide, dropout, MoE layers, or a
-            pipelined ``config`` (give the unpipelined one).
+        ValueError: ``num_layers`` not a multiple of ``V``, a batch that ``microbatches`` does not divide, dropout,
+            MoE layers, label smoothing, or a pipelined ``config`` (give the unpipelined one).
     """
     V = stages * repeats
     if config.num_layers % V:
@@ -75,8 +75,15 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
     if config.batch_size % microbatches:
         raise ValueError(f"stage_programs: microbatches ({microbatches}) must divide batch_size "
                          f"({config.batch_size}).")
-    if config.dropout > 0 or config.num_experts > 0 or config.pipelined:
-        raise ValueError("stage_programs: an unpipelined dense config without dropout, please.")
+    if config.pipelined:
+        raise ValueError("stage_programs: give the unpipelined config (pipeline_stages=0); the stages come from "
+                         "the schedule.")
+    if config.dropout > 0:
+        raise ValueError("stage_programs: dropout > 0 is not supported (each gradient program recomputes its "
+                         "forward pass, which would draw other masks); set dropout=0.")
+    if config.num_experts > 0:
+        raise ValueError("stage_programs: MoE layers are not supported (their load-balancing loss would have to "
+                         "leave every stage); set num_experts=0.")
     c = replace(config, batch_size=config.batch_size // microbatches)
     d = dims(c)
     out = []

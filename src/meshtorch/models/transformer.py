@@ -126,7 +126,8 @@ def check_pipeline_config(c: LMConfig) -> None:
         raise ValueError(f"LMConfig: microbatches ({M}) must be >= pipeline_stages ({S}) with pipeline_repeats > 1 "
                          "(circular schedule); raise microbatches.")
     if c.num_experts > 0 and any(c.is_moe_layer(i) for i in range(c.num_layers)):
-        raise ValueError("LMConfig: MoE layers (num_experts > 0) cannot be pipelined; set num_experts=0 or "
+        raise ValueError("LMConfig: MoE layers (num_experts > 0) cannot be pipelined (the pipeline stacks identical "
+                         "layers' weights on 'stage', and MoE and dense feed-forwards differ); set num_experts=0 or "
                          "pipeline_stages=0.")
 
 
