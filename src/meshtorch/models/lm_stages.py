@@ -58,9 +58,10 @@ class StageProgram:
 def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: int = 1, mesh_shape: str = "",
                    layout: str = "", storage: str = "", seed: int = 0, rank: int | None = None) -> list:
     """The ``V = stages x repeats`` virtual stages of the unpipelined LM ``config`` (``num_layers`` a multiple of
-    ``V``: stage ``v`` runs layers ``v L/V .. (v+1) L/V - 1``), each a graph of one microbatch (``batch_size / microbatches`` sequences) lowered on
-    ``MeshSpec(mesh_shape, layout, storage)``. Variables keep the unpipelined LM's names (``embedding``,
-    ``layer_{v}/...``, ``final_norm/...``, ``logits/kernel``) and so, drawn from ``seed`` by name, its initial values.
+    ``V``: stage ``v`` runs layers ``v L/V .. (v+1) L/V - 1``), each a graph of one microbatch (``batch_size /
+    microbatches`` sequences) lowered on ``MeshSpec(mesh_shape, layout, storage)``. Variables keep the
+    unpipelined LM's names (``embedding``, ``layer_{i}/...``, ``final_norm/...``, ``logits/kernel``) and so, drawn
+    from ``seed`` by name, its initial values.
     ``rank``: build only that rank's virtual stages (``v mod stages == rank``; None in the other entries).
 
     Raises:
