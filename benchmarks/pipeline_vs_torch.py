@@ -33,8 +33,15 @@ zeroed slots, not waiting), so :func:`measured_bubble` cuts each rank's step int
 collective-permutes and sums the iterations in which the schedule table gives that rank no microbatch:
 over the pipeline loop (what the planner's ``(S-1)/(M*R+S-1)`` predicts) and over the whole step.
 
+torch's other schedules (issue 32): ``torch_1f1b`` (``Schedule1F1B``), ``torch_interleaved``
+(``ScheduleInterleaved1F1B``) and ``torch_zero_bubble`` (``ScheduleInterleavedZeroBubble``), the last two with
+``--virtual-stages`` stages per rank (``StageLM`` per virtual stage, rank r holding r, S + r, ...), are printed
+beside their tables (:mod:`meshtorch.core.schedules`: bubble, peak in-flight microbatches) and against GPipe.
+meshtorch executes GPipe only (docs/pipeline.md), so these runs measure torch's schedules, not meshtorch's.
+
 Run: ``python benchmarks/pipeline_vs_torch.py [--rounds 3] [--steps 3] [--stages 4] [--microbatches 8]
-[--layers 4] [--runs meshtorch,meshtorch_noremat,torch]``
+[--layers 4] [--runs meshtorch,meshtorch_noremat,torch,torch_1f1b,torch_interleaved,torch_zero_bubble]
+[--virtual-stages 2]``
 """
 
 from __future__ import annotations
@@ -182,25 +189,88 @@ class StageLM(TorchLM):
         return self.head(x) if self.stage == self.stages - 1 else x
 
 
-def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None):
-    """``(step_fn, waits, None)`` of this rank's GPipe stage; ``step_fn(x, y)`` returns the loss on the last
-    stage (None elsewhere); ``waits[0]`` accumulates the seconds spent waiting for transfers."""
+#: torch's runs: name -> our schedule name (:mod:`meshtorch.core.schedules`) of the torch class it runs
+TORCH_RUNS = {"torch": "gpipe", "torch_1f1b": "1f1b", "torch_interleaved": "interleaved-1f1b",
+              "torch_zero_bubble": "zero-bubble"}
+
+
+#: meshtorch's stage executor (:mod:`meshtorch.models.lm_stages`, a prototype): name -> schedule; forward and
+#: backward passes only (no optimizer step), each gradient program recomputing its stage's forward pass
+EXEC_RUNS = {"mt_gpipe": "gpipe", "mt_1f1b": "1f1b", "mt_interleaved": "interleaved-1f1b",
+             "mt_zero_bubble": "zero-bubble"}
+SCHEDULE_OF = {**TORCH_RUNS, **EXEC_RUNS}
+
+
+def torch_local_stages(run: str, virtual: int) -> int:
+    """Virtual stages per rank of a torch or executor run: ``virtual`` for the interleaved and zero-bubble ones,
+    else 1."""
+    return virtual if SCHEDULE_OF[run] in ("interleaved-1f1b", "zero-bubble") else 1
+
+
+def _exec_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None, schedule: str = "gpipe",
+              local: int = 1):
+    """``(step_fn, waits, None)`` of this rank's stage programs run by :func:`meshtorch.models.lm_stages.run_rank`
+    in ``schedule``'s order (forward and backward, no optimizer step; the programs draw the unpipelined LM's
+    initial values by name, seed 0, so ``state`` is that already)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import run_rank, stage_programs
+
+    programs = stage_programs(cfg, stages, microbatches, local, rank=dist.get_rank())
+    table = build_schedule(schedule, stages, microbatches, local)
+    waits = [0.0]
+
+    def step(x, y):
+        run = run_rank(table, programs, x, y)
+        waits[0] += run.wait_s
+        return run.loss
+
+    def var_bytes():
+        return sum(p.lowering.variable_value(n).numel() * 4 for p in programs if p is not None
+                   for n in p.lowering.variable_names)
+
+    step.var_bytes = var_bytes
+    return step, waits, None
+
+
+def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None, schedule: str = "gpipe",
+               local: int = 1):
+    """``(step_fn, waits, None)`` of this rank's stages under torch's ``schedule`` (our name: gpipe, 1f1b,
+    interleaved-1f1b, zero-bubble) with ``local`` virtual stages per rank (rank r: r, S + r, ...); ``step_fn(x, y)``
+    returns the loss on the last stage (None elsewhere); ``waits[0]`` accumulates the seconds spent waiting for
+    transfers."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
     from torch.distributed.pipelining import schedules as sched_mod
 
     rank = dist.get_rank()
-    model = StageLM(cfg, rank, stages)
+    V = stages * local
+    models = [StageLM(cfg, v, V) for v in range(rank, V, stages)]
     if state is not None:
-        own = dict(model.named_parameters())
-        model.load_state_dict({k: v for k, v in state.items() if k in own})
-    stage = PipelineStage(model, rank, stages, torch.device("cpu"))
+        for model in models:
+            own = dict(model.named_parameters())
+            model.load_state_dict({k: v for k, v in state.items() if k in own})
+    pstages = [PipelineStage(m, v, V, torch.device("cpu")) for m, v in zip(models, range(rank, V, stages),
+                                                                           strict=True)]
 
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    sched = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    if schedule in ("gpipe", "1f1b"):
+        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(pstages[0], n_microbatches=microbatches,
+                                                                          loss_fn=loss_fn)
+    else:
+        cls = ScheduleInterleaved1F1B if schedule == "interleaved-1f1b" else ScheduleInterleavedZeroBubble
+        sched = cls(pstages, n_microbatches=microbatches, loss_fn=loss_fn)
+    params = [p for m in models for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     waits = [0.0]
     wait = sched_mod._wait_batch_p2p
     if not getattr(wait, "_timed", False):
@@ -229,8 +299,7 @@ def _torch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None
         return float(torch.stack(losses).mean()) if rank == stages - 1 else None
 
     def var_bytes():
-        tensors = list(model.parameters()) + [v for st in opt.state.values() for v in st.values()
-                                              if torch.is_tensor(v) and v.dim() > 0]
+        tensors = params + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     step.var_bytes = var_bytes
@@ -278,8 +347,10 @@ def _meshtorch_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | 
     return step, waits, bubble
 
 
-def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, threads: int) -> dict:
-    """One gloo rank of ``run`` (``"meshtorch"`` or ``"torch"``): warm-up, RSS reset, build, timed steps."""
+def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, threads: int,
+           virtual: int = 2) -> dict:
+    """One gloo rank of ``run`` (``MESHTORCH_RUNS`` or ``TORCH_RUNS``): warm-up, RSS reset, build, timed steps;
+    ``virtual``: virtual stages per rank of the interleaved and zero-bubble torch runs."""
     import torch.distributed as dist
 
     sys.path.insert(0, HERE)
@@ -287,12 +358,14 @@ def worker(run: str, cfg_kw: dict, stages: int, microbatches: int, steps: int, t
     if run in MESHTORCH_RUNS:
         def job(*a):
             return _meshtorch_job(*a, remat=MESHTORCH_RUNS[run])
-    elif run == "torch":
-        job = _torch_job
+    elif run in SCHEDULE_OF:
+        def job(*a):
+            return (_torch_job if run in TORCH_RUNS else _exec_job)(*a, schedule=SCHEDULE_OF[run],
+                                                                     local=torch_local_stages(run, virtual))
     else:
-        raise ValueError(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, 'torch'])}.")
-    tiny = config(dict(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_layers=stages, length=8,
-                       batch_size=microbatches))
+        raise ValueError(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, *SCHEDULE_OF])}.")
+    tiny = config(dict(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32, length=8, batch_size=microbatches,
+                       num_layers=stages * (torch_local_stages(run, virtual) if run in SCHEDULE_OF else 1)))
     step, _, _ = job(tiny, stages, microbatches, None)
     x, y = batches(tiny, 1)[0]
     step(x, y)
@@ -347,8 +420,20 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--runs", default="meshtorch,meshtorch_noremat,torch",
                     help="jobs per round, alternated: meshtorch (per-iteration recompute, the LM's default), "
-                         "meshtorch_noremat (keeps every block's activations, as GPipe does), torch")
+                         "meshtorch_noremat (keeps every block's activations, as GPipe does), torch (ScheduleGPipe), "
+                         "torch_1f1b (Schedule1F1B), torch_interleaved (ScheduleInterleaved1F1B), torch_zero_bubble "
+                         "(ScheduleInterleavedZeroBubble); mt_gpipe, mt_1f1b, mt_interleaved, mt_zero_bubble: "
+                         "meshtorch's prototype stage executor in that schedule's order (forward and backward only)")
+    ap.add_argument("--virtual-stages", type=int, default=2,
+                    help="virtual stages per rank of torch_interleaved and torch_zero_bubble (--layers must be a "
+                         "multiple of stages x this)")
     args = ap.parse_args(argv)
+    for run in args.runs.split(","):
+        if run not in MESHTORCH_RUNS and run not in SCHEDULE_OF:
+            ap.error(f"--runs: unknown run {run!r}; choose from {', '.join([*MESHTORCH_RUNS, *SCHEDULE_OF])}.")
+        if run in SCHEDULE_OF and args.layers % (args.stages * torch_local_stages(run, args.virtual_stages)):
+            ap.error(f"--runs {run}: --layers {args.layers} must be a multiple of --stages x its virtual stages "
+                     f"({args.stages} x {torch_local_stages(run, args.virtual_stages)}).")
     from meshtorch.testing.spmd import run_spmd
 
     cfg_kw = dict(num_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, batch_size=args.batch,
@@ -366,7 +451,8 @@ def main(argv=None):
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     for rnd in range(args.rounds):
         for run in runs:
-            res = run_spmd("pipeline_vs_torch:worker", args=(run, cfg_kw, S, M, args.steps, args.threads),
+            res = run_spmd("pipeline_vs_torch:worker", args=(run, cfg_kw, S, M, args.steps, args.threads,
+                                                                     args.virtual_stages),
                            nprocs=S, timeout_s=1800, dist_timeout_s=600, extra_path=[HERE], env=env).check().results
             results[run].append(res)
             t = [x for r in res for x in r["times"]]
@@ -414,6 +500,39 @@ def main(argv=None):
               f"ranks) {growth:.2f} MiB (planner / measured {p['total'] / MIB / growth:.2f}); planner variables "
               f"{rep.variable_bytes / MIB:.2f} MiB vs held variable slices {var:.2f} MiB (planner / measured "
               f"{rep.variable_bytes / MIB / var:.3f})")
+
+
+    torch_schedules(results, med, S, M, args.virtual_stages)
+
+
+def torch_schedules(results: dict, med: dict, S: int, M: int, virtual: int) -> None:
+    """Each torch run beside its schedule's table (:func:`meshtorch.core.schedules.build_schedule`): step time
+    over GPipe's (median of the per-round ratios), the table's bubble and peak in-flight microbatches per rank
+    against the measured waiting share and peak RSS growth, and its losses against GPipe's."""
+    from meshtorch.core.schedules import build_schedule
+
+    for run in [r for r in results if r in SCHEDULE_OF]:
+        R = torch_local_stages(run, virtual)
+        table = build_schedule(SCHEDULE_OF[run], S, M, R)
+        print(f"\n{run} ({SCHEDULE_OF[run]}, {R} virtual stage(s) per rank): table: {table.steps} steps, bubble "
+              f"{table.bubble_fraction():.3f}, peak in-flight (stage, microbatch) per rank {table.in_flight()}; "
+              f"measured: waiting share per rank {' '.join(f'{b:.2f}' for b in med[run + '_step'])}, peak RSS "
+              f"growth per rank MiB {' '.join(f'{g:.1f}' for g in med[run + '_rss'])}")
+        twin = next((t for t, n in TORCH_RUNS.items() if n == SCHEDULE_OF[run]), None)
+        if run in EXEC_RUNS and twin in results:
+            per_round = [statistics.median(x for r in a for x in r["times"]) / statistics.median(
+                x for r in b for x in r["times"]) for a, b in zip(results[run], results[twin], strict=True)]
+            ml, tl = results[run][0][S - 1]["losses"][0], results[twin][0][S - 1]["losses"][0]
+            print(f"  / {twin} (the same schedule, with its AdamW step) step time: per round "
+                  f"{' '.join(f'{x:.2f}' for x in per_round)}, median {statistics.median(per_round):.3f}; first "
+                  f"loss {ml:.5f} vs {tl:.5f} (rel. diff {abs(ml - tl) / abs(tl):.1e})")
+        if run in TORCH_RUNS and run != "torch" and "torch" in results:
+            per_round = [statistics.median(x for r in a for x in r["times"]) / statistics.median(
+                x for r in b for x in r["times"]) for a, b in zip(results[run], results["torch"], strict=True)]
+            ml, tl = results[run][0][S - 1]["losses"], results["torch"][0][S - 1]["losses"]
+            err = max(abs(a - b) / abs(b) for a, b in zip(ml, tl, strict=True))
+            print(f"  / torch GPipe step time: per round {' '.join(f'{x:.2f}' for x in per_round)}, median "
+                  f"{statistics.median(per_round):.3f}; losses max rel. diff to GPipe's {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -45,3 +45,22 @@ def parameter_bytes_worker(cases):
         out.append(sum(lw.variables[v].numel() * lw.variables[v].element_size()
                        for v in lm.graph.trainable_variables))
     return out
+
+
+def schedule_worker(cases):
+    """Per ``(schedule, S, M, R)`` case (``S`` = the processes): this rank's run of the stage executor
+    (:func:`meshtorch.models.lm_stages.run_rank`) on ``test_pipeline_executor``'s model and batch: loss (last
+    stage's rank, else None), {variable: gradient} of its stages, its sends, peak stash and actions (as text)."""
+    import torch.distributed as dist
+
+    import test_pipeline_executor as E
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import run_rank, stage_programs
+
+    out = []
+    for name, S, M, R in cases:
+        programs = stage_programs(E._cfg(S * R), S, M, R, E.MESH, E.LAYOUT, E.STORAGE, rank=dist.get_rank())
+        run = run_rank(build_schedule(name, S, M, R), programs, *E._batch())
+        r = dist.get_rank()
+        out.append((run.loss, run.grads, run.sends, run.peak_stash[r], [str(a) for a in run.actions[r]]))
+    return out

@@ -4,6 +4,7 @@ plan is :mod:`meshtorch.planning.command`'s)."""
 from __future__ import annotations
 
 from meshtorch.cli._help import HelpFormatter
+from meshtorch.core.schedules import SCHEDULES
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.ops.precision import PRECISIONS, REDUCE_DTYPES
 from meshtorch.planning.command import DEFAULT_LAYOUT, DEFAULT_MESH
@@ -30,7 +31,11 @@ def add_plan_subcommand(subparsers) -> None:
     p.add_argument("--pipeline-repeats", type=int, default=None,
                    help="circular pipeline repeats R (layers = stages x R; default: layers / stages)")
     p.add_argument("--schedule", action="store_true",
-                   help="with a pipelined --layout: print the schedule table (iteration x stage -> microbatch)")
+                   help="with a pipelined --layout: print the schedule table (iteration x stage -> microbatch; with "
+                        "--pipeline-schedule: that schedule's step x rank -> action)")
+    p.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
+                   help="plan this pipeline schedule's order of forward/backward actions: its bubble and peak "
+                        "in-flight microbatches per stage (docs/pipeline.md)")
     p.add_argument("--search", action="store_true",
                    help="rank all layouts of --mesh (and place --layout among them) instead of reporting --layout")
     p.add_argument("--top", type=int, default=10, help="layouts to print with --search")

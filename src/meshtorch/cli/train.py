@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from meshtorch.cli._help import HelpFormatter
+from meshtorch.core.schedules import SCHEDULES
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.ops.precision import PRECISIONS, REDUCE_DTYPES
 from meshtorch.runtime.train import main_train
@@ -59,6 +60,9 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--pipeline-repeats", type=int, default=None,
                    help="pipeline: circular repeats R, stage s running layers s, S + s, ... (default: --layers / "
                         "stages; R > 1 needs --microbatches >= stages)")
+    p.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
+                   help="pipeline schedule; train runs gpipe (the layout's fill-drain order) only, the others are "
+                        "planned (meshtorch plan --pipeline-schedule; docs/pipeline.md)")
     p.add_argument("--mesh", default=None,
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
                         f'processor. Default: "{DEFAULT_MESH}" in one process (simulated); under torchrun with '

@@ -128,7 +128,8 @@ def check_pipeline_config(c: LMConfig) -> None:
         raise ValueError(f"LMConfig: microbatches ({M}) must be >= pipeline_stages ({S}) with pipeline_repeats > 1 "
                          "(circular schedule); raise microbatches.")
     if c.num_experts > 0 and any(c.is_moe_layer(i) for i in range(c.num_layers)):
-        raise ValueError("LMConfig: MoE layers (num_experts > 0) cannot be pipelined; set num_experts=0 or "
+        raise ValueError("LMConfig: MoE layers (num_experts > 0) cannot be pipelined (the pipeline stacks identical "
+                         "layers' weights on 'stage', and MoE and dense feed-forwards differ); set num_experts=0 or "
                          "pipeline_stages=0.")
 
 
@@ -244,11 +245,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     mesh = Mesh(graph, "mesh")
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
-    emb = get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
-                           initializer=random_normal_initializer(0.0, 1.0))
-    pos = get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
-                           initializer=random_normal_initializer(0.0, 0.02))
-    x = _embed(inputs, emb, d) + pos
+    x = _embeddings(mesh, inputs, d)
     x = _dropout(c, x, train)
     if c.pipelined:
         x = _pipelined_blocks(c, d, x, train)
@@ -343,6 +340,14 @@ REMAT_POLICIES = ("none", "block", "selective")
 def keeps_matmuls(op) -> bool:
     """The ``selective`` remat policy's rule (``recompute_grad``'s ``keep``): keep matmul and attention outputs."""
     return isinstance(op, EinsumOperation | AttentionOperation)
+
+
+def _embeddings(mesh, inputs, d):
+    """Token plus position embeddings of ``inputs`` (variables ``embedding``, ``pos_embedding``)."""
+    emb = get_variable(mesh, "embedding", [d["vocab"], d["d_model"]], initializer=random_normal_initializer(0.0, 1.0))
+    pos = get_variable(mesh, "pos_embedding", [d["length"], d["d_model"]],
+                       initializer=random_normal_initializer(0.0, 0.02))
+    return _embed(inputs, emb, d) + pos
 
 
 def _embed(ids, table, d):

@@ -23,7 +23,7 @@ from meshtorch.optim.accumulate import accumulated_updates
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel
-from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_table
+from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_flag, schedule_table
 from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts
 
 DEFAULT_MESH = "data:2,model:2"
@@ -130,7 +130,8 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_l
 def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str = "", memory_limit: int | None = None,
             search: bool = False, top: int = 10, cost: CostModel | None = None, print_fn=print,
             hardware: str = "", microbatches: int | None = None, schedule: bool = False,
-            pipelines: bool = True, optimizer=None, accumulate: int = 1, precision=None, options=None) -> list:
+            pipelines: bool = True, optimizer=None, accumulate: int = 1, precision=None, options=None,
+            pipeline_schedule: str | None = None) -> list:
     """What ``meshtorch plan`` prints for an LM AdamW training step: the memory report of one layout, or
     (``search``) the ranked layouts of the mesh.
 
@@ -149,7 +150,10 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             (:func:`~meshtorch.planning.pipeline.pipeline_candidates`; None: the largest divisor of the batch up to
             4 x the stages).
         schedule: print the pipeline schedule table (:func:`~meshtorch.planning.pipeline.schedule_table`) of a
-            pipelined ``config`` (no ``search``).
+            pipelined ``config`` (no ``search``): ``pipeline_schedule``'s table if given, else the layout's.
+        pipeline_schedule: a name of :data:`~meshtorch.core.schedules.SCHEDULES` (no ``search``): the report's
+            pipeline section gets that schedule's bubble and in-flight microbatches
+            (:meth:`~meshtorch.planning.pipeline.PipelinePlan.with_schedule`).
         pipelines: with ``search``, also rank pipelined variants of the model: for every mesh axis whose size
             divides the layers, the layers stacked on ``stage`` split over that axis (``stage:<axis>`` plus the
             layouts of the other axes; ``report.pipeline`` says S, M and R).
@@ -204,9 +208,14 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             rep = plan_memory(lm.graph, lm.mesh, fetches, mesh_shape, layout, st, cost, options)
         except LayoutError as e:
             raise SystemExit(f"meshtorch plan: illegal layout {layout!r} / storage {st!r}: {e}") from None
+        table = None
+        if pipeline_schedule is not None and rep.pipeline is not None:
+            p = rep.pipeline
+            table = schedule_flag(pipeline_schedule, p.stages, p.microbatches, p.repeats)
+            rep = replace(rep, pipeline=p.with_schedule(table))
         print_fn(rep.summary())
         if schedule and lm.pipeline is not None:
-            print_fn(schedule_table(lm.pipeline))
+            print_fn(table.markdown() if table is not None else schedule_table(lm.pipeline))
         if memory_limit is not None and rep.total_bytes > memory_limit:
             rep = _fit(cfg, mesh_shape, layout, st, memory_limit, cost, print_fn, train_lm, options) or rep
         return [(layout, rep)]

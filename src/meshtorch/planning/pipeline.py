@@ -23,11 +23,13 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from meshtorch.core.errors import UsageError
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.core.schedules import ScheduleTable, build_schedule
 from meshtorch.lowering.counters import Counters, _human
 
 __all__ = ["STAGE_DIM", "PipelinePlan", "default_microbatches", "pipeline_candidates", "pipeline_plan",
-           "schedule_table"]
+           "schedule_flag", "schedule_table"]
 
 #: the dimension a pipelined graph stacks its stages' weights and state on (layout rule ``stage:<axis>``)
 STAGE_DIM = "stage"
@@ -53,6 +55,9 @@ class PipelinePlan:
         stacked_bytes_full: the same variables unsplit (the whole stack, every stage).
         other_bytes: per processor, the other trainable variables' slices.
         peak_activation_bytes: the plan's peak of live intermediate values (as the memory report).
+        schedule: the named schedule's :class:`~meshtorch.core.schedules.ScheduleTable` (``--pipeline-schedule``,
+            :meth:`with_schedule`), or None: the layout's own fill-drain order, whose every work item's stash
+            lives until the backward pass.
     """
 
     stages: int
@@ -67,6 +72,28 @@ class PipelinePlan:
     stacked_bytes_full: int = 0
     other_bytes: int = 0
     peak_activation_bytes: int = 0
+    schedule: ScheduleTable | None = None
+
+    def with_schedule(self, table: ScheduleTable) -> PipelinePlan:
+        """This plan under the named schedule ``table`` (same ``S``, ``M``, ``R``): its bubble, steps and
+        in-flight microbatches replace the layout's in :meth:`lines`."""
+        if (table.stages, table.microbatches, table.repeats) != (self.stages, self.microbatches, self.repeats):
+            raise ValueError(f"schedule {table.name} is S={table.stages} M={table.microbatches} R={table.repeats}, "
+                             f"the plan S={self.stages} M={self.microbatches} R={self.repeats}.")
+        return replace(self, schedule=table)
+
+    @property
+    def in_flight(self) -> int:
+        """The peak (virtual stage, microbatch) activations one processor holds: the schedule's largest
+        :meth:`~meshtorch.core.schedules.ScheduleTable.in_flight`, else ``M R`` (every work item of the stage)."""
+        return max(self.schedule.in_flight()) if self.schedule is not None else self.microbatches * self.repeats
+
+    @property
+    def schedule_activation_bytes(self) -> int:
+        """Activations per processor under the schedule: :attr:`peak_activation_bytes` (the unrolled program's
+        peak, which holds all ``M R`` work items' stashes) scaled by :attr:`in_flight` / ``M R``; an estimate
+        that assumes the stash dominates the peak."""
+        return self.peak_activation_bytes * self.in_flight // (self.microbatches * self.repeats)
 
     @property
     def parameter_bytes(self) -> int:
@@ -97,6 +124,13 @@ class PipelinePlan:
                    f"norms, logits) = {_human(self.parameter_bytes)}")
         out.append(f"  activations per processor: peak {_human(self.peak_activation_bytes)} (the memory report's "
                    "estimate over the unrolled iterations)")
+        if self.schedule is not None:
+            t = self.schedule
+            out.append(f"  schedule {t.name} (planned, see docs/pipeline.md): {t.steps} steps of one action, bubble "
+                       f"fraction {t.bubble_fraction():.3f} (its table); peak in-flight microbatches per stage "
+                       f"{t.in_flight()} of {self.microbatches * self.repeats}: activations per processor "
+                       f"~{_human(self.schedule_activation_bytes)} (the peak above x {self.in_flight}/"
+                       f"{self.microbatches * self.repeats})")
         return out
 
 
@@ -164,6 +198,31 @@ def schedule_table(schedule) -> str:
     rule = "|---:|" + "---:|" * S
     body = [f"| {t} | " + " | ".join("-" if m is None else str(m) for m in row) + " |" for t, row in enumerate(rows)]
     return "\n".join([head, rule, *body])
+
+
+def schedule_flag(name: str, stages: int, microbatches: int, repeats: int,
+                  flag: str = "--pipeline-schedule", executes: bool = False) -> ScheduleTable:
+    """The :class:`~meshtorch.core.schedules.ScheduleTable` that ``flag NAME`` asks for a pipeline of ``S`` x ``M``
+    x ``R`` (:func:`~meshtorch.core.schedules.build_schedule`); ``executes``: for a run (``meshtorch train``),
+    which executes only ``gpipe`` (the layout's fill-drain order; the others are planned, not run).
+
+    Raises:
+        UsageError: one line naming ``flag``: no pipeline (``stages <= 1``), a schedule that cannot run
+            ``S``, ``M``, ``R`` (:func:`~meshtorch.core.schedules.check_schedule`), or with ``executes`` a
+            schedule other than ``gpipe``.
+    """
+    if stages <= 1:
+        raise UsageError(f"{flag} {name} needs a pipeline: add the layout rule stage:<mesh axis> (e.g. --mesh "
+                         "pipe:2 --layout stage:pipe) or --pipeline-stages > 1.")
+    try:
+        table = build_schedule(name, stages, microbatches, repeats)
+    except ValueError as e:
+        raise UsageError(f"{flag} {name} with --pipeline-stages {stages}, --microbatches {microbatches}, "
+                         f"--pipeline-repeats {repeats}: {e}") from None
+    if executes and name != "gpipe":
+        raise UsageError(f"{flag} {name}: meshtorch train executes only gpipe (the pipeline layout's fill-drain "
+                         f"order) so far; plan {name} with meshtorch plan {flag} {name} (docs/pipeline.md).")
+    return table
 
 
 def default_microbatches(batch_size: int, stages: int, repeats: int = 1) -> int | None:

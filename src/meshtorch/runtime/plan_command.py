@@ -25,6 +25,7 @@ from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, training_lm, why_line
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
+from meshtorch.planning.pipeline import schedule_flag
 from meshtorch.runtime.optimizers import make_optimizer
 
 __all__ = ["backend_options", "check_args", "hardware_cost_model", "main_plan", "your_layout_line"]
@@ -105,6 +106,11 @@ def check_args(args) -> None:
                                                   or (getattr(args, "pipeline_repeats", None) or 1) > 1):
         raise UsageError("--microbatches/--pipeline-repeats need a pipeline: add the layout rule stage:<mesh axis> "
                          "(e.g. --mesh pipe:2 --layout stage:pipe) or --pipeline-stages > 1.")
+    name = getattr(args, "pipeline_schedule", None)
+    if name is not None and args.search:
+        raise UsageError(f"--pipeline-schedule {name} plans one --layout; drop it with --search.")
+    if name is not None:  # refused here, before the model is built, naming the flag
+        schedule_flag(name, cfg.pipeline_stages, cfg.microbatches, cfg.pipeline_repeats)
     small = cfg.pipeline_stages * cfg.pipeline_repeats if cfg.pipelined else 1  # a pipeline needs S*R layers
     cfg = preset(args.preset, **{**cfg.to_dict(), "num_layers": small})
     names = set()
@@ -193,7 +199,8 @@ def main_plan(args) -> list:
                          cost=cost, hardware=hw, microbatches=getattr(args, "microbatches", None),
                          schedule=getattr(args, "schedule", False), optimizer=_optimizer(args),
                          accumulate=getattr(args, "accumulate", 1), precision=_policy(args),
-                         options=backend_options(getattr(args, "backend", "placement")))
+                         options=backend_options(getattr(args, "backend", "placement")),
+                         pipeline_schedule=getattr(args, "pipeline_schedule", None))
     except ValueError as e:
         raise UsageError(f"--search: {e}") from None
     if args.search:

@@ -22,6 +22,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.command import parse_bytes
+from meshtorch.planning.pipeline import schedule_flag as pipeline_schedule_flag
 from meshtorch.runtime import checks, hf_train, runs
 from meshtorch.runtime.autolayout import choose_layout
 from meshtorch.runtime.calibrate import cached
@@ -75,6 +76,7 @@ class TrainConfig:
     pipeline_stages: int | None = None
     microbatches: int | None = None
     pipeline_repeats: int | None = None
+    pipeline_schedule: str | None = None  # --pipeline-schedule: train runs "gpipe" only (docs/pipeline.md)
     # mesh and layout
     # None: default_mesh_layout's (under torchrun without either flag: data:<world> and batch:data)
     mesh: str | None = None
@@ -364,6 +366,9 @@ class TrainConfig:
         base = preset(self.preset, num_layers=self.layers, batch_size=self.batch_size)
         pipe = checks.pipeline_fields(self.layout, mesh, self.pipeline_stages, self.microbatches,
                                       self.pipeline_repeats, base.num_layers, base.batch_size)
+        if self.pipeline_schedule is not None:
+            pipeline_schedule_flag(self.pipeline_schedule, pipe["pipeline_stages"], pipe["microbatches"],
+                                   pipe["pipeline_repeats"], executes=True)
         return self.replace(**pipe)
 
     def pipeline_fields(self) -> dict:

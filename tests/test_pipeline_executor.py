@@ -1,0 +1,110 @@
+"""The prototype stage executor (:mod:`meshtorch.models.lm_stages`, issue 32 item 2): the LM cut into one
+program per virtual stage, run in each schedule table's order on a placement mesh, against the *unpipelined*
+LM's loss and gradients (one graph, :func:`meshtorch.autodiff.gradients`, the same mesh and layout), with data
+parallelism and FSDP storage inside each stage."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from meshtorch.autodiff import gradients
+from meshtorch.core.schedules import build_schedule
+from meshtorch.models.lm_stages import run_schedule, stage_programs
+from meshtorch.models.transformer import build_lm, preset
+from meshtorch.testing.spmd import run_spmd
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+MESH, LAYOUT, STORAGE = "data:2", "batch:data", "d_model:data"  # inside each stage: data parallel + FSDP
+BATCH = 16
+
+
+def _cfg(layers):
+    return preset("tiny", d_model=16, num_heads=2, d_kv=8, d_ff=32, length=8, vocab_size=30, num_layers=layers,
+                  batch_size=BATCH)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 30, (BATCH, 8), generator=g), torch.randint(0, 30, (BATCH, 8), generator=g)
+
+
+@functools.cache
+def _reference(layers):
+    """The unpipelined LM's loss and gradients by variable name (the same initial values: drawn by name)."""
+    lm = build_lm(_cfg(layers))
+    ws = lm.graph.trainable_variables
+    ids, tg = _batch()
+    fetches = [lm.loss] + gradients([lm.loss], ws)  # before the lowering, which takes the graph as it is
+    out = lm.lowering(MESH, LAYOUT).run(fetches, feeds={lm.inputs: ids, lm.targets: tg})
+    return float(out[0]), {w.name: g for w, g in zip(ws, out[1:], strict=True)}
+
+
+@functools.cache
+def _programs(S, M, R, per=1):
+    return stage_programs(_cfg(S * R * per), S, M, R, MESH, LAYOUT, STORAGE)
+
+
+@pytest.mark.parametrize("name,S,M,R,per", [
+    ("gpipe", 2, 4, 1, 1), ("1f1b", 2, 4, 1, 1), ("gpipe", 2, 4, 2, 1), ("interleaved-1f1b", 2, 4, 2, 1),
+    ("zero-bubble", 2, 4, 1, 1), ("zero-bubble", 2, 4, 2, 1),
+    ("gpipe", 4, 8, 1, 1), ("1f1b", 4, 8, 1, 1), ("1f1b", 4, 4, 1, 1), ("interleaved-1f1b", 4, 8, 2, 1),
+    ("zero-bubble", 4, 8, 1, 1), ("zero-bubble", 2, 8, 2, 1), ("1f1b", 2, 4, 1, 2),
+])
+def test_schedule_order_gives_the_unpipelined_loss_and_gradients(name, S, M, R, per):
+    """``per``: layers per virtual stage."""
+    table = build_schedule(name, S, M, R)
+    ids, tg = _batch()
+    run = run_schedule(table, _programs(S, M, R, per), ids, tg)
+    loss, grads = _reference(S * R * per)
+    assert abs(run.loss - loss) <= 1e-6
+    assert set(run.grads) == set(grads)
+    for n, g in grads.items():
+        assert (run.grads[n] - g).abs().max().item() <= 1e-6, n
+    # each rank ran its actions in the table's order, held the table's stashes, and sent what the table sends
+    assert run.actions == [list(o) for o in table.order]
+    assert run.peak_stash == table.in_flight()
+    assert run.sends == len(table.sends()) == 2 * M * (S * R - 1)
+
+
+def test_refuses_what_it_cannot_cut():
+    with pytest.raises(ValueError, match="num_layers"):
+        stage_programs(_cfg(3), 2, 4)
+    with pytest.raises(ValueError, match="MoE layers are not supported"):
+        stage_programs(preset("tiny", num_layers=2, num_experts=2), 2, 4)
+    with pytest.raises(ValueError, match="dropout"):
+        stage_programs(preset("tiny", num_layers=2, dropout=0.1), 2, 4)
+    with pytest.raises(ValueError, match="virtual stages"):
+        run_schedule(build_schedule("1f1b", 2, 4), _programs(2, 4, 2), *_batch())
+
+
+@pytest.mark.parametrize("S,cases", [
+    (2, [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2), ("zero-bubble", 2, 4, 2)]),
+    pytest.param(4, [("zero-bubble", 4, 4, 1)], marks=pytest.mark.slow),
+])
+def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases):
+    """One process per pipeline rank (gloo): each walks its own row of the table, exchanging activations and
+    gradients point to point; the ranks' gradients together, and the last rank's loss, are the unpipelined LM's
+    (computed here, in the parent), their sends together the table's."""
+    res = run_spmd("_spmd_pipeline:schedule_worker", args=(cases,), nprocs=S, timeout_s=300,
+                   extra_path=[TESTS_DIR]).check().results
+    for i, (name, S_, M, R) in enumerate(cases):
+        table = build_schedule(name, S_, M, R)
+        loss, grads = _reference(S_ * R)
+        per_rank = [res[r][i] for r in range(S)]
+        assert [x[0] is None for x in per_rank] == [r != S - 1 for r in range(S)]
+        assert abs(per_rank[S - 1][0] - loss) <= 1e-6
+        got = {}
+        for x in per_rank:
+            assert not set(got) & set(x[1])  # each variable on one rank
+            got.update(x[1])
+        assert set(got) == set(grads)
+        for n, g in grads.items():
+            assert (got[n] - g).abs().max().item() <= 1e-6, (name, n)
+        assert sum(x[2] for x in per_rank) == len(table.sends())
+        assert [x[3] for x in per_rank] == table.in_flight()
+        assert [x[4] for x in per_rank] == [[str(a) for a in o] for o in table.order]
