@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from meshtorch.autodiff import gradients
 from meshtorch.core.graph import Graph, Mesh
@@ -218,7 +219,6 @@ class _DistExecutor(_Executor):
         if src == dst:
             store[key] = value
             return
-        import torch.distributed as dist
 
         value = value.contiguous()
         self.pending.append((dist.isend(value, dst, tag=tag), value))
@@ -227,7 +227,6 @@ class _DistExecutor(_Executor):
     def receive(self, store, key, src, dst, tag, like):
         if key in store:
             return store[key]
-        import torch.distributed as dist
 
         buf = torch.empty([d.size for d in like.shape], dtype=like.dtype)
         t0 = time.perf_counter()
@@ -273,7 +272,6 @@ def run_rank(table: ScheduleTable, programs: list, ids: torch.Tensor, targets: t
     its actions ``table.order[rank]`` in order, receiving activations and gradients from the neighbouring ranks
     when it needs them (``programs``: :func:`stage_programs` with ``rank``; ``ids``/``targets`` the full batch,
     read on the first and last stage only). Returns its :class:`ScheduleRun` (loss on the last stage's rank)."""
-    import torch.distributed as dist
 
     r = dist.get_rank()
     if dist.get_world_size() != table.stages:
