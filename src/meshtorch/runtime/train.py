@@ -211,7 +211,7 @@ def _build_model(job: _Job) -> None:
     imported = isinstance(model, HFModelConfig)
     if n_acc > 1:  # the graph is one microbatch's; the optimizer is applied once per n_acc of them
         model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)
-        opt, clip, accumulate = None, None, (make_optimizer(cfg), cfg.clip_norm or None)
+        opt, clip, accumulate = None, None, (opt, clip)
     try:
         builder = hf.build if imported else build_lm
         job.lm = builder(model, seed=cfg.seed, optimizer=opt, clip_norm=clip, precision=cfg.precision_policy)
