@@ -159,6 +159,7 @@ def test_launch_errors_name_the_launch_command(argv, capsys):
     assert out.startswith("meshtorch launch: error: ") and "['" not in out and out.count("\n") == 1, out
 
 
+@pytest.mark.slow
 def test_launch_reports_one_input_error_with_status_2():
     """Under `meshtorch launch` every rank refuses the bad flag; the job exits 2 and says it once."""
     env = dict(os.environ, PYTHONPATH=SRC)

@@ -57,6 +57,7 @@ def test_compiled_equals_interpreted(mesh_shape, layout, storage):
     assert len(lwa.session.compile_seconds) == 1 and next(iter(lwa.session.compile_seconds.values())) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_bytes", [0, 1 << 20], ids=["single", "buckets"])
 def test_compiled_spmd_program_is_one_graph_with_functional_collectives(bucket_bytes):
     """On 4 gloo ranks a compiled step (FSDP storage over ``rows``, tensor parallel over ``cols``:

@@ -87,6 +87,7 @@ def test_replicated_adamw_with_clipping_follows_torch():
     assert _max_rel(lm_losses, _torch_adamw_losses()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_losses_equal_on_four_gloo_ranks(placement_runs, spmd_runs):
     for rank, runs in enumerate(spmd_runs):
         for key, run in runs.items():

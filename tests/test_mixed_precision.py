@@ -185,6 +185,7 @@ def _read(var, vdtype):
     return mtf.cast(var.outputs[0], vdtype.activation_dtype)
 
 
+@pytest.mark.slow
 def test_fashion_mnist_bf16_activations_within_one_point_of_float32():
     data = _fashion_mnist()
     threads = torch.get_num_threads()

@@ -133,6 +133,7 @@ def test_training_matches_plain_pytorch(activation):
     assert np.mean(runs["torch"][-3:]) < np.mean(runs["torch"][:3]) - 0.1, runs["torch"]  # it learns
 
 
+@pytest.mark.slow
 def test_gelu_float32_layouts_stay_together():
     """With GELU (a continuous derivative) float32 rounding differences do not grow: 100 steps within 1e-5.
 

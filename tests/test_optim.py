@@ -309,6 +309,7 @@ def test_adam_resumes_from_global_step_and_schedule_lr(fused):
         assert lw.variable_value("global_step").dtype == torch.int64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw_schedule"])
 def test_fused_adam_compiled_matches_reference(decoupled):
     """Under ``torch.compile`` the fused update runs as its formula (inductor cannot functionalize

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import _spmd_jobs as J
@@ -56,6 +57,7 @@ def test_mnist_conv_spmd_equals_placement():
         assert acc == ref.epochs[0].test_accuracy, (rank, acc)
 
 
+@pytest.mark.slow
 def test_train_compile_spmd_equals_placement(capsys):
     """``meshtorch train --compile`` on 4 gloo ranks (data:2,model:2, collectives inside the compiled step,
     asynchronous, bucketed) gives the placement run's losses (generated function, not compiled) to 1e-5."""
