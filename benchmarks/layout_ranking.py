@@ -15,9 +15,10 @@ top-1 regret (measured time of the predicted best / best measured - 1), and the 
     python benchmarks/layout_ranking.py --backend gloo --mesh all:2 --preset small
     python benchmarks/layout_ranking.py --backend placement --mesh data:2,model:2 --preset small --auto
 
-``--auto`` (placement) first runs ``--layout auto``'s measuring choice (:func:`meshtorch.runtime.autolayout.
-choose_layout`, not cached) and reports its layout's time in the interleaved measurement over the fastest's and
-the default layout's, and the time the choice took over 600 steps of the default layout.
+``--auto`` first runs ``--layout auto``'s measuring choice (:func:`meshtorch.runtime.autolayout.choose_layout`,
+not cached; on gloo in the ranks of the mesh, as under torchrun) and reports its layout's time in the
+interleaved measurement over the fastest's and the default layout's, and the time the choice took over 600
+steps of the default layout.
 """
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ def spmd_worker(name, mesh, layouts, batch, steps, warmup, threads):
     return out
 
 
+def spmd_auto_worker(name, mesh, batch, threads):
+    """One rank of ``--layout auto`` under gloo (as ``meshtorch train --layout auto`` under torchrun: every rank
+    measures the same candidates, the slowest rank's medians count): (the chosen layout, seconds it took)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.barrier()
+    t0 = time.perf_counter()
+    layout = choose_layout(lambda m: preset(name, vocab_size=256, vocab_multiple=m, batch_size=batch), mesh,
+                           backend="gloo", threads=threads, world=dist.get_world_size(), cache=False,
+                           print_fn=print if dist.get_rank() == 0 else (lambda *a: None))[0]
+    return layout, time.perf_counter() - t0
+
+
 def kendall_tau(a, b) -> float:
     """Kendall's tau-b of two equally long sequences (``scipy.stats.kendalltau`` when scipy is installed, else
     the same definition: (concordant - discordant) / sqrt((n0 - ties in a) (n0 - ties in b)))."""
@@ -118,7 +133,7 @@ def main():
     ap.add_argument("--calibrate", action="store_true", help="measure the machine again before predicting")
     ap.add_argument("--max-layouts", type=int, default=40)
     ap.add_argument("--auto", action="store_true",
-                    help="placement: also run --layout auto's choice (measuring, not cached) first, and report its "
+                    help="also run --layout auto's choice (measuring, not cached) first, and report its "
                          "measured time over the fastest and over the default layout's, and its cost as a share of "
                          "a 600-step run of the default layout")
     args = ap.parse_args()
@@ -134,14 +149,20 @@ def main():
     if default not in layouts:
         layouts.append(default)
     auto = None
-    if args.auto:
-        if args.backend != "placement":
-            raise SystemExit("--auto: placement only (under gloo, run meshtorch train --layout auto under torchrun)")
+    if args.auto and args.backend == "placement":
         t_auto = time.perf_counter()
         auto = choose_layout(lambda m: preset(args.preset, vocab_size=256, vocab_multiple=m,
                                               batch_size=args.batch_size), mesh, threads=args.threads,
                              cache=False)[0]
         t_auto = time.perf_counter() - t_auto
+    elif args.auto:  # gloo: --layout auto on the ranks of the SPMD mesh, as under torchrun
+        from meshtorch.testing.spmd import run_spmd
+
+        job = run_spmd("layout_ranking:spmd_auto_worker", (args.preset, mesh, args.batch_size, args.threads),
+                       nprocs=mtf.MeshSpec(mesh).size, timeout_s=3600,
+                       extra_path=[os.path.dirname(os.path.abspath(__file__))]).check()
+        (auto, t_auto), *_ = job.results
+    if auto is not None:
         auto = _find(auto, layouts) or auto
         if auto not in layouts:
             layouts.append(auto)

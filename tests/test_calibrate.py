@@ -94,7 +94,7 @@ def test_calibration_takes_medians_of_repetitions_and_says_when_the_host_was_bus
     model's name say so). The measured values are injected, so the expected medians are known."""
     monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path))
     overheads = iter([1e-5, 4e-5, 2e-5])
-    monkeypatch.setattr(cal_mod, "_gemm_rate", lambda m, k, n: 1e10)
+    monkeypatch.setattr(cal_mod, "_gemm_rate", lambda m, k, n, **kw: 1e10)
     monkeypatch.setattr(cal_mod, "_kernel_overhead", lambda: next(overheads))
     monkeypatch.setattr(cal_mod, "_best_seconds", lambda fn, **k: 1e-3)
     monkeypatch.setattr(cal_mod, "_placement_collectives", lambda: {k: [1e-5, 1e-10] for k in cal_mod.KINDS})

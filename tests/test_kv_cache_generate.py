@@ -113,8 +113,9 @@ def test_eos_stops_each_sample():
 
 
 def test_step_flops_are_one_position_plus_cache_attention():
-    """Planner FLOPs (einsums): a step costs the matmuls of one position per sequence plus attention over the
-    cache; the recompute path costs the matmuls of all ``length`` positions for every token."""
+    """Planner FLOPs (einsums and the fused attention's contractions): a step costs the matmuls of one position per
+    sequence plus attention over the cache; the recompute path costs the matmuls of all ``length`` positions for
+    every token."""
     lm, lw = _model()
     dec = CachedDecoder.of(lw, lm)
     g = dec.graph
@@ -122,8 +123,9 @@ def test_step_flops_are_one_position_plus_cache_attention():
     full = lw.plan_counters(lm.logits).einsum_flops
     B, L, H, D, d = C.batch_size, C.length, C.num_heads, C.d_kv, C.d_model
     weights = C.num_layers * (4 * d * H * D + 2 * d * C.d_ff) + d * C.padded_vocab  # multiply-adds per position
-    assert full == 2 * B * L * weights  # the full graph's attention is the fused op (not an einsum)
-    assert step == 2 * B * weights + C.num_layers * 2 * (2 * B * H * L * D)  # q.k and weights.v over the cache
+    attention = C.num_layers * 2 * (2 * B * H * L * D)  # one position's q.k and weights.v over L positions
+    assert full == L * (2 * B * weights + attention)  # the fused attention op counts its two contractions
+    assert step == 2 * B * weights + attention  # the step's einsums over the cache
     assert step * 4 < full  # at length 16; the ratio grows with length
 
 

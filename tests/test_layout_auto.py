@@ -241,3 +241,25 @@ def test_layout_auto_keeps_the_default_unless_every_step_of_a_candidate_beats_it
         assert main(argv) == 0, capsys.readouterr().err
         chosen = _chosen(capsys.readouterr().out)
         assert _same_layout(chosen[0], DEFAULT_LAYOUT, chosen[1]) == want_default, (noisy, chosen)
+
+
+def test_layout_auto_under_bf16_ranks_and_measures_in_the_compute_dtype(calibration, capsys, monkeypatch):
+    """``--precision bf16``: the candidates are measured under the bf16 policy (bfloat16 compute), the ranking is
+    planned under it (plan_lm prices it in the compute dtype, tests/test_cost_model.py), and an fp32 run of the
+    same job is another job (it measures again instead of reading the bf16 choice)."""
+    import torch
+
+    from meshtorch.ops.precision import PrecisionPolicy
+    from meshtorch.runtime import autolayout
+    seen, planned = [], []
+    monkeypatch.setattr(autolayout, "prepare_candidate",
+                        lambda config, mesh, c, **kw: seen.append(kw["precision"]) or (lambda: 0.1))
+    plan = autolayout.plan_lm
+    monkeypatch.setattr(autolayout, "plan_lm", lambda *a, **k: planned.append(
+        PrecisionPolicy.of(k.get("precision")).compute_dtype) or plan(*a, **k))
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--precision", "bf16"]) == 0, capsys.readouterr().err
+    assert seen and all(p.compute_dtype == torch.bfloat16 for p in seen)
+    assert planned and set(planned) == {torch.bfloat16}
+    n = len(seen)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
+    assert len(seen) > n and all(p.compute_dtype == torch.float32 for p in seen[n:])

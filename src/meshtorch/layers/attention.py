@@ -182,18 +182,26 @@ class AttentionOperation(Operation):
         if spec.flash:  # second output: the softmax log-sum-exp, for the gradient
             self.outputs.append(Tensor(self, spec.lse_shape, q.dtype, index=1))
 
+    @property
+    def flops(self) -> int:
+        """Global FLOPs of the two contractions (2 per multiply-add), as for an einsum: ``q k^T`` and
+        ``softmax(.) v``, ``2 B Lq Lk (dk + dv)`` with ``B`` the product of the batch-like dims; the causal
+        mask's skipped half is counted, as ``torch.utils.flop_counter``'s ``sdpa_flop_count`` does."""
+        dk, dv = _size(self.inputs[0], self.spec.key), _size(self.inputs[2], self.spec.value)
+        return 2 * _score_elements(self) * (dk + dv)
+
     def lower(self, lw):
         slots = [lw.get(t) for t in self.inputs]
         if self.spec.flash:
             s = self.spec
             fwd = functools.partial(_k_attention_flash, align=tuple(s.align), out_align=s.out_align,
                                     causal=bool(s.causal), scale=s.scale)
-            out, lse = lw.slicewise(fwd, *slots, num_outputs=2)
+            out, lse = lw.slicewise(fwd, *slots, num_outputs=2, flops=self.flops)
             lw.set(self.outputs[0], out)
             lw.set(self.outputs[1], lse)
             return
         fwd = functools.partial(_k_attention, **self.spec.params())
-        lw.set(self.outputs[0], lw.slicewise(fwd, *slots))
+        lw.set(self.outputs[0], lw.slicewise(fwd, *slots, flops=self.flops))
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
@@ -220,6 +228,15 @@ class AttentionGradOperation(Operation):
     def gradient(self, grad_ys):
         raise NotImplementedError("attention: second derivatives are not implemented.")
 
+    @property
+    def flops(self) -> int:
+        """Global FLOPs of the backward contractions (2 per multiply-add): the flash kernel recomputes the scores
+        ``q k^T`` and computes ``dy v^T``, ``dv``, ``dq`` and ``dk``, ``2 B Lq Lk (3 dk + 2 dv)``
+        (``torch.utils.flop_counter``'s ``sdpa_backward_flop_count``); the composite kernel (a bias) recomputes
+        the whole forward under autograd, ``2 B Lq Lk (3 dk + 3 dv)``."""
+        dk, dv = _size(self.fwd.inputs[0], self.fwd.spec.key), _size(self.fwd.inputs[2], self.fwd.spec.value)
+        return 2 * _score_elements(self.fwd) * (3 * dk + (2 if self.fwd.spec.flash else 3) * dv)
+
     def lower(self, lw):
         n = len(self.fwd.inputs)
         s = self.fwd.spec
@@ -228,7 +245,7 @@ class AttentionGradOperation(Operation):
                                      back=tuple(s.back), causal=bool(s.causal), scale=s.scale)
         else:
             back = functools.partial(_k_attention_grad, n=n, **s.params())
-        slots = lw.slicewise(back, *[lw.get(t) for t in self.inputs], num_outputs=n)
+        slots = lw.slicewise(back, *[lw.get(t) for t in self.inputs], num_outputs=n, flops=self.flops)
         slots = slots if n > 1 else (slots,)
         # a bias lacking some batch-like dims is summed over them locally: partial over their mesh axes
         for i, (t, s) in enumerate(zip(self.outputs, slots, strict=True)):
@@ -238,6 +255,16 @@ class AttentionGradOperation(Operation):
                 missing = [d.name for d in self.fwd.inputs[0].shape if d.name not in bias.shape]
                 pending = frozenset(lw.tensor_mesh_axes(self.fwd.inputs[0], missing))
             lw.set(t, s, pending)
+
+
+def _size(t: Tensor, dim: str) -> int:
+    return t.shape.get_dim_by_name(dim).size
+
+
+def _score_elements(op: AttentionOperation) -> int:
+    """Elements of the attention scores ``[batch-like..., length, memory]`` of ``op`` (global)."""
+    q, k = op.inputs[0], op.inputs[1]
+    return q.shape.size // _size(q, op.spec.key) * _size(k, op.spec.memory)
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, length_dim, key_dim, value_dim=None,

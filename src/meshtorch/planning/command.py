@@ -24,7 +24,7 @@ from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel
 from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_flag, schedule_table
-from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts
+from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts, trust_line
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
@@ -162,7 +162,9 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             (:func:`training_lm`; ``meshtorch train --accumulate``).
         precision: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name) the model is built with:
             under bf16 activations, gathered weights and (with a bfloat16 ``reduce_dtype``) gradient reductions
-            are priced at 2 bytes per element, masters and optimizer state at 4.
+            are priced at 2 bytes per element, masters and optimizer state at 4, and the FLOPs at ``cost``'s rate of
+            the compute dtype (:meth:`~meshtorch.planning.cost.CostModel.for_dtype`; float32's where none was
+            measured, which the header says).
         options: the :class:`~meshtorch.lowering.stages.PlanOptions` of the report of one layout and of the
             ``memory_limit`` fit (``meshtorch plan --backend gloo``: one process per processor, in-place
             updates, the SPMD mesh's gradient buckets); default the placement mesh's. Not used by ``search``.
@@ -174,7 +176,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     Raises:
         SystemExit: naming the layout, if it is illegal, or if no layout fits ``memory_limit`` in a search.
     """
-    cost = cost or CostModel()
+    cost = (cost or CostModel()).for_dtype(PrecisionPolicy.of(precision).compute_dtype)  # FLOPs in the compute dtype
     spec = MeshSpec(mesh_shape, "" if search else layout)
     if search:  # the vocab must be divisible by whichever axis the search puts it on
         multiple = math.lcm(*[d.size for d in spec.shape]) if spec.shape.ndims else 1
@@ -197,7 +199,8 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
     how = ("processors simulated one after another in one process (placement mesh): step time = the sum over "
            "processors" if cost.serial else "processors run in parallel (one process per processor, or real "
            "hardware): step time = one processor's work plus the collectives")
-    print_fn(f"cost model{hw}: {cost.flop_rate:.3g} FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
+    rate = f"{cost.compute_dtype} " + ("" if cost.measured_dtype else "(float32's rate, not measured) ")
+    print_fn(f"cost model{hw}: {cost.flop_rate:.3g} {rate}FLOP/s, {cost.bandwidth:.3g} B/s, {cost.latency:.3g} s per "
              f"collective{extra}; {how} (dry run: nothing allocated or executed)")
     if not cost.serial:
         print_fn(hardware_note(mesh_shape))
@@ -274,4 +277,5 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
                  f"{t['compute_s'] * 1e3:>10.3f}{t['comm_s'] * 1e3:>10.3f}{r.total_bytes / 2 ** 20:>10.1f} MiB"
                  f"{comm / 2 ** 20:>8.2f} MiB  {r.storage or '-'}"
                  + (f"; {r.pipeline.describe()}" if r.pipeline else ""))
+    print_fn(trust_line(ranked[:top], cost))
     return ranked

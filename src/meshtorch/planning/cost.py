@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective
@@ -23,9 +23,9 @@ from meshtorch.planning.memory import MemoryReport
 class CostModel:
     """Alpha-beta model of one step's time on each processor (compute and communication add up).
 
-    ``compute = flops_per_processor / flop_rate``; each collective over a group of ``g``
-    processors (the product of its mesh-axis sizes) whose members each contribute ``b`` bytes
-    costs ``latency + wire_bytes / bandwidth`` with the ring-algorithm wire bytes:
+    ``compute = flops_per_processor / flop_rate`` (the rate of ``compute_dtype``, :meth:`for_dtype`); each
+    collective over a group of ``g`` processors (the product of its mesh-axis sizes) whose members each
+    contribute ``b`` bytes costs ``latency + wire_bytes / bandwidth`` with the ring-algorithm wire bytes:
 
     ==================  =====================
     all-reduce          ``2 (g - 1) / g * b``
@@ -48,6 +48,9 @@ class CostModel:
       two operands read, one result written), 0 to ignore them;
     * ``collectives``: ``((kind, latency_s, seconds_per_wire_byte), ...)`` measured per kind, which
       override ``latency``/``bandwidth`` for that kind;
+    * ``spread``: the largest relative spread ``(max - min) / median`` of the measured constants over the
+      calibration's repetitions (None: the constants were not measured), and ``busy``: other work competed
+      while they were measured (:func:`meshtorch.planning.search.trust_line` states both under a ranking);
     * ``serial``: the processors run one after another in this process (a placement mesh): compute is every
       processor's work in turn (:attr:`MemoryReport.flops_serial`: train's sliced feeds keep even a replicated
       layout's replicas apart), and each collective's time is paid by every processor group of the mesh in
@@ -62,10 +65,29 @@ class CostModel:
     serial: bool = False
     collectives: tuple = ()
     name: str = ""
+    flop_rates: tuple = ()
+    compute_dtype: str = "float32"
+    spread: float | None = None
+    busy: bool = False
 
     @classmethod
     def cpu(cls) -> CostModel:
         return cls(flop_rate=1e11, bandwidth=1e10, latency=5e-5)
+
+    def for_dtype(self, dtype) -> CostModel:
+        """This model pricing the FLOPs in ``dtype`` (a ``torch.dtype`` or its name, e.g. the compute dtype of
+        ``--precision bf16``): ``flop_rate`` becomes the rate measured for that dtype (``flop_rates``:
+        ``((dtype name, FLOP/s), ...)``, from :mod:`meshtorch.runtime.calibrate`), or stays the float32 rate
+        when none was measured (the fixed models; ``measured_dtype`` then says so). Bytes need no change: the
+        planner counts every slot and collective in its own dtype (issue 31)."""
+        name = str(dtype).replace("torch.", "")
+        rate = dict(self.flop_rates).get(name)
+        return replace(self, compute_dtype=name, flop_rate=self.flop_rate if rate is None else float(rate))
+
+    @property
+    def measured_dtype(self) -> bool:
+        """Whether ``flop_rate`` was measured in ``compute_dtype`` (always for float32)."""
+        return self.compute_dtype == "float32" or self.compute_dtype in dict(self.flop_rates)
 
     def collective_time(self, c: Collective, group: int) -> float:
         """Seconds of one collective ``c`` over a group of ``group`` processors: latency plus the bytes each

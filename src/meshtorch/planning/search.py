@@ -271,3 +271,28 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
                          f"{'the memory limit ' + _human(limit) if limit else 'the graph'}.")
     results.sort(key=lambda r: (r[1].estimated_time["total_s"], r[1].total_bytes))
     return results
+
+
+def trust_line(ranked: Sequence[tuple[str, MemoryReport]], cost: CostModel) -> str:
+    """One line saying how far the order of ``ranked`` (``[(layout, MemoryReport)]``, best first, each with its
+    ``estimated_time``) can be trusted under ``cost``: the calibration's spread (``cost.spread``) and whether
+    the host was busy, and which layouts are predicted within that spread of the first (their order is noise
+    of the measurement, so measure them: ``meshtorch train --layout auto`` does); with constants not measured on
+    this machine (``cost.spread`` None), that the order is a rough guide."""
+    if cost.spread is None and cost.collectives:
+        return ("trust: the calibration states no spread (measured by an older meshtorch): measure again with "
+                "'meshtorch plan --calibrate' to see how far this order can be trusted.")
+    if cost.spread is None:
+        return ("trust: fixed constants, not measured on this machine: the order is a rough guide; measure this "
+                "machine with 'meshtorch plan --calibrate' (docs/planning.md states measured ranking quality).")
+    band = max(cost.spread, 0.0)
+    best = ranked[0][1].estimated_time["total_s"] if ranked else 0.0
+    close = [lay or "(replicated)" for lay, r in ranked[1:] if r.estimated_time["total_s"] <= best * (1 + band)]
+    busy = " (the host was busy while it measured: run 'meshtorch plan --calibrate' on a quiet host)" \
+        if cost.busy else ""
+    head = f"trust: the calibration's constants spread {100 * band:.0f}% over its repetitions{busy}; "
+    if not close:
+        return head + "no other layout shown is predicted within that of the first."
+    return (head + f"{len(close)} other layout(s) shown are predicted within {100 * band:.0f}% of the first "
+            f"({', '.join(close[:3])}{', ...' if len(close) > 3 else ''}): their order is not reliable, measure "
+            "them (meshtorch train --layout auto does).")

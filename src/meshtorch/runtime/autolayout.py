@@ -31,6 +31,7 @@ from meshtorch.lowering.counters import _human
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.process import broadcast_object, init_distributed, is_main_process, max_over_ranks
 from meshtorch.models.transformer import build_lm
+from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.command import DEFAULT_LAYOUT, pipeline_fields, plan_lm, why_line
 from meshtorch.planning.search import layout_key
@@ -76,7 +77,8 @@ def default_layout_for(mesh_shape: str) -> str:
 def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int | None = None,
                   backend: str = "placement", threads: int = 1, print_fn=print,
                   microbatches: int | None = None, candidates: int = 3, device: str | None = None,
-                  executor: str = "codegen", world: int = 1, cache: bool = True) -> tuple[str, str, str | None]:
+                  executor: str = "codegen", world: int = 1, cache: bool = True,
+                  precision=None) -> tuple[str, str, str | None]:
     """``(layout rules, storage rules, remat)`` of the fastest measured of the cost model's best layouts of
     the LM on ``mesh_shape``.
 
@@ -105,6 +107,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
         device, executor: ``train --device`` / ``--executor``, what the measured steps run on.
         world: the job's process count (torchrun's ``WORLD_SIZE``).
         cache: read a cached choice (False: measure anyway; the new choice is cached either way).
+        precision: ``train --precision``'s :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name): the
+            ranking prices bytes and FLOPs in its compute dtype and the measured steps run under it.
 
     Returns:
         the layout rules, the storage rules (``""``: none), and None or the heavier ``--remat`` policy
@@ -119,7 +123,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     cost = cal.cost_model()
     try:
         ranked = plan_lm(config, mesh_shape, search=True, storage=storage, memory_limit=memory_limit, cost=cost,
-                         print_fn=lambda *a: None, microbatches=microbatches,
+                         print_fn=lambda *a: None, microbatches=microbatches, precision=precision,
                          pipelines=microbatches is not None and microbatches > 1)
     except SystemExit as e:
         raise UsageError(f"--layout auto: {e}") from None
@@ -137,22 +141,22 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
                  + f", predicted {t['total_s'] * 1e3:.1f} ms per step. {why_line(ranked)}")
         return _result(layout, rep.storage or "", rep.remat, print_fn)
     key = _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, microbatches, candidates, device,
-                     executor, world)
+                     executor, world, precision)
     hit = _agreed(_read_cache(key) if cache else None, world, backend)
     if hit is not None:
         print_fn(f"{head}; using the choice cached {hit['when']} ({cache_file(key)}; delete it to measure again), "
                  f"measured 0 candidates:")
         print_fn(hit["table"])
         return _result(hit["layout"], hit["storage"], hit["remat"], print_fn)
-    cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, candidates, print_fn)
+    cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, candidates, print_fn, precision)
     t0 = time.perf_counter()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         groups = [cands] if memory_limit is None else [[c] for c in cands]
         for group in groups:
-            _measure_rounds(group, [prepare_candidate(config, mesh_shape, c, microbatches=microbatches,
-                                                      device=device, executor=executor) for c in group],
+            _measure_rounds(group, [prepare_candidate(config, mesh_shape, c, microbatches=microbatches, device=device,
+                                                      executor=executor, precision=precision) for c in group],
                             prune=world == 1)
     finally:
         torch.set_num_threads(old)
@@ -191,7 +195,8 @@ def _result(layout: str, storage: str, remat: str | None, print_fn) -> tuple[str
     return layout, storage, remat
 
 
-def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, k, print_fn) -> list[Candidate]:
+def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, k, print_fn,
+                precision=None) -> list[Candidate]:
     """The best ``k`` of ``ranked`` and the mesh's default layout (ranked, or predicted apart; left out with a
     line saying why when it does not fit ``memory_limit`` or is illegal for the model)."""
     sizes = {d.name: d.size for d in MeshSpec(mesh_shape).shape}
@@ -209,7 +214,8 @@ def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, k, prin
                                                                       r.pipeline is not None)), None)
         if found is None:
             try:
-                rep = plan_lm(config, mesh_shape, default, storage=dstore, cost=cost, print_fn=lambda *a: None)[0][1]
+                rep = plan_lm(config, mesh_shape, default, storage=dstore, cost=cost, print_fn=lambda *a: None,
+                              precision=precision)[0][1]
             except SystemExit:
                 print_fn(f"--layout auto: the default layout {default!r} is illegal for this model; not measured.")
                 return out
@@ -253,12 +259,14 @@ def _measure_rounds(group: list[Candidate], steps: list, prune: bool) -> None:
 
 
 def prepare_candidate(config, mesh_shape: str, c: Candidate, microbatches: int | None = None,
-                      device: str | None = None, executor: str = "codegen", warmup: int = WARMUP_STEPS):
+                      device: str | None = None, executor: str = "codegen", warmup: int = WARMUP_STEPS,
+                      precision=None):
     """A function running one timed AdamW training step of candidate ``c`` on the real mesh (the placement
     mesh in this process; under torchrun this rank's part of the SPMD mesh) on a random token batch and
-    returning its seconds; the LM is built and lowered and ``warmup`` untimed steps run first."""
+    returning its seconds; the LM is built (under ``precision``, a PrecisionPolicy or its name) and lowered and
+    ``warmup`` untimed steps run first."""
     cfg = candidate_config(config, mesh_shape, c, microbatches)
-    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3))
+    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3), precision=precision)
     impl = make_mesh_impl(mesh_shape, c.layout, device=device, storage=c.storage or None)
     lw = Lowering(lm.graph, {lm.mesh: impl}, mode=executor)
     time_steps(lm, lw, 0, warmup=warmup)
@@ -296,11 +304,12 @@ def _table(cands: list[Candidate], medians: list[float], chosen: int) -> str:
 
 
 def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, microbatches, candidates, device,
-               executor, world) -> dict:
+               executor, world, precision=None) -> dict:
+    policy = PrecisionPolicy.of(precision)
     return {"model": config(1).to_dict(), "mesh": mesh_shape, "storage": storage, "memory_limit": memory_limit,
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
-            "steps": [WARMUP_STEPS, TIMED_STEPS]}
+            "steps": [WARMUP_STEPS, TIMED_STEPS], "precision": [policy.name, str(policy.reduce_dtype)]}
 
 
 def cache_file(key: dict) -> str:

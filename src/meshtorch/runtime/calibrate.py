@@ -47,6 +47,10 @@ BACKENDS = ("placement", "gloo", "nccl")
 KINDS = tuple(k for k, c in COLLECTIVE_KINDS.items() if c.calibrate is not None)  # the kinds measured
 _SIZES = (1024, 1024 * 1024)  # float32 elements per processor: 4 KiB and 4 MiB
 _GEMMS = ((2048, 128, 512), (2048, 512, 128), (2048, 128, 128), (512, 512, 512), (2048, 128, 1024))
+# the class each low-precision dtype's rate is measured on, as a ratio to float32's on it (small: a CPU
+# without bf16 instructions runs bfloat16 GEMMs some 30x slower than float32)
+_DTYPE_GEMM = (128, 128, 512)
+_LOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -63,6 +67,8 @@ class Calibration:
         measured_s: how long the measurement took; ``when``: its UTC time.
         spread: ``{"gemm", "kernel", "elementwise": (max - min) / median}`` of the compute measurements over
             ``REPEATS`` repetitions (each a best of several rounds; the constants are their medians).
+        dtype_rates: ``{"bfloat16": FLOP/s, "float16": FLOP/s}``: ``gemm_flop_rate`` times the rate of that dtype
+            over float32's on one shape class (``_DTYPE_GEMM``), the compute dtype of ``--precision bf16/fp16``.
         load: the host's 1-minute load average when the measurement started (``os.getloadavg``), and
             ``busy``: whether other work competed (a load above the host's cores, or a spread over
             ``BUSY_SPREAD``): the constants may then be off, and the ranking less trustworthy.
@@ -81,6 +87,7 @@ class Calibration:
     spread: dict = field(default_factory=dict)
     load: float = 0.0
     busy: bool = False
+    dtype_rates: dict = field(default_factory=dict)
 
     def trust(self) -> str:
         """How far the constants can be trusted, a few words: the largest spread and whether the host was busy."""
@@ -92,9 +99,11 @@ class Calibration:
         """The :class:`~meshtorch.planning.cost.CostModel` of these measurements (``serial`` on placement)."""
         coll = tuple((k, float(a), float(b)) for k, (a, b) in sorted(self.collectives.items()))
         ar = self.collectives.get("allreduce", (5e-5, 1e-10))
+        rates = (("float32", float(self.gemm_flop_rate)),) + tuple(sorted(self.dtype_rates.items()))
         return CostModel(flop_rate=self.gemm_flop_rate, bandwidth=1.0 / max(ar[1], 1e-15), latency=ar[0],
                          kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
-                         serial=self.backend == "placement",
+                         serial=self.backend == "placement", flop_rates=rates,
+                         spread=max(self.spread.values(), default=None), busy=self.busy,
                          collectives=coll, name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} "
                                                 f"({self.trust()})")
 
@@ -103,7 +112,8 @@ class Calibration:
         lines = [f"calibration of {self.host}, backend {self.backend}, {self.threads} torch thread(s) "
                  f"({self.when}, {self.measured_s:.1f} s):",
                  f"  float32 GEMM {self.gemm_flop_rate / 1e9:.1f} GFLOP/s (median of "
-                 + ", ".join(f"{k}: {v / 1e9:.0f}" for k, v in self.gemm_rates.items()) + ")",
+                 + ", ".join(f"{k}: {v / 1e9:.0f}" for k, v in self.gemm_rates.items()) + ")"
+                 + "".join(f", {k} {v / 1e9:.2f} GFLOP/s" for k, v in self.dtype_rates.items()),
                  f"  {self.kernel_overhead * 1e6:.1f} us per kernel call of a planned step, elementwise "
                  f"{self.memory_bandwidth / 1e9:.1f} GB/s",
                  f"  {self.trust()}" + ("; measure again on a quiet host (meshtorch plan --calibrate)"
@@ -156,17 +166,17 @@ def calibrate(backend: str = "placement", threads: int | None = None, force: boo
     torch.set_num_threads(threads)
     try:
         if backend == "placement":
-            rates, overhead, bandwidth, spread = _compute_rates()
+            rates, overhead, bandwidth, spread, low = _compute_rates()
             coll = _placement_collectives()
         else:  # measured in the 2 processes, side by side: they share the host's cores, caches and memory
-            rates, overhead, bandwidth, spread, coll = _spawned(backend, threads)
+            rates, overhead, bandwidth, spread, low, coll = _spawned(backend, threads)
     finally:
         torch.set_num_threads(old)
     cal = Calibration(host=_host_key(), backend=backend, threads=threads,
                       gemm_flop_rate=statistics.median(rates.values()), kernel_overhead=overhead,
                       collectives=coll, gemm_rates=rates, memory_bandwidth=bandwidth,
                       measured_s=time.perf_counter() - t0, spread=spread, load=load,
-                      busy=_busy(load, spread),
+                      busy=_busy(load, spread), dtype_rates=low,
                       when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     path = cache_path(backend, threads)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -209,22 +219,26 @@ REPEATS = 3  # repetitions of the compute measurements; the constants are their 
 BUSY_SPREAD = 0.15  # a larger spread between repetitions: the host was busy
 
 
-def _compute_rates() -> tuple[dict, float, float, dict]:
-    """``(GEMM FLOP/s per shape class, seconds per kernel call, elementwise bytes/s, spread)`` in this
-    process: each the median of ``REPEATS`` repetitions (each a best of several rounds), and the spread
-    ``(max - min) / median`` of the GEMM rate (the median over the classes), the kernel call and the
-    elementwise bandwidth over the repetitions."""
+def _compute_rates() -> tuple[dict, float, float, dict, dict]:
+    """``(GEMM FLOP/s per shape class, seconds per kernel call, elementwise bytes/s, spread, low-precision
+    FLOP/s per dtype)`` in this process: each the median of ``REPEATS`` repetitions (each a best of several
+    rounds), and the spread ``(max - min) / median`` of the GEMM rate (the median over the classes), the
+    kernel call and the elementwise bandwidth over the repetitions. A low-precision dtype's rate is the float32
+    median times its rate over float32's on ``_DTYPE_GEMM``."""
     big = [torch.randn(1 << 22), torch.randn(1 << 22)]
     runs = []
     for _ in range(REPEATS):
         rates = {f"{m}x{k}x{n}": _gemm_rate(m, k, n) for m, k, n in _GEMMS}
         bandwidth = 3 * 4 * (1 << 22) / _best_seconds(lambda: big[0] * big[1], reps=5, min_s=0.05)
-        runs.append((rates, _kernel_overhead(), bandwidth))
+        ref = _gemm_rate(*_DTYPE_GEMM, reps=3)
+        ratios = {str(d).replace("torch.", ""): _gemm_rate(*_DTYPE_GEMM, dtype=d, reps=3) / ref for d in _LOW_DTYPES}
+        runs.append((rates, _kernel_overhead(), bandwidth, ratios))
     rates = {k: statistics.median(r[0][k] for r in runs) for k in runs[0][0]}
     series = {"gemm": [statistics.median(r[0].values()) for r in runs], "kernel": [r[1] for r in runs],
               "elementwise": [r[2] for r in runs]}
     spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in series.items()}
-    return rates, statistics.median(series["kernel"]), statistics.median(series["elementwise"]), spread
+    low = {k: statistics.median(rates.values()) * statistics.median(r[3][k] for r in runs) for k in runs[0][3]}
+    return rates, statistics.median(series["kernel"]), statistics.median(series["elementwise"]), spread, low
 
 
 def _busy(load: float, spread: dict) -> bool:
@@ -233,9 +247,9 @@ def _busy(load: float, spread: dict) -> bool:
     return load > (os.cpu_count() or 1) or max(spread.values(), default=0.0) > BUSY_SPREAD
 
 
-def _gemm_rate(m: int, k: int, n: int) -> float:
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    return 2 * m * k * n / _best_seconds(lambda: a @ b)
+def _gemm_rate(m: int, k: int, n: int, dtype=torch.float32, reps: int = 5) -> float:
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    return 2 * m * k * n / _best_seconds(lambda: a @ b, reps=reps)
 
 
 def _kernel_overhead(n_ops: int = 200) -> float:
@@ -308,7 +322,7 @@ def _spmd_worker(rank: int, port: int, backend: str, threads: int, path: str):
         dist.destroy_process_group()
 
 
-def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict]:
+def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict, dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -325,8 +339,8 @@ def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict
     with open(path) as f:
         out = json.load(f)
     os.remove(path)
-    rates, overhead, bandwidth, spread = out["compute"]
-    return rates, overhead, bandwidth, spread, out["collectives"]
+    rates, overhead, bandwidth, spread, low = out["compute"]
+    return rates, overhead, bandwidth, spread, low, out["collectives"]
 
 
 def run_plan(args):

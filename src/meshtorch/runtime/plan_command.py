@@ -225,7 +225,7 @@ def your_layout_line(args, ranked, cost) -> str:
     except LayoutError as e:
         return f"--layout {args.layout!r} (yours, or train's default): illegal on this model ({e})"
     rep = memory_report(program)
-    rep.estimated_time = estimate_time(rep, cost)
+    rep.estimated_time = estimate_time(rep, cost.for_dtype(_policy(args).compute_dtype))  # as plan_lm prices
     t = rep.estimated_time["total_s"]
     pos = sum(r.estimated_time["total_s"] < t for _, r in ranked)
     return (f"--layout {args.layout!r} (yours, or train's default): rank {pos + 1} of {len(ranked) + 1}, "

@@ -425,7 +425,8 @@ class TrainConfig:
         layout, chosen_storage, remat = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
                                                backend=backend, threads=threads, print_fn=say,
                                                microbatches=self.microbatches, candidates=self.auto_candidates,
-                                               device=self.device, executor=self.executor, world=world)
+                                               device=self.device, executor=self.executor, world=world,
+                                               precision=self.precision_policy)
         changes = {}  # a chosen pipeline stacks every layer: _resolve_pipeline's default repeats
         if self.microbatches is not None and "stage" not in dict(LayoutRules(layout).pairs):
             say(f"--layout auto chose no pipeline, so --microbatches {self.microbatches} is not used.")
