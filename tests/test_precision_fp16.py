@@ -75,3 +75,36 @@ def test_fp16_loss_scaling_errors():
         build_lm(CFG, optimizer=mtf.optim.SgdOptimizer(0.1), precision=FP16)
     with pytest.raises(ValueError, match="fused multi-tensor update"):
         build_lm(CFG, optimizer=mtf.optim.AdamWOptimizer(LR, fused=False), precision=FP16)
+
+
+def test_train_cli_fp16_runs_with_loss_scaling_and_refuses_what_it_cannot(tmp_path, capsys):
+    """``meshtorch train --precision fp16``: float32 masters, the loss scale variables in the checkpoint, run.json
+    records float16; other optimizers, --accumulate and --init-from are refused with exit status 2."""
+    import json
+    import os
+
+    from meshtorch.cli import main
+    from meshtorch.runtime.train import main_train
+    from meshtorch.runtime.train_config import TrainConfig
+
+    flags = dict(preset="tiny", layers=1, d_model=32, heads=4, d_kv=8, d_ff=64, length=16, batch_size=8, steps=3,
+                 eval_every=3, eval_batches=1, sample=0, plot="", lr=1e-2, warmup_steps=1, vocab_size=64)
+    res = main_train(TrainConfig(**flags, precision="fp16", runs_dir=str(tmp_path), run_name="fp16"))
+    lw = res["lowering"]
+    assert lw.variable_value("loss_scale").item() == 2.0 ** 16  # three good steps: GradScaler's default scale
+    assert int(lw.variable_value("global_step")) == 3
+    assert lw.variable_value("layer_0/ffn/wi/kernel").dtype == torch.float32
+    with open(os.path.join(str(tmp_path), "fp16", "ckpt", "run.json")) as f:
+        assert json.load(f)["precision"]["compute_dtype"] == "float16"
+    # resumed as fp32 (the loss scale is not needed), then as fp16 from that fp32 checkpoint (the scale starts afresh)
+    for precision, steps in (("fp32", 4), ("fp16", 5)):
+        lw = main_train(TrainConfig(**{**flags, "steps": steps}, precision=precision, runs_dir=str(tmp_path),
+                                    run_name="fp16", resume=True))["lowering"]
+        assert int(lw.variable_value("global_step")) == steps
+    assert int(lw.variable_value("loss_scale/growth_tracker")) == 1
+    for extra in (["--optimizer", "sgd"], ["--accumulate", "2"]):
+        rc = main(["train", "--preset", "tiny", "--steps", "1", "--precision", "fp16", "--runs-dir", str(tmp_path),
+                   *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--precision fp16 (dynamic loss scaling) runs with --optimizer adamw" in err
+        assert "Traceback" not in err

@@ -31,10 +31,12 @@ from meshtorch.ops.initializers import constant_initializer, zeros_initializer
 from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.clip import GlobalSumOfSquares, ScaleGroup
 
-__all__ = ["DynamicLossScale", "FoundInf", "UpdateLossScale", "unscale_gradients"]
+__all__ = ["LOSS_SCALE_VARIABLES", "DynamicLossScale", "FoundInf", "UpdateLossScale", "unscale_gradients"]
 
 SCALE_NAME = "loss_scale"
 TRACKER_NAME = "loss_scale/growth_tracker"
+#: the loss scaling state's variable names (a resumed run whose checkpoint lacks them starts them afresh)
+LOSS_SCALE_VARIABLES = (SCALE_NAME, TRACKER_NAME)
 
 
 @dataclasses.dataclass(frozen=True)
