@@ -47,8 +47,8 @@ def test_precision_flag_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--reduce-dtype bfloat16 needs --precision bf16" in err and "Traceback" not in err
     with pytest.raises(SystemExit) as e:
-        main(["train", "--precision", "fp16"])
-    assert e.value.code == 2 and "invalid choice: 'fp16'" in capsys.readouterr().err
+        main(["train", "--precision", "fp8"])
+    assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])

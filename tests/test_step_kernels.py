@@ -177,7 +177,7 @@ def test_update_is_one_multi_tensor_kernel_call_per_processor(name, mesh_shape, 
     opt, kernel = GROUPED[name]
     calls = 2 if mesh_shape else 1  # 2x2: the data replicas of a model-split slice share one in-place call
     ops, lm = record_step(lambda: build_lm(CFG, seed=3, optimizer=opt()), mesh_shape, layout)
-    assert sum(n == kernel for n, *_ in ops) == calls
+    assert sum(n in (kernel, kernel + "_") for n, *_ in ops) == calls  # out of place or in place
     values = []
     for grouped in (True, False):
         lm = build_lm(CFG, seed=3, optimizer=opt() if grouped else None)
@@ -201,26 +201,44 @@ def _aten_calls(step) -> int:
     return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
-def test_aten_calls_per_step_at_most_the_plain_pytorch_twins():
-    """The tiny preset's training step (AdamW, one process) makes no more ``aten::`` calls than the same model in
-    plain PyTorch (:class:`~meshtorch.testing.torch_lm.TorchLM`, ``torch.optim.AdamW(fused=True)``), both counted
-    here: no per-variable optimizer kernels, no reshape/permute/cast round trips PyTorch's step does not make."""
+#: meshtorch's aten calls per step may be at most this times the plain PyTorch twin's (both counted in the test)
+ATEN_FACTOR = 0.97  # measured 0.94-0.95 (torch 2.13 CPU); the per-gradient clip multiply of before made 1.00
+TWINS = {  # meshtorch optimizer, the plain PyTorch optimizer on the same model, gradient clipping max norm
+    "adamw": (lambda: mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0, fused=True), None),
+    "adamw_clip": (lambda: mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0),
+                   lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0, fused=True), 1.0),
+    "momentum_clip": (lambda: mtf.optim.MomentumOptimizer(0.1, 0.9),
+                      lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True), 1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(TWINS))
+def test_aten_calls_per_step_at_most_the_plain_pytorch_twins(name):
+    """The tiny preset's training step (one process) makes at most ``ATEN_FACTOR`` x the ``aten::`` calls of the
+    same model in plain PyTorch (:class:`~meshtorch.testing.torch_lm.TorchLM`; ``torch.optim.AdamW(fused=True)``
+    or ``SGD(momentum, foreach=True)``, ``clip_grad_norm_(foreach=True)``), both counted here: one multi-tensor
+    optimizer call and one clipping multiply per processor, no reshape/permute/cast round trips PyTorch's step
+    does not make."""
     from meshtorch.models.transformer import preset
     from meshtorch.testing.torch_lm import TorchLM
+    ours_opt, torch_opt, clip = TWINS[name]
     c = preset("tiny", batch_size=4, length=32)
     x, y = _data(c)
-    lm = build_lm(c, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
+    lm = build_lm(c, seed=0, optimizer=ours_opt(), clip_norm=clip)
     lw = lm.lowering()
     fetches = [lm.loss] + lm.updates
     ours = _aten_calls(lambda: lw.run(fetches, feeds={lm.inputs: x, lm.targets: y})[0].item())
     model = TorchLM(c)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    opt = torch_opt(model.parameters())
 
     def torch_step():
         opt.zero_grad(set_to_none=True)
         loss = model.loss(x, y)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
         opt.step()
         return loss.item()
     theirs = _aten_calls(torch_step)
-    assert ours <= theirs, f"meshtorch's step makes {ours} aten calls, plain PyTorch's {theirs}"
+    assert ours <= theirs * ATEN_FACTOR, f"meshtorch's step makes {ours} aten calls, plain PyTorch's {theirs}"

@@ -128,7 +128,8 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="numerics (docs/precision.md): fp32; tf32 (float32 with TF32 matmuls on CUDA, set in every "
                         "process before any step is compiled); bf16 (float32 master weights and optimizer state, "
-                        "bfloat16 matmuls and activations, softmax, loss and norm statistics in float32)")
+                        "bfloat16 matmuls and activations, softmax, loss and norm statistics in float32); fp16 "
+                        "(as bf16 in float16, with dynamic loss scaling as torch.amp.GradScaler; adam/adamw only)")
     p.add_argument("--reduce-dtype", default="float32", choices=list(REDUCE_DTYPES),
                    help="dtype of the gradient all-reduces / reduce-scatters under --precision bf16 (FSDP2's "
                         "reduce_dtype; default: %(default)s)")

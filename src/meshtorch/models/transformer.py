@@ -38,6 +38,7 @@ from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.reshape import reshape
 from meshtorch.ops.shape import add_n
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
+from meshtorch.optim.loss_scale import DynamicLossScale, unscale_gradients
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ def _dropout(c, x, train):
 
 
 def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True,
-             clip_norm: float | None = None, precision: PrecisionPolicy | str | None = None) -> LMGraph:
+             clip_norm: float | None = None, precision: PrecisionPolicy | str | None = None,
+             loss_scale: DynamicLossScale | None = None) -> LMGraph:
     """Build the LM graph: embeddings, ``num_layers`` pre-norm blocks, final norm, logits, loss.
 
     Variables: ``embedding`` [vocab, d_model] (std 1), ``pos_embedding`` [length, d_model]
@@ -224,7 +226,10 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
         clip_norm: clip gradients to this global norm before the optimizer (``meshtorch.optim.clip_by_global_norm``).
         precision: a :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name, ``fp32``/``tf32``/``bf16``;
             None: float32): bf16 keeps float32 masters and optimizer state and computes in bfloat16, with
-            softmax, loss and norms' statistics in float32 (``loss`` is float32).
+            softmax, loss and norms' statistics in float32 (``loss`` is float32). A float16 policy
+            (``PrecisionPolicy(torch.float16)``) trains with dynamic loss scaling (``loss_scale``).
+        loss_scale: the :class:`~meshtorch.optim.loss_scale.DynamicLossScale` of a float16 policy (default:
+            ``torch.amp.GradScaler``'s defaults); the optimizer must then be (fused) Adam or AdamW.
 
     Raises:
         ValueError: MoE layers with ``gated=True`` (not implemented); bad pipeline fields (see
@@ -232,8 +237,10 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     """
     policy = PrecisionPolicy.of(precision)
     if policy.mixed:
+        if policy.compute_dtype == torch.float16 and optimizer is not None:
+            loss_scale = loss_scale or DynamicLossScale()
         with policy.scope():
-            return build_lm(config, seed, optimizer, train, clip_norm)
+            return build_lm(config, seed, optimizer, train, clip_norm, loss_scale=loss_scale)
     c = config
     if c.remat not in REMAT_POLICIES:
         raise ValueError(f"build_lm: remat must be one of {', '.join(REMAT_POLICIES)}, got {c.remat!r}.")
@@ -270,7 +277,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     if aux_losses:
         aux_loss = add_n(aux_losses) if len(aux_losses) > 1 else aux_losses[0]
         loss = loss + cast(aux_loss, loss.dtype) * c.moe_aux_loss_coef
-    updates, step = training_updates(graph, loss, optimizer, clip_norm), None
+    updates, step = training_updates(graph, loss, optimizer, clip_norm, loss_scale), None
     lm = LMGraph(c, graph, mesh, inputs, targets, logits, loss, updates, step, aux_loss, task_loss)
     lm.pipeline = graph.pipeline_schedule = c.pipeline_schedule
     return lm
@@ -356,17 +363,37 @@ def _embed(ids, table, d):
     return layers.embedding_lookup(table, ids, d["vocab"])
 
 
-def training_updates(graph: Graph, loss: Tensor, optimizer=None, clip_norm: float | None = None) -> list:
+def training_updates(graph: Graph, loss: Tensor, optimizer=None, clip_norm: float | None = None,
+                     loss_scale: DynamicLossScale | None = None) -> list:
     """The update ops of ``optimizer`` for every trainable variable of ``graph``, from the gradients of the
     scalar ``loss`` (clipped to the global norm ``clip_norm`` first, when given); ``[]`` without an optimizer.
-    Shared by the native LM and the imported Hugging Face models."""
+    Shared by the native LM and the imported Hugging Face models.
+
+    ``loss_scale`` (float16 training, :mod:`meshtorch.optim.loss_scale`): the gradients are those of ``loss``
+    times the scale, unscaled before clipping; a step with an inf/NaN gradient changes no variable and backs
+    the scale off (``torch.amp.GradScaler``'s ``scale``, ``unscale_``, ``step``, ``update``).
+
+    Raises:
+        ValueError: ``loss_scale`` with an optimizer other than (fused) Adam/AdamW.
+    """
     if optimizer is None:
         return []
     variables = graph.trainable_variables
-    grads = gradients([loss], variables)
+    if loss_scale is None:
+        grads = gradients([loss], variables)
+        found = None
+    else:
+        if not isinstance(optimizer, optim.AdamOptimizer):
+            raise ValueError(f"float16 loss scaling skips overflowed steps inside the fused Adam/AdamW update; "
+                             f"got {type(optimizer).__name__}: use AdamW, or bf16 (no loss scaling needed).")
+        scale, tracker = loss_scale.variables(loss.mesh)
+        grads = gradients([loss * scale], variables)
+        grads, found = unscale_gradients(grads, scale)
     if clip_norm:
         grads, _ = optim.clip_by_global_norm(grads, clip_norm)
-    return optimizer.apply_grads(grads, variables)
+    if found is None:
+        return optimizer.apply_grads(grads, variables)
+    return [*optimizer.apply_grads(grads, variables, found_inf=found), loss_scale.update(scale, tracker, found)]
 
 
 def flops_per_token(c: LMConfig) -> float:

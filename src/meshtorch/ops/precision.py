@@ -83,7 +83,8 @@ class VariableDType:
 
 
 #: ``meshtorch train --precision``: name -> (compute dtype, TF32 matmuls)
-PRECISIONS = {"fp32": (torch.float32, False), "tf32": (torch.float32, True), "bf16": (torch.bfloat16, False)}
+PRECISIONS = {"fp32": (torch.float32, False), "tf32": (torch.float32, True), "bf16": (torch.bfloat16, False),
+              "fp16": (torch.float16, False)}  # fp16: with dynamic loss scaling (meshtorch.optim.loss_scale)
 #: ``meshtorch train --reduce-dtype``: name -> gradient reduction dtype
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -133,7 +134,7 @@ class PrecisionPolicy:
 
     @classmethod
     def named(cls, precision: str = "fp32", reduce_dtype: str = "float32") -> PrecisionPolicy:
-        """The policy of ``meshtorch train --precision {fp32,tf32,bf16} --reduce-dtype {float32,bfloat16}``.
+        """The policy of ``meshtorch train --precision {fp32,tf32,bf16,fp16} --reduce-dtype {float32,bfloat16}``.
 
         Raises:
             ValueError: naming the flag and its choices.
@@ -143,7 +144,7 @@ class PrecisionPolicy:
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"--reduce-dtype must be one of {', '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}.")
         compute, tf32 = PRECISIONS[precision]
-        if REDUCE_DTYPES[reduce_dtype] != torch.float32 and compute == torch.float32:
+        if REDUCE_DTYPES[reduce_dtype] != torch.float32 and compute != torch.bfloat16:
             raise ValueError(f"--reduce-dtype {reduce_dtype} needs --precision bf16 (under {precision} the gradients "
                              "are float32 and are reduced in float32); drop --reduce-dtype.")
         return cls(compute, REDUCE_DTYPES[reduce_dtype], tf32)

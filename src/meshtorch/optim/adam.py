@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from meshtorch.core.graph import Tensor
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, _as_variable, get_variable
@@ -110,13 +111,23 @@ class AdamOptimizer(Optimizer):
         return tuple(get_variable(var.mesh, f"{var.name}/adam_{k}", var.shape, initializer=zeros_initializer(),
                                   dtype=f32, trainable=False) for k in ("m", "v"))
 
-    def apply_grads(self, grads, variables):
+    def apply_grads(self, grads, variables, found_inf: Tensor | None = None):
         """As :meth:`Optimizer.apply_grads`; fused: ONE multi-tensor update per mesh
         (:class:`~meshtorch.optim.fused.FusedAdamGroupUpdate`: one ``torch._fused_adamw_`` call per processor
         for all its variables' slices, as ``torch.optim.AdamW(fused=True)``), then one assignment per variable.
-        Slot names, values and checkpoints are those of the per-variable update (:meth:`apply_grad`)."""
+        Slot names, values and checkpoints are those of the per-variable update (:meth:`apply_grad`).
+
+        ``found_inf``: a float32 scalar (1.0: a gradient overflowed, :mod:`meshtorch.optim.loss_scale`); on 1.0
+        the step changes no variable, slot or step count (``torch.amp.GradScaler.step`` with a fused optimizer).
+
+        Raises:
+            ValueError: ``found_inf`` with ``fused=False`` or a subclass's own ``apply_grad``.
+        """
         grads, variables = list(grads), list(variables)
         if not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables):
+            if found_inf is not None:
+                raise ValueError(f"{type(self).__name__}: skipping overflowed steps (fp16 loss scaling) needs the "
+                                 "fused multi-tensor update (fused=None or True, torch >= 2.4).")
             return super().apply_grads(grads, variables)
         groups: dict = {}
         for g, v in zip(grads, variables, strict=True):
@@ -137,13 +148,14 @@ class AdamOptimizer(Optimizer):
                 n = len(pairs)
                 op = FusedAdamGroupUpdate(ws, gs, ms, vs, self.step_int(mesh), self.lr(mesh), beta1=self.beta1,
                                           beta2=self.beta2, epsilon=self.epsilon, weight_decay=self.weight_decay,
-                                          decoupled=self.decoupled, name="fused_adam_group")
+                                          decoupled=self.decoupled, found_inf=found_inf, name="fused_adam_group")
                 out = op.outputs
                 ops.extend(Assign([var, m.operation, v.operation], [out[i], out[n + i], out[2 * n + i]],
                                   name=f"{var.name}/adam_update")
                            for i, ((_, var), m, v) in enumerate(zip(pairs, ms, vs, strict=True)))
             step = self.step_int(mesh)
-            ops.append(Assign([step.operation], [step + 1], name="global_step_increment"))
+            ops.append(Assign([step.operation], [step + 1 if found_inf is None else step + ew.cast(
+                1.0 - found_inf, step.dtype)], name="global_step_increment"))
         return ops
 
     def apply_grad(self, grad, var):

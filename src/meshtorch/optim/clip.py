@@ -20,9 +20,8 @@ import torch
 from meshtorch.core.graph import Operation, Tensor
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops._kernels import tensor_of
-from meshtorch.ops.binary import minimum
 
-__all__ = ["GlobalSumOfSquares", "global_norm", "clip_by_global_norm"]
+__all__ = ["GlobalSumOfSquares", "ScaleGroup", "ClipGroup", "global_norm", "clip_by_global_norm"]
 
 
 def _squared_norms(ts):
@@ -83,6 +82,74 @@ class GlobalSumOfSquares(Operation):
         lw.set(self.outputs[0], slot, union)
 
 
+def _k_scale_group(factor, *gs):
+    """``g_i * factor`` (``factor``: a float32 0-dim tensor) of local slices: one ``torch._foreach_mul`` per dtype,
+    the factor rounded to a group's dtype first. New tensors (gradients are no variable's storage)."""
+    out = [None] * len(gs)
+    groups: dict = {}
+    for i, g in enumerate(gs):
+        groups.setdefault(g.dtype, []).append(i)
+    for dtype, idx in groups.items():
+        scaled = torch._foreach_mul([gs[i] for i in idx], factor if dtype == factor.dtype else factor.to(dtype))
+        for i, t in zip(idx, scaled, strict=True):
+            out[i] = t
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+def _k_clip_group(norm, *gs, max_norm: float, eps: float):
+    """``g_i * min(1, max_norm / (norm + eps))``: ``torch.nn.utils.clip_grad_norm_(foreach=True)``'s scaling
+    (``clamp(max_norm / (norm + eps), max=1)``, then ``_foreach_mul_`` of the grads grouped by dtype)."""
+    return _k_scale_group(torch.clamp(max_norm / (norm + eps), max=1.0), *gs)
+
+
+_k_scale_group.fresh_outputs = True
+_k_clip_group.fresh_outputs = True
+
+
+class ScaleGroup(Operation):
+    """``grads`` times the float32 scalar ``factor``, all in one multi-tensor kernel per processor.
+
+    Inputs: ``factor`` (shape ``[]``, float32) and ``n`` float gradients (any shapes, layouts and float dtypes).
+    Outputs: ``n`` tensors, each of its gradient's named shape and dtype. Per processor one
+    ``torch._foreach_mul`` per gradient dtype, instead of one multiply per gradient. No gradient (it is
+    used on gradients).
+
+    Raises:
+        ValueError: if ``grads`` is empty or ``factor`` is not a float32 scalar.
+    """
+
+    differentiable = False
+
+    def __init__(self, factor: Tensor, grads, name=None):
+        grads = list(grads)
+        if not grads or factor.shape.ndims or factor.dtype != torch.float32:
+            raise ValueError(f"{type(self).__name__}: give a float32 scalar and at least one gradient, got "
+                             f"{factor!r} and {len(grads)} gradients.")
+        super().__init__([factor, *grads], name=name or "scale_group")
+        self.outputs = [Tensor(self, g.shape, g.dtype, index=i) for i, g in enumerate(grads)]
+
+    def kernel(self):
+        return _k_scale_group
+
+    def lower(self, lw):
+        outs = lw.slicewise(self.kernel(), *[lw.get(x) for x in self.inputs], num_outputs=len(self.outputs))
+        outs = outs if len(self.outputs) > 1 else [outs]  # one output: slicewise returns its slot alone
+        for t, s in zip(self.outputs, outs, strict=True):
+            lw.set(t, s)
+
+
+class ClipGroup(ScaleGroup):
+    """``grads`` scaled by ``min(1, max_norm / (norm + eps))`` (``norm``: float32 scalar), as
+    :class:`ScaleGroup`: ``torch.nn.utils.clip_grad_norm_(foreach=True)``'s ``_foreach_mul_`` per dtype."""
+
+    def __init__(self, norm: Tensor, grads, max_norm: float, eps: float = 1e-6, name=None):
+        super().__init__(norm, grads, name=name or "clip_by_global_norm")
+        self.params = {"max_norm": float(max_norm), "eps": float(eps)}
+
+    def kernel(self):
+        return functools.partial(_k_clip_group, **self.params)
+
+
 def global_norm(xs) -> Tensor:
     """``sqrt(sum_i sum(x_i^2))`` of the non-None tensors ``xs``: a float32 scalar (one all-reduce)."""
     return ew.sqrt(GlobalSumOfSquares([x for x in xs if x is not None]).outputs[0])
@@ -103,8 +170,10 @@ def clip_by_global_norm(grads, max_norm: float, eps: float = 1e-6):
     Raises:
         ValueError: if ``max_norm <= 0`` or every gradient is None.
 
-    The clipping ops are built in :meth:`Graph.storage_scope <meshtorch.core.graph.Graph.storage_scope>`:
-    with storage rules (FSDP) each gradient is reduce-scattered to its variable's shards first.
+    Per processor the gradients are scaled by one :class:`ClipGroup` (``torch._foreach_mul`` per dtype, as
+    ``clip_grad_norm_(foreach=True)``). The clipping ops are built in
+    :meth:`Graph.storage_scope <meshtorch.core.graph.Graph.storage_scope>`: with storage rules (FSDP) each
+    gradient is reduce-scattered to its variable's shards first.
     """
     if not max_norm > 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be > 0, got {max_norm}.")
@@ -115,11 +184,5 @@ def clip_by_global_norm(grads, max_norm: float, eps: float = 1e-6):
     # optimizer math: laid out like the variables (storage rules; FSDP shards it, see Graph.storage_scope)
     with present[0].graph.storage_scope():
         norm = global_norm(present)
-        coef = minimum(ew.scalar_op(norm + float(eps), float(max_norm), "rdiv"), 1.0)
-        out = []
-        for g in grads:
-            if g is None:
-                out.append(None)
-            else:
-                out.append(g * (coef if g.dtype == torch.float32 else ew.cast(coef, g.dtype)))
-    return out, norm
+        clipped = iter(ClipGroup(norm, present, max_norm, eps).outputs)
+    return [None if g is None else next(clipped) for g in grads], norm

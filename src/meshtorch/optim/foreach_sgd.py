@@ -28,16 +28,25 @@ def _k_sgd_group(*xs, n: int, aligns, momentum: float | None, weight_decay: floa
 
     ``momentum`` None: plain SGD (no ``v``). ``lr``: the float rate unless a 0-dim rate tensor ends ``xs``.
     ``donate``: True, or a tuple of bools per ``w``/``v``: update those in place
-    (:mod:`meshtorch.lowering.donate`); the others get new tensors.
+    (:mod:`meshtorch.lowering.donate`); the others are copied first, then the same in-place multi-tensor calls
+    run on all (one call per stage, as ``torch.optim.SGD(foreach=True)``'s step). Nothing donated: new tensors.
     """
     k = 2 if momentum is not None else 1
     ws, vs = list(xs[:n]), list(xs[n:2 * n]) if momentum is not None else []
     gs = [aligned(g, a) for g, a in zip(xs[k * n:(k + 1) * n], aligns, strict=True)]
     rate = xs[(k + 1) * n] if len(xs) > (k + 1) * n else lr
     flags = tuple(donate) if isinstance(donate, tuple) else (bool(donate),) * (k * n)
-    if weight_decay:
+    if ws[0].dtype == torch.float32 and not torch.compiler.is_compiling():
+        # float factors as 0-dim float32 tensors: the CPU multi-tensor fallback wraps a Python scalar into a
+        # tensor per list element (4 aten calls each); a float32 kernel rounds the scalar to float32 either way
+        momentum, rate = (torch.full((), x, dtype=torch.float32) if isinstance(x, float) else x
+                          for x in (momentum, rate))
+        weight_decay = torch.full((), weight_decay, dtype=torch.float32) if weight_decay else 0.0
+    if isinstance(weight_decay, torch.Tensor) or weight_decay:
         gs = torch._foreach_add(gs, torch._foreach_mul(ws, weight_decay))
-    if flags and all(flags) and not torch.compiler.is_compiling():  # all donated: in place, as torch's step
+    if any(flags) and not torch.compiler.is_compiling():  # in place, as torch's step; undonated ones on copies
+        ws, vs = ([t if d else t.clone() for t, d in zip(ts, flags[j * n:(j + 1) * n], strict=True)]
+                  for j, ts in enumerate((ws, vs)))
         if momentum is not None:
             torch._foreach_mul_(vs, momentum)
             torch._foreach_add_(vs, torch._foreach_mul(gs, rate) if fold else gs)  # v m + g lr == g lr + v m
@@ -54,13 +63,11 @@ def _k_sgd_group(*xs, n: int, aligns, momentum: float | None, weight_decay: floa
         steps = torch._foreach_mul(new_vs, rate)
     new_ws = torch._foreach_sub(ws, steps)
     outs = list(new_ws) + (list(new_vs) if momentum is not None else [])
-    if any(flags) and not torch.compiler.is_compiling():  # donated: the new values go into the old storage
+    if any(flags):  # compiled: the new values copied into the donated storage (graph-input mutations)
         olds = ws + vs
-        keep = [i for i, f in enumerate(flags) if f and olds[i].dtype == outs[i].dtype]
-        if keep:
-            torch._foreach_copy_([olds[i] for i in keep], [outs[i] for i in keep])
-            for i in keep:
-                outs[i] = olds[i]
+        for i, f in enumerate(flags):
+            if f:
+                outs[i] = olds[i].copy_(outs[i])
     return _results(outs)
 
 

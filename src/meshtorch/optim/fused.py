@@ -63,7 +63,7 @@ def _k_fused_adam(w, g, m, v, step, *lr_tensor, lr: float, beta1: float, beta2: 
 
 
 def _k_fused_adam_group(*xs, n: int, aligns, lr: float, beta1: float, beta2: float, eps: float,
-                        weight_decay: float, decoupled: bool, donate: bool = False):
+                        weight_decay: float, decoupled: bool, skippable: bool = False, donate: bool = False):
     """New ``(w_1..w_n, m_1..m_n, v_1..v_n)`` in float32 of ``n`` slices, in ONE fused Adam(W) call.
 
     ``xs``: ``w_1..w_n, m_1..m_n, v_1..v_n, g_1..g_n, step[, lr]`` (``step``: the int number of completed
@@ -73,8 +73,14 @@ def _k_fused_adam_group(*xs, n: int, aligns, lr: float, beta1: float, beta2: flo
     for one parameter group on one device: per-element math identical to :func:`_k_fused_adam` per slice.
     ``donate``: the float32 contiguous ``w``, ``m``, ``v`` are updated in place (see :func:`_k_fused_adam`);
     a tuple of ``3 n`` bools: only those marked (:func:`meshtorch.lowering.donate.donate_inputs` per tensor).
+    ``skippable``: ``xs`` ends with ``found_inf`` (float32 0-dim, 1.0: a gradient overflowed), passed to the
+    kernel as ``torch.amp.GradScaler`` passes it to ``AdamW(fused=True)``: on 1.0 nothing changes.
     """
     f32 = torch.float32
+    if skippable:
+        xs, found_inf = xs[:-1], xs[-1]
+    else:
+        found_inf = None
     ws, ms, vs, gs = (list(xs[k * n:(k + 1) * n]) for k in range(4))
     step, lr_tensor = xs[4 * n], xs[4 * n + 1:]
     gs = [aligned(g, a) for g, a in zip(gs, aligns, strict=True)]
@@ -84,6 +90,8 @@ def _k_fused_adam_group(*xs, n: int, aligns, lr: float, beta1: float, beta2: flo
                              eps=eps, weight_decay=weight_decay, decoupled=decoupled)
                for w, g, m, v in zip(ws, gs, ms, vs, strict=True)]
         outs = [t[k] for k in range(3) for t in new]
+        if found_inf is not None:  # a skipped step keeps the old values
+            outs = [torch.where(found_inf > 0, old.to(f32), o) for old, o in zip(ws + ms + vs, outs, strict=True)]
         return tuple(t.copy_(o) if d and t.dtype == f32 and t.is_contiguous() else o
                      for t, o, d in zip(ws + ms + vs, outs, flags, strict=True))
 
@@ -97,7 +105,7 @@ def _k_fused_adam_group(*xs, n: int, aligns, lr: float, beta1: float, beta2: flo
     rate = (lr_tensor[0] if lr_tensor[0].dtype == f32 else lr_tensor[0].to(f32)) if lr_tensor else lr  # 0-dim
     t = step.to(f32) + 1
     fn(ws, gs, ms, vs, [], [t] * n, lr=rate, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-       amsgrad=False, maximize=False)
+       amsgrad=False, maximize=False, found_inf=found_inf)
     return (*ws, *ms, *vs)
 
 
@@ -180,8 +188,10 @@ class FusedAdamGroupUpdate(UpdateOperation):
     the lists of its slices of all ``n`` variables (instead of ``n`` calls of :class:`FusedAdamUpdate`).
     Inputs: ``variables`` (values, any float dtype, shapes ``S_i``), ``grads`` (the dims of ``S_i``, any
     order), slots ``ms``, ``vs`` (float32, ``S_i``), the int step count (0-dim) and the learning rate (float or
-    0-dim Tensor). All on one mesh. Outputs: ``n`` new values, then ``n`` ``m``, then ``n`` ``v``, float32,
-    shapes ``S_i``; equal elementwise to :class:`FusedAdamUpdate` on each variable (the same kernel).
+    0-dim Tensor); optionally ``found_inf`` (float32 0-dim, :mod:`meshtorch.optim.loss_scale`): 1.0 skips the
+    step (every output equals its input), as ``torch.amp.GradScaler`` with a fused optimizer. All on one mesh.
+    Outputs: ``n`` new values, then ``n`` ``m``, then ``n`` ``v``, float32, shapes ``S_i``; equal elementwise
+    to :class:`FusedAdamUpdate` on each variable (the same kernel).
     Not differentiable. Source: PyTorch ``torch.optim.AdamW(fused=True)`` (``_fused_adamw``).
 
     Raises:
@@ -189,7 +199,7 @@ class FusedAdamGroupUpdate(UpdateOperation):
     """
 
     def __init__(self, variables, grads, ms, vs, step: Tensor, lr, *, beta1: float, beta2: float, epsilon: float,
-                 weight_decay: float, decoupled: bool, name: str | None = None):
+                 weight_decay: float, decoupled: bool, found_inf: Tensor | None = None, name: str | None = None):
         n = len(variables)
         if not n or not len(grads) == len(ms) == len(vs) == n:
             raise ValueError(f"FusedAdamGroupUpdate: {n} variables, {len(grads)} gradients, {len(ms)} m and "
@@ -197,11 +207,12 @@ class FusedAdamGroupUpdate(UpdateOperation):
         if len({x.mesh for x in [*variables, *grads, *ms, *vs]}) != 1:
             raise ValueError("FusedAdamGroupUpdate: the variables span several meshes; build one group per mesh.")
         scheduled = isinstance(lr, Tensor)
-        super().__init__([*variables, *ms, *vs, *grads, step] + ([lr] if scheduled else []),
-                         name=name or "fused_adam_group_update")
+        super().__init__([*variables, *ms, *vs, *grads, step] + ([lr] if scheduled else [])
+                         + ([found_inf] if found_inf is not None else []), name=name or "fused_adam_group_update")
         self.n = n
         self.params = {"lr": 0.0 if scheduled else float(lr), "beta1": float(beta1), "beta2": float(beta2),
-                       "eps": float(epsilon), "weight_decay": float(weight_decay), "decoupled": bool(decoupled)}
+                       "eps": float(epsilon), "weight_decay": float(weight_decay), "decoupled": bool(decoupled),
+                       "skippable": found_inf is not None}
         self.outputs = [Tensor(self, x.shape, torch.float32, index=i)
                         for i, x in enumerate([*variables, *variables, *variables])]
 

@@ -38,6 +38,7 @@ from meshtorch.models.hf import hf_flops_per_token
 from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
 from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, accumulated_updates
+from meshtorch.optim.loss_scale import LOSS_SCALE_VARIABLES
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks, failures, hf_train, runs
 from meshtorch.runtime.generate import sample
@@ -459,9 +460,11 @@ def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple
     """
     point, older, saved, force = checked
     # --accumulate's accumulators are scratch (overwritten by each step's first microbatch): a checkpoint written
-    # with another --accumulate (or none) may lack them; every other variable must be there
+    # with another --accumulate (or none) may lack them; so may a checkpoint of another --precision lack fp16's loss
+    # scale (it starts again from its initial scale); every other variable must be there
     held = load_manifest(point).get("variables", {})
-    scratch = all(n in held or n.endswith("/" + ACCUMULATOR_SUFFIX) for n in lowering.variable_names)
+    scratch = all(n in held or n.endswith("/" + ACCUMULATOR_SUFFIX) or n in LOSS_SCALE_VARIABLES
+                  for n in lowering.variable_names)
     try:
         meta = restore(lowering, point, strict=not scratch)
     except CheckpointError as e:

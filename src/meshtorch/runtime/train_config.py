@@ -354,6 +354,10 @@ class TrainConfig:
             PrecisionPolicy.named(self.precision, self.reduce_dtype)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.precision == "fp16" and (self.optimizer not in ("adam", "adamw") or self.accumulate > 1
+                                         or self.init_from):
+            raise UsageError("--precision fp16 (dynamic loss scaling) runs with --optimizer adamw or adam, without "
+                             "--accumulate and --init-from; use --precision bf16 for those.")
         if self.optimizer == "adafactor":
             checks.number("--lr", self.lr)  # <= 0: Adafactor's own schedule
         else:
