@@ -114,11 +114,11 @@ class PipelineTrainer:
         rank = dist.get_rank() if self.distributed else None
         self.programs = stage_programs(self.config, S, M, R, mesh, layout, storage, seed=cfg.seed, rank=rank,
                                        optimizer=lambda: make_optimizer(cfg), clip=bool(cfg.clip_norm))
-        self.held = {}  # variable name -> the lowering of the stage of this process that holds it
+        self.held = {}  # variable name -> the lowerings of this process's stages that hold it (global_step: all)
         for p in self.programs:
             if p is not None:
                 for n in p.lowering.variable_names:
-                    self.held.setdefault(n, p.lowering)
+                    self.held.setdefault(n, []).append(p.lowering)
         self.owners = None  # torchrun: variable name -> the rank holding it (made on first publish)
 
     def describe(self) -> str:
@@ -164,17 +164,18 @@ class PipelineTrainer:
             if self.distributed:
                 if name not in owners:
                     raise RuntimeError(f"pipeline: variable {name!r} of the unpipelined LM is on no stage.")
-                value = self.held[name].variable_value(name) if name in self.held else \
+                value = self.held[name][0].variable_value(name) if name in self.held else \
                     lowering.variable_value(name).clone()
                 value = value.contiguous()
                 dist.broadcast(value, owners[name])
             elif name in self.held:
-                value = self.held[name].variable_value(name)
+                value = self.held[name][0].variable_value(name)
             else:
                 raise RuntimeError(f"pipeline: variable {name!r} of the unpipelined LM is on no stage.")
             lowering.set_variable_value(name, value)
 
     def load(self, lowering: Lowering) -> None:
         """Copy ``lowering``'s variables (a restored checkpoint) into the stages of this process."""
-        for name, lw in self.held.items():
-            lw.set_variable_value(name, lowering.variable_value(name))
+        for name, lws in self.held.items():
+            for lw in lws:
+                lw.set_variable_value(name, lowering.variable_value(name))
