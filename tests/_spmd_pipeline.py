@@ -47,8 +47,9 @@ def parameter_bytes_worker(cases):
     return out
 
 
-def schedule_worker(cases):
-    """Per ``(schedule, S, M, R)`` case (``S`` = the processes): this rank's run of the stage executor
+def schedule_worker(cases, train=None):
+    """With ``train`` = ``(root, flags)``: ``{"cases": ..., "train": train_worker(root, flags)}`` (one spawn of the
+    ranks for both). Per ``(schedule, S, M, R)`` case (``S`` = the processes): this rank's run of the stage executor
     (:func:`meshtorch.runtime.pipeline_exec.run_rank`) on ``test_pipeline_executor``'s model and batch: loss (last
     stage's rank, else None), {variable: gradient} of its stages, its sends (the flight recorder's "send" records),
     peak stash and actions (as text)."""
@@ -71,7 +72,7 @@ def schedule_worker(cases):
         r = dist.get_rank()
         sends = sum(rec.kind == SEND for rec in records)
         out.append((run.loss, run.grads, sends, run.peak_stash[r], [str(a) for a in run.actions[r]]))
-    return out
+    return out if train is None else {"cases": out, "train": train_worker(*train)}
 
 
 def train_worker(root, flags):

@@ -110,16 +110,27 @@ def test_refuses_what_it_cannot_cut():
         run_schedule(build_schedule("1f1b", 2, 4), _programs(2, 4, 2), *_batch())
 
 
-@pytest.mark.parametrize("S,cases", [
-    (2, [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2), ("zero-bubble", 2, 4, 2)]),
-    pytest.param(4, [("zero-bubble", 4, 4, 1)], marks=pytest.mark.slow),
+@pytest.mark.parametrize("S,cases,train", [
+    (2, [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2), ("zero-bubble", 2, 4, 2)], True),
+    pytest.param(4, [("zero-bubble", 4, 4, 1)], False, marks=pytest.mark.slow),
 ])
-def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases):
+def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases, train, tmp_path):
     """One process per pipeline rank (gloo): each walks its own row of the table, exchanging activations and
     gradients point to point; the ranks' gradients together, and the last rank's loss, are the unpipelined LM's
-    (computed here, in the parent), their sends together the table's."""
-    res = run_spmd("_spmd_pipeline:schedule_worker", args=(cases,), nprocs=S, timeout_s=300,
+    (computed here, in the parent), their sends (flight recorder) together the table's. With ``train``, the same
+    ranks then run ``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` (one process per pipeline rank):
+    every rank's losses and variables (gathered into the unpipelined LM) are the one-process unpipelined run's
+    (``tests/test_pipeline_train.py``'s model and flags)."""
+    import test_pipeline_train as T
+
+    extra = (str(tmp_path), T.FLAGS) if train else None
+    res = run_spmd("_spmd_pipeline:schedule_worker", args=(cases, extra), nprocs=S, timeout_s=300,
                    extra_path=[TESTS_DIR]).check().results
+    if train:
+        ref = T.train(tmp_path / "ref", "ref-one", 2, mesh="", layout="")
+        for r in res:
+            T._same(r["train"], ref)
+        res = [r["cases"] for r in res]
     for i, (name, S_, M, R) in enumerate(cases):
         table = build_schedule(name, S_, M, R)
         loss, grads = _reference(S_ * R)
