@@ -12,7 +12,6 @@ import os
 import re
 
 import pytest
-import torch
 
 from meshtorch.cli import main as cli_main
 from meshtorch.runtime.train import main_train

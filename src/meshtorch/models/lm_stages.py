@@ -24,7 +24,6 @@ import torch
 from meshtorch.autodiff import gradients
 from meshtorch.core.graph import Graph, Mesh
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.core.schedules import ScheduleTable
 from meshtorch.layers import dense, softmax_cross_entropy_with_logits
 from meshtorch.lowering import Lowering
 from meshtorch.models.transformer import LMConfig, _block, _embeddings, _norm, dims

@@ -126,7 +126,7 @@ class PipelinePlan:
                    "estimate over the unrolled iterations)")
         if self.schedule is not None:
             t = self.schedule
-            out.append(f"  schedule {t.name} (planned, see docs/pipeline.md): {t.steps} steps of one action, bubble "
+            out.append(f"  schedule {t.name} (docs/pipeline.md): {t.steps} steps of one action, bubble "
                        f"fraction {t.bubble_fraction():.3f} (its table); peak in-flight microbatches per stage "
                        f"{t.in_flight()} of {self.microbatches * self.repeats}: activations per processor "
                        f"~{_human(self.schedule_activation_bytes)} (the peak above x {self.in_flight}/"

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from meshtorch.core.schedules import ScheduleTable
 from meshtorch.mesh.recorder import flight_recorder
 
-__all__ = ["SEND", "ScheduleRun", "apply_updates", "run_rank", "run_schedule"]
+__all__ = ["SEND", "ScheduleRun", "action_fetches", "apply_updates", "clip_coefficient", "rank_flops", "run_rank",
+           "run_schedule"]
 
 #: the flight recorder's kind of a point-to-point transfer between pipeline ranks
 SEND = "send"
@@ -101,9 +102,8 @@ class _Executor:
             else:
                 self.send(self.acts, (v + 1, m), y, r, t.rank_of(v + 1), 2 * ((v + 1) * M + m))
             return
-        fetch_in = a.kind in ("B", "I") and p.input_grad is not None
-        names = list(p.weight_grads) if a.kind in ("B", "W") else []
-        out = p.lowering.run(([p.input_grad] if fetch_in else []) + [p.weight_grads[n] for n in names], feeds)
+        fetch_in, names = _gradient_fetches(p, a.kind)
+        out = p.lowering.run(action_fetches(p, a.kind), feeds)
         if fetch_in:
             self.send(self.grads_in, (v - 1, m), out[0], r, t.rank_of(v - 1), tag + 1)
             out = out[1:]
@@ -117,6 +117,40 @@ class _Executor:
     def result(self) -> ScheduleRun:
         self.run.grads = {n: g / self.M for n, g in self.run.grads.items()}
         return self.run
+
+
+def _gradient_fetches(p, kind: str) -> tuple[bool, list]:
+    """``(whether the input gradient is fetched, the weights whose gradients are)`` of a ``B``/``I``/``W``."""
+    return kind in ("B", "I") and p.input_grad is not None, list(p.weight_grads) if kind in ("B", "W") else []
+
+
+def action_fetches(p, kind: str) -> list:
+    """What an action of ``kind`` (``F``, ``B``, ``I``, ``W``) fetches of stage program ``p``: the output (``F``),
+    the input gradient (``B``, ``I``; none on stage 0) and the weight gradients (``B``, ``W``)."""
+    if kind == "F":
+        return [p.output]
+    fetch_in, names = _gradient_fetches(p, kind)
+    return ([p.input_grad] if fetch_in else []) + [p.weight_grads[n] for n in names]
+
+
+def rank_flops(table: ScheduleTable, programs: list) -> list[int]:
+    """Planned einsum FLOPs per rank of one step of ``table`` (global over the mesh inside a stage: divide by its
+    processors for one processor's), the sum over the rank's actions of each action's program
+    (:meth:`~meshtorch.Lowering.plan_counters`, nothing run): idle steps cost nothing, each gradient action
+    includes the forward pass it recomputes. ``programs``: every virtual stage's
+    (:func:`~meshtorch.models.lm_stages.stage_programs` without ``rank``)."""
+    cost: dict = {}
+    out = []
+    for row in table.order:
+        total = 0
+        for a in row:
+            key = (a.stage, a.kind)
+            if key not in cost:
+                f = action_fetches(programs[a.stage], a.kind)
+                cost[key] = programs[a.stage].lowering.plan_counters(f).einsum_flops if f else 0
+            total += cost[key]
+        out.append(total)
+    return out
 
 
 class _DistExecutor(_Executor):

@@ -26,13 +26,14 @@ import torch.distributed as dist
 
 from meshtorch.core.errors import UsageError
 from meshtorch.core.layout import LayoutRules
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.schedules import build_schedule
 from meshtorch.lowering import Lowering
 from meshtorch.models.lm_stages import stage_programs
 from meshtorch.runtime.optimizers import make_optimizer
-from meshtorch.runtime.pipeline_exec import apply_updates, run_rank, run_schedule
+from meshtorch.runtime.pipeline_exec import apply_updates, rank_flops, run_rank, run_schedule
 
-__all__ = ["EXECUTED", "PipelineTrainer", "check_flags", "inner_mesh"]
+__all__ = ["EXECUTED", "PipelineTrainer", "check_flags", "inner_mesh", "plan_line"]
 
 #: the schedules ``meshtorch train`` runs with the stage executor (gpipe: the pipeline layout's own program)
 EXECUTED = ("1f1b", "interleaved-1f1b", "zero-bubble")
@@ -179,3 +180,24 @@ class PipelineTrainer:
         for name, lws in self.held.items():
             for lw in lws:
                 lw.set_variable_value(name, lowering.variable_value(name))
+
+
+def plan_line(name: str, model, mesh: str, layout: str, storage: str, layout_flops: int | None = None) -> str:
+    """``meshtorch plan --pipeline-schedule NAME``'s line on the stage executor: planned einsum FLOPs per
+    processor of each pipeline rank for one step (:func:`~meshtorch.runtime.pipeline_exec.rank_flops` over the
+    mesh inside a stage; idle steps priced at zero), beside the pipeline layout program's ``layout_flops`` per
+    processor (which computes its bubbles). ``model``: the pipelined LMConfig."""
+    S, M, R = model.pipeline_stages, model.microbatches, model.pipeline_repeats
+    table = build_schedule(name, S, M, R)
+    _, inner, inner_layout, inner_storage = inner_mesh(mesh, layout, storage)
+    unpiped = dataclasses.replace(model, pipeline_stages=0, microbatches=1, pipeline_repeats=1)
+    programs = stage_programs(unpiped, S, M, R, inner, inner_layout, inner_storage)
+    n = MeshSpec(inner).size if inner else 1
+    per = [f // n for f in rank_flops(table, programs)]
+    line = (f"  stage executor ({name}, meshtorch train --pipeline-schedule {name}): einsum FLOPs per processor per "
+            f"step, by rank {' '.join(f'{f:.3e}' for f in per)} (idle steps priced at zero; each gradient action "
+            "recomputes its stage's forward pass)")
+    if layout_flops:
+        line += (f"; the layout program (gpipe, bubbles computed) {layout_flops:.3e}: max rank / it "
+                 f"{max(per) / layout_flops:.2f}")
+    return line
