@@ -221,3 +221,11 @@ def test_plan_cli_prints_the_stage_executors_flops(capsys):
     assert main(argv) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if "stage executor (zero-bubble" in x]
     assert len(line) == 1 and "idle steps priced at zero" in line[0], line
+    # the bubble with actions timed by their FLOPs: the table's own weighting of the same costs
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import stage_programs
+    from meshtorch.runtime.pipeline_exec import action_flops
+
+    cfg = preset("tiny", d_model=32, d_ff=64, length=16, num_layers=2)  # the argv above
+    bubble = build_schedule("zero-bubble", 2, 4).weighted(action_flops(stage_programs(cfg, 2, 4)))[1]
+    assert f"bubble fraction with actions timed by their FLOPs {bubble:.3f}" in line[0]

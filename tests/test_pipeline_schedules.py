@@ -227,3 +227,15 @@ def test_docs_show_each_schedules_table():
         t = build_schedule(name.strip(), S, M, R)
         assert (int(steps), float(bubble)) == (t.steps, round(t.bubble_fraction(), 3))
         assert [int(x) for x in flight.split(",")] == t.in_flight()
+
+
+def test_weighted_table_prices_actions_by_their_cost():
+    """``ScheduleTable.weighted``: with unit costs the table's steps and bubble; GPipe S=2 M=1 with F = 1 and B = 2
+    by hand: rank 0 F [0, 1], rank 1 F [1, 2], B [2, 4], rank 0 B [4, 6]: makespan 6, bubble 1 - 6/12; idle
+    steps cost nothing (a zero-cost action moves no clock)."""
+    for name, S, M, R in CASES:
+        t = build_schedule(name, S, M, R)
+        span, bubble = t.weighted(lambda a: 1)
+        assert (span, round(bubble, 12)) == (t.steps, round(t.bubble_fraction(), 12))
+    assert build_schedule("gpipe", 2, 1).weighted(lambda a: 1 if a.kind == "F" else 2) == (6.0, 0.5)
+    assert build_schedule("1f1b", 2, 4).weighted(lambda a: 0) == (0.0, 0.0)

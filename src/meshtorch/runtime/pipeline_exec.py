@@ -25,8 +25,8 @@ import torch.distributed as dist
 from meshtorch.core.schedules import ScheduleTable
 from meshtorch.mesh.recorder import flight_recorder
 
-__all__ = ["SEND", "ScheduleRun", "action_fetches", "apply_updates", "clip_coefficient", "rank_flops", "run_rank",
-           "run_schedule"]
+__all__ = ["SEND", "ScheduleRun", "action_fetches", "action_flops", "apply_updates", "clip_coefficient", "rank_flops",
+           "run_rank", "run_schedule"]
 
 #: the flight recorder's kind of a point-to-point transfer between pipeline ranks
 SEND = "send"
@@ -133,24 +133,28 @@ def action_fetches(p, kind: str) -> list:
     return ([p.input_grad] if fetch_in else []) + [p.weight_grads[n] for n in names]
 
 
-def rank_flops(table: ScheduleTable, programs: list) -> list[int]:
-    """Planned einsum FLOPs per rank of one step of ``table`` (global over the mesh inside a stage: divide by its
-    processors for one processor's), the sum over the rank's actions of each action's program
-    (:meth:`~meshtorch.Lowering.plan_counters`, nothing run): idle steps cost nothing, each gradient action
-    includes the forward pass it recomputes. ``programs``: every virtual stage's
+def action_flops(programs: list):
+    """``cost(action)``: the planned einsum FLOPs of one action's program (global over the mesh inside a stage;
+    :meth:`~meshtorch.Lowering.plan_counters`, nothing run; each gradient action includes the forward pass it
+    recomputes), memoized per (virtual stage, kind). ``programs``: every virtual stage's
     (:func:`~meshtorch.models.lm_stages.stage_programs` without ``rank``)."""
     cost: dict = {}
-    out = []
-    for row in table.order:
-        total = 0
-        for a in row:
-            key = (a.stage, a.kind)
-            if key not in cost:
-                f = action_fetches(programs[a.stage], a.kind)
-                cost[key] = programs[a.stage].lowering.plan_counters(f).einsum_flops if f else 0
-            total += cost[key]
-        out.append(total)
-    return out
+
+    def flops(a) -> int:
+        key = (a.stage, a.kind)
+        if key not in cost:
+            f = action_fetches(programs[a.stage], a.kind)
+            cost[key] = programs[a.stage].lowering.plan_counters(f).einsum_flops if f else 0
+        return cost[key]
+
+    return flops
+
+
+def rank_flops(table: ScheduleTable, programs: list) -> list[int]:
+    """Planned einsum FLOPs per rank of one step of ``table``: the sum of :func:`action_flops` over the rank's
+    actions (idle steps cost nothing)."""
+    flops = action_flops(programs)
+    return [sum(flops(a) for a in row) for row in table.order]
 
 
 class _DistExecutor(_Executor):

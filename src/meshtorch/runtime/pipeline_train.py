@@ -31,7 +31,7 @@ from meshtorch.core.schedules import build_schedule
 from meshtorch.lowering import Lowering
 from meshtorch.models.lm_stages import stage_programs
 from meshtorch.runtime.optimizers import make_optimizer
-from meshtorch.runtime.pipeline_exec import apply_updates, rank_flops, run_rank, run_schedule
+from meshtorch.runtime.pipeline_exec import action_flops, apply_updates, run_rank, run_schedule
 
 __all__ = ["EXECUTED", "PipelineTrainer", "check_flags", "inner_mesh", "plan_line"]
 
@@ -193,10 +193,12 @@ def plan_line(name: str, model, mesh: str, layout: str, storage: str, layout_flo
     unpiped = dataclasses.replace(model, pipeline_stages=0, microbatches=1, pipeline_repeats=1)
     programs = stage_programs(unpiped, S, M, R, inner, inner_layout, inner_storage)
     n = MeshSpec(inner).size if inner else 1
-    per = [f // n for f in rank_flops(table, programs)]
+    flops = action_flops(programs)
+    per = [sum(flops(a) for a in row) // n for row in table.order]
+    bubble = table.weighted(flops)[1]
     line = (f"  stage executor ({name}, meshtorch train --pipeline-schedule {name}): einsum FLOPs per processor per "
             f"step, by rank {' '.join(f'{f:.3e}' for f in per)} (idle steps priced at zero; each gradient action "
-            "recomputes its stage's forward pass)")
+            f"recomputes its stage's forward pass); bubble fraction with actions timed by their FLOPs {bubble:.3f}")
     if layout_flops:
         line += (f"; the layout program (gpipe, bubbles computed) {layout_flops:.3e}: max rank / it "
                  f"{max(per) / layout_flops:.2f}")
