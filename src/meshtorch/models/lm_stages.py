@@ -59,7 +59,7 @@ class StageProgram:
 
 def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: int = 1, mesh_shape: str = "",
                    layout: str = "", storage: str = "", seed: int = 0, rank: int | None = None,
-                   optimizer: Callable | None = None, clip: bool = False) -> list:
+                   optimizer: Callable | None = None, clip: bool = False, mode: str = "codegen") -> list:
     """The ``V = stages x repeats`` virtual stages of the unpipelined LM ``config`` (``num_layers`` a multiple of
     ``V``: stage ``v`` runs layers ``v L/V .. (v+1) L/V - 1``), each a graph of one microbatch (``batch_size /
     microbatches`` sequences) lowered on ``MeshSpec(mesh_shape, layout, storage)``. Variables keep the
@@ -70,6 +70,7 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
     ``meshtorch.runtime.optimizers.make_optimizer``); each stage then has update ops applying it to its
     ``grad_feeds`` (times ``clip_coefficient`` with ``clip``). Its slots and ``global_step`` take the names
     ``build_lm(optimizer=...)`` gives them, so the stages' variables together are the unpipelined LM's.
+    ``mode``: the :class:`~meshtorch.lowering.Lowering`'s executor (``codegen``, ``interpret``, ``compile``).
 
     Raises:
         ValueError: ``num_layers`` not a multiple of ``V``, a batch that ``microbatches`` does not divide, dropout,
@@ -137,7 +138,7 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
             coef = placeholder(mesh, "clip_coefficient", []) if clip else None
             updates = optimizer().apply_grads([feeds[n] if coef is None else feeds[n] * coef for n in names],
                                               [weights[n] for n in names])
-        lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage or None)})
+        lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage or None)}, mode=mode)
         out.append(StageProgram(v, lw, inputs, y, dy, gin, weights, dict(zip(names, gw, strict=True)), targets,
                                 feeds, coef, updates))
     return out

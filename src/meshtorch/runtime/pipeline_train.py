@@ -114,7 +114,8 @@ class PipelineTrainer:
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         rank = dist.get_rank() if self.distributed else None
         self.programs = stage_programs(self.config, S, M, R, mesh, layout, storage, seed=cfg.seed, rank=rank,
-                                       optimizer=lambda: make_optimizer(cfg), clip=bool(cfg.clip_norm))
+                                       optimizer=lambda: make_optimizer(cfg), clip=bool(cfg.clip_norm),
+                                       mode=cfg.executor)
         self.held = {}  # variable name -> the lowerings of this process's stages that hold it (global_step: all)
         for p in self.programs:
             if p is not None:
