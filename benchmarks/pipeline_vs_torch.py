@@ -37,7 +37,10 @@ torch's other schedules (issue 32): ``torch_1f1b`` (``Schedule1F1B``), ``torch_i
 (``ScheduleInterleaved1F1B``) and ``torch_zero_bubble`` (``ScheduleInterleavedZeroBubble``), the last two with
 ``--virtual-stages`` stages per rank (``StageLM`` per virtual stage, rank r holding r, S + r, ...), are printed
 beside their tables (:mod:`meshtorch.core.schedules`: bubble, peak in-flight microbatches) and against GPipe.
-meshtorch executes GPipe only (docs/pipeline.md), so these runs measure torch's schedules, not meshtorch's.
+meshtorch's runs of the same schedules: ``mt_gpipe``, ``mt_1f1b``, ``mt_interleaved``, ``mt_zero_bubble``, the
+training step of ``meshtorch train --pipeline-schedule`` (:mod:`meshtorch.runtime.pipeline_exec`: one program
+per virtual stage run in the table's order, then the meshtorch AdamW step of every stage), each against torch's
+same schedule.
 
 Run: ``python benchmarks/pipeline_vs_torch.py [--rounds 3] [--steps 3] [--stages 4] [--microbatches 8]
 [--layers 4] [--runs meshtorch,meshtorch_noremat,torch,torch_1f1b,torch_interleaved,torch_zero_bubble]
@@ -194,8 +197,8 @@ TORCH_RUNS = {"torch": "gpipe", "torch_1f1b": "1f1b", "torch_interleaved": "inte
               "torch_zero_bubble": "zero-bubble"}
 
 
-#: meshtorch's stage executor (:mod:`meshtorch.models.lm_stages`, a prototype): name -> schedule; forward and
-#: backward passes only (no optimizer step), each gradient program recomputing its stage's forward pass
+#: meshtorch's stage executor (:mod:`meshtorch.runtime.pipeline_exec`, what ``meshtorch train --pipeline-schedule``
+#: runs): name -> schedule; forward, backward (each gradient program recomputing its stage's forward pass) and AdamW
 EXEC_RUNS = {"mt_gpipe": "gpipe", "mt_1f1b": "1f1b", "mt_interleaved": "interleaved-1f1b",
              "mt_zero_bubble": "zero-bubble"}
 SCHEDULE_OF = {**TORCH_RUNS, **EXEC_RUNS}
@@ -209,20 +212,26 @@ def torch_local_stages(run: str, virtual: int) -> int:
 
 def _exec_job(cfg: LMConfig, stages: int, microbatches: int, state: dict | None, schedule: str = "gpipe",
               local: int = 1):
-    """``(step_fn, waits, None)`` of this rank's stage programs run by :func:`meshtorch.models.lm_stages.run_rank`
-    in ``schedule``'s order (forward and backward, no optimizer step; the programs draw the unpipelined LM's
-    initial values by name, seed 0, so ``state`` is that already)."""
+    """``(step_fn, waits, None)`` of this rank's stage programs run by
+    :func:`meshtorch.runtime.pipeline_exec.run_rank` in ``schedule``'s order, then AdamW
+    (:func:`~meshtorch.runtime.pipeline_exec.apply_updates`): the training step of ``meshtorch train
+    --pipeline-schedule`` (the programs draw the unpipelined LM's initial values by name, seed 0, so ``state``
+    is that already)."""
     import torch.distributed as dist
 
+    import meshtorch as mtf
     from meshtorch.core.schedules import build_schedule
-    from meshtorch.models.lm_stages import run_rank, stage_programs
+    from meshtorch.models.lm_stages import stage_programs
+    from meshtorch.runtime.pipeline_exec import apply_updates, run_rank
 
-    programs = stage_programs(cfg, stages, microbatches, local, rank=dist.get_rank())
+    programs = stage_programs(cfg, stages, microbatches, local, rank=dist.get_rank(),
+                              optimizer=lambda: mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
     table = build_schedule(schedule, stages, microbatches, local)
     waits = [0.0]
 
     def step(x, y):
         run = run_rank(table, programs, x, y)
+        apply_updates(programs, run.grads)
         waits[0] += run.wait_s
         return run.loss
 
@@ -423,7 +432,8 @@ def main(argv=None):
                          "meshtorch_noremat (keeps every block's activations, as GPipe does), torch (ScheduleGPipe), "
                          "torch_1f1b (Schedule1F1B), torch_interleaved (ScheduleInterleaved1F1B), torch_zero_bubble "
                          "(ScheduleInterleavedZeroBubble); mt_gpipe, mt_1f1b, mt_interleaved, mt_zero_bubble: "
-                         "meshtorch's prototype stage executor in that schedule's order (forward and backward only)")
+                         "meshtorch's stage executor in that schedule's order (meshtorch train --pipeline-schedule's "
+                         "step, with AdamW)")
     ap.add_argument("--virtual-stages", type=int, default=2,
                     help="virtual stages per rank of torch_interleaved and torch_zero_bubble (--layers must be a "
                          "multiple of stages x this)")
@@ -522,10 +532,11 @@ def torch_schedules(results: dict, med: dict, S: int, M: int, virtual: int) -> N
         if run in EXEC_RUNS and twin in results:
             per_round = [statistics.median(x for r in a for x in r["times"]) / statistics.median(
                 x for r in b for x in r["times"]) for a, b in zip(results[run], results[twin], strict=True)]
-            ml, tl = results[run][0][S - 1]["losses"][0], results[twin][0][S - 1]["losses"][0]
-            print(f"  / {twin} (the same schedule, with its AdamW step) step time: per round "
-                  f"{' '.join(f'{x:.2f}' for x in per_round)}, median {statistics.median(per_round):.3f}; first "
-                  f"loss {ml:.5f} vs {tl:.5f} (rel. diff {abs(ml - tl) / abs(tl):.1e})")
+            ml, tl = results[run][0][S - 1]["losses"], results[twin][0][S - 1]["losses"]
+            err = max(abs(a - b) / abs(b) for a, b in zip(ml, tl, strict=True))
+            print(f"  / {twin} (the same schedule) step time: per round "
+                  f"{' '.join(f'{x:.2f}' for x in per_round)}, median {statistics.median(per_round):.3f}; losses "
+                  f"{[round(v, 5) for v in ml]} vs {[round(v, 5) for v in tl]} (max rel. diff {err:.1e})")
         if run in TORCH_RUNS and run != "torch" and "torch" in results:
             per_round = [statistics.median(x for r in a for x in r["times"]) / statistics.median(
                 x for r in b for x in r["times"]) for a, b in zip(results[run], results["torch"], strict=True)]

@@ -47,20 +47,44 @@ def parameter_bytes_worker(cases):
     return out
 
 
-def schedule_worker(cases):
-    """Per ``(schedule, S, M, R)`` case (``S`` = the processes): this rank's run of the stage executor
-    (:func:`meshtorch.models.lm_stages.run_rank`) on ``test_pipeline_executor``'s model and batch: loss (last
-    stage's rank, else None), {variable: gradient} of its stages, its sends, peak stash and actions (as text)."""
+def schedule_worker(cases, train=None):
+    """With ``train`` = ``(root, flags)``: ``{"cases": ..., "train": train_worker(root, flags)}`` (one spawn of the
+    ranks for both). Per ``(schedule, S, M, R)`` case (``S`` = the processes): this rank's run of the stage executor
+    (:func:`meshtorch.runtime.pipeline_exec.run_rank`) on ``test_pipeline_executor``'s model and batch: loss (last
+    stage's rank, else None), {variable: gradient} of its stages, its sends (the flight recorder's "send" records),
+    peak stash and actions (as text)."""
     import torch.distributed as dist
 
     import test_pipeline_executor as E
     from meshtorch.core.schedules import build_schedule
-    from meshtorch.models.lm_stages import run_rank, stage_programs
+    from meshtorch.mesh.recorder import flight_recorder
+    from meshtorch.models.lm_stages import stage_programs
+    from meshtorch.runtime.pipeline_exec import SEND, run_rank
 
     out = []
     for name, S, M, R in cases:
         programs = stage_programs(E._cfg(S * R), S, M, R, E.MESH, E.LAYOUT, E.STORAGE, rank=dist.get_rank())
-        run = run_rank(build_schedule(name, S, M, R), programs, *E._batch())
+        flight_recorder().sink = records = []
+        try:
+            run = run_rank(build_schedule(name, S, M, R), programs, *E._batch())
+        finally:
+            flight_recorder().sink = None
         r = dist.get_rank()
-        out.append((run.loss, run.grads, run.sends, run.peak_stash[r], [str(a) for a in run.actions[r]]))
-    return out
+        sends = sum(rec.kind == SEND for rec in records)
+        out.append((run.loss, run.grads, sends, run.peak_stash[r], [str(a) for a in run.actions[r]]))
+    return out if train is None else {"cases": out, "train": train_worker(*train)}
+
+
+def train_worker(root, flags):
+    """``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` in this rank (one process per pipeline rank):
+    its losses and the unpipelined LM's variables after the run."""
+    import torch.distributed as dist
+
+    from meshtorch.runtime.train import main_train
+    from meshtorch.runtime.train_config import TrainConfig
+
+    res = main_train(TrainConfig(**flags, layers=2, steps=2, runs_dir=root, run_name="gloo", mesh="pipe:2",
+                                 layout="stage:pipe", microbatches=4, pipeline_schedule="1f1b"))
+    lw = res["lowering"]
+    assert dist.get_world_size() == 2
+    return res["history"]["loss"], {n: lw.variable_value(n) for n in lw.variable_names}

@@ -1,7 +1,8 @@
-"""The prototype stage executor (:mod:`meshtorch.models.lm_stages`, issue 32 item 2): the LM cut into one
-program per virtual stage, run in each schedule table's order on a placement mesh, against the *unpipelined*
-LM's loss and gradients (one graph, :func:`meshtorch.autodiff.gradients`, the same mesh and layout), with data
-parallelism and FSDP storage inside each stage."""
+"""The stage executor (:mod:`meshtorch.runtime.pipeline_exec` over :mod:`meshtorch.models.lm_stages`, issue 32):
+the LM cut into one program per virtual stage, run in each schedule table's order on a placement mesh, against
+the *unpipelined* LM's loss and gradients (one graph, :func:`meshtorch.autodiff.gradients`, the same mesh and
+layout), with data parallelism and FSDP storage inside each stage; the transfers the flight recorder counts
+against the table's."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 
 from meshtorch.autodiff import gradients
 from meshtorch.core.schedules import build_schedule
-from meshtorch.models.lm_stages import run_schedule, stage_programs
+from meshtorch.mesh.recorder import flight_recorder
+from meshtorch.models.lm_stages import stage_programs
 from meshtorch.models.transformer import build_lm, preset
+from meshtorch.runtime import pipeline_exec
+from meshtorch.runtime.pipeline_exec import SEND, run_schedule
 from meshtorch.testing.spmd import run_spmd
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +63,11 @@ def test_schedule_order_gives_the_unpipelined_loss_and_gradients(name, S, M, R, 
     """``per``: layers per virtual stage."""
     table = build_schedule(name, S, M, R)
     ids, tg = _batch()
-    run = run_schedule(table, _programs(S, M, R, per), ids, tg)
+    flight_recorder().sink = records = []
+    try:
+        run = run_schedule(table, _programs(S, M, R, per), ids, tg)
+    finally:
+        flight_recorder().sink = None
     loss, grads = _reference(S * R * per)
     assert abs(run.loss - loss) <= 1e-6
     assert set(run.grads) == set(grads)
@@ -68,7 +76,27 @@ def test_schedule_order_gives_the_unpipelined_loss_and_gradients(name, S, M, R, 
     # each rank ran its actions in the table's order, held the table's stashes, and sent what the table sends
     assert run.actions == [list(o) for o in table.order]
     assert run.peak_stash == table.in_flight()
-    assert run.sends == len(table.sends()) == 2 * M * (S * R - 1)
+    sends = [rec for rec in records if rec.kind == SEND]
+    assert len(sends) == len(table.sends()) == 2 * M * (S * R - 1)
+    # each the hidden state of one microbatch, [batch/M, length, d_model] float32, over the stage axis
+    assert {(rec.mesh_axes, rec.parts) for rec in sends} == {(("pipe",), (BATCH // M * 8 * 16 * 4,))}
+
+
+def test_a_skipped_send_fails(monkeypatch):
+    """An executor that drops one transfer fails at the action that needs it, naming it (the recorder's count
+    above would also miss it)."""
+    real, dropped = pipeline_exec._Executor.send, []
+
+    def send(self, store, key, value, src, dst, tag):
+        if src != dst and not dropped:
+            dropped.append(key)
+            return
+        real(self, store, key, value, src, dst, tag)
+
+    monkeypatch.setattr(pipeline_exec._Executor, "send", send)
+    with pytest.raises(RuntimeError, match=r"virtual stage 1 on rank 1 needs microbatch 0's activation from rank 0"):
+        run_schedule(build_schedule("1f1b", 2, 4), _programs(2, 4, 1), *_batch())
+    assert dropped == [(1, 0)]
 
 
 def test_refuses_what_it_cannot_cut():
@@ -82,16 +110,27 @@ def test_refuses_what_it_cannot_cut():
         run_schedule(build_schedule("1f1b", 2, 4), _programs(2, 4, 2), *_batch())
 
 
-@pytest.mark.parametrize("S,cases", [
-    (2, [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2), ("zero-bubble", 2, 4, 2)]),
-    pytest.param(4, [("zero-bubble", 4, 4, 1)], marks=pytest.mark.slow),
+@pytest.mark.parametrize("S,cases,train", [
+    (2, [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2), ("zero-bubble", 2, 4, 2)], True),
+    pytest.param(4, [("zero-bubble", 4, 4, 1)], False, marks=pytest.mark.slow),
 ])
-def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases):
+def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases, train, tmp_path):
     """One process per pipeline rank (gloo): each walks its own row of the table, exchanging activations and
     gradients point to point; the ranks' gradients together, and the last rank's loss, are the unpipelined LM's
-    (computed here, in the parent), their sends together the table's."""
-    res = run_spmd("_spmd_pipeline:schedule_worker", args=(cases,), nprocs=S, timeout_s=300,
+    (computed here, in the parent), their sends (flight recorder) together the table's. With ``train``, the same
+    ranks then run ``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` (one process per pipeline rank):
+    every rank's losses and variables (gathered into the unpipelined LM) are the one-process unpipelined run's
+    (``tests/test_pipeline_train.py``'s model and flags)."""
+    import test_pipeline_train as T
+
+    extra = (str(tmp_path), T.FLAGS) if train else None
+    res = run_spmd("_spmd_pipeline:schedule_worker", args=(cases, extra), nprocs=S, timeout_s=300,
                    extra_path=[TESTS_DIR]).check().results
+    if train:
+        ref = T.train(tmp_path / "ref", "ref-one", 2, mesh="", layout="")
+        for r in res:
+            T._same(r["train"], ref)
+        res = [r["cases"] for r in res]
     for i, (name, S_, M, R) in enumerate(cases):
         table = build_schedule(name, S_, M, R)
         loss, grads = _reference(S_ * R)

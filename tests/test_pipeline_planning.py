@@ -189,3 +189,43 @@ def test_pipeline_layout_candidates_cover_the_other_axes():
     with pytest.raises(ValueError, match="no dimension 'stage'"):
         pipeline_layouts(_lm(num_layers=2, batch_size=16).graph, "pipe:2", "pipe")
 
+
+
+@pytest.mark.parametrize("name,S,M,R", [("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2)])
+def test_stage_executor_flops_are_the_useful_work(name, S, M, R):
+    """The stage executor's planned FLOPs per rank (``meshtorch train --pipeline-schedule``): idle steps cost
+    nothing, so all ranks together do M times one microbatch's forward pass plus its forward-and-backward pass
+    (each ``B`` recomputes the forward), measured on the *unpipelined* LM of one microbatch, less, per stage
+    boundary, the recomputed einsum of the stage's last block output (``ffn/wo``: [b, length, d_ff] x [d_ff,
+    d_model]), which a ``B`` given its output's gradient does not need; rank r's share is its virtual stages'."""
+    from meshtorch.autodiff import gradients
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import stage_programs
+    from meshtorch.runtime.pipeline_exec import rank_flops
+
+    cfg = preset("tiny", **BASE, num_layers=S * R, batch_size=16)
+    lm = build_lm(preset("tiny", **BASE, num_layers=S * R, batch_size=16 // M))
+    fetches = [lm.loss] + gradients([lm.loss], lm.graph.trainable_variables)
+    lw = lm.lowering("data:2", "batch:data")
+    forward, step = lw.plan_counters([lm.loss]).einsum_flops, lw.plan_counters(fetches).einsum_flops
+    per_rank = rank_flops(build_schedule(name, S, M, R), stage_programs(cfg, S, M, R, "data:2", "batch:data"))
+    unneeded = 2 * (16 // M) * BASE["length"] * BASE["d_ff"] * BASE["d_model"]
+    assert sum(per_rank) == M * (forward + step - (S * R - 1) * unneeded)
+    assert per_rank[0] != per_rank[-1] and min(per_rank) > 0
+
+
+def test_plan_cli_prints_the_stage_executors_flops(capsys):
+    argv = ["plan", "--preset", "tiny", "--layers", "2", "--d-model", "32", "--d-ff", "64", "--length", "16",
+            "--mesh", "pipe:2", "--hardware", "cpu", "--layout", "stage:pipe", "--microbatches", "4",
+            "--pipeline-schedule", "zero-bubble"]
+    assert main(argv) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if "stage executor (zero-bubble" in x]
+    assert len(line) == 1 and "idle steps priced at zero" in line[0], line
+    # the bubble with actions timed by their FLOPs: the table's own weighting of the same costs
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import stage_programs
+    from meshtorch.runtime.pipeline_exec import action_flops
+
+    cfg = preset("tiny", d_model=32, d_ff=64, length=16, num_layers=2)  # the argv above
+    bubble = build_schedule("zero-bubble", 2, 4).weighted(action_flops(stage_programs(cfg, 2, 4)))[1]
+    assert f"bubble fraction with actions timed by their FLOPs {bubble:.3f}" in line[0]

@@ -61,8 +61,9 @@ def add_train_subcommand(subparsers) -> None:
                    help="pipeline: circular repeats R, stage s running layers s, S + s, ... (default: --layers / "
                         "stages; R > 1 needs --microbatches >= stages)")
     p.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
-                   help="pipeline schedule; train runs gpipe (the layout's fill-drain order) only, the others are "
-                        "planned (meshtorch plan --pipeline-schedule; docs/pipeline.md)")
+                   help="pipeline schedule: gpipe runs the pipeline layout's fill-drain program; 1f1b, "
+                        "interleaved-1f1b and zero-bubble run one program per stage in the schedule's order (the "
+                        "stage executor; under torchrun one process per pipeline rank; docs/pipeline.md)")
     p.add_argument("--mesh", default=None,
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
                         f'processor. Default: "{DEFAULT_MESH}" in one process (simulated); under torchrun with '

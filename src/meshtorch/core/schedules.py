@@ -199,6 +199,27 @@ class ScheduleTable:
         work = sum(len(o) for o in self.order)
         return 1 - work / (self.stages * self.steps)
 
+    def weighted(self, cost) -> tuple[float, float]:
+        """``(makespan, bubble fraction)`` when action ``a`` takes ``cost(a) >= 0`` time units (e.g. its FLOPs)
+        instead of one step: each rank runs its :attr:`order`, an action starting when the rank is free and what
+        it needs (as :attr:`timed`) has finished; the bubble is the idle share ``1 - sum(cost) / (S x makespan)``.
+        With ``cost = lambda a: 1`` this is :attr:`steps` and :meth:`bubble_fraction`."""
+        S, end, free, pos = self.stages, {}, [0.0] * self.stages, [0] * self.stages
+        while any(pos[r] < len(self.order[r]) for r in range(S)):
+            moved = False
+            for r in range(S):
+                while pos[r] < len(self.order[r]) and all(d in end for d in self._deps(self.order[r][pos[r]])):
+                    a = self.order[r][pos[r]]
+                    start = max([free[r]] + [end[d] for d in self._deps(a)])
+                    end[a] = free[r] = start + float(cost(a))
+                    pos[r] += 1
+                    moved = True
+            if not moved:
+                self.timed  # noqa: B018 - raises the deadlock's ValueError
+        span = max(free)
+        work = sum(float(cost(a)) for o in self.order for a in o)
+        return span, (1 - work / (S * span) if span else 0.0)
+
     def in_flight(self) -> list[int]:
         """Per rank, the peak number of (virtual stage, microbatch) activations held: one from its ``F`` until
         its ``B`` (zero-bubble: its ``W``, the last use of the stage's inputs). GPipe: ``M R``; 1F1B: ``S - r``."""

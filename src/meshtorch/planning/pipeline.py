@@ -126,7 +126,7 @@ class PipelinePlan:
                    "estimate over the unrolled iterations)")
         if self.schedule is not None:
             t = self.schedule
-            out.append(f"  schedule {t.name} (planned, see docs/pipeline.md): {t.steps} steps of one action, bubble "
+            out.append(f"  schedule {t.name} (docs/pipeline.md): {t.steps} steps of one action, bubble "
                        f"fraction {t.bubble_fraction():.3f} (its table); peak in-flight microbatches per stage "
                        f"{t.in_flight()} of {self.microbatches * self.repeats}: activations per processor "
                        f"~{_human(self.schedule_activation_bytes)} (the peak above x {self.in_flight}/"
@@ -201,15 +201,13 @@ def schedule_table(schedule) -> str:
 
 
 def schedule_flag(name: str, stages: int, microbatches: int, repeats: int,
-                  flag: str = "--pipeline-schedule", executes: bool = False) -> ScheduleTable:
+                  flag: str = "--pipeline-schedule") -> ScheduleTable:
     """The :class:`~meshtorch.core.schedules.ScheduleTable` that ``flag NAME`` asks for a pipeline of ``S`` x ``M``
-    x ``R`` (:func:`~meshtorch.core.schedules.build_schedule`); ``executes``: for a run (``meshtorch train``),
-    which executes only ``gpipe`` (the layout's fill-drain order; the others are planned, not run).
+    x ``R`` (:func:`~meshtorch.core.schedules.build_schedule`).
 
     Raises:
-        UsageError: one line naming ``flag``: no pipeline (``stages <= 1``), a schedule that cannot run
-            ``S``, ``M``, ``R`` (:func:`~meshtorch.core.schedules.check_schedule`), or with ``executes`` a
-            schedule other than ``gpipe``.
+        UsageError: one line naming ``flag``: no pipeline (``stages <= 1``) or a schedule that cannot run
+            ``S``, ``M``, ``R`` (:func:`~meshtorch.core.schedules.check_schedule`).
     """
     if stages <= 1:
         raise UsageError(f"{flag} {name} needs a pipeline: add the layout rule stage:<mesh axis> (e.g. --mesh "
@@ -219,9 +217,6 @@ def schedule_flag(name: str, stages: int, microbatches: int, repeats: int,
     except ValueError as e:
         raise UsageError(f"{flag} {name} with --pipeline-stages {stages}, --microbatches {microbatches}, "
                          f"--pipeline-repeats {repeats}: {e}") from None
-    if executes and name != "gpipe":
-        raise UsageError(f"{flag} {name}: meshtorch train executes only gpipe (the pipeline layout's fill-drain "
-                         f"order) so far; plan {name} with meshtorch plan {flag} {name} (docs/pipeline.md).")
     return table
 
 

@@ -26,6 +26,7 @@ from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fie
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
 from meshtorch.planning.pipeline import schedule_flag
+from meshtorch.runtime import pipeline_train
 from meshtorch.runtime.optimizers import make_optimizer
 
 __all__ = ["backend_options", "check_args", "hardware_cost_model", "main_plan", "your_layout_line"]
@@ -206,6 +207,12 @@ def main_plan(args) -> list:
     if args.search:
         print(why_line(ranked))
         print(your_layout_line(args, ranked, cost))
+    elif getattr(args, "pipeline_schedule", None) and ranked[0][1].pipeline is not None:
+        try:  # what the stage executor of meshtorch train --pipeline-schedule computes per rank
+            print(pipeline_train.plan_line(args.pipeline_schedule, lm.config, args.mesh, args.layout, storage,
+                                           ranked[0][1].flops_per_processor))
+        except UsageError as e:
+            print(f"  stage executor: not planned ({e})")
     return ranked
 
 

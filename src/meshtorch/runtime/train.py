@@ -40,7 +40,7 @@ from meshtorch.models.transformer import build_lm, flops_per_token, preset
 from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, accumulated_updates
 from meshtorch.optim.loss_scale import LOSS_SCALE_VARIABLES
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
-from meshtorch.runtime import checks, failures, hf_train, runs
+from meshtorch.runtime import checks, failures, hf_train, pipeline_train, runs
 from meshtorch.runtime.generate import sample
 from meshtorch.runtime.metrics import MetricsLog, job_peak_flops, measure_peak_flops, mfu
 from meshtorch.runtime.optimizers import make_optimizer
@@ -118,6 +118,7 @@ class _Job:
     eval_lowering: Lowering | None = None
     trace: list | None = None  # --trace-collectives: the flight recorder's records of the training steps
     accumulation: object = None  # --accumulate N > 1: the AccumulatedUpdates of the microbatch graph
+    pipeline: object = None  # --pipeline-schedule 1f1b etc.: the PipelineTrainer (runtime.pipeline_train)
 
     @property
     def main_process(self) -> bool:
@@ -210,7 +211,11 @@ def _build_model(job: _Job) -> None:
     opt, clip = make_optimizer(cfg), cfg.clip_norm or None
     kwargs = {"mode": cfg.executor, "bucket_bytes": cfg.bucket_bytes}
     imported = isinstance(model, HFModelConfig)
-    if n_acc > 1:  # the graph is one microbatch's; the optimizer is applied once per n_acc of them
+    if cfg.pipeline_schedule in pipeline_train.EXECUTED:  # the stage executor trains; lm: the unpipelined LM's
+        job.pipeline = pipeline_train.PipelineTrainer(cfg, model)  # variables, for evaluation and checkpoints
+        model = job.pipeline.config
+        job.say(job.pipeline.describe())
+    elif n_acc > 1:  # the graph is one microbatch's; the optimizer is applied once per n_acc of them
         model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)
         opt, clip, accumulate = None, None, (opt, clip)
     try:
@@ -290,6 +295,8 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
     start, epoch, in_epoch = 0, 0, 0
     if resuming is not None:
         start, epoch, in_epoch = _resume(resuming, lowering, record, history, say)
+        if job.pipeline is not None:
+            job.pipeline.load(lowering)  # the checkpoint's variables into the stages
         paths.name = record["run"]  # the resumed run goes on (its retention covers its earlier checkpoints)
     if cfg.checkpoint_dir and main_process:
         runs.write_run_manifest(cfg.checkpoint_dir, record)
@@ -313,7 +320,10 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
             epoch, in_epoch, batch = next(batches)
             comp.before("training step")
             t0 = time.perf_counter()
-            if n_acc == 1:
+            if job.pipeline is not None:  # the schedule's stage executor: [loss, sum of squares] as the fetches
+                outs = job.pipeline.step(batch)
+                loss = outs[0].item()
+            elif n_acc == 1:
                 outs = lowering.run(fetches, feeds=batch_feeds(lowering, lm, batch), feed_slices=True)
                 loss = outs[0].item()
             else:  # one run per microbatch (its forward and backward), the optimizer with the last
@@ -355,6 +365,8 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
                                f"{val / math.log(2) / bpt:.4f} bits per byte")
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                                        or step + 1 == cfg.steps):
+                if job.pipeline is not None:
+                    job.pipeline.publish(lowering)  # the stages' variables into the unpipelined LM's
                 _check_finite(lowering, step + 1, cfg)
                 saved = save(lowering, cfg.checkpoint_dir, step=step + 1, keep=cfg.keep, run=paths.name,
                              extra={**record, "data": {"epoch": epoch, "batch": in_epoch}, "history": history})
@@ -379,6 +391,8 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
 def _evaluate_now(job: _Job, comp) -> float:
     """The validation loss now (the training weights copied into the evaluation twin first, if any)."""
     lowering, eval_lowering = job.lowering, job.eval_lowering
+    if job.pipeline is not None:
+        job.pipeline.publish(lowering)
     if eval_lowering is not lowering:
         for name in lowering.variable_names:
             if name in eval_lowering.variable_names:

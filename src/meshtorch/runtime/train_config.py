@@ -23,7 +23,7 @@ from meshtorch.models.transformer import build_lm, preset
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.command import parse_bytes
 from meshtorch.planning.pipeline import schedule_flag as pipeline_schedule_flag
-from meshtorch.runtime import checks, hf_train, runs
+from meshtorch.runtime import checks, hf_train, pipeline_train, runs
 from meshtorch.runtime.autolayout import choose_layout
 from meshtorch.runtime.calibrate import cached
 from meshtorch.runtime.optional import optional_module
@@ -76,7 +76,7 @@ class TrainConfig:
     pipeline_stages: int | None = None
     microbatches: int | None = None
     pipeline_repeats: int | None = None
-    pipeline_schedule: str | None = None  # --pipeline-schedule: train runs "gpipe" only (docs/pipeline.md)
+    pipeline_schedule: str | None = None  # --pipeline-schedule: gpipe = the layout; others: runtime.pipeline_train
     # mesh and layout
     # None: default_mesh_layout's (under torchrun without either flag: data:<world> and batch:data)
     mesh: str | None = None
@@ -372,8 +372,11 @@ class TrainConfig:
                                       self.pipeline_repeats, base.num_layers, base.batch_size)
         if self.pipeline_schedule is not None:
             pipeline_schedule_flag(self.pipeline_schedule, pipe["pipeline_stages"], pipe["microbatches"],
-                                   pipe["pipeline_repeats"], executes=True)
-        return self.replace(**pipe)
+                                   pipe["pipeline_repeats"])
+        cfg = self.replace(**pipe)
+        if cfg.pipeline_schedule in pipeline_train.EXECUTED:  # run by the stage executor: what it cannot run
+            pipeline_train.check_flags(cfg, mesh, world_size())
+        return cfg
 
     def pipeline_fields(self) -> dict:
         """The resolved pipeline fields of the model config (``LMConfig.pipeline_stages`` etc.)."""

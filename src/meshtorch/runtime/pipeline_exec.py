@@ -1,0 +1,270 @@
+"""The pipeline stage executor: per-virtual-stage programs (:func:`meshtorch.models.lm_stages.stage_programs`)
+run in a schedule table's order (issue 32).
+
+:func:`run_schedule` walks :attr:`~meshtorch.core.schedules.ScheduleTable.timed` step by step in one process
+(every rank's actions, the transfers between ranks handed over in memory); :func:`run_rank` runs one rank per
+process of a ``torch.distributed`` group (gloo), each walking its own row of actions and exchanging activations
+and gradients with ``isend``/``recv`` (as ``torch.distributed.pipelining``'s ``_PipelineSchedule`` does). Per
+action only that stage's program runs on that microbatch: idle steps run nothing, the embeddings run only on
+stage 0 and the loss only on the last. Every transfer to another rank is recorded by the flight recorder
+(:mod:`meshtorch.mesh.recorder`) as one ``"send"`` record over the stage axis, so ``lowering.counters``-style
+reports and tests count them as they count collectives. :func:`apply_updates` then runs each stage's
+optimizer on the gradients summed over the microbatches (the training step of ``meshtorch train
+--pipeline-schedule``, :mod:`meshtorch.runtime.pipeline_train`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshtorch.core.schedules import ScheduleTable
+from meshtorch.mesh.recorder import flight_recorder
+
+__all__ = ["SEND", "ScheduleRun", "action_fetches", "action_flops", "apply_updates", "clip_coefficient", "rank_flops",
+           "run_rank", "run_schedule"]
+
+#: the flight recorder's kind of a point-to-point transfer between pipeline ranks
+SEND = "send"
+
+
+@dataclass
+class ScheduleRun:
+    """What :func:`run_schedule` / :func:`run_rank` return: ``loss`` (mean over the microbatches; :func:`run_rank`:
+    None except on the last stage's rank), ``grads`` (by variable name, of that mean; :func:`run_rank`: this
+    rank's variables), ``actions`` per rank in the order run, ``peak_stash`` per rank (the most stage inputs it
+    held at once), ``wait_s`` (:func:`run_rank`: seconds waiting for receives and the last sends)."""
+
+    loss: float | None
+    grads: dict
+    actions: list = field(default_factory=list)
+    peak_stash: list = field(default_factory=list)
+    wait_s: float = 0.0
+
+
+class _Executor:
+    """Runs actions; transfers between ranks are dict entries here (:class:`_DistExecutor`: gloo messages)."""
+
+    def __init__(self, table: ScheduleTable, programs: list, ids: torch.Tensor, targets: torch.Tensor,
+                 axis: str = "pipe"):
+        S, M, V = table.stages, table.microbatches, table.virtual_stages
+        if len(programs) != V:
+            raise ValueError(f"run_schedule: {len(programs)} stage programs for {V} virtual stages.")
+        self.table, self.programs, self.M, self.V, self.axis = table, programs, M, V, axis
+        self.ids, self.targets = ids.chunk(M), targets.chunk(M)
+        self.acts: dict = {}  # (v, m) -> input of stage v for microbatch m
+        self.grads_in: dict = {}  # (v, m) -> gradient of stage v's output for microbatch m
+        self.stash: list[set] = [set() for _ in range(S)]
+        self.run = ScheduleRun(0.0, {}, [[] for _ in range(S)], [0] * S)
+
+    def record(self, value: torch.Tensor, src: int) -> None:
+        rec = flight_recorder().record(SEND, (self.axis,), (value.numel() * value.element_size(),), value.dtype,
+                                       "", self.table.stages, src)
+        if rec is not None:
+            rec.finish()
+
+    def send(self, store: dict, key, value, src: int, dst: int, tag: int) -> None:
+        store[key] = value
+        if src != dst:
+            self.record(value, src)
+
+    def receive(self, store: dict, key, src: int, dst: int, tag: int, like) -> torch.Tensor:
+        if key not in store:
+            raise RuntimeError(f"pipeline executor: virtual stage {key[0]} on rank {dst} needs microbatch {key[1]}'s "
+                               f"{'activation' if store is self.acts else 'output gradient'} from rank {src}, which "
+                               "was never sent (the schedule table runs an action before what it needs).")
+        return store[key]
+
+    def execute(self, a, r: int) -> None:
+        """Rank ``r`` runs action ``a``: its stage program's forward, input-gradient and/or weight-gradient
+        fetches on microbatch ``a.microbatch``."""
+        p, v, m, M, V, t = self.programs[a.stage], a.stage, a.microbatch, self.M, self.V, self.table
+        tag = 2 * (v * M + m)  # even: the activation entering stage v; odd: the gradient leaving stage v's output
+        x = self.ids[m] if v == 0 else self.receive(self.acts, (v, m), t.rank_of(v - 1), r, tag, p.inputs)
+        feeds = {p.inputs: x}
+        if p.targets is not None:
+            feeds[p.targets] = self.targets[m]
+        if p.output_grad is not None and a.kind != "F":
+            feeds[p.output_grad] = self.receive(self.grads_in, (v, m), t.rank_of(v + 1), r,
+                                                2 * ((v + 1) * M + m) + 1, p.output_grad)
+        self.run.actions[r].append(a)
+        if a.kind == "F":
+            y = p.lowering.run(p.output, feeds)
+            self.acts[(v, m)] = x  # the stash, until the backward is done
+            self.stash[r].add((v, m))
+            self.run.peak_stash[r] = max(self.run.peak_stash[r], len(self.stash[r]))
+            if v == V - 1:
+                self.run.loss += float(y) / M
+            else:
+                self.send(self.acts, (v + 1, m), y, r, t.rank_of(v + 1), 2 * ((v + 1) * M + m))
+            return
+        fetch_in, names = _gradient_fetches(p, a.kind)
+        out = p.lowering.run(action_fetches(p, a.kind), feeds)
+        if fetch_in:
+            self.send(self.grads_in, (v - 1, m), out[0], r, t.rank_of(v - 1), tag + 1)
+            out = out[1:]
+        for n, g in zip(names, out, strict=True):
+            self.run.grads[n] = self.run.grads[n] + g if n in self.run.grads else g.clone()
+        if names:  # the stage's input and output gradient are no longer needed
+            self.stash[r].discard((v, m))
+            self.acts.pop((v, m), None)
+            self.grads_in.pop((v, m), None)
+
+    def result(self) -> ScheduleRun:
+        self.run.grads = {n: g / self.M for n, g in self.run.grads.items()}
+        return self.run
+
+
+def _gradient_fetches(p, kind: str) -> tuple[bool, list]:
+    """``(whether the input gradient is fetched, the weights whose gradients are)`` of a ``B``/``I``/``W``."""
+    return kind in ("B", "I") and p.input_grad is not None, list(p.weight_grads) if kind in ("B", "W") else []
+
+
+def action_fetches(p, kind: str) -> list:
+    """What an action of ``kind`` (``F``, ``B``, ``I``, ``W``) fetches of stage program ``p``: the output (``F``),
+    the input gradient (``B``, ``I``; none on stage 0) and the weight gradients (``B``, ``W``)."""
+    if kind == "F":
+        return [p.output]
+    fetch_in, names = _gradient_fetches(p, kind)
+    return ([p.input_grad] if fetch_in else []) + [p.weight_grads[n] for n in names]
+
+
+def action_flops(programs: list):
+    """``cost(action)``: the planned einsum FLOPs of one action's program (global over the mesh inside a stage;
+    :meth:`~meshtorch.Lowering.plan_counters`, nothing run; each gradient action includes the forward pass it
+    recomputes), memoized per (virtual stage, kind). ``programs``: every virtual stage's
+    (:func:`~meshtorch.models.lm_stages.stage_programs` without ``rank``)."""
+    cost: dict = {}
+
+    def flops(a) -> int:
+        key = (a.stage, a.kind)
+        if key not in cost:
+            f = action_fetches(programs[a.stage], a.kind)
+            cost[key] = programs[a.stage].lowering.plan_counters(f).einsum_flops if f else 0
+        return cost[key]
+
+    return flops
+
+
+def rank_flops(table: ScheduleTable, programs: list) -> list[int]:
+    """Planned einsum FLOPs per rank of one step of ``table``: the sum of :func:`action_flops` over the rank's
+    actions (idle steps cost nothing)."""
+    flops = action_flops(programs)
+    return [sum(flops(a) for a in row) for row in table.order]
+
+
+class _DistExecutor(_Executor):
+    """One rank of a ``torch.distributed`` group (gloo): transfers to other ranks are ``isend`` / ``recv`` with
+    the tag of (stage, microbatch, direction), so messages match whatever order the ranks post them in."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.pending: list = []
+
+    def send(self, store, key, value, src, dst, tag):
+        if src == dst:
+            store[key] = value
+            return
+        value = value.contiguous()
+        self.record(value, src)
+        self.pending.append((dist.isend(value, dst, tag=tag), value))
+
+    def receive(self, store, key, src, dst, tag, like):
+        if key in store or src == dst:
+            return super().receive(store, key, src, dst, tag, like)
+        buf = torch.empty([d.size for d in like.shape], dtype=like.dtype)
+        t0 = time.perf_counter()
+        dist.recv(buf, src, tag=tag)
+        self.run.wait_s += time.perf_counter() - t0
+        store[key] = buf
+        return buf
+
+    def result(self):
+        t0 = time.perf_counter()
+        for work, _ in self.pending:
+            work.wait()
+        self.run.wait_s += time.perf_counter() - t0
+        return super().result()
+
+
+def run_schedule(table: ScheduleTable, programs: list, ids: torch.Tensor, targets: torch.Tensor,
+                 axis: str = "pipe") -> ScheduleRun:
+    """Run one step's forward and backward passes of every rank in ``table``'s order, in this process: step by
+    step through :attr:`~meshtorch.core.schedules.ScheduleTable.timed`, nothing on idle steps.
+
+    Args:
+        table: the schedule (its ``S R`` must be ``len(programs)``).
+        programs: :func:`~meshtorch.models.lm_stages.stage_programs` (same ``M``).
+        ids, targets: int64 ``[batch, length]``; microbatch ``m`` is rows ``m B/M .. (m+1) B/M - 1``.
+        axis: the mesh axis the flight recorder names for the transfers between ranks.
+
+    Returns:
+        :class:`ScheduleRun`; the gradients are accumulated over microbatches and divided by ``M``.
+
+    Raises:
+        ValueError: ``len(programs)`` is not the table's virtual stages.
+        RuntimeError: an action needs a transfer that was never made (a table out of dependency order).
+    """
+    ex = _Executor(table, programs, ids, targets, axis)
+    for row in table.timed:
+        for r, a in enumerate(row):
+            if a is not None:
+                ex.execute(a, r)
+    return ex.result()
+
+
+def run_rank(table: ScheduleTable, programs: list, ids: torch.Tensor, targets: torch.Tensor,
+             axis: str = "pipe") -> ScheduleRun:
+    """This process's rank (``torch.distributed.get_rank()``, a group of ``table.stages`` processes, gloo) runs
+    its actions ``table.order[rank]`` in order, receiving activations and gradients from the neighbouring ranks
+    when it needs them (``programs``: :func:`~meshtorch.models.lm_stages.stage_programs` with ``rank``;
+    ``ids``/``targets`` the full batch, read on the first and last stage only). Returns its :class:`ScheduleRun`
+    (loss on the last stage's rank).
+
+    Raises:
+        ValueError: the group's size is not the table's stages.
+    """
+    r = dist.get_rank()
+    if dist.get_world_size() != table.stages:
+        raise ValueError(f"run_rank: {dist.get_world_size()} processes for {table.stages} pipeline ranks.")
+    ex = _DistExecutor(table, programs, ids, targets, axis=axis)
+    for a in table.order[r]:
+        ex.execute(a, r)
+    out = ex.result()
+    if table.rank_of(table.virtual_stages - 1) != r:
+        out.loss = None
+    return out
+
+
+def clip_coefficient(sum_of_squares: float, clip_norm: float, eps: float = 1e-6) -> float:
+    """``min(1, clip_norm / (sqrt(sum_of_squares) + eps))``: the factor
+    :func:`meshtorch.optim.clip_by_global_norm` (and ``torch.nn.utils.clip_grad_norm_``) scales every gradient
+    by, from the squared global norm summed over the pipeline's stages."""
+    return min(1.0, clip_norm / (math.sqrt(sum_of_squares) + eps))
+
+
+def apply_updates(programs: list, grads: dict, clip_norm: float | None = None, distributed: bool = False) -> float:
+    """Run the optimizer of every stage this process holds (``programs`` entries not None, built with
+    ``stage_programs(optimizer=...)``) on ``grads`` (by variable name, float32 full tensors: the step's
+    gradients, as :class:`ScheduleRun` has them). With ``clip_norm`` the gradients are scaled first by
+    :func:`clip_coefficient` of their global norm (summed over the group's ranks with ``distributed``: one
+    all-reduce of a float64 scalar). Returns the global norm before clipping (NaN when not clipped)."""
+    norm = float("nan")
+    coef = None
+    if clip_norm:
+        sq = torch.tensor(sum(float(g.double().square().sum()) for g in grads.values()), dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(sq)
+        norm, coef = math.sqrt(float(sq)), clip_coefficient(float(sq), clip_norm)
+    for p in programs:
+        if p is None:
+            continue
+        feeds = {p.grad_feeds[n]: grads[n] for n in p.grad_feeds}
+        if p.clip_coefficient is not None:
+            feeds[p.clip_coefficient] = torch.tensor(1.0 if coef is None else coef)
+        p.lowering.run(p.updates, feeds)
+    return norm

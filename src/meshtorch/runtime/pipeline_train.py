@@ -1,0 +1,206 @@
+"""``meshtorch train --pipeline-schedule 1f1b|interleaved-1f1b|zero-bubble``: training steps run by the stage
+executor (:mod:`meshtorch.runtime.pipeline_exec`) in the schedule table's order (issue 32).
+
+The LM is cut into one program per virtual stage (:func:`meshtorch.models.lm_stages.stage_programs`), each
+lowered on the mesh *inside* a stage: ``--mesh`` without the axis of the layout's ``stage:<axis>`` rule, the
+layout and storage without the rules naming it (``--mesh pipe:2,data:2 --layout "stage:pipe;batch:data"``:
+every stage data parallel over ``data:2``). A step runs the table's forward and backward actions on the
+step's ``--microbatches``, sums each weight's gradient over the microbatches, then runs every stage's optimizer
+(``--optimizer``, ``--schedule``, ``--clip-norm`` over the global norm of all stages) on it, so the step equals
+the unpipelined model's. In one process (a placement mesh) every rank's actions run there, step by step;
+under ``torchrun`` / ``meshtorch launch`` with one process per pipeline rank (``--mesh pipe:S``), each
+process runs its own row of the table and the activations and gradients travel by ``isend``/``recv``.
+
+Evaluation, sampling and checkpoints use the unpipelined LM (same variable names, built with the same optimizer,
+so the same slots): :meth:`PipelineTrainer.publish` copies the stages' variables into it (under torchrun each
+from the rank that holds it, by broadcast), :meth:`PipelineTrainer.load` copies a restored checkpoint back into
+the stages. A checkpoint is therefore the unpipelined run's, whichever schedule wrote it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from meshtorch.core.errors import UsageError
+from meshtorch.core.layout import LayoutRules
+from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.core.schedules import build_schedule
+from meshtorch.lowering import Lowering
+from meshtorch.models.lm_stages import stage_programs
+from meshtorch.runtime.optimizers import make_optimizer
+from meshtorch.runtime.pipeline_exec import action_flops, apply_updates, run_rank, run_schedule
+
+__all__ = ["EXECUTED", "PipelineTrainer", "check_flags", "inner_mesh", "plan_line"]
+
+#: the schedules ``meshtorch train`` runs with the stage executor (gpipe: the pipeline layout's own program)
+EXECUTED = ("1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def _rules(text: str) -> list[tuple[str, str]]:
+    return list(LayoutRules(text or "").pairs)
+
+
+def inner_mesh(mesh: str, layout: str, storage: str) -> tuple[str, str, str, str]:
+    """``(stage axis, mesh, layout, storage)`` inside one pipeline stage: the axis the layout's ``stage`` rule
+    names, removed from ``mesh`` (``"pipe:2,data:2"`` -> ``"data:2"``) and the ``stage`` rule from ``layout``.
+
+    Raises:
+        UsageError: no ``stage`` rule, or another rule of ``--layout`` / ``--storage`` naming the stage axis.
+    """
+    rules = dict(_rules(layout))
+    axis = rules.get("stage")
+    if axis is None:
+        raise UsageError("--pipeline-schedule needs the layout rule stage:<mesh axis> (e.g. --mesh pipe:2 --layout "
+                         "stage:pipe).")
+    for flag, text in (("--layout", layout), ("--storage", storage)):
+        for dim, a in _rules(text):
+            if a == axis and dim != "stage":
+                raise UsageError(f"{flag}: rule {dim}:{a} splits {dim!r} over the stage axis {axis!r}; with "
+                                 "--pipeline-schedule the stage axis holds the pipeline's ranks only (inside a "
+                                 "stage use the other axes).")
+    parts = [p for p in (mesh or "").split(",") if p.strip() and p.split(":")[0].strip() != axis]
+    keep = ";".join(f"{d}:{a}" for d, a in _rules(layout) if d != "stage")
+    return axis, ",".join(parts), keep, storage or ""
+
+
+def check_flags(cfg, mesh_shape, world: int) -> None:
+    """Refuse, in one line naming the flag, what the stage executor cannot run (``cfg``: the resolved
+    :class:`~meshtorch.runtime.train_config.TrainConfig`; ``mesh_shape``: ``--mesh`` as a Shape; ``world``: the
+    torchrun processes).
+
+    Raises:
+        UsageError: a stage axis whose size is not ``--pipeline-stages``; under torchrun a mesh with more than
+            the stage axis; ``--dropout`` > 0, ``--experts``, ``--precision bf16``, a ``--device`` other than the
+            CPU, ``--init-from``.
+    """
+    name, S = cfg.pipeline_schedule, cfg.pipeline_stages
+    flag = f"--pipeline-schedule {name}"
+    axis, inner, _, _ = inner_mesh(cfg.mesh, cfg.layout, cfg.storage)
+    size = mesh_shape.get_dim_by_name(axis).size if axis in mesh_shape.dimension_names else 1
+    if size != S:
+        raise UsageError(f"{flag}: --pipeline-stages {S} must equal the size {size} of the stage axis {axis!r} "
+                         "(one pipeline rank per processor of it).")
+    if world > 1 and (inner or world != S):
+        raise UsageError(f"{flag} under torchrun runs one process per pipeline rank: give --mesh {axis}:{S} and "
+                         f"{S} processes (got --mesh {cfg.mesh!r}, {world} processes).")
+    bad = [("--dropout", (cfg.dropout or 0) > 0, "each gradient program recomputes its stage's forward pass, "
+            "which would draw other dropout masks"),
+           ("--experts", (cfg.experts or 0) > 0, "MoE layers are not pipelined"),
+           ("--precision", cfg.precision == "bf16", "the stage programs are float32"),
+           ("--device", cfg.device not in (None, "cpu"), "the stage executor runs on the CPU so far"),
+           ("--init-from", bool(cfg.init_from), "Hugging Face models are not pipelined")]
+    for what, refused, why in bad:
+        if refused:
+            raise UsageError(f"{flag} cannot be combined with {what}: {why}; use --pipeline-schedule gpipe (the "
+                             "pipeline layout) or drop the flag.")
+
+
+class PipelineTrainer:
+    """The stage programs of one process and the training step (:meth:`step`) over them.
+
+    Args:
+        cfg: the resolved TrainConfig (``pipeline_schedule`` one of :data:`EXECUTED`).
+        model: the run's pipelined LMConfig (its ``pipeline_*`` fields give ``S``, ``M``, ``R``).
+    """
+
+    def __init__(self, cfg, model):
+        S, M, R = model.pipeline_stages, model.microbatches, model.pipeline_repeats
+        self.cfg, self.table = cfg, build_schedule(cfg.pipeline_schedule, S, M, R)
+        self.axis, mesh, layout, storage = inner_mesh(cfg.mesh, cfg.layout, cfg.storage)
+        self.config = dataclasses.replace(model, pipeline_stages=0, microbatches=1, pipeline_repeats=1)
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = dist.get_rank() if self.distributed else None
+        self.programs = stage_programs(self.config, S, M, R, mesh, layout, storage, seed=cfg.seed, rank=rank,
+                                       optimizer=lambda: make_optimizer(cfg), clip=bool(cfg.clip_norm),
+                                       mode=cfg.executor)
+        self.held = {}  # variable name -> the lowerings of this process's stages that hold it (global_step: all)
+        for p in self.programs:
+            if p is not None:
+                for n in p.lowering.variable_names:
+                    self.held.setdefault(n, []).append(p.lowering)
+        self.owners = None  # torchrun: variable name -> the rank holding it (made on first publish)
+
+    def describe(self) -> str:
+        """One line: the schedule, its table's bubble and in-flight microbatches, the mesh inside a stage."""
+        t, (_, mesh, layout, _) = self.table, inner_mesh(self.cfg.mesh, self.cfg.layout, self.cfg.storage)
+        return (f"pipeline schedule {t.name} (stage executor): {t.stages} ranks x {t.repeats} virtual stage(s), "
+                f"{t.microbatches} microbatches, {t.steps} steps of one action, bubble fraction "
+                f"{t.bubble_fraction():.3f}, peak in-flight microbatches per rank {t.in_flight()}; inside each "
+                f"stage mesh {mesh or '(one processor)'!r} layout {layout!r}")
+
+    def step(self, batch: torch.Tensor) -> list:
+        """One training step on the token batch int64 ``[batch, length + 1]`` (inputs ``[:, :-1]``, targets
+        ``[:, 1:]``): the schedule's forward and backward passes, then the optimizers. Returns what the
+        unpipelined step's fetches ``[loss, gradient sum of squares]`` give (float32 scalars; the second NaN
+        without ``--clip-norm``), on every rank."""
+        ids, targets = batch[:, :-1], batch[:, 1:]
+        run = (run_rank if self.distributed else run_schedule)(self.table, self.programs, ids, targets, self.axis)
+        norm = apply_updates(self.programs, run.grads, self.cfg.clip_norm or None, self.distributed)
+        loss = torch.tensor(float("nan") if run.loss is None else run.loss, dtype=torch.float64)
+        if self.distributed:
+            dist.broadcast(loss, self.table.rank_of(self.table.virtual_stages - 1))
+        return [loss.float(), torch.tensor(norm * norm, dtype=torch.float32)]
+
+    def _owner_of(self) -> dict:
+        if self.owners is None:
+            names = [None] * dist.get_world_size()
+            dist.all_gather_object(names, sorted(self.held))
+            self.owners = {}
+            for r, ns in enumerate(names):
+                for n in ns:
+                    self.owners.setdefault(n, r)
+        return self.owners
+
+    def publish(self, lowering: Lowering) -> None:
+        """Copy every variable of the stages into ``lowering`` (the unpipelined LM's, built with the same
+        optimizer); under torchrun every rank calls it and receives each variable from the rank that holds it.
+
+        Raises:
+            RuntimeError: a variable of ``lowering`` that no stage holds.
+        """
+        owners = self._owner_of() if self.distributed else None
+        for name in lowering.variable_names:
+            if self.distributed:
+                if name not in owners:
+                    raise RuntimeError(f"pipeline: variable {name!r} of the unpipelined LM is on no stage.")
+                value = self.held[name][0].variable_value(name) if name in self.held else \
+                    lowering.variable_value(name).clone()
+                value = value.contiguous()
+                dist.broadcast(value, owners[name])
+            elif name in self.held:
+                value = self.held[name][0].variable_value(name)
+            else:
+                raise RuntimeError(f"pipeline: variable {name!r} of the unpipelined LM is on no stage.")
+            lowering.set_variable_value(name, value)
+
+    def load(self, lowering: Lowering) -> None:
+        """Copy ``lowering``'s variables (a restored checkpoint) into the stages of this process."""
+        for name, lws in self.held.items():
+            for lw in lws:
+                lw.set_variable_value(name, lowering.variable_value(name))
+
+
+def plan_line(name: str, model, mesh: str, layout: str, storage: str, layout_flops: int | None = None) -> str:
+    """``meshtorch plan --pipeline-schedule NAME``'s line on the stage executor: planned einsum FLOPs per
+    processor of each pipeline rank for one step (:func:`~meshtorch.runtime.pipeline_exec.rank_flops` over the
+    mesh inside a stage; idle steps priced at zero), beside the pipeline layout program's ``layout_flops`` per
+    processor (which computes its bubbles). ``model``: the pipelined LMConfig."""
+    S, M, R = model.pipeline_stages, model.microbatches, model.pipeline_repeats
+    table = build_schedule(name, S, M, R)
+    _, inner, inner_layout, inner_storage = inner_mesh(mesh, layout, storage)
+    unpiped = dataclasses.replace(model, pipeline_stages=0, microbatches=1, pipeline_repeats=1)
+    programs = stage_programs(unpiped, S, M, R, inner, inner_layout, inner_storage)
+    n = MeshSpec(inner).size if inner else 1
+    flops = action_flops(programs)
+    per = [sum(flops(a) for a in row) // n for row in table.order]
+    bubble = table.weighted(flops)[1]
+    line = (f"  stage executor ({name}, meshtorch train --pipeline-schedule {name}): einsum FLOPs per processor per "
+            f"step, by rank {' '.join(f'{f:.3e}' for f in per)} (idle steps priced at zero; each gradient action "
+            f"recomputes its stage's forward pass); bubble fraction with actions timed by their FLOPs {bubble:.3f}")
+    if layout_flops:
+        line += (f"; the layout program (gpipe, bubbles computed) {layout_flops:.3e}: max rank / it "
+                 f"{max(per) / layout_flops:.2f}")
+    return line
