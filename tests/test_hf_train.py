@@ -70,7 +70,7 @@ def test_padded_vocab_logits_equal_transformers_on_the_default_layout(dirs):
     torch.testing.assert_close(logits[..., :ODD_VOCAB], want, rtol=1e-5, atol=1e-5)
     assert bool((logits[..., ODD_VOCAB:] < -1e8).all())
     assert abs(loss.item() - want_loss.item()) <= 1e-5 * want_loss.item()
-    assert not bool(lw.variable_value("wte")[ODD_VOCAB:].any())  # the padded row is zero
+    assert not bool(lw.variable_value("embed")[ODD_VOCAB:].any())  # the padded row is zero
 
 
 def test_gpt2_odd_vocab_trains_on_the_default_layout_and_exports_unpadded(dirs, tmp_path, capsys):
@@ -93,7 +93,7 @@ def test_gpt2_odd_vocab_trains_on_the_default_layout_and_exports_unpadded(dirs, 
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert tuned.transformer.wte.weight.shape == (ODD_VOCAB, F.D)
     lw = res["lowering"]
-    torch.testing.assert_close(tuned.transformer.wte.weight, lw.variable_value("wte")[:ODD_VOCAB])
+    torch.testing.assert_close(tuned.transformer.wte.weight, lw.variable_value("embed")[:ODD_VOCAB])
 
 
 def test_fine_tune_run_directory_then_sample_by_run_name(dirs, tmp_path, capsys):

@@ -29,7 +29,7 @@ def decoder_graph(lm):
     c = lm.config
     if isinstance(c, LMConfig) and not c.pipelined and not any(c.is_moe_layer(i) for i in range(c.num_layers)):
         return build_lm_decoder(c)
-    if isinstance(c, HFModelConfig) and c.family in ("gpt2", "llama"):
+    if isinstance(c, HFModelConfig) and not c.encoder_decoder:
         return build_hf_decoder(c)
     return None
 

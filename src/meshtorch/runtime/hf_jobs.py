@@ -25,7 +25,8 @@ from meshtorch.data.hf_tokenizer import HFTokenizer
 from meshtorch.data.text import ByteTokenizer
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.process import init_distributed
-from meshtorch.models.hf_config import HFModelConfig, parse_hf_config
+from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.hf_families import parse_hf_config
 from meshtorch.runtime import checks
 from meshtorch.runtime.generate import beam_search, sample
 from meshtorch.runtime.hf_train import TOKENIZER, check_prompt
@@ -52,7 +53,7 @@ def _hf_manifest(checkpoint_dir: str):
 
 
 def _decoder_only(cfg: HFModelConfig, flag: str) -> None:
-    if cfg.family == "t5":
+    if cfg.encoder_decoder:
         raise UsageError(f"{flag}: T5 is an encoder-decoder; the command line fine-tunes and samples decoder-only "
                          "models (GPT-2, Llama). Use meshtorch.hf.load from Python (docs/huggingface.md).")
 
