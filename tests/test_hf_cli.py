@@ -87,6 +87,18 @@ def test_sample_straight_from_hf_dir(model_dir, capsys):
     assert "a dog ran" + tok.decode(want) in capsys.readouterr().out
 
 
+def test_sample_no_cache_recomputes_the_same_tokens(model_dir, monkeypatch):
+    """``--no-cache``: greedy and beam tokens of the recompute path equal the cached path's, and no cached decoder
+    is built."""
+    from meshtorch.runtime import generate
+
+    _, d, _ = model_dir
+    argv = ["sample", "--checkpoint-dir", d, "--prompt", "a dog ran", "--max-new-tokens", "8", "--no-progress"]
+    cached = [_run(argv + ["--temperature", "0"]), _run(argv + ["--beam", "2"])]
+    monkeypatch.setattr(generate.CachedDecoder, "of", classmethod(lambda *a: pytest.fail("--no-cache used the cache")))
+    assert [_run(argv + ["--temperature", "0", "--no-cache"]), _run(argv + ["--beam", "2", "--no-cache"])] == cached
+
+
 def test_init_from_refusals(model_dir, tmp_path, capsys):
     _, d, data = model_dir
     assert main(["train", "--init-from", d, "--data", data, "--layers", "3", "--plot", ""]) == 2

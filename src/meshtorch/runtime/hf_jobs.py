@@ -125,10 +125,11 @@ def main_hf_sample(args):
         lw = lm.lowering(mesh_impl=impl)
         restore(lw, ckpt)
     if args.beam:
-        outs = [beam_search(lw, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens)]
+        outs = [beam_search(lw, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens,
+                            use_cache=not getattr(args, "no_cache", False))]
     else:
         outs = sample(lw, lm, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, args.num_samples,
-                      eos_ids=cfg.eos_ids)
+                      eos_ids=cfg.eos_ids, use_cache=not getattr(args, "no_cache", False))
     if impl.is_leader():
         for ids in outs:
             print(args.prompt + tok.decode(ids))
