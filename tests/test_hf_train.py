@@ -197,3 +197,35 @@ def test_resume_takes_the_model_flags_from_run_json(dirs, tmp_path, capsys):
           "--run-name", "f"])
     again = _run(["train", *ft, "--steps", "3", "--run-name", "f", "--resume"])["history"]["loss"]
     assert again == pytest.approx(first, rel=1e-6)
+
+
+NATIVE = ["--preset", "tiny", "--layers", "2", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64"]
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
+def test_native_run_exports_as_gpt2_with_our_logits(dirs, tmp_path, capsys, activation):
+    """A native ``--norm layer`` run (learned positions, LayerNorm, ungated MLP) exports as GPT2LMHeadModel whose
+    logits equal the native graph's on the trained layout; the default RMSNorm LM is refused in one line."""
+    _, _, data, _ = dirs
+    runs = str(tmp_path / "runs")
+    res = _run(["train", *NATIVE, "--norm", "layer", "--activation", activation, "--data", data, "--runs-dir", runs,
+                "--run-name", "n", *SHORT])
+    out = str(tmp_path / "out")
+    rc, log = _cli(capsys, "export", "--checkpoint-dir", os.path.join(runs, "n", "ckpt"), "--hf", out)
+    assert rc == 0, log
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == "GPT2LMHeadModel"
+    lm, lw = res["lm"], res["lowering"]
+    ids = torch.randint(0, lm.config.vocab_size, (lm.config.batch_size, lm.config.length),
+                        generator=torch.Generator().manual_seed(3))
+    ours = lw.run(lm.logits, feeds={lm.inputs: ids, lm.targets: ids})[..., : lm.config.vocab_size]
+    with torch.no_grad():
+        want = back(ids).logits
+    assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
+    if activation == "relu":
+        rc, log = _cli(capsys, "train", *NATIVE, "--data", data, "--runs-dir", runs, "--run-name", "r", *SHORT)
+        assert rc == 0, log
+        rc, log = _cli(capsys, "export", "--checkpoint-dir", os.path.join(runs, "r", "ckpt"), "--hf",
+                       str(tmp_path / "r_out"))
+        assert rc == 2 and "maps to no Hugging Face family" in log and "RMSNorm" in log, log
+        assert len([ln for ln in log.splitlines() if "error" in ln.lower()]) == 1, log

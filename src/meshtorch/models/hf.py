@@ -83,7 +83,7 @@ def _dims(c: HFModelConfig) -> dict[str, Dimension]:
 
 _FULL = FullSequence()  # training: causal attention and rotary over the whole ``length`` window
 _INIT = random_normal_initializer(0.0, 0.02)  # transformers' initializer_range (until weights are loaded)
-_ACTIVATIONS = {"gelu_tanh": lambda x: ew.gelu(x, approximate="tanh"), "gelu": ew.gelu, "silu": swish}
+_ACTIVATIONS = {"gelu_tanh": lambda x: ew.gelu(x, approximate="tanh"), "gelu": ew.gelu, "silu": swish, "relu": ew.relu}
 
 
 def _norm(c: HFModelConfig, x: Tensor, d: dict, name: str) -> Tensor:

@@ -43,7 +43,7 @@ class BlockOptions:
 
     ``norm``: ``layer`` (LayerNorm with bias) or ``rms``; ``positions``: ``learned`` (a position table added to
     the token embeddings) or ``rotary`` (RoPE on q and k); ``activation``: the MLP's
-    (:func:`meshtorch.layers.dense_act_dense` names: ``gelu_tanh``, ``gelu``, ``silu``); ``gated``: GLU MLP
+    (:func:`meshtorch.layers.dense_act_dense` names: ``gelu_tanh``, ``gelu``, ``silu``, ``relu``); ``gated``: GLU MLP
     (``act(gate) * up``); ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: biases of the q/k/v, output and MLP
     projections.
     """
@@ -205,7 +205,8 @@ def _size(group, sizes) -> int:
     return n
 
 
-_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+                     "silu": "silu"}
 
 
 def _gpt2_extra(cfg: dict, where: str) -> dict:
