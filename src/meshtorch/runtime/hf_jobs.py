@@ -109,8 +109,9 @@ def main_hf_sample(args):
     cfg, ckpt, tok_dirs, byte = _hf_source(args.checkpoint_dir)
     _decoder_only(cfg, "--checkpoint-dir")
     tok = tokenizer_for(tok_dirs, cfg, "--checkpoint-dir", byte)
-    prompt = check_prompt(tok, args.prompt, cfg.max_positions)
-    length = min(cfg.max_positions, len(prompt) + args.max_new_tokens)
+    context = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)  # a sliding window bounds it too
+    prompt = check_prompt(tok, args.prompt, context)
+    length = min(context, len(prompt) + args.max_new_tokens)
     checks.device("--device", getattr(args, "device", None))
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
