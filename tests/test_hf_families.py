@@ -86,3 +86,21 @@ def test_qwen2_biases_are_mapped(saved):
     cfg = hf.read_config(saved["qwen2"][1])
     biases = sorted(t.key for t in hf_tensor_map(cfg) if t.key.endswith(".bias"))
     assert biases == sorted(f"model.layers.{i}.self_attn.{w}_proj.bias" for i in range(F.LAYERS) for w in "qkv")
+
+
+def test_llama_attention_and_mlp_biases(tmp_path):
+    """Llama's ``attention_bias`` (q, k, v and o) and ``mlp_bias`` are block options of the same builder."""
+    cfg = F.hf_config("llama_gqa")
+    cfg.attention_bias, cfg.mlp_bias = True, True
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    path = F.save(ref, str(tmp_path / "llama_bias"))
+    ids = F.token_batch(B, L)
+    with torch.no_grad():
+        want = ref(ids).logits
+    model, lw = hf.load(path, mtf.PlacementMeshImpl("data:2;model:2", MP), batch_size=B, length=L)
+    assert rel_error(lw.run(model.logits, feeds={model.inputs: ids, model.targets: ids}), want) <= 1e-5
