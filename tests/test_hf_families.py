@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import _hf_fixtures as F  # noqa: E402
 import meshtorch as mtf  # noqa: E402
 from meshtorch.checkpoint import hf  # noqa: E402
+from meshtorch.models.hf_families import hf_tensor_map  # noqa: E402
 from meshtorch.runtime.generate import sample  # noqa: E402
 from meshtorch.testing import rel_error  # noqa: E402
 
@@ -81,8 +82,6 @@ def test_sliding_window_shorter_than_context_refused(saved):
 
 def test_qwen2_biases_are_mapped(saved):
     """Qwen2's record adds q/k/v biases (and no output bias): the map holds exactly those bias tensors."""
-    from meshtorch.models.hf_families import hf_tensor_map
-
     cfg = hf.read_config(saved["qwen2"][1])
     biases = sorted(t.key for t in hf_tensor_map(cfg) if t.key.endswith(".bias"))
     assert biases == sorted(f"model.layers.{i}.self_attn.{w}_proj.bias" for i in range(F.LAYERS) for w in "qkv")

@@ -229,6 +229,16 @@ def _sliding(cfg: dict, where: str) -> dict:
     return {"rope_theta": rope_theta(cfg, where), "sliding_window": int(window or 0)}
 
 
+_H = "transformer.h.{i}."  # GPT-2's layer prefix
+_GPT2_NAMES = {"embed": "transformer.wte.weight", "positions": "transformer.wpe.weight",
+               "final_norm/scale": "transformer.ln_f.weight", "final_norm/bias": "transformer.ln_f.bias",
+               "lm_head": "lm_head.weight"}
+_GPT2_NAMES |= {f"{role}/{p}": _H + key + (".weight" if p in ("kernel", "scale") else ".bias")
+                for role, key in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2"), ("attn/q", "attn.c_attn"),
+                                  ("attn/k", "attn.c_attn"), ("attn/v", "attn.c_attn"), ("attn/o", "attn.c_proj"),
+                                  ("mlp/wi", "mlp.c_fc"), ("mlp/wo", "mlp.c_proj"))
+                for p in (("scale", "bias") if role.endswith("norm") else ("kernel", "bias"))}
+
 _GPT2 = Family(
     "gpt2", "GPT2LMHeadModel",
     BlockOptions(norm="layer", positions="learned", activation="gelu_tanh", gated=False, qkv_bias=True, o_bias=True,
@@ -241,30 +251,18 @@ _GPT2 = Family(
             ("scale_attn_by_inverse_layer_idx", (False,), "only False is implemented"),
             ("add_cross_attention", (False,), "only False is implemented")),
     extra=_gpt2_extra, linear=False,
-    names={"embed": "transformer.wte.weight", "positions": "transformer.wpe.weight",
-           "attn_norm/scale": "transformer.h.{i}.ln_1.weight", "attn_norm/bias": "transformer.h.{i}.ln_1.bias",
-           "attn/q/kernel": "transformer.h.{i}.attn.c_attn.weight", "attn/k/kernel": "transformer.h.{i}.attn.c_attn.weight",
-           "attn/v/kernel": "transformer.h.{i}.attn.c_attn.weight", "attn/q/bias": "transformer.h.{i}.attn.c_attn.bias",
-           "attn/k/bias": "transformer.h.{i}.attn.c_attn.bias", "attn/v/bias": "transformer.h.{i}.attn.c_attn.bias",
-           "attn/o/kernel": "transformer.h.{i}.attn.c_proj.weight", "attn/o/bias": "transformer.h.{i}.attn.c_proj.bias",
-           "mlp_norm/scale": "transformer.h.{i}.ln_2.weight", "mlp_norm/bias": "transformer.h.{i}.ln_2.bias",
-           "mlp/wi/kernel": "transformer.h.{i}.mlp.c_fc.weight", "mlp/wi/bias": "transformer.h.{i}.mlp.c_fc.bias",
-           "mlp/wo/kernel": "transformer.h.{i}.mlp.c_proj.weight", "mlp/wo/bias": "transformer.h.{i}.mlp.c_proj.bias",
-           "final_norm/scale": "transformer.ln_f.weight", "final_norm/bias": "transformer.ln_f.bias",
-           "lm_head": "lm_head.weight"})
+    names=_GPT2_NAMES)
 
-_LLAMA_NAMES = {"embed": "model.embed_tokens.weight", "attn_norm/scale": "model.layers.{i}.input_layernorm.weight",
-                "mlp_norm/scale": "model.layers.{i}.post_attention_layernorm.weight",
-                "attn/o/kernel": "model.layers.{i}.self_attn.o_proj.weight",
-                "attn/o/bias": "model.layers.{i}.self_attn.o_proj.bias",
-                "mlp/wi_gate/kernel": "model.layers.{i}.mlp.gate_proj.weight",
-                "mlp/wi_gate/bias": "model.layers.{i}.mlp.gate_proj.bias",
-                "mlp/wi/kernel": "model.layers.{i}.mlp.up_proj.weight", "mlp/wi/bias": "model.layers.{i}.mlp.up_proj.bias",
-                "mlp/wo/kernel": "model.layers.{i}.mlp.down_proj.weight",
-                "mlp/wo/bias": "model.layers.{i}.mlp.down_proj.bias",
-                "final_norm/scale": "model.norm.weight", "lm_head": "lm_head.weight"}
-_LLAMA_NAMES |= {f"attn/{w}/{p}": f"model.layers.{{i}}.self_attn.{w}_proj.{'weight' if p == 'kernel' else 'bias'}"
-                 for w in "qkv" for p in ("kernel", "bias")}
+_L = "model.layers.{i}."  # Llama's layer prefix
+_LLAMA_NAMES = {"embed": "model.embed_tokens.weight", "attn_norm/scale": _L + "input_layernorm.weight",
+                "mlp_norm/scale": _L + "post_attention_layernorm.weight", "final_norm/scale": "model.norm.weight",
+                "lm_head": "lm_head.weight"}
+_LLAMA_NAMES |= {f"{role}/{p}": _L + key + (".weight" if p == "kernel" else ".bias")
+                 for role, key in (("attn/q", "self_attn.q_proj"), ("attn/k", "self_attn.k_proj"),
+                                   ("attn/v", "self_attn.v_proj"), ("attn/o", "self_attn.o_proj"),
+                                   ("mlp/wi_gate", "mlp.gate_proj"), ("mlp/wi", "mlp.up_proj"),
+                                   ("mlp/wo", "mlp.down_proj"))
+                 for p in ("kernel", "bias")}
 
 _LLAMA = Family(
     "llama", "LlamaForCausalLM", BlockOptions(),

@@ -143,7 +143,8 @@ def main_export(args) -> list[str]:
     """``meshtorch export --checkpoint-dir CK --hf OUT``: a fine-tuning run's newest checkpoint (or one
     ``ckpt-<step>``) as a Hugging Face directory, restored on ``--mesh`` / ``--layout`` / ``--storage`` and
     gathered variable by variable; the model's ``tokenizer.json`` is copied along. A native run is written as
-    GPT-2 where its architecture is GPT-2's (``--norm layer``, ungated feed-forward; :mod:`meshtorch.runtime.hf_native`).
+    GPT-2 where its architecture is GPT-2's (``--norm layer``, ungated feed-forward;
+    :mod:`meshtorch.runtime.hf_native`).
 
     Raises:
         UsageError: no ``--hf``; CheckpointError: not a checkpoint of ``meshtorch train``, a native LM that maps to

@@ -33,14 +33,15 @@ def _why_not(c: LMConfig) -> str | None:
     if c.num_experts:
         return f"it has Mixture-of-Experts layers (num_experts {c.num_experts})"
     if c.norm != "layer":
-        return (f"it has RMSNorm with learned positions (GPT-2 has LayerNorm, Llama rotary positions); train with "
-                f"--norm layer to get a GPT-2")
+        return ("it has RMSNorm with learned positions (GPT-2 has LayerNorm, Llama rotary positions); train with "
+                "--norm layer to get a GPT-2")
     if c.gated:
         return "its feed-forward is gated (--gated); GPT-2's is not, and Llama's gated one comes with rotary positions"
     if c.activation not in _ACTIVATIONS:
         return f"its activation {c.activation!r} is none of GPT-2's {sorted(_ACTIVATIONS)}"
     if c.num_heads * c.d_kv != c.d_model:
-        return f"heads x d_kv = {c.num_heads} x {c.d_kv} is not d_model {c.d_model} (GPT-2's head size is n_embd / n_head)"
+        return (f"heads x d_kv = {c.num_heads} x {c.d_kv} is not d_model {c.d_model} (GPT-2's head size is "
+                "n_embd / n_head)")
     return None
 
 
