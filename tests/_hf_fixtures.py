@@ -48,10 +48,6 @@ def make_model(family: str, seed: int = 0, vocab: int = VOCAB):
         for name, p in m.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
-    if family == "gpt2":
-        with torch.no_grad():
-            m.transformer.ln_f.bias *= 0.03
-            m.transformer.wpe.weight *= 3.0
     return m
 
 
