@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: ``config.json`` + safetensors (one file, or shards with
-``model.safetensors.index.json``) for GPT-2 and Llama.
+``model.safetensors.index.json``) for the families of :mod:`meshtorch.models.hf_families`
+(GPT-2, Llama, Qwen2, Mistral, T5).
 
 - :func:`load`: parse and check the config and every tensor header, build the graph
   (:func:`meshtorch.models.hf.build_hf_lm`), lower it on any mesh / layout / storage layout, then
@@ -55,10 +56,10 @@ INDEX = "model.safetensors.index.json"
 
 def build(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None,
           decode_length: int = 0, precision: PrecisionPolicy | str | None = None) -> HFGraph:
-    """The graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (GPT-2, Llama) or
+    """The graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (the decoder-only families) or
     :func:`~meshtorch.transformer.t5.build_hf_t5` (T5; ``decode_length`` > 0: its greedy decoding graph).
     ``precision``: a :class:`~meshtorch.ops.precision.PrecisionPolicy` or its name (None: float32); the
-    imported weights stay float32 masters under bf16 (GPT-2 and Llama).
+    imported weights stay float32 masters under bf16 (decoder-only families).
 
     Raises:
         ValueError: ``decode_length`` for a decoder-only family (decode those with
@@ -301,7 +302,7 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
 
 def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None = None, mesh_shape: str = "",
          layout: str = "", optimizer=None, clip_norm: float | None = None, seed: int = 0, decode_length: int = 0):
-    """Import a Hugging Face GPT-2 / Llama / T5 v1.1 directory onto a mesh: ``(HFGraph, Lowering)``.
+    """Import a Hugging Face GPT-2 / Llama / Qwen2 / Mistral / T5 v1.1 directory onto a mesh: ``(HFGraph, Lowering)``.
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or shards + index).

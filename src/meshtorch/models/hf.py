@@ -130,7 +130,7 @@ def _remat(c: HFModelConfig, x, d, i, attn=_FULL):
 
 
 def hf_flops_per_token(c: HFModelConfig) -> float:
-    """Training FLOPs per token of a GPT-2 / Llama graph (6N for the weights + attention scores, PaLM appendix
+    """Training FLOPs per token of a decoder-only family's graph (6N for the weights + attention scores, PaLM appendix
     B convention, as :func:`meshtorch.models.transformer.flops_per_token`)."""
     ffn = c.d_model * c.d_ff * (3 if c.gated else 2)
     attn_w = c.d_model * c.d_kv * (2 * c.num_heads + 2 * c.num_kv_heads)
@@ -173,12 +173,12 @@ def _check_map(graph: Graph, c: HFModelConfig) -> None:
 
 def build_hf_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
     """The KV-cache decoder graph (:func:`meshtorch.models.decoding.build_decoder`) of :func:`build_hf_lm`'s
-    GPT-2 / Llama model: the same variable names, a prefill over ``[batch, length]`` and a one-token step
+    decoder-only model: the same variable names, a prefill over ``[batch, length]`` and a one-token step
     (GPT-2: position embedding of ``position``; Llama: rotary by ``position``); caches
     ``[batch, heads or kv_heads, memory_length, d_kv]``.
 
     Raises:
-        ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not GPT-2 / Llama.
+        ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is an encoder-decoder (T5).
     """
     c = replace(config, remat="none")
     if c.length < 1:

@@ -56,7 +56,8 @@ def _hf_manifest(checkpoint_dir: str):
 def _decoder_only(cfg: HFModelConfig, flag: str) -> None:
     if cfg.encoder_decoder:
         raise UsageError(f"{flag}: T5 is an encoder-decoder; the command line fine-tunes and samples decoder-only "
-                         "models (GPT-2, Llama). Use meshtorch.hf.load from Python (docs/huggingface.md).")
+                         "models (GPT-2, Llama, Qwen2, Mistral). Use meshtorch.hf.load from Python "
+                         "(docs/huggingface.md).")
 
 
 def tokenizer_for(dirs, config: HFModelConfig, flag: str, byte: bool = False):

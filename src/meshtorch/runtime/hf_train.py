@@ -83,7 +83,7 @@ def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModel
         c = hf.read_config(cfg.init_from)
         if c.encoder_decoder:
             raise UsageError("--init-from: T5 is an encoder-decoder; the command line fine-tunes and samples "
-                             "decoder-only models (GPT-2, Llama). Use meshtorch.hf.load from Python "
+                             "decoder-only models (GPT-2, Llama, Qwen2, Mistral). Use meshtorch.hf.load from Python "
                              "(docs/huggingface.md).")
         hf.check_files(cfg.init_from, c)
     length = cfg.length or min(c.max_positions, MAX_DEFAULT_LENGTH)
