@@ -161,6 +161,8 @@ def _layer_role(role: str) -> bool:
 
 
 def _decoder_map(fam: Family, c: HFModelConfig) -> list[HFTensor]:
+    """``fam``'s tensors for every variable of ``c``'s graph: the family's name per role, axes from the role's dims
+    (:func:`variable_dims`), fused tensors split at offsets on their output axis."""
     sizes = hf_dim_sizes(c)
     roles = variable_dims(c)
     out = []
