@@ -20,6 +20,7 @@ from meshtorch.checkpoint import hf  # noqa: E402
 from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.core.mesh_spec import MeshSpec  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
+from meshtorch.runtime import generate  # noqa: E402
 from meshtorch.runtime.train_config import DEFAULT_LAYOUT, DEFAULT_MESH  # noqa: E402
 
 ODD_VOCAB = 257  # a mesh axis of 2 does not divide it (GPT-2's 50257 neither)
@@ -203,9 +204,10 @@ NATIVE = ["--preset", "tiny", "--layers", "2", "--d-model", "32", "--heads", "4"
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
-def test_native_run_exports_as_gpt2_with_our_logits(dirs, tmp_path, capsys, activation):
+def test_native_run_exports_as_gpt2_with_our_logits(dirs, tmp_path, capsys, monkeypatch, activation):
     """A native ``--norm layer`` run (learned positions, LayerNorm, ungated MLP) exports as GPT2LMHeadModel whose
-    logits equal the native graph's on the trained layout; the default RMSNorm LM is refused in one line."""
+    logits equal the native graph's on the trained layout; the default RMSNorm LM is refused in one line. The
+    native run's ``sample --no-cache`` gives the cached path's greedy tokens without building a cached decoder."""
     _, _, data, _ = dirs
     runs = str(tmp_path / "runs")
     res = _run(["train", *NATIVE, "--norm", "layer", "--activation", activation, "--data", data, "--runs-dir", runs,
@@ -222,6 +224,12 @@ def test_native_run_exports_as_gpt2_with_our_logits(dirs, tmp_path, capsys, acti
     with torch.no_grad():
         want = back(ids).logits
     assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
+    if activation == "gelu_tanh":
+        argv = ["sample", "--runs-dir", runs, "--run-name", "n", "--temperature", "0", "--max-new-tokens", "6",
+                "--no-progress"]
+        cached = _run(argv)
+        monkeypatch.setattr(generate.CachedDecoder, "of", classmethod(lambda *a: pytest.fail("--no-cache: cache used")))
+        assert _run(argv + ["--no-cache"]) == cached
     if activation == "relu":
         rc, log = _cli(capsys, "train", *NATIVE, "--data", data, "--runs-dir", runs, "--run-name", "r", *SHORT)
         assert rc == 0, log
