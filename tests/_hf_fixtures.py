@@ -9,6 +9,8 @@ import torch
 
 VOCAB, D, HEADS, LAYERS, POSITIONS = 128, 64, 4, 2, 64
 FAMILIES = ("gpt2", "llama_gqa", "llama_tied")
+RECORDS = ("qwen2", "mistral")  # families added as registry records only (meshtorch.models.hf_families)
+WINDOW = 48  # the Mistral fixture's sliding_window: contexts up to 48 load, longer ones are refused
 
 
 def hf_config(family: str, vocab: int = VOCAB):
@@ -18,6 +20,13 @@ def hf_config(family: str, vocab: int = VOCAB):
         return transformers.GPT2Config(n_layer=LAYERS, n_embd=D, n_head=HEADS, vocab_size=vocab, n_positions=POSITIONS,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=None, pad_token_id=None)
+    llama_like = dict(num_hidden_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=2,
+                      intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=POSITIONS, bos_token_id=0,
+                      eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    if family == "qwen2":  # q/k/v biases; its sliding window off (use_sliding_window=False), as Qwen2 ships
+        return transformers.Qwen2Config(**llama_like, rope_theta=1000.0)
+    if family == "mistral":
+        return transformers.MistralConfig(**llama_like, sliding_window=WINDOW, head_dim=16)
     return transformers.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS,
                                     num_key_value_heads=2, intermediate_size=96, vocab_size=VOCAB,
                                     max_position_embeddings=POSITIONS, tie_word_embeddings=family == "llama_tied",
@@ -26,12 +35,14 @@ def hf_config(family: str, vocab: int = VOCAB):
 
 
 def make_model(family: str, seed: int = 0, vocab: int = VOCAB):
-    """A randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (seeded), float32, eval mode (``vocab``:
-    GPT-2's vocabulary size, e.g. an odd one that a mesh axis does not divide)."""
+    """A randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+    ``MistralForCausalLM`` (seeded), float32, eval mode (``vocab``: GPT-2's vocabulary size, e.g. an odd one that
+    a mesh axis does not divide)."""
     import transformers
 
     torch.manual_seed(seed)
-    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "qwen2": transformers.Qwen2ForCausalLM,
+           "mistral": transformers.MistralForCausalLM}.get(family, transformers.LlamaForCausalLM)
     m = cls(hf_config(family, vocab) if family == "gpt2" else hf_config(family)).float().eval()
     with torch.no_grad():  # norm weights / biases away from their 1 / 0 init, so a wrong map shows
         for name, p in m.named_parameters():
@@ -110,7 +121,9 @@ def bpe_tokenizer(path: str, corpus: str, vocab_size: int = 100):
 def make_peaked_model(family: str):
     """The fixture model with q and k projections scaled x10 (attention logits x100: the largest weight of the
     last position's attention is 0.3-0.5 of 6-46 positions, not ~1/n) and the attention output x8 (so attention,
-    not the token's own embedding, decides the next token)."""
+    not the token's own embedding, decides the next token). GPT-2 also gets its biases x0.03 and its position
+    table x3: with the fixture's 0.1 biases its LayerNorm and MLP biases picked one token whatever the attention
+    did (greedy continuations then have 20 distinct tokens of 40, not 1)."""
     m = make_model(family)
     with torch.no_grad():
         for layer in (m.transformer.h if family == "gpt2" else m.model.layers):
@@ -118,8 +131,15 @@ def make_peaked_model(family: str):
                 layer.attn.c_attn.weight[:, : 2 * D] *= 10.0  # Conv1D [d, 3d]: the q and k columns
                 layer.attn.c_attn.bias[: 2 * D] *= 10.0
                 layer.attn.c_proj.weight *= 8.0
+                for name, p in layer.named_parameters():
+                    if name.endswith("bias"):
+                        p *= 0.03
             else:
                 layer.self_attn.q_proj.weight *= 10.0
                 layer.self_attn.k_proj.weight *= 10.0
                 layer.self_attn.o_proj.weight *= 8.0
+    if family == "gpt2":
+        with torch.no_grad():
+            m.transformer.ln_f.bias *= 0.03
+            m.transformer.wpe.weight *= 3.0
     return m

@@ -190,7 +190,7 @@ def test_refuses_unknown_model_type(saved, tmp_path):
 
 @pytest.mark.parametrize("field,value", [("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
                                          ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
-                                         ("attention_bias", True), ("hidden_act", "gelu")])
+                                         ("hidden_act", "gelu")])
 def test_refuses_unsupported_llama_fields(saved, tmp_path, field, value):
     path = _copy(saved, "llama_gqa", tmp_path)
     _edit_config(path, **{field: value})

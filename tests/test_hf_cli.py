@@ -16,6 +16,7 @@ import _hf_fixtures as F  # noqa: E402
 from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshtorch.data.text import PackedDataset, load_documents  # noqa: E402
+from meshtorch.runtime import generate  # noqa: E402
 
 MP = "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"
 _text, _tokenizer = F.text, F.bpe_tokenizer
@@ -85,6 +86,16 @@ def test_sample_straight_from_hf_dir(model_dir, capsys):
                 "--temperature", "0"])
     assert got == [want]
     assert "a dog ran" + tok.decode(want) in capsys.readouterr().out
+
+
+def test_sample_no_cache_recomputes_the_same_tokens(model_dir, monkeypatch):
+    """``--no-cache``: greedy and beam tokens of the recompute path equal the cached path's, and no cached decoder
+    is built."""
+    _, d, _ = model_dir
+    argv = ["sample", "--checkpoint-dir", d, "--prompt", "a dog ran", "--max-new-tokens", "8", "--no-progress"]
+    cached = [_run(argv + ["--temperature", "0"]), _run(argv + ["--beam", "2"])]
+    monkeypatch.setattr(generate.CachedDecoder, "of", classmethod(lambda *a: pytest.fail("--no-cache used the cache")))
+    assert [_run(argv + ["--temperature", "0", "--no-cache"]), _run(argv + ["--beam", "2", "--no-cache"])] == cached
 
 
 def test_init_from_refusals(model_dir, tmp_path, capsys):

@@ -20,6 +20,7 @@ from meshtorch.checkpoint import hf  # noqa: E402
 from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.core.mesh_spec import MeshSpec  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
+from meshtorch.runtime import generate  # noqa: E402
 from meshtorch.runtime.train_config import DEFAULT_LAYOUT, DEFAULT_MESH  # noqa: E402
 
 ODD_VOCAB = 257  # a mesh axis of 2 does not divide it (GPT-2's 50257 neither)
@@ -70,7 +71,7 @@ def test_padded_vocab_logits_equal_transformers_on_the_default_layout(dirs):
     torch.testing.assert_close(logits[..., :ODD_VOCAB], want, rtol=1e-5, atol=1e-5)
     assert bool((logits[..., ODD_VOCAB:] < -1e8).all())
     assert abs(loss.item() - want_loss.item()) <= 1e-5 * want_loss.item()
-    assert not bool(lw.variable_value("wte")[ODD_VOCAB:].any())  # the padded row is zero
+    assert not bool(lw.variable_value("embed")[ODD_VOCAB:].any())  # the padded row is zero
 
 
 def test_gpt2_odd_vocab_trains_on_the_default_layout_and_exports_unpadded(dirs, tmp_path, capsys):
@@ -93,7 +94,7 @@ def test_gpt2_odd_vocab_trains_on_the_default_layout_and_exports_unpadded(dirs, 
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert tuned.transformer.wte.weight.shape == (ODD_VOCAB, F.D)
     lw = res["lowering"]
-    torch.testing.assert_close(tuned.transformer.wte.weight, lw.variable_value("wte")[:ODD_VOCAB])
+    torch.testing.assert_close(tuned.transformer.wte.weight, lw.variable_value("embed")[:ODD_VOCAB])
 
 
 def test_fine_tune_run_directory_then_sample_by_run_name(dirs, tmp_path, capsys):
@@ -197,3 +198,42 @@ def test_resume_takes_the_model_flags_from_run_json(dirs, tmp_path, capsys):
           "--run-name", "f"])
     again = _run(["train", *ft, "--steps", "3", "--run-name", "f", "--resume"])["history"]["loss"]
     assert again == pytest.approx(first, rel=1e-6)
+
+
+NATIVE = ["--preset", "tiny", "--layers", "2", "--d-model", "32", "--heads", "4", "--d-kv", "8", "--d-ff", "64"]
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
+def test_native_run_exports_as_gpt2_with_our_logits(dirs, tmp_path, capsys, monkeypatch, activation):
+    """A native ``--norm layer`` run (learned positions, LayerNorm, ungated MLP) exports as GPT2LMHeadModel whose
+    logits equal the native graph's on the trained layout; the default RMSNorm LM is refused in one line. The
+    native run's ``sample --no-cache`` gives the cached path's greedy tokens without building a cached decoder."""
+    _, _, data, _ = dirs
+    runs = str(tmp_path / "runs")
+    res = _run(["train", *NATIVE, "--norm", "layer", "--activation", activation, "--data", data, "--runs-dir", runs,
+                "--run-name", "n", *SHORT])
+    out = str(tmp_path / "out")
+    rc, log = _cli(capsys, "export", "--checkpoint-dir", os.path.join(runs, "n", "ckpt"), "--hf", out)
+    assert rc == 0, log
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == "GPT2LMHeadModel"
+    lm, lw = res["lm"], res["lowering"]
+    ids = torch.randint(0, lm.config.vocab_size, (lm.config.batch_size, lm.config.length),
+                        generator=torch.Generator().manual_seed(3))
+    ours = lw.run(lm.logits, feeds={lm.inputs: ids, lm.targets: ids})[..., : lm.config.vocab_size]
+    with torch.no_grad():
+        want = back(ids).logits
+    assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
+    if activation == "gelu_tanh":
+        argv = ["sample", "--runs-dir", runs, "--run-name", "n", "--temperature", "0", "--max-new-tokens", "6",
+                "--no-progress"]
+        cached = _run(argv)
+        monkeypatch.setattr(generate.CachedDecoder, "of", classmethod(lambda *a: pytest.fail("--no-cache: cache used")))
+        assert _run(argv + ["--no-cache"]) == cached
+    if activation == "relu":
+        rc, log = _cli(capsys, "train", *NATIVE, "--data", data, "--runs-dir", runs, "--run-name", "r", *SHORT)
+        assert rc == 0, log
+        rc, log = _cli(capsys, "export", "--checkpoint-dir", os.path.join(runs, "r", "ckpt"), "--hf",
+                       str(tmp_path / "r_out"))
+        assert rc == 2 and "maps to no Hugging Face family" in log and "RMSNorm" in log, log
+        assert len([ln for ln in log.splitlines() if "error" in ln.lower()]) == 1, log

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: ``config.json`` + safetensors (one file, or shards with
-``model.safetensors.index.json``) for GPT-2 and Llama.
+``model.safetensors.index.json``) for the families of :mod:`meshtorch.models.hf_families`
+(GPT-2, Llama, Qwen2, Mistral, T5).
 
 - :func:`load`: parse and check the config and every tensor header, build the graph
   (:func:`meshtorch.models.hf.build_hf_lm`), lower it on any mesh / layout / storage layout, then
@@ -11,7 +12,7 @@
   variable (each gathered in turn; the leader holds at most one shard of tensors), loadable by
   ``transformers.AutoModelForCausalLM.from_pretrained``.
 
-Name map and transposes: :func:`meshtorch.models.hf_config.hf_tensor_map` (GPT-2's ``Conv1D``
+Name map and transposes: :func:`meshtorch.models.hf_families.hf_tensor_map` (GPT-2's ``Conv1D``
 weights are ``[in, out]``, ``nn.Linear`` weights ``[out, in]``; GPT-2's fused ``c_attn`` holds q, k, v
 side by side). Tied embeddings are one variable; a tied checkpoint's ``lm_head.weight`` is ignored.
 
@@ -34,10 +35,10 @@ from meshtorch.core.errors import CheckpointError
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import placement_mesh_impl
 from meshtorch.models.hf import HFGraph, build_hf_lm
-from meshtorch.models.hf_config import (
+from meshtorch.models.hf_config import HFModelConfig, HFTensor
+from meshtorch.models.hf_families import (
     BUFFER_SUFFIXES,
-    HFModelConfig,
-    HFTensor,
+    architecture,
     export_aliases,
     hf_tensor_map,
     parse_hf_config,
@@ -51,15 +52,14 @@ __all__ = ["read_config", "load", "load_hf_weights", "lower_loaded", "export", "
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-_ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "t5": "T5ForConditionalGeneration"}
 
 
 def build(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None,
           decode_length: int = 0, precision: PrecisionPolicy | str | None = None) -> HFGraph:
-    """The graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (GPT-2, Llama) or
+    """The graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (the decoder-only families) or
     :func:`~meshtorch.transformer.t5.build_hf_t5` (T5; ``decode_length`` > 0: its greedy decoding graph).
     ``precision``: a :class:`~meshtorch.ops.precision.PrecisionPolicy` or its name (None: float32); the
-    imported weights stay float32 masters under bf16 (GPT-2 and Llama).
+    imported weights stay float32 masters under bf16 (decoder-only families).
 
     Raises:
         ValueError: ``decode_length`` for a decoder-only family (decode those with
@@ -67,11 +67,11 @@ def build(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float
     """
     policy = PrecisionPolicy.of(precision)
     if policy.mixed:
-        if config.family == "t5":
-            raise ValueError(f"hf.build: precision {policy.name} is for GPT-2 and Llama models; T5 runs in float32.")
+        if config.encoder_decoder:
+            raise ValueError(f"hf.build: precision {policy.name} is for decoder-only models; T5 runs in float32.")
         with policy.scope():
             return build(config, seed, optimizer, clip_norm, decode_length)
-    if config.family == "t5":
+    if config.encoder_decoder:
         return build_hf_t5(config, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
     if decode_length:
         raise ValueError(f"hf.build: decode_length is for T5; decode a {config.family} model with "
@@ -84,7 +84,7 @@ def read_config(path: str) -> HFModelConfig:
 
     Raises:
         CheckpointError: naming the path: no such directory, no ``config.json``, invalid JSON, or an
-            unsupported ``model_type`` / field (see :func:`~meshtorch.models.hf_config.parse_hf_config`).
+            unsupported ``model_type`` / field (see :func:`~meshtorch.models.hf_families.parse_hf_config`).
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"hf: {path!r} is not a directory.")
@@ -302,7 +302,7 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
 
 def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None = None, mesh_shape: str = "",
          layout: str = "", optimizer=None, clip_norm: float | None = None, seed: int = 0, decode_length: int = 0):
-    """Import a Hugging Face GPT-2 / Llama / T5 v1.1 directory onto a mesh: ``(HFGraph, Lowering)``.
+    """Import a Hugging Face GPT-2 / Llama / Qwen2 / Mistral / T5 v1.1 directory onto a mesh: ``(HFGraph, Lowering)``.
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or shards + index).
@@ -450,7 +450,7 @@ def _finish(out_dir: str, shards: list, c: HFModelConfig) -> list[str]:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         written.append(INDEX)
     cfg = dict(c.hf_config)
-    cfg["architectures"] = [_ARCH[c.family]]
+    cfg["architectures"] = [architecture(c)]
     cfg["model_type"] = c.family
     cfg["tie_word_embeddings"] = c.tied
     cfg["dtype"] = "float32"

@@ -11,8 +11,9 @@ def add_export_subcommand(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a fine-tuned Hugging Face model (config.json + safetensors)",
                               formatter_class=HelpFormatter)
     p.add_argument("--checkpoint-dir", required=True,
-                   help="the --checkpoint-dir of a 'meshtorch train --init-from' run (its newest checkpoint) or one "
-                        "ckpt-<step> directory")
+                   help="the --checkpoint-dir of a 'meshtorch train' run (its newest checkpoint) or one ckpt-<step> "
+                        "directory: a --init-from run exports to its own family; a native run exports as GPT-2 when "
+                        "trained with --norm layer and an ungated feed-forward (else refused, naming why)")
     p.add_argument("--hf", required=True, metavar="OUT",
                    help="output directory (new or empty): config.json, safetensors, tokenizer.json; loads with "
                         "transformers.AutoModelForCausalLM.from_pretrained(OUT)")

@@ -12,8 +12,9 @@ def add_sample_subcommand(subparsers) -> None:
                               formatter_class=HelpFormatter)
     p.add_argument("--checkpoint-dir", default=None,
                    help="a --checkpoint-dir of meshtorch train (its newest checkpoint) or one ckpt-<step> directory, "
-                        "or a Hugging Face GPT-2 / Llama directory (config.json + safetensors, decoded with its "
-                        "tokenizer.json) (default: the checkpoints of the run <runs-dir>/latest names)")
+                        "or a Hugging Face GPT-2 / Llama / Qwen2 / Mistral directory (config.json + safetensors, "
+                        "decoded with its tokenizer.json) (default: the checkpoints of the run <runs-dir>/latest "
+                        "names)")
     p.add_argument("--runs-dir", default="runs", help="where meshtorch train keeps its runs")
     p.add_argument("--run-name", default=None, help="decode this run's newest checkpoint (default: the latest run)")
     p.add_argument("--prompt", default="The ", help="text to continue")
@@ -30,6 +31,9 @@ def add_sample_subcommand(subparsers) -> None:
                    help="torch intra-op threads (0: torch's own choice; see docs/cli-train.md for measurements)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda (the mesh's processors spread over the visible GPUs) or cuda:<index> (default: cpu)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="decode without the KV cache: one full forward pass over the context per new token (the "
+                        "recompute path; the same tokens, slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_sample)
 

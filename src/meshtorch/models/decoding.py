@@ -8,7 +8,7 @@ fill every layer's keys and values), then over one token per sequence with a
 the training graph's names (the second pass gets them by :class:`~meshtorch.layers.kv_cache.ReplayVariables`),
 so weights copied from a training lowering, or restored from its checkpoint (``strict=False``: the caches are
 not in it), decode as trained. :func:`build_lm_decoder` is the native LM's; ``meshtorch.models.hf`` has the
-GPT-2 / Llama one.
+decoder-only Hugging Face families' one.
 """
 
 from __future__ import annotations

@@ -1,20 +1,25 @@
-"""Graphs of Hugging Face decoder-only families on named dims: GPT-2 and Llama.
+"""The one graph builder of the Hugging Face decoder-only families (GPT-2, Llama, Qwen2, Mistral) on named dims.
 
-:func:`build_hf_lm` builds, from an :class:`~meshtorch.models.hf_config.HFModelConfig`, the exact
-computation of ``transformers``' ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (no dropout) over a
-``length`` window; :func:`build_hf_decoder` the same model as a KV-cache decoder (a prefill and a
-one-token step, :mod:`meshtorch.models.decoding`), which :mod:`meshtorch.runtime.generate` decodes with.
+:func:`build_hf_lm` builds, from an :class:`~meshtorch.models.hf_config.HFModelConfig`, the exact computation of
+``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` (no
+dropout) over a ``length`` window; :func:`build_hf_decoder` the same model as a KV-cache decoder (a prefill and a
+one-token step, :mod:`meshtorch.models.decoding`), which :mod:`meshtorch.runtime.generate` decodes with. Nothing
+here is per family: every block is :func:`_block`, built from ``meshtorch.layers`` (``dense``, ``feed_forward``,
+``layer_norm`` / ``rms_norm``, the attention of :mod:`meshtorch.layers.kv_cache`) as the config's block options
+say (:class:`meshtorch.models.hf_families.BlockOptions`: norm kind, learned or rotary positions, MLP activation
+and gating, q/k/v, output and MLP biases, grouped-query attention, tied head).
 
-Dimension names are the CLI LM's (``batch``, ``length``, ``d_model``, ``heads``, ``kv_heads``,
-``d_kv``, ``d_ff``, ``vocab``; GPT-2's position table adds ``positions``), so layouts such as
-``batch:data;heads:model;d_ff:model;vocab:model`` (Llama: ``kv_heads:model`` too) and storage rules
-``d_model:data`` apply. Variable names and their safetensors tensors: :func:`hf_tensor_map`.
+Dimension names are the CLI LM's (``batch``, ``length``, ``d_model``, ``heads``, ``kv_heads``, ``d_kv``, ``d_ff``,
+``vocab``; a learned position table adds ``positions``), so layouts such as
+``batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model`` and storage rules ``d_model:data`` apply.
+Variables: ``embed`` ``[vocab, d_model]``, ``positions``, ``layers{i}/attn_norm/scale`` (``/bias``),
+``layers{i}/attn/{q,k,v,o}/kernel`` (``/bias``), ``layers{i}/mlp_norm/...``, ``layers{i}/mlp/{wi_gate,wi,wo}/kernel``
+(``/bias``), ``final_norm/...``, ``lm_head``; their safetensors tensors: :func:`hf_tensor_map`.
 
 Grouped-query attention (``num_key_value_heads < num_attention_heads``):
-:func:`meshtorch.layers.grouped_query_attention` (queries ``[batch, length, heads, d_kv]``, keys and
-values ``[batch, length, kv_heads, d_kv]``); split ``kv_heads`` with ``heads``
-(``heads:model;kv_heads:model``) for Megatron-style model parallelism. A multi-head Llama
-(``kv_heads == heads``) uses ``heads`` for keys and values too.
+:func:`meshtorch.layers.grouped_query_attention` (queries ``[batch, length, heads, d_kv]``, keys and values
+``[batch, length, kv_heads, d_kv]``); split ``kv_heads`` with ``heads`` (``heads:model;kv_heads:model``) for
+Megatron-style model parallelism. A multi-head model (``kv_heads == heads``) uses ``heads`` for keys and values.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.layers.kv_cache import FullSequence
 from meshtorch.lowering import Lowering
 from meshtorch.models.decoding import DecoderGraph, build_decoder
-from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes, hf_tensor_map
+from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes
+from meshtorch.models.hf_families import hf_tensor_map
 from meshtorch.models.transformer import REMAT_POLICIES, keeps_matmuls, training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
-from meshtorch.ops.einsum import einsum
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
@@ -76,112 +81,79 @@ def _dims(c: HFModelConfig) -> dict[str, Dimension]:
     return d
 
 
-class _Vars:
-    """``get_variable`` with each variable's shape read from :func:`hf_tensor_map` (one source of truth)."""
-
-    def __init__(self, mesh: Mesh, c: HFModelConfig, d: dict):
-        self.mesh, self.d = mesh, d
-        self.dims = {t.var: [n for g in t.groups for n in g] for t in hf_tensor_map(c)}
-        self.std = 0.02
-
-    def __call__(self, name: str, order: list[str] | None = None) -> Tensor:
-        names = order or self.dims[name]
-        if sorted(names) != sorted(self.dims[name]):
-            raise AssertionError(f"hf variable {name!r}: dims {names} vs map {self.dims[name]}")
-        init = 1.0 if name.endswith("/scale") else 0.0 if name.endswith("bias") else \
-            random_normal_initializer(0.0, self.std)
-        return get_variable(self.mesh, name, [self.d[n] for n in names], initializer=init)
-
-
 _FULL = FullSequence()  # training: causal attention and rotary over the whole ``length`` window
+_INIT = random_normal_initializer(0.0, 0.02)  # transformers' initializer_range (until weights are loaded)
+_ACTIVATIONS = {"gelu_tanh": lambda x: ew.gelu(x, approximate="tanh"), "gelu": ew.gelu, "silu": swish, "relu": ew.relu}
 
 
-def _proj(x: Tensor, w: Tensor, out_dims: list, name: str) -> Tensor:
-    shape = (x.shape - ["d_model"]) + out_dims
-    return einsum([x, w], output_shape=shape, name=name)
+def _norm(c: HFModelConfig, x: Tensor, d: dict, name: str) -> Tensor:
+    if c.norm == "layer":
+        return layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name=name)
+    return layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name=name)
 
 
-def _gpt2_block(x, v, d, c, i, attn=_FULL):
-    p = f"h{i}/"
-    h = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}ln_1")
-    qkv = []
-    for w in "qkv":
-        t = _proj(h, v(f"{p}attn/{w}"), [d["heads"], d["d_kv"]], f"{p}attn/{w}_proj") + v(f"{p}attn/{w}_bias")
-        qkv.append(t)
-    o = attn.attend(*qkv, 1.0 / math.sqrt(c.d_kv), name=f"{p}attn/sdpa")
-    x = x + (einsum([o, v(f"{p}attn/o")], output_shape=x.shape, name=f"{p}attn/o_proj") + v(f"{p}attn/o_bias"))
-    h = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}ln_2")
-    h = _proj(h, v(f"{p}mlp/wi"), [d["d_ff"]], f"{p}mlp/wi_proj") + v(f"{p}mlp/wi_bias")
-    h = ew.gelu(h, approximate=c.activation)
-    h = einsum([h, v(f"{p}mlp/wo")], output_shape=x.shape, name=f"{p}mlp/wo_proj") + v(f"{p}mlp/wo_bias")
-    return x + h
-
-
-def _llama_attention(h, v, d, c, p, attn):
-    """Llama self-attention with rotary q/k; grouped-query attention when ``kv_heads < heads``."""
+def _attention(c: HFModelConfig, h: Tensor, d: dict, p: str, attn) -> Tensor:
+    """Self-attention: q/k/v projections (``layers.dense``, biased when ``c.qkv_bias``), rotary q/k when
+    ``c.positions == "rotary"``, causal multi-head or grouped-query attention (``kv_heads < heads``) through
+    ``attn`` (:mod:`meshtorch.layers.kv_cache`), output projection (biased when ``c.o_bias``)."""
     kv = "heads" if c.num_kv_heads == c.num_heads else "kv_heads"
-    q = attn.rotary(_proj(h, v(f"{p}attn/q", ["d_model", "heads", "d_kv"]), [d["heads"], d["d_kv"]],
-                          f"{p}attn/q_proj"), c.rope_theta, name=f"{p}attn/q_rope")
-    k = attn.rotary(_proj(h, v(f"{p}attn/k", ["d_model", kv, "d_kv"]), [d[kv], d["d_kv"]], f"{p}attn/k_proj"),
-                    c.rope_theta, name=f"{p}attn/k_rope")
-    val = _proj(h, v(f"{p}attn/v", ["d_model", kv, "d_kv"]), [d[kv], d["d_kv"]], f"{p}attn/v_proj")
-    o = attn.attend(q, k, val, 1.0 / math.sqrt(c.d_kv), name=f"{p}attn/{'sdpa' if kv == 'heads' else 'gqa'}",
+    q, k, v = (layers.dense(h, [d[heads], d["d_kv"]], use_bias=c.qkv_bias, kernel_initializer=_INIT,
+                            name=f"{p}attn/{w}") for w, heads in (("q", "heads"), ("k", kv), ("v", kv)))
+    if c.positions == "rotary":
+        q = attn.rotary(q, c.rope_theta, name=f"{p}attn/q_rope")
+        k = attn.rotary(k, c.rope_theta, name=f"{p}attn/k_rope")
+    o = attn.attend(q, k, v, 1.0 / math.sqrt(c.d_kv), name=f"{p}attn/{'sdpa' if kv == 'heads' else 'gqa'}",
                     kv_heads=None if kv == "heads" else kv)
-    return einsum([o, v(f"{p}attn/o", ["heads", "d_kv", "d_model"])], output_shape=h.shape, name=f"{p}attn/o_proj")
+    return layers.dense(o, d["d_model"], reduced_dims=[d["heads"], d["d_kv"]], use_bias=c.o_bias,
+                        kernel_initializer=_INIT, name=f"{p}attn/o")
 
 
-def _llama_block(x, v, d, c, i, attn=_FULL):
+def _block(x: Tensor, d: dict, c: HFModelConfig, i: int, attn=_FULL) -> Tensor:
+    """Pre-norm decoder block ``i`` of every decoder-only family, from ``c``'s block options: ``x + attention(
+    norm(x))``, then ``+ mlp(norm(.))`` (``layers.feed_forward``: ``act(W_i x)`` or gated ``act(W_g x) * W_i x``)."""
     p = f"layers{i}/"
-    h = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}input_layernorm")
-    x = x + _llama_attention(h, v, d, c, p, attn)
-    h = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name=f"{p}post_attention_layernorm")
-    gate = _proj(h, v(f"{p}mlp/gate", ["d_model", "d_ff"]), [d["d_ff"]], f"{p}mlp/gate_proj")
-    up = _proj(h, v(f"{p}mlp/up", ["d_model", "d_ff"]), [d["d_ff"]], f"{p}mlp/up_proj")
-    h = einsum([swish(gate) * up, v(f"{p}mlp/down", ["d_ff", "d_model"])], output_shape=x.shape,
-               name=f"{p}mlp/down_proj")
+    x = x + _attention(c, _norm(c, x, d, f"{p}attn_norm"), d, p, attn)
+    act = _ACTIVATIONS[c.activation]
+    factors = [(f"{p}mlp/wi_gate", act), (f"{p}mlp/wi", None)] if c.gated else [(f"{p}mlp/wi", act)]
+    h = layers.feed_forward(_norm(c, x, d, f"{p}mlp_norm"), d["d_ff"], factors, f"{p}mlp/wo", use_bias=c.mlp_bias,
+                            kernel_initializer=_INIT)
     return x + h
 
 
-def _remat(c: HFModelConfig, block, x, v, d, i, attn=_FULL):
+def _remat(c: HFModelConfig, x, d, i, attn=_FULL):
     """Block ``i``, its activations recomputed in the backward pass under ``c.remat`` (``block``: keep only the
     block input; ``selective``: keep the matmul and attention outputs), as the native LM's blocks."""
     if c.remat == "none":
-        return block(x, v, d, c, i, attn)
-    return recompute_grad(lambda t: block(t, v, d, c, i, attn), [x],
+        return _block(x, d, c, i, attn)
+    return recompute_grad(lambda t: _block(t, d, c, i, attn), [x],
                           keep=keeps_matmuls if c.remat == "selective" else None)
 
 
 def hf_flops_per_token(c: HFModelConfig) -> float:
-    """Training FLOPs per token of a GPT-2 / Llama graph (6N for the weights + attention scores, PaLM appendix
+    """Training FLOPs per token of a decoder-only family's graph (6N for the weights + attention scores, PaLM appendix
     B convention, as :func:`meshtorch.models.transformer.flops_per_token`)."""
-    ffn = c.d_model * c.d_ff * (3 if c.family == "llama" else 2)
+    ffn = c.d_model * c.d_ff * (3 if c.gated else 2)
     attn_w = c.d_model * c.d_kv * (2 * c.num_heads + 2 * c.num_kv_heads)
     n = c.num_layers * (attn_w + ffn) + c.d_model * c.padded_vocab
     return 6 * n + 6 * c.num_layers * 2 * c.num_heads * c.d_kv * c.length
 
 
-def _forward(c: HFModelConfig, d: dict, v: _Vars, mesh: Mesh, ids: Tensor, position, attn) -> Tensor:
+def _forward(c: HFModelConfig, d: dict, mesh: Mesh, ids: Tensor, position, attn) -> Tensor:
     """Logits ``[batch, (length,) vocab]`` of ``ids`` ``[batch, length]`` (``position`` None) or ``[batch]`` at
     the int32 scalar ``position`` (a decoding step); self-attention through ``attn``
     (:mod:`meshtorch.layers.kv_cache`)."""
     out = [d["batch"]] + ([d["length"]] if position is None else []) + [d["vocab"]]
-    if c.family == "gpt2":
-        wte = v("wte")
+    emb = get_variable(mesh, "embed", [d["vocab"], d["d_model"]], initializer=_INIT)
+    x = layers.embedding_lookup(emb, ids, d["vocab"])
+    if c.positions == "learned":
         pos_ids = position if position is not None else import_tensor(mesh, torch.arange(c.length), [d["length"]],
                                                                       name="position_ids", dtype=torch.int64)
-        x = layers.embedding_lookup(wte, ids, d["vocab"]) + layers.embedding_lookup(v("wpe"), pos_ids,
-                                                                                   d["positions"])
-        for i in range(c.num_layers):
-            x = _remat(c, _gpt2_block, x, v, d, i, attn)
-        x = layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name="ln_f")
-        emb = wte
-    else:
-        emb = v("embed_tokens")
-        x = layers.embedding_lookup(emb, ids, d["vocab"])
-        for i in range(c.num_layers):
-            x = _remat(c, _llama_block, x, v, d, i, attn)
-        x = layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name="norm")
-    head = emb if c.tied else v("lm_head")
+        table = get_variable(mesh, "positions", [d["positions"], d["d_model"]], initializer=_INIT)
+        x = x + layers.embedding_lookup(table, pos_ids, d["positions"])
+    for i in range(c.num_layers):
+        x = _remat(c, x, d, i, attn)
+    x = _norm(c, x, d, "final_norm")
+    head = emb if c.tied else get_variable(mesh, "lm_head", [d["vocab"], d["d_model"]], initializer=_INIT)
     logits = layers.embedding_logits(x, head, d["d_model"], output_shape=out, name="lm_head_proj")
     if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient), as the native LM
         mask = torch.zeros(c.padded_vocab)
@@ -190,23 +162,31 @@ def _forward(c: HFModelConfig, d: dict, v: _Vars, mesh: Mesh, ids: Tensor, posit
     return logits
 
 
+def _check_map(graph: Graph, c: HFModelConfig) -> None:
+    """Every variable of :func:`hf_tensor_map` exists with the map's dims (the builder and the records agree)."""
+    have = {v.name: [dim.name for dim in v.outputs[0].shape] for v in graph.all_variables}
+    for t in hf_tensor_map(c):
+        want = [n for g in t.groups for n in g]
+        if sorted(have.get(t.var, [])) != sorted(want):
+            raise AssertionError(f"hf {c.family}: variable {t.var!r} has dims {have.get(t.var)}; the map says {want}.")
+
+
 def build_hf_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
     """The KV-cache decoder graph (:func:`meshtorch.models.decoding.build_decoder`) of :func:`build_hf_lm`'s
-    GPT-2 / Llama model: the same variable names, a prefill over ``[batch, length]`` and a one-token step
+    decoder-only model: the same variable names, a prefill over ``[batch, length]`` and a one-token step
     (GPT-2: position embedding of ``position``; Llama: rotary by ``position``); caches
     ``[batch, heads or kv_heads, memory_length, d_kv]``.
 
     Raises:
-        ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not GPT-2 / Llama.
+        ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is an encoder-decoder (T5).
     """
     c = replace(config, remat="none")
     if c.length < 1:
         raise ValueError("build_hf_decoder: config.length is 0; call config.with_shape(batch_size, length) first.")
-    if c.family not in ("gpt2", "llama"):
-        raise ValueError(f"build_hf_decoder: no KV-cache decoder for family {c.family!r} (GPT-2 and Llama have one).")
+    if c.encoder_decoder:
+        raise ValueError(f"build_hf_decoder: no KV-cache decoder for the encoder-decoder family {c.family!r}.")
     d = _dims(c)
-    return build_decoder(c, lambda mesh, ids, position, attn: _forward(c, d, _Vars(mesh, c, d), mesh, ids, position,
-                                                       attn), seed)
+    return build_decoder(c, lambda mesh, ids, position, attn: _forward(c, d, mesh, ids, position, attn), seed)
 
 
 def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None) -> HFGraph:
@@ -239,10 +219,10 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     d = _dims(c)
     graph = Graph(seed=seed)
     mesh = Mesh(graph, "mesh")
-    v = _Vars(mesh, c, d)
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
-    logits = _forward(c, d, v, mesh, inputs, None, _FULL)
+    logits = _forward(c, d, mesh, inputs, None, _FULL)
+    _check_map(graph, c)
     xent = layers.softmax_cross_entropy_with_logits(logits, targets, d["vocab"])  # integer targets: no one-hot
     loss = reduce_mean(xent, name="loss")
     updates = training_updates(graph, loss, optimizer, clip_norm)

@@ -1,10 +1,10 @@
-"""Hugging Face model configurations and their tensor names, as plain data (no file IO, no graph).
+"""The configuration of an imported Hugging Face model and where its variables sit in safetensors tensors, as
+plain data (no file IO, no graph).
 
-:func:`parse_hf_config` turns a ``config.json`` dict of a supported ``model_type`` (``gpt2``,
-``llama``) into an :class:`HFModelConfig`, refusing, by field name, every setting that changes the
-computation and is not implemented. :func:`hf_tensor_map` says, for each meshtorch variable of the
-graph :func:`meshtorch.models.hf.build_hf_lm` builds, which safetensors tensor holds it and how its
-named dims sit in that tensor (transposes, merged ``heads x d_kv`` axes, GPT-2's fused ``c_attn``).
+:class:`HFModelConfig` is what the one builder (:func:`meshtorch.models.hf.build_hf_lm`) and T5's read;
+:class:`HFTensor` places a variable in a checkpoint tensor (transposes, merged ``heads x d_kv`` axes, fused
+tensors). The families themselves (config fields, block options, tensor names) are records in
+:mod:`meshtorch.models.hf_families`; T5's parser and map are here (:func:`parse_t5`, :func:`t5_tensor_map`).
 """
 
 from __future__ import annotations
@@ -13,20 +13,18 @@ from dataclasses import asdict, dataclass, field, replace
 
 from meshtorch.core.errors import CheckpointError
 
-__all__ = ["HFModelConfig", "HFTensor", "parse_hf_config", "hf_tensor_map", "SUPPORTED_MODEL_TYPES"]
-
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "t5")
-
-_GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+__all__ = ["HFModelConfig", "HFTensor", "hf_dim_sizes", "parse_t5", "t5_tensor_map", "rope_theta", "need", "refuse"]
 
 
 @dataclass(frozen=True)
 class HFModelConfig:
     """The computation of an imported decoder-only model, with the graph's batch and length.
 
-    ``family`` is the ``model_type`` (``gpt2`` or ``llama``); ``hf_config`` the original
-    ``config.json`` dict (written back on export). ``vocab_size``, ``batch_size`` and ``length`` are
-    the fields :mod:`meshtorch.runtime.generate` reads.
+    ``family`` is the ``model_type`` (a key of :data:`meshtorch.models.hf_families.FAMILIES`); ``hf_config`` the
+    original ``config.json`` dict (written back on export). ``norm`` .. ``mlp_bias`` are the decoder block's
+    options (:class:`meshtorch.models.hf_families.BlockOptions`); ``sliding_window`` > 0 is a local attention
+    window (Mistral, Qwen2), accepted only when at least ``length`` long. ``vocab_size``, ``batch_size`` and
+    ``length`` are the fields :mod:`meshtorch.runtime.generate` reads.
     """
 
     family: str
@@ -40,11 +38,17 @@ class HFModelConfig:
     max_positions: int
     norm_eps: float
     tied: bool
-    activation: str = "tanh"  # GPT-2: gelu approximate ("tanh" = gelu_new, "none" = erf gelu)
+    norm: str = "rms"  # "layer" (with bias) or "rms"
+    positions: str = "rotary"  # "learned" (a position table) or "rotary"
+    activation: str = "silu"  # the MLP's: gelu_tanh, gelu or silu (layers.dense_act_dense's names)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int = 0  # 0: none
     rope_theta: float = 10000.0
     num_decoder_layers: int = 0  # T5
     relative_buckets: int = 32  # T5
-    gated: bool = True  # T5: gated-gelu (v1.1) or relu (the original T5)
+    gated: bool = True  # a GLU MLP (Llama's SwiGLU, T5 v1.1's gated-gelu); False: act(W_i x) (GPT-2, T5 relu)
     batch_size: int = 1
     length: int = 0
     vocab_multiple: int = 1  # the graph's vocab padded to a multiple of this (a mesh axis splits it)
@@ -68,7 +72,11 @@ class HFModelConfig:
             raise ValueError(f"HF model: batch_size ({batch_size}) and length ({length}) must be >= 1.")
         if length > self.max_positions:
             raise ValueError(f"HF model: length {length} exceeds the model's {self.max_positions} positions "
-                             f"({'n_positions' if self.family == 'gpt2' else 'max_position_embeddings'}).")
+                             "(config.json's n_positions / max_position_embeddings).")
+        if 0 < self.sliding_window < length:
+            raise ValueError(f"HF model: config.json's sliding_window {self.sliding_window} is shorter than the "
+                             f"context length {length}; meshtorch has no sliding-window attention: use a length "
+                             f"<= {self.sliding_window}.")
         return replace(self, batch_size=int(batch_size), length=int(length))
 
     @property
@@ -79,6 +87,11 @@ class HFModelConfig:
             return ()
         return tuple(int(i) for i in (e if isinstance(e, list | tuple) else [e]))
 
+    @property
+    def encoder_decoder(self) -> bool:
+        """Whether the model has an encoder and a decoder (T5)."""
+        return self.num_decoder_layers > 0
+
     def replace(self, **changes) -> HFModelConfig:
         """A copy with ``changes`` (``dataclasses.replace``; ``hf_config`` kept)."""
         return replace(self, **changes)
@@ -87,117 +100,61 @@ class HFModelConfig:
         return asdict(self)
 
 
-def _need(cfg: dict, key: str, where: str):
+def need(cfg: dict, key: str, where: str):
     if key not in cfg or cfg[key] is None:
         raise CheckpointError(f"{where}: field {key!r} is missing.")
     return cfg[key]
 
 
-def _refuse(where: str, key: str, value, why: str):
+def refuse(where: str, key: str, value, why: str):
     raise CheckpointError(f"{where}: field {key!r} = {value!r} is not supported ({why}).")
 
 
-def parse_hf_config(cfg: dict, where: str = "config.json") -> HFModelConfig:
-    """An :class:`HFModelConfig` from a Hugging Face ``config.json`` dict.
-
-    Follows ``transformers``' ``GPT2Config`` and ``LlamaConfig`` (v4 ``rope_theta`` / ``rope_scaling``
-    and v5 ``rope_parameters`` spellings). Dropout probabilities are read but not applied: the
-    graph is built without dropout.
+def rope_theta(cfg: dict, where: str) -> float:
+    """RoPE's theta from a Llama-family ``config.json`` (``rope_theta``, or v5's ``rope_parameters``).
 
     Raises:
-        CheckpointError: naming ``where`` and the field: an unknown ``model_type``, a missing size, or a
-            setting that changes the computation and is not implemented (GPT-2: cross attention,
-            ``scale_attn_weights=False``, ``scale_attn_by_inverse_layer_idx``, an activation other than
-            gelu_new/gelu; Llama: ``rope_scaling`` / a ``rope_type`` other than default,
-            ``attention_bias``, ``mlp_bias``, ``hidden_act`` other than silu).
+        CheckpointError: naming the field, for scaled RoPE (``rope_scaling`` / a ``rope_type`` other than
+            default) or a partial rotary factor.
     """
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{where}: model_type {mt!r} is not supported; meshtorch imports "
-                              f"{list(SUPPORTED_MODEL_TYPES)}.")
-    if mt == "gpt2":
-        return _gpt2(cfg, where)
-    if mt == "t5":
-        return _t5(cfg, where)
-    return _llama(cfg, where)
-
-
-def _gpt2(cfg: dict, where: str) -> HFModelConfig:
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in _GPT2_ACTIVATIONS:
-        _refuse(where, "activation_function", act, f"meshtorch implements {sorted(_GPT2_ACTIVATIONS)}")
-    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                    ("add_cross_attention", False)):
-        if bool(cfg.get(key, ok)) != ok:
-            _refuse(where, key, cfg[key], f"only {ok} is implemented")
-    d = int(_need(cfg, "n_embd", where))
-    h = int(_need(cfg, "n_head", where))
-    if d % h:
-        _refuse(where, "n_head", h, f"n_embd {d} is not a multiple of it")
-    return HFModelConfig(family="gpt2", vocab_size=int(_need(cfg, "vocab_size", where)), d_model=d, num_heads=h,
-                         num_kv_heads=h, d_kv=d // h, d_ff=int(cfg.get("n_inner") or 4 * d),
-                         num_layers=int(_need(cfg, "n_layer", where)),
-                         max_positions=int(_need(cfg, "n_positions", where)),
-                         norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-                         tied=bool(cfg.get("tie_word_embeddings", True)), activation=_GPT2_ACTIVATIONS[act],
-                         hf_config=dict(cfg))
-
-
-def _rope_theta(cfg: dict, where: str) -> float:
     scaling = cfg.get("rope_scaling")
     if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-        _refuse(where, "rope_scaling", scaling, "only unscaled rotary embeddings are implemented")
+        refuse(where, "rope_scaling", scaling, "only unscaled rotary embeddings are implemented")
     params = cfg.get("rope_parameters")
     if params is not None:
         if params.get("rope_type", "default") != "default":
-            _refuse(where, "rope_parameters", params, "only rope_type 'default' is implemented")
+            refuse(where, "rope_parameters", params, "only rope_type 'default' is implemented")
         if params.get("partial_rotary_factor", 1.0) != 1.0:
-            _refuse(where, "rope_parameters", params, "partial_rotary_factor must be 1.0")
+            refuse(where, "rope_parameters", params, "partial_rotary_factor must be 1.0")
         return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     return float(cfg.get("rope_theta", 10000.0))
 
 
-def _llama(cfg: dict, where: str) -> HFModelConfig:
-    if cfg.get("hidden_act", "silu") != "silu":
-        _refuse(where, "hidden_act", cfg["hidden_act"], "only silu (SwiGLU) is implemented")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            _refuse(where, key, cfg[key], "biases in Llama projections are not implemented")
-    theta = _rope_theta(cfg, where)
-    d = int(_need(cfg, "hidden_size", where))
-    h = int(_need(cfg, "num_attention_heads", where))
-    kv = int(cfg.get("num_key_value_heads") or h)
-    if h % kv:
-        _refuse(where, "num_key_value_heads", kv, f"num_attention_heads {h} is not a multiple of it")
-    d_kv = int(cfg.get("head_dim") or d // h)
-    return HFModelConfig(family="llama", vocab_size=int(_need(cfg, "vocab_size", where)), d_model=d, num_heads=h,
-                         num_kv_heads=kv, d_kv=d_kv, d_ff=int(_need(cfg, "intermediate_size", where)),
-                         num_layers=int(_need(cfg, "num_hidden_layers", where)),
-                         max_positions=int(cfg.get("max_position_embeddings") or 2048),
-                         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                         tied=bool(cfg.get("tie_word_embeddings", False)), rope_theta=theta, hf_config=dict(cfg))
+def parse_t5(cfg: dict, where: str) -> HFModelConfig:
+    """T5's :class:`HFModelConfig` (``transformers``' ``T5Config``: v1.1's gated-gelu or the original relu).
 
-
-def _t5(cfg: dict, where: str) -> HFModelConfig:
+    Raises:
+        CheckpointError: naming ``where`` and the field, for a setting Mesh TF's T5 layers do not compute.
+    """
     ff = cfg.get("feed_forward_proj", "relu")
     if ff not in ("gated-gelu", "relu"):
-        _refuse(where, "feed_forward_proj", ff, "meshtorch implements 'gated-gelu' (T5 v1.1) and 'relu'")
+        refuse(where, "feed_forward_proj", ff, "meshtorch implements 'gated-gelu' (T5 v1.1) and 'relu'")
     for key, ok in (("relative_attention_max_distance", 128), ("layer_norm_epsilon", 1e-6)):
         if cfg.get(key, ok) != ok:
-            _refuse(where, key, cfg[key], f"Mesh TF's T5 layers use {ok}")
+            refuse(where, key, cfg[key], f"Mesh TF's T5 layers use {ok}")
     if cfg.get("tie_word_embeddings", True):
-        _refuse(where, "tie_word_embeddings", cfg.get("tie_word_embeddings", True),
-                "only T5 v1.1's untied output layer is implemented")
+        refuse(where, "tie_word_embeddings", cfg.get("tie_word_embeddings", True),
+               "only T5 v1.1's untied output layer is implemented")
     if cfg.get("scale_decoder_outputs", False):  # transformers v5: d_model^-0.5 before the untied head
-        _refuse(where, "scale_decoder_outputs", cfg["scale_decoder_outputs"],
-                "T5 v1.1 does not scale the decoder output before its untied head")
+        refuse(where, "scale_decoder_outputs", cfg["scale_decoder_outputs"],
+               "T5 v1.1 does not scale the decoder output before its untied head")
     if not cfg.get("is_encoder_decoder", True):
-        _refuse(where, "is_encoder_decoder", False, "only the encoder-decoder T5 is implemented")
-    h = int(_need(cfg, "num_heads", where))
-    layers = int(_need(cfg, "num_layers", where))
-    return HFModelConfig(family="t5", vocab_size=int(_need(cfg, "vocab_size", where)),
-                         d_model=int(_need(cfg, "d_model", where)), num_heads=h, num_kv_heads=h,
-                         d_kv=int(_need(cfg, "d_kv", where)), d_ff=int(_need(cfg, "d_ff", where)), num_layers=layers,
+        refuse(where, "is_encoder_decoder", False, "only the encoder-decoder T5 is implemented")
+    h = int(need(cfg, "num_heads", where))
+    layers = int(need(cfg, "num_layers", where))
+    return HFModelConfig(family="t5", vocab_size=int(need(cfg, "vocab_size", where)),
+                         d_model=int(need(cfg, "d_model", where)), num_heads=h, num_kv_heads=h,
+                         d_kv=int(need(cfg, "d_kv", where)), d_ff=int(need(cfg, "d_ff", where)), num_layers=layers,
                          max_positions=int(cfg.get("n_positions") or 512), norm_eps=1e-6, tied=False,
                          num_decoder_layers=int(cfg.get("num_decoder_layers") or layers),
                          relative_buckets=int(cfg.get("relative_attention_num_buckets", 32)), gated=ff == "gated-gelu",
@@ -221,27 +178,13 @@ class HFTensor:
     offset: tuple | None = None
 
 
-def _t(var, key, groups, sizes, offset=None, full=None):
-    shape = tuple(_prod(sizes[n] for n in g) for g in groups)
-    if full is not None:
-        shape = full
-    return HFTensor(var, key, shape, tuple(tuple(g) for g in groups), offset)
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-
-
 def hf_dim_sizes(c: HFModelConfig) -> dict[str, int]:
     """The sizes of the named weight dims of model ``c``."""
     return {"vocab": c.vocab_size, "d_model": c.d_model, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
             "kv_group": c.num_heads // c.num_kv_heads, "d_kv": c.d_kv, "d_ff": c.d_ff, "positions": c.max_positions}
 
 
-def _t5_map(c: HFModelConfig) -> list[HFTensor]:
+def t5_tensor_map(c: HFModelConfig) -> list[HFTensor]:
     """T5: Mesh TF's variable names (:func:`meshtorch.transformer.t5.t5_bitransformer`; ``heads`` is the combined
     ``heads x d_kv`` dim of the projections, and the number of heads in ``relative_attention_bias``)."""
     hk, D, F = c.num_heads * c.d_kv, c.d_model, c.d_ff
@@ -270,68 +213,3 @@ def _t5_map(c: HFModelConfig) -> list[HFTensor]:
     return out
 
 
-def hf_tensor_map(c: HFModelConfig) -> list[HFTensor]:
-    """Every weight variable of the imported graph and its safetensors tensor."""
-    if c.family == "t5":
-        return _t5_map(c)
-    s = hf_dim_sizes(c)
-    out = []
-    if c.family == "gpt2":
-        D = c.d_model
-        out += [_t("wte", "transformer.wte.weight", [["vocab"], ["d_model"]], s),
-                _t("wpe", "transformer.wpe.weight", [["positions"], ["d_model"]], s)]
-        for i in range(c.num_layers):
-            p, v = f"transformer.h.{i}.", f"h{i}/"
-            for ln in ("ln_1", "ln_2"):
-                out += [_t(f"{v}{ln}/scale", f"{p}{ln}.weight", [["d_model"]], s),
-                        _t(f"{v}{ln}/bias", f"{p}{ln}.bias", [["d_model"]], s)]
-            for j, w in enumerate("qkv"):
-                out += [_t(f"{v}attn/{w}", f"{p}attn.c_attn.weight", [["d_model"], ["heads", "d_kv"]], s,
-                           (1, j * D), (D, 3 * D)),
-                        _t(f"{v}attn/{w}_bias", f"{p}attn.c_attn.bias", [["heads", "d_kv"]], s, (0, j * D), (3 * D,))]
-            out += [_t(f"{v}attn/o", f"{p}attn.c_proj.weight", [["heads", "d_kv"], ["d_model"]], s),
-                    _t(f"{v}attn/o_bias", f"{p}attn.c_proj.bias", [["d_model"]], s),
-                    _t(f"{v}mlp/wi", f"{p}mlp.c_fc.weight", [["d_model"], ["d_ff"]], s),
-                    _t(f"{v}mlp/wi_bias", f"{p}mlp.c_fc.bias", [["d_ff"]], s),
-                    _t(f"{v}mlp/wo", f"{p}mlp.c_proj.weight", [["d_ff"], ["d_model"]], s),
-                    _t(f"{v}mlp/wo_bias", f"{p}mlp.c_proj.bias", [["d_model"]], s)]
-        out += [_t("ln_f/scale", "transformer.ln_f.weight", [["d_model"]], s),
-                _t("ln_f/bias", "transformer.ln_f.bias", [["d_model"]], s)]
-    else:
-        kv = "heads" if c.num_kv_heads == c.num_heads else "kv_heads"  # multi-head Llama: one heads dim
-        out.append(_t("embed_tokens", "model.embed_tokens.weight", [["vocab"], ["d_model"]], s))
-        for i in range(c.num_layers):
-            p, v = f"model.layers.{i}.", f"layers{i}/"
-            out += [_t(f"{v}input_layernorm/scale", f"{p}input_layernorm.weight", [["d_model"]], s),
-                    _t(f"{v}attn/q", f"{p}self_attn.q_proj.weight", [["heads", "d_kv"], ["d_model"]], s),
-                    _t(f"{v}attn/k", f"{p}self_attn.k_proj.weight", [[kv, "d_kv"], ["d_model"]], s),
-                    _t(f"{v}attn/v", f"{p}self_attn.v_proj.weight", [[kv, "d_kv"], ["d_model"]], s),
-                    _t(f"{v}attn/o", f"{p}self_attn.o_proj.weight", [["d_model"], ["heads", "d_kv"]], s),
-                    _t(f"{v}post_attention_layernorm/scale", f"{p}post_attention_layernorm.weight", [["d_model"]], s),
-                    _t(f"{v}mlp/gate", f"{p}mlp.gate_proj.weight", [["d_ff"], ["d_model"]], s),
-                    _t(f"{v}mlp/up", f"{p}mlp.up_proj.weight", [["d_ff"], ["d_model"]], s),
-                    _t(f"{v}mlp/down", f"{p}mlp.down_proj.weight", [["d_model"], ["d_ff"]], s)]
-        out.append(_t("norm/scale", "model.norm.weight", [["d_model"]], s))
-    if not c.tied:
-        out.append(_t("lm_head", "lm_head.weight", [["vocab"], ["d_model"]], s))
-    return out
-
-
-def export_aliases(c: HFModelConfig) -> dict[str, tuple[str, ...]]:
-    """Tensors written again under other names on export: T5's input embeddings (``transformers`` v5 loads an
-    untied T5's ``{encoder,decoder}.embed_tokens.weight`` as tensors of their own; v4 ties them to ``shared``)."""
-    if c.family == "t5":
-        return {"shared.weight": ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}
-    return {}
-
-
-def tied_keys(c: HFModelConfig) -> tuple[str, ...]:
-    """Keys a checkpoint may also hold, equal to a mapped tensor (a tied ``lm_head.weight``; T5's
-    ``{encoder,decoder}.embed_tokens.weight``): ignored on import."""
-    if c.family == "t5":  # the encoder's and decoder's views of ``shared.weight``
-        return ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-    return ("lm_head.weight",) if c.tied else ()
-
-
-#: non-persistent buffers older ``transformers`` versions wrote into GPT-2 checkpoints (ignored on import)
-BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")

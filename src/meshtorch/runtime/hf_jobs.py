@@ -25,9 +25,11 @@ from meshtorch.data.hf_tokenizer import HFTokenizer
 from meshtorch.data.text import ByteTokenizer
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.process import init_distributed
-from meshtorch.models.hf_config import HFModelConfig, parse_hf_config
+from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.hf_families import parse_hf_config
 from meshtorch.runtime import checks
 from meshtorch.runtime.generate import beam_search, sample
+from meshtorch.runtime.hf_native import export_native, gpt2_config_of, native_config
 from meshtorch.runtime.hf_train import TOKENIZER, check_prompt
 from meshtorch.runtime.sample import checkpoint_dir, main_sample
 from meshtorch.runtime.train_config import world_size
@@ -52,9 +54,10 @@ def _hf_manifest(checkpoint_dir: str):
 
 
 def _decoder_only(cfg: HFModelConfig, flag: str) -> None:
-    if cfg.family == "t5":
+    if cfg.encoder_decoder:
         raise UsageError(f"{flag}: T5 is an encoder-decoder; the command line fine-tunes and samples decoder-only "
-                         "models (GPT-2, Llama). Use meshtorch.hf.load from Python (docs/huggingface.md).")
+                         "models (GPT-2, Llama, Qwen2, Mistral). Use meshtorch.hf.load from Python "
+                         "(docs/huggingface.md).")
 
 
 def tokenizer_for(dirs, config: HFModelConfig, flag: str, byte: bool = False):
@@ -107,8 +110,9 @@ def main_hf_sample(args):
     cfg, ckpt, tok_dirs, byte = _hf_source(args.checkpoint_dir)
     _decoder_only(cfg, "--checkpoint-dir")
     tok = tokenizer_for(tok_dirs, cfg, "--checkpoint-dir", byte)
-    prompt = check_prompt(tok, args.prompt, cfg.max_positions)
-    length = min(cfg.max_positions, len(prompt) + args.max_new_tokens)
+    context = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)  # a sliding window bounds it too
+    prompt = check_prompt(tok, args.prompt, context)
+    length = min(context, len(prompt) + args.max_new_tokens)
     checks.device("--device", getattr(args, "device", None))
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
@@ -124,10 +128,11 @@ def main_hf_sample(args):
         lw = lm.lowering(mesh_impl=impl)
         restore(lw, ckpt)
     if args.beam:
-        outs = [beam_search(lw, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens)]
+        outs = [beam_search(lw, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens,
+                            use_cache=not getattr(args, "no_cache", False))]
     else:
         outs = sample(lw, lm, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, args.num_samples,
-                      eos_ids=cfg.eos_ids)
+                      eos_ids=cfg.eos_ids, use_cache=not getattr(args, "no_cache", False))
     if impl.is_leader():
         for ids in outs:
             print(args.prompt + tok.decode(ids))
@@ -138,23 +143,27 @@ def main_hf_sample(args):
 def main_export(args) -> list[str]:
     """``meshtorch export --checkpoint-dir CK --hf OUT``: a fine-tuning run's newest checkpoint (or one
     ``ckpt-<step>``) as a Hugging Face directory, restored on ``--mesh`` / ``--layout`` / ``--storage`` and
-    gathered variable by variable; the model's ``tokenizer.json`` is copied along.
+    gathered variable by variable; the model's ``tokenizer.json`` is copied along. A native run is written as
+    GPT-2 where its architecture is GPT-2's (``--norm layer``, ungated feed-forward;
+    :mod:`meshtorch.runtime.hf_native`).
 
     Raises:
-        UsageError: no ``--hf``; CheckpointError: not a checkpoint of ``meshtorch train --init-from``, or
-            ``--hf`` exists and is not empty.
+        UsageError: no ``--hf``; CheckpointError: not a checkpoint of ``meshtorch train``, a native LM that maps to
+            no Hugging Face family (one line naming why), or ``--hf`` exists and is not empty.
     """
     if not args.hf:
         raise UsageError("--hf: give the output directory of the Hugging Face model.")
     checks.positive("--max-shard-mb", args.max_shard_mb)
     if not os.path.isdir(args.checkpoint_dir):
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory.")
+    native = native_config(args.checkpoint_dir)
+    if native is not None:
+        gpt2_config_of(native)  # refused in one line before anything is restored
+        return _export_native(args, native)
     cfg, ckpt, tok_dirs, _ = _hf_source(args.checkpoint_dir)
     if ckpt is None:
         raise CheckpointError(f"--checkpoint-dir {args.checkpoint_dir!r} is already a Hugging Face directory.")
-    if world_size() > 1:
-        init_distributed()
-    impl = make_mesh_impl(args.mesh, args.layout, storage=args.storage or None)
+    impl = _export_impl(args)
     lm = hf.build(cfg.with_shape(1, 1))
     lw = lm.lowering(mesh_impl=impl)
     meta = restore(lw, ckpt)
@@ -167,4 +176,27 @@ def main_export(args) -> list[str]:
                 break
         print(f"exported {cfg.family} step {meta['step']} from {meta['path']} to {args.hf}: {', '.join(written)}",
               file=sys.stdout, flush=True)
+    return written
+
+
+def _export_impl(args):
+    if world_size() > 1:
+        init_distributed()
+    return make_mesh_impl(args.mesh, args.layout, storage=args.storage or None)
+
+
+def _export_native(args, c) -> list[str]:
+    """A native run as GPT-2 (:mod:`meshtorch.runtime.hf_native`); its ``tokenizer.model`` (SentencePiece) is copied
+    along, a byte-level run's ids are UTF-8 bytes (no tokenizer file)."""
+    impl = _export_impl(args)
+    written, meta = export_native(c, args.checkpoint_dir, impl, args.hf, int(args.max_shard_mb * 2**20))
+    if impl.is_leader():
+        root = args.checkpoint_dir if latest_checkpoint(args.checkpoint_dir) else os.path.dirname(
+            os.path.abspath(args.checkpoint_dir))
+        spm = os.path.join(root, "tokenizer.model")
+        if os.path.isfile(spm):
+            shutil.copyfile(spm, os.path.join(args.hf, "tokenizer.model"))
+            written.append("tokenizer.model")
+        print(f"exported the native LM as gpt2 (GPT2LMHeadModel) step {meta['step']} from {meta['path']} to "
+              f"{args.hf}: {', '.join(written)}", file=sys.stdout, flush=True)
     return written

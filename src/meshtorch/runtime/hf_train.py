@@ -22,7 +22,8 @@ from meshtorch.core.errors import UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.data.hf_tokenizer import HFTokenizer
 from meshtorch.data.text import ByteTokenizer
-from meshtorch.models.hf_config import HFModelConfig, parse_hf_config
+from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.hf_families import parse_hf_config
 
 #: the model's tokenizer file in DIR (and beside the run's checkpoints); also ``TrainConfig.tokenizer`` (and
 #: run.json's ``tokenizer``) of a run tokenized with it
@@ -80,9 +81,9 @@ def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModel
         c = parse_hf_config(saved["hf_config"], where=f"the run's {saved.get('run')!r} record")
     else:
         c = hf.read_config(cfg.init_from)
-        if c.family == "t5":
+        if c.encoder_decoder:
             raise UsageError("--init-from: T5 is an encoder-decoder; the command line fine-tunes and samples "
-                             "decoder-only models (GPT-2, Llama). Use meshtorch.hf.load from Python "
+                             "decoder-only models (GPT-2, Llama, Qwen2, Mistral). Use meshtorch.hf.load from Python "
                              "(docs/huggingface.md).")
         hf.check_files(cfg.init_from, c)
     length = cfg.length or min(c.max_positions, MAX_DEFAULT_LENGTH)

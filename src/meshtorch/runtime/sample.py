@@ -127,10 +127,10 @@ def main_sample(args):
                disable=getattr(args, "no_progress", False))
     if args.beam:
         outs = [beam_search(lowering, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens,
-                            progress=bar.update)]
+                            progress=bar.update, use_cache=not getattr(args, "no_cache", False))]
     else:
         outs = sample(lowering, lm, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                      args.num_samples, progress=bar.update)
+                      args.num_samples, progress=bar.update, use_cache=not getattr(args, "no_cache", False))
     bar.close()
     for ids in outs:
         print(args.prompt + tok.decode(ids))
