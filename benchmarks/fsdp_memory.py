@@ -48,7 +48,7 @@ from rss import peak_rss_bytes, reset_peak  # noqa: E402
 import meshtorch as mtf  # noqa: E402
 from meshtorch.models.transformer import build_lm, preset  # noqa: E402
 from meshtorch.planning import MemoryLimitError, check_memory_limit, memory_report  # noqa: E402
-from meshtorch.planning.command import parse_bytes  # noqa: E402
+from meshtorch.runtime.plan_lm import parse_bytes  # noqa: E402
 from meshtorch.testing.spmd import run_spmd  # noqa: E402
 from meshtorch.testing.torch_lm import TorchLM  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Does the cost model rank layouts the way the machine does? Predicted vs measured step time of every layout.
 
 For an LM preset on a mesh, every legal layout that ``--layout auto``'s search ranks
-(:func:`meshtorch.planning.command.plan_lm`, no storage rules or pipelines) and train's default layout are
+(:func:`meshtorch.runtime.plan_lm.plan_lm`, no storage rules or pipelines) and train's default layout are
 (a) priced by :func:`meshtorch.planning.cost.estimate_time` with the calibrated cost model of the backend
 (:mod:`meshtorch.runtime.calibrate`, cached per host/backend/threads; ``--calibrate`` measures again), and
 (b) trained for a few AdamW steps, median step time after the warm-up steps: in this process on the
@@ -38,10 +38,10 @@ from host import describe  # noqa: E402
 import meshtorch as mtf  # noqa: E402
 from meshtorch.models.transformer import build_lm, preset  # noqa: E402
 from meshtorch.planning import memory_report  # noqa: E402
-from meshtorch.planning.command import plan_lm  # noqa: E402
 from meshtorch.planning.cost import estimate_time  # noqa: E402
 from meshtorch.runtime.autolayout import choose_layout, default_layout_for, time_steps  # noqa: E402
 from meshtorch.runtime.calibrate import calibrate  # noqa: E402
+from meshtorch.runtime.plan_lm import plan_lm  # noqa: E402
 
 
 def _cfg(name: str, mesh: str, layout: str, batch: int | None):

@@ -1,4 +1,4 @@
-"""Time ``meshtorch plan --search`` (the layout search of :func:`meshtorch.planning.command.plan_lm`) and write
+"""Time ``meshtorch plan --search`` (the layout search of :func:`meshtorch.runtime.plan_lm.plan_lm`) and write
 its ranking, to compare two source trees (e.g. before/after a planner change) on the same host.
 
     PYTHONPATH=src python benchmarks/plan_search.py --preset base --mesh data:2,model:2,expert:2 \
@@ -15,8 +15,8 @@ import json
 import time
 
 from meshtorch.models.transformer import preset
-from meshtorch.planning.command import plan_lm
 from meshtorch.planning.cost import CostModel
+from meshtorch.runtime.plan_lm import plan_lm
 
 
 def main() -> None:

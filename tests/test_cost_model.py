@@ -11,8 +11,8 @@ import meshtorch as mtf
 from meshtorch.lowering.stages import plan, schedule
 from meshtorch.models.transformer import preset
 from meshtorch.planning import memory_report
-from meshtorch.planning.command import plan_lm
 from meshtorch.planning.cost import CostModel, estimate_time
+from meshtorch.runtime.plan_lm import plan_lm
 
 B, H, L, DK = 2, 4, 16, 8
 

@@ -19,7 +19,7 @@ from meshtorch.planning import (
     search_layouts,
     storage_candidates,
 )
-from meshtorch.planning.command import plan_lm
+from meshtorch.runtime.plan_lm import plan_lm
 
 CFG = preset("tiny", vocab_size=64, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_layers=1, length=16,
              batch_size=8)

@@ -77,7 +77,7 @@ def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(cali
     the pipelined layout meets without recomputation (the planner's ranking without the pipelines needs a
     heavier --remat), train picks ``stage:pipe`` with S x R = --layers and runs it; without a limit a non-pipelined
     choice drops --microbatches instead of failing."""
-    from meshtorch.planning.command import plan_lm
+    from meshtorch.runtime.plan_lm import plan_lm
     argv = ARGS[:ARGS.index("--mesh")] + ["--mesh", "pipe:2", "--layers", "4", "--batch-size", "16", "--threads", "1",
                                           "--layout", "auto", "--microbatches", "8"]
 

@@ -384,8 +384,8 @@ def test_pipelined_program_as_json_initialises_and_runs():
 def test_pipeline_repeats_default_to_every_layer_stacked():
     """--pipeline-repeats defaults to --layers / stages (all layers in the stack); not dividing stays an error."""
     from meshtorch.core.errors import UsageError
-    from meshtorch.planning.command import pipeline_fields as plan_fields
     from meshtorch.runtime.checks import mesh_shape, pipeline_fields
+    from meshtorch.runtime.plan_lm import pipeline_fields as plan_fields
     mesh = mesh_shape("--mesh", "pipe:2,data:2")
     got = pipeline_fields("stage:pipe;batch:data", mesh, None, None, None, num_layers=6, batch_size=8)
     assert got == {"pipeline_stages": 2, "microbatches": 2, "pipeline_repeats": 3}

@@ -19,8 +19,8 @@ from meshtorch.cli import main
 from meshtorch.core.pipeline import PipelineSchedule
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.planning import CostModel, estimate_time, plan_memory
-from meshtorch.planning.command import plan_lm
 from meshtorch.planning.pipeline import schedule_table
+from meshtorch.runtime.plan_lm import plan_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = dict(d_model=32, num_heads=2, d_kv=16, d_ff=64, length=16, vocab_size=64)

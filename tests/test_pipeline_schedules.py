@@ -16,7 +16,7 @@ import meshtorch as mtf
 from meshtorch.cli import main
 from meshtorch.core.schedules import SCHEDULES, Action, ScheduleTable, build_schedule, check_schedule
 from meshtorch.models.transformer import build_lm, preset
-from meshtorch.planning.command import plan_lm
+from meshtorch.runtime.plan_lm import plan_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [(name, S, M, R) for S in (2, 4) for M in (4, 8)

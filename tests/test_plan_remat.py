@@ -9,7 +9,7 @@ from meshtorch.models.transformer import REMAT_POLICIES, build_lm, preset
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning import CostModel
 from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
-from meshtorch.planning.command import plan_lm
+from meshtorch.runtime.plan_lm import plan_lm
 
 CFG = preset("tiny", num_layers=3, length=64, batch_size=16)
 COST = CostModel.cpu()

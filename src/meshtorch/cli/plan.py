@@ -1,5 +1,5 @@
 """``meshtorch plan``: the argument parser (its flags are read in :mod:`meshtorch.runtime.plan_command`; the
-plan is :mod:`meshtorch.planning.command`'s)."""
+plan is :mod:`meshtorch.runtime.plan_lm`'s)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from meshtorch.cli._help import HelpFormatter
 from meshtorch.core.schedules import SCHEDULES
 from meshtorch.models.transformer import PRESETS, REMAT_POLICIES
 from meshtorch.ops.precision import PRECISIONS, REDUCE_DTYPES
-from meshtorch.planning.command import DEFAULT_LAYOUT, DEFAULT_MESH
 from meshtorch.runtime.calibrate import run_plan
+from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, DEFAULT_MESH
 
 
 def add_plan_subcommand(subparsers) -> None:

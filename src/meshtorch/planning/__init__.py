@@ -10,7 +10,7 @@ backend (:mod:`meshtorch.mesh`), not even through another module (import-linter 
 * :mod:`~meshtorch.planning.search`: :func:`search_layouts` ranks the legal layouts of a mesh.
 * :mod:`~meshtorch.planning.budget`: :func:`check_memory_limit` fails an over-budget configuration
   before training, naming a storage rule (FSDP) that would fit.
-* :mod:`~meshtorch.planning.command`: :func:`~meshtorch.planning.command.plan_lm`, what ``meshtorch plan``
+* :mod:`~meshtorch.runtime.plan_lm`: :func:`~meshtorch.runtime.plan_lm.plan_lm`, what ``meshtorch plan``
   prints for the LM (its flags are read in :mod:`meshtorch.runtime.plan_command`).
 * :mod:`~meshtorch.planning.pipeline`: :class:`PipelinePlan`, the pipeline section of a pipelined graph's
   report (bubble fraction, collectives over the stage axis, stacked vs other weights per processor).

@@ -33,9 +33,9 @@ from meshtorch.mesh.process import broadcast_object, init_distributed, is_main_p
 from meshtorch.models.transformer import build_lm
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
-from meshtorch.planning.command import DEFAULT_LAYOUT, pipeline_fields, plan_lm, why_line
 from meshtorch.planning.search import layout_key
 from meshtorch.runtime.calibrate import _host_key, cache_path, calibrate
+from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, pipeline_fields, plan_lm, why_line
 
 WARMUP_STEPS = 1  # excluded: the first step builds the executor's program and allocates the optimizer state
 TIMED_STEPS = 3  # median of these

@@ -1,4 +1,4 @@
-"""``meshtorch plan``'s flags read and checked, then planned (:func:`meshtorch.planning.command.plan_lm`).
+"""``meshtorch plan``'s flags read and checked, then planned (:func:`meshtorch.runtime.plan_lm.plan_lm`).
 
 The parser is :mod:`meshtorch.cli.plan`; this module turns the parsed arguments into a model configuration, a
 cost model and a memory limit, refuses bad flags before the model is built (UsageError / LayoutError naming
@@ -22,12 +22,12 @@ from meshtorch.lowering.stages import PlanOptions, plan
 from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.ops.precision import PrecisionPolicy
-from meshtorch.planning.command import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, training_lm, why_line
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import memory_report
 from meshtorch.planning.pipeline import schedule_flag
 from meshtorch.runtime import pipeline_train
 from meshtorch.runtime.optimizers import make_optimizer
+from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, training_lm, why_line
 
 __all__ = ["backend_options", "check_args", "hardware_cost_model", "main_plan", "your_layout_line"]
 

@@ -21,12 +21,12 @@ from meshtorch.core.layout import LayoutRules
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.ops.precision import PrecisionPolicy
-from meshtorch.planning.command import parse_bytes
 from meshtorch.planning.pipeline import schedule_flag as pipeline_schedule_flag
 from meshtorch.runtime import checks, hf_train, pipeline_train, runs
 from meshtorch.runtime.autolayout import choose_layout
 from meshtorch.runtime.calibrate import cached
 from meshtorch.runtime.optional import optional_module
+from meshtorch.runtime.plan_lm import parse_bytes
 
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_PRESET = "small"
