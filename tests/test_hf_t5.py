@@ -1,6 +1,7 @@
 """T5 v1.1 (``T5ForConditionalGeneration``: gated-gelu, untied head, shared relative attention bias) imported into
 ``mtf.transformer.Bitransformer`` as Mesh TF built it, against ``transformers``: logits under several layouts,
-bitwise export round trip, AdamW fine-tuning, greedy decoding with a decoder start token."""
+bitwise export round trip, AdamW fine-tuning, greedy decoding with a decoder start token, beam search (4 beams) on a
+peaked model."""
 
 from __future__ import annotations
 
@@ -87,6 +88,31 @@ def test_t5_greedy_decoding_equals_generate(saved):
                         decode_length=n)
     got = lw.run(model.decoded, feeds={model.inputs: x})
     assert torch.equal(got.to(torch.int64), want), (got, want)
+
+
+@pytest.mark.parametrize("mesh,layout", [("", ""), ("model:2", "heads:model;d_ff:model;vocab:model")])
+def test_t5_beam_search_equals_generate_num_beams_4(tmp_path, mesh, layout):
+    """Mesh TF's beam search (4 beams, no length penalty) on a model whose attention and output distribution are
+    peaked (q and lm_head scaled by 4, so the beams' scores differ and a wrong weight map moves them) equals
+    ``generate(num_beams=4, length_penalty=0)``. (On the unscaled model a row whose best hypothesis is an
+    immediate EOS differs: Mesh TF finishes it at once, ``transformers`` keeps a longer one.)"""
+    from meshtorch.transformer.t5 import build_hf_t5
+
+    ref = F.make_t5(seed=3)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("q.weight") or name.startswith("lm_head"):
+                p.mul_(4.0)
+    path = F.save_t5(ref, str(tmp_path / "t5"))
+    x, n = F.t5_batch(2, L, seed=5), 12
+    with torch.no_grad():
+        want = ref.generate(x, max_new_tokens=n, num_beams=4, do_sample=False, length_penalty=0.0,
+                            decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
+                            attention_mask=torch.ones_like(x))[:, 1:]
+    model = build_hf_t5(hf.read_config(path).with_shape(2, L), decode_length=n, beam_size=4, alpha=0.0)
+    lw = hf.lower_loaded(model, _impl(mesh, layout, ""), path)
+    got = lw.run(model.decoded, feeds={model.inputs: x}).to(torch.int64)
+    assert want.shape == got.shape and torch.equal(got, want), (got, want)
 
 
 def test_t5_refusals(saved, tmp_path):
