@@ -1,8 +1,9 @@
 """Checkpoints of ``--init-from`` runs written before the one block builder (main 22cc587: GPT-2's ``wte``,
 ``h{i}/attn/q`` + ``h{i}/attn/q_bias``, ``ln_f``; Llama's ``embed_tokens``, ``layers{i}/mlp/gate``, ``norm``) still
-resume and sample. The old names are spelled here from 22cc587's ``hf_tensor_map``, independently of
+resume, sample and export. The old names are spelled here from 22cc587's ``hf_tensor_map``, independently of
 ``meshtorch.models.hf_legacy``: a run is written by today's code, its manifest renamed to the old scheme (as 22cc587
-wrote it), and ``--resume`` must continue it to the losses of an uninterrupted run."""
+wrote it); ``export`` must write the same tensors as before the renaming, ``sample`` must run, and ``--resume``
+must continue it to the losses of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 import re
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -69,12 +72,17 @@ def test_a_22cc587_fine_tune_checkpoint_resumes_and_samples(family, tmp_path, ca
     common = ["--init-from", model, "--data", str(data), "--runs-dir", runs, *FT]
     straight = _run(["train", *common, "--steps", "3", "--run-name", "s"])["history"]["loss"]
     _run(["train", *common, "--steps", "2", "--run-name", "old"])
+    ckpt = os.path.join(runs, "old", "ckpt")
+    assert main(["export", "--checkpoint-dir", ckpt, "--hf", str(tmp_path / "before")]) in (0, None)
     names = _to_old_scheme(os.path.join(runs, "old", "ckpt"), _OLD_GPT2 if family == "gpt2" else _OLD_LLAMA)
     old_embed = "wte" if family == "gpt2" else "embed_tokens"
     assert old_embed in names and "embed" not in names and not any("/kernel" in n for n in names), names
     rc = main(["sample", "--runs-dir", runs, "--run-name", "old", "--prompt", text[:5], "--max-new-tokens", "3",
                "--temperature", "0"])
     assert rc in (0, None), capsys.readouterr()
+    assert main(["export", "--checkpoint-dir", ckpt, "--hf", str(tmp_path / "after")]) in (0, None)
+    before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("before", "after"))
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
     resumed = _run(["train", "--data", str(data), "--runs-dir", runs, *FT, "--steps", "3", "--run-name", "old",
                     "--resume"])["history"]["loss"]
     assert resumed == pytest.approx(straight, rel=1e-6)
