@@ -25,11 +25,13 @@ from meshtorch.cli import build_parser, main  # noqa: E402
 _OLD_GPT2 = {"embed": "wte", "positions": "wpe", "final_norm/scale": "ln_f/scale", "final_norm/bias": "ln_f/bias",
              r"layers(\d+)/attn_norm/(scale|bias)": r"h\1/ln_1/\2", r"layers(\d+)/mlp_norm/(scale|bias)": r"h\1/ln_2/\2",
              r"layers(\d+)/attn/(\w)/kernel": r"h\1/attn/\2", r"layers(\d+)/attn/(\w)/bias": r"h\1/attn/\2_bias",
-             r"layers(\d+)/mlp/(wi|wo)/kernel": r"h\1/mlp/\2", r"layers(\d+)/mlp/(wi|wo)/bias": r"h\1/mlp/\2_bias"}
+             r"layers(\d+)/mlp/(wi|wo)/kernel": r"h\1/mlp/\2",
+             r"layers(\d+)/mlp/(wi|wo)/bias": r"h\1/mlp/\2_bias"}
 _OLD_LLAMA = {"embed": "embed_tokens", "lm_head": "lm_head", "final_norm/scale": "norm/scale",
               r"layers(\d+)/attn_norm/scale": r"layers\1/input_layernorm/scale",
               r"layers(\d+)/mlp_norm/scale": r"layers\1/post_attention_layernorm/scale",
-              r"layers(\d+)/attn/(\w)/kernel": r"layers\1/attn/\2", r"layers(\d+)/mlp/wi_gate/kernel": r"layers\1/mlp/gate",
+              r"layers(\d+)/attn/(\w)/kernel": r"layers\1/attn/\2",
+              r"layers(\d+)/mlp/wi_gate/kernel": r"layers\1/mlp/gate",
               r"layers(\d+)/mlp/wi/kernel": r"layers\1/mlp/up", r"layers(\d+)/mlp/wo/kernel": r"layers\1/mlp/down"}
 FT = ["--eval-every", "10", "--eval-batches", "1", "--plot", "", "--sample", "0", "--schedule", "constant",
       "--clip-norm", "0", "--length", "16", "--batch-size", "4"]

@@ -161,6 +161,7 @@ def decoder_only(cfg: HFModelConfig, flag: str) -> None:
         UsageError: ``cfg`` is T5.
     """
     if cfg.encoder_decoder:
-        raise UsageError(f"{flag}: T5 is an encoder-decoder (it trains on input/target pairs; the command line reads "
-                         "one text stream): the command line fine-tunes and samples decoder-only models (GPT-2, "
-                         "Llama, Qwen2, Mistral). Use meshtorch.hf.load from Python (docs/huggingface.md).")
+        raise UsageError(f"{flag}: T5 is an encoder-decoder (it trains on input/target pairs; meshtorch train reads "
+                         "one text stream): meshtorch train fine-tunes decoder-only models (GPT-2, Llama, Qwen2, "
+                         "Mistral). Fine-tune T5 with meshtorch.hf.load from Python (docs/huggingface.md); "
+                         "meshtorch sample --checkpoint-dir decodes it.")
