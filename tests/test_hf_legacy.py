@@ -23,7 +23,8 @@ from meshtorch.cli import build_parser, main  # noqa: E402
 
 # 22cc587's variable names, by the HF tensor each was read from (models/hf_config.py: hf_tensor_map there)
 _OLD_GPT2 = {"embed": "wte", "positions": "wpe", "final_norm/scale": "ln_f/scale", "final_norm/bias": "ln_f/bias",
-             r"layers(\d+)/attn_norm/(scale|bias)": r"h\1/ln_1/\2", r"layers(\d+)/mlp_norm/(scale|bias)": r"h\1/ln_2/\2",
+             r"layers(\d+)/attn_norm/(scale|bias)": r"h\1/ln_1/\2",
+             r"layers(\d+)/mlp_norm/(scale|bias)": r"h\1/ln_2/\2",
              r"layers(\d+)/attn/(\w)/kernel": r"h\1/attn/\2", r"layers(\d+)/attn/(\w)/bias": r"h\1/attn/\2_bias",
              r"layers(\d+)/mlp/(wi|wo)/kernel": r"h\1/mlp/\2",
              r"layers(\d+)/mlp/(wi|wo)/bias": r"h\1/mlp/\2_bias"}
