@@ -132,6 +132,10 @@ def test_t5_sample_from_the_command_line_equals_generate(tmp_path, capsys):
         args = build_parser().parse_args(argv)
         assert args.func(args) == [want], beam
         assert len(want) > 3 and len(set(want)) > 2, want  # not an immediate EOS nor one id repeated
+    args = build_parser().parse_args(argv[:-8] + ["--temperature", "1.0", "--top-k", "3", "--num-samples", "2",
+                                                   "--seed", "1"])
+    rows = args.func(args)  # sampling (seeded): 2 rows of ids inside the vocabulary
+    assert len(rows) == 2 and all(0 < i < ref.config.vocab_size for r in rows for i in r), rows
     data = tmp_path / "d.txt"
     data.write_text(text)
     capsys.readouterr()
