@@ -1,6 +1,7 @@
 """T5 v1.1 (``T5ForConditionalGeneration``: gated-gelu, untied head, shared relative attention bias) imported into
 ``mtf.transformer.Bitransformer`` as Mesh TF built it, against ``transformers``: logits under several layouts,
-bitwise export round trip, AdamW fine-tuning, greedy decoding with a decoder start token."""
+bitwise export round trip, AdamW fine-tuning, greedy decoding with a decoder start token, beam search (4 beams) on a
+peaked model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import _hf_fixtures as F  # noqa: E402
 import meshtorch as mtf  # noqa: E402
 from meshtorch.checkpoint import hf  # noqa: E402
+from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshtorch.testing import rel_error  # noqa: E402
 
 B, L = 4, 8
@@ -87,6 +89,79 @@ def test_t5_greedy_decoding_equals_generate(saved):
                         decode_length=n)
     got = lw.run(model.decoded, feeds={model.inputs: x})
     assert torch.equal(got.to(torch.int64), want), (got, want)
+
+
+def _peaked_t5(path, seed=3, q=4.0, head=4.0, cross=1.0, eos=True):
+    """The T5 fixture with the q projections scaled by ``q``, lm_head by ``head`` (peaked attention and output
+    distribution) and the encoder-decoder attention's output by ``cross`` (> 1: the decoded ids follow the
+    encoder's input and its order), saved to ``path``. ``eos=False`` zeroes lm_head's EOS row (logit 0: no beam
+    ends early, where Mesh TF's search, as tensor2tensor's, returns a finished hypothesis over any alive one and
+    ``transformers`` ranks both by score)."""
+    ref = F.make_t5(seed=seed)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            for part, k in (("q.weight", q), ("lm_head", head), ("EncDecAttention.o.weight", cross)):
+                if part in name:
+                    p.mul_(k)
+        if not eos:
+            ref.lm_head.weight[1] = 0.0
+    return ref, F.save_t5(ref, str(path))
+
+
+PROMPT = 40
+
+
+def test_t5_sample_from_the_command_line_equals_generate(tmp_path, capsys):
+    """``meshtorch sample --checkpoint-dir T5DIR``: the prompt is the encoder's input; greedy and 4-beam outputs
+    equal ``generate`` (ids up to EOS); ``train --init-from T5DIR`` is refused in one line."""
+    from meshtorch.cli import build_parser, main
+
+    text = F.text()
+    prompt, n = text[:PROMPT], 10
+    kw = dict(max_new_tokens=n, do_sample=False, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+    # 6 distinct greedy ids that reversing the prompt moves; for beam search no EOS (see _peaked_t5)
+    for beam, mesh, layout, eos in ((0, "", "", True), (4, "model:2", "heads:model;d_ff:model;vocab:model", False)):
+        ref, path = _peaked_t5(tmp_path / f"t5-{beam}", q=2.0, cross=4.0, eos=eos)
+        F.bpe_tokenizer(f"{path}/tokenizer.json", text)
+        x = torch.tensor([[int(i) for i in HFTokenizer(f"{path}/tokenizer.json").encode(prompt)]])
+        with torch.no_grad():
+            want = ref.generate(x, **kw, **({"num_beams": beam, "length_penalty": 0.0} if beam else {}))[0, 1:].tolist()
+        want = want[:want.index(1)] if 1 in want else want
+        argv = ["sample", "--checkpoint-dir", path, "--prompt", prompt, "--max-new-tokens", str(n), "--temperature",
+                "0", "--beam", str(beam), "--mesh", mesh, "--layout", layout]
+        args = build_parser().parse_args(argv)
+        assert args.func(args) == [want], beam
+        assert len(want) > 3 and len(set(want)) > 2, want  # not an immediate EOS nor one id repeated
+    args = build_parser().parse_args(argv[:-8] + ["--temperature", "1.0", "--top-k", "3", "--num-samples", "2",
+                                                   "--seed", "1"])
+    rows = args.func(args)  # sampling (seeded): 2 rows of ids inside the vocabulary
+    assert len(rows) == 2 and all(0 < i < ref.config.vocab_size for r in rows for i in r), rows
+    data = tmp_path / "d.txt"
+    data.write_text(text)
+    capsys.readouterr()
+    assert main(["train", "--init-from", path, "--data", str(data), "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--init-from: T5 is an encoder-decoder" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("mesh,layout", [("", ""), ("model:2", "heads:model;d_ff:model;vocab:model")])
+def test_t5_beam_search_equals_generate_num_beams_4(tmp_path, mesh, layout):
+    """Mesh TF's beam search (4 beams, no length penalty) on a model whose attention and output distribution are
+    peaked (:func:`_peaked_t5`, so the beams' scores differ and a wrong weight map moves them) equals
+    ``generate(num_beams=4, length_penalty=0)``. (On the unscaled model a row whose best hypothesis is an
+    immediate EOS differs: Mesh TF finishes it at once, ``transformers`` keeps a longer one.)"""
+    from meshtorch.transformer.t5 import build_hf_t5
+
+    ref, path = _peaked_t5(tmp_path)
+    x, n = F.t5_batch(2, L, seed=5), 12
+    with torch.no_grad():
+        want = ref.generate(x, max_new_tokens=n, num_beams=4, do_sample=False, length_penalty=0.0,
+                            decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
+                            attention_mask=torch.ones_like(x))[:, 1:]
+    model = build_hf_t5(hf.read_config(path).with_shape(2, L), decode_length=n, beam_size=4, alpha=0.0)
+    lw = hf.lower_loaded(model, _impl(mesh, layout, ""), path)
+    got = lw.run(model.decoded, feeds={model.inputs: x}).to(torch.int64)
+    assert want.shape == got.shape and torch.equal(got, want), (got, want)
 
 
 def test_t5_refusals(saved, tmp_path):

@@ -56,7 +56,9 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
     regions that overlap it (partial reads via ``safe_open(...).get_slice``). Dims saved in another
     order are permuted. Every variable's entry and every needed file is checked before any variable
     is overwritten. ``lowering.run_count`` is restored when both the Lowering and the checkpoint
-    have one; a different graph seed gives a warning (random ops would draw other numbers).
+    have one; a different graph seed gives a warning (random ops would draw other numbers). A variable the
+    checkpoint lacks is looked up under its older name when the graph has a ``legacy_names`` dict ``{name: name
+    in older checkpoints}`` (:func:`meshtorch.models.hf_legacy.legacy_names`; slots by prefix).
 
     Returns:
         metadata dict: ``path, step, extra, rng, meshes, meshtorch_version, missing, unused``
@@ -72,8 +74,14 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
     saved = m.get("variables", {})
     files = m.get("files", {})
     plan, missing = [], []
+    legacy = getattr(lowering.graph, "legacy_names", None) or {}
+    used = set()
     for var, out, impl, layout in _var_table(lowering):
         entry = saved.get(var.name)
+        if entry is None and legacy:
+            old = _legacy_name(var.name, legacy)
+            entry = saved.get(old)
+            used.add(old)
         if entry is None:
             missing.append(var.name)
             continue
@@ -104,7 +112,17 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
         lowering.run_count = rng["run_count"]
     return {"path": ckpt, "step": m.get("step"), "extra": m.get("extra"), "rng": rng, "meshes": m.get("meshes"),
             "meshtorch_version": m.get("meshtorch_version"), "missing": missing,
-            "unused": sorted(set(saved) - {v.name for v in lowering.variables})}
+            "unused": sorted(set(saved) - {v.name for v in lowering.variables} - used)}
+
+
+def _legacy_name(name: str, legacy: dict) -> str | None:
+    """``name``'s name in an older checkpoint: the longest prefix of ``name`` that ``legacy`` maps, ending at the
+    name's end or before a ``/`` or ``_`` (an optimizer slot such as ``{var}/adam_m`` or ``{var}_slot_v`` follows
+    its variable), replaced by its old name; None if none."""
+    for i in range(len(name), 0, -1):
+        if (i == len(name) or name[i] in "/_") and name[:i] in legacy:
+            return legacy[name[:i]] + name[i:]
+    return None
 
 
 def _check_entry(var, out, entry, ckpt, files) -> list[int]:

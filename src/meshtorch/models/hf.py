@@ -39,6 +39,7 @@ from meshtorch.lowering import Lowering
 from meshtorch.models.decoding import DecoderGraph, build_decoder
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes
 from meshtorch.models.hf_families import hf_tensor_map
+from meshtorch.models.hf_legacy import legacy_names
 from meshtorch.models.transformer import REMAT_POLICIES, keeps_matmuls, training_updates
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.activations import swish
@@ -186,7 +187,9 @@ def build_hf_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
     if c.encoder_decoder:
         raise ValueError(f"build_hf_decoder: no KV-cache decoder for the encoder-decoder family {c.family!r}.")
     d = _dims(c)
-    return build_decoder(c, lambda mesh, ids, position, attn: _forward(c, d, mesh, ids, position, attn), seed)
+    dec = build_decoder(c, lambda mesh, ids, position, attn: _forward(c, d, mesh, ids, position, attn), seed)
+    dec.graph.legacy_names = legacy_names(c)  # checkpoints of main 22cc587 and earlier restore too
+    return dec
 
 
 def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None) -> HFGraph:
@@ -218,6 +221,7 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
         raise ValueError(f"build_hf_lm: remat must be one of {', '.join(REMAT_POLICIES)}, got {c.remat!r}.")
     d = _dims(c)
     graph = Graph(seed=seed)
+    graph.legacy_names = legacy_names(c)  # checkpoints of main 22cc587 and earlier restore too
     mesh = Mesh(graph, "mesh")
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)

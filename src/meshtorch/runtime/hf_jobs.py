@@ -30,6 +30,7 @@ from meshtorch.models.hf_families import parse_hf_config
 from meshtorch.runtime import checks
 from meshtorch.runtime.generate import beam_search, sample
 from meshtorch.runtime.hf_native import export_native, gpt2_config_of, native_config
+from meshtorch.runtime.hf_t5_sample import t5_sample
 from meshtorch.runtime.hf_train import TOKENIZER, check_prompt
 from meshtorch.runtime.sample import checkpoint_dir, main_sample
 from meshtorch.runtime.train_config import world_size
@@ -51,13 +52,6 @@ def _hf_manifest(checkpoint_dir: str):
         return None
     m = load_manifest(path)
     return m if "hf_config" in (m.get("extra") or {}) else None
-
-
-def _decoder_only(cfg: HFModelConfig, flag: str) -> None:
-    if cfg.encoder_decoder:
-        raise UsageError(f"{flag}: T5 is an encoder-decoder; the command line fine-tunes and samples decoder-only "
-                         "models (GPT-2, Llama, Qwen2, Mistral). Use meshtorch.hf.load from Python "
-                         "(docs/huggingface.md).")
 
 
 def tokenizer_for(dirs, config: HFModelConfig, flag: str, byte: bool = False):
@@ -102,13 +96,13 @@ def _hf_source(d: str):
 
 def main_hf_sample(args):
     """``meshtorch sample --checkpoint-dir D`` where D is a Hugging Face directory or a fine-tuning run:
-    decode with the model's tokenizer (greedy with ``--temperature 0``, top-k, beam)."""
+    decode with the model's tokenizer (greedy with ``--temperature 0``, top-k, beam; a T5 directory:
+    :func:`meshtorch.runtime.hf_t5_sample.t5_sample`)."""
     checks.positive("--max-new-tokens", args.max_new_tokens)
     checks.positive("--num-samples", args.num_samples)
     for flag in ("temperature", "top_k", "beam"):
         checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
     cfg, ckpt, tok_dirs, byte = _hf_source(args.checkpoint_dir)
-    _decoder_only(cfg, "--checkpoint-dir")
     tok = tokenizer_for(tok_dirs, cfg, "--checkpoint-dir", byte)
     context = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)  # a sliding window bounds it too
     prompt = check_prompt(tok, args.prompt, context)
@@ -116,6 +110,8 @@ def main_hf_sample(args):
     checks.device("--device", getattr(args, "device", None))
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
+    if cfg.encoder_decoder:  # a T5 directory (the command line trains no T5 run)
+        return t5_sample(args, cfg, args.checkpoint_dir, tok, prompt)
     impl = make_mesh_impl(args.mesh, args.layout, device=getattr(args, "device", None))
     axis = impl.tensor_dimension_to_mesh_axis("batch")
     split = 1 if axis is None else impl.shape[axis].size

@@ -81,10 +81,7 @@ def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModel
         c = parse_hf_config(saved["hf_config"], where=f"the run's {saved.get('run')!r} record")
     else:
         c = hf.read_config(cfg.init_from)
-        if c.encoder_decoder:
-            raise UsageError("--init-from: T5 is an encoder-decoder; the command line fine-tunes and samples "
-                             "decoder-only models (GPT-2, Llama, Qwen2, Mistral). Use meshtorch.hf.load from Python "
-                             "(docs/huggingface.md).")
+        decoder_only(c, "--init-from")
         hf.check_files(cfg.init_from, c)
     length = cfg.length or min(c.max_positions, MAX_DEFAULT_LENGTH)
     try:
@@ -155,3 +152,16 @@ def record_fields(cfg, model: HFModelConfig) -> dict:
 
 __all__ = ["TOKENIZER", "check_prompt", "model_config", "record_fields", "refuse_flags",
            "save_tokenizer", "tokenizer"]
+
+
+def decoder_only(cfg: HFModelConfig, flag: str) -> None:
+    """Refuse an encoder-decoder model (T5) for ``flag`` of the command line, in one line saying why and what to use.
+
+    Raises:
+        UsageError: ``cfg`` is T5.
+    """
+    if cfg.encoder_decoder:
+        raise UsageError(f"{flag}: T5 is an encoder-decoder (it trains on input/target pairs; meshtorch train reads "
+                         "one text stream): meshtorch train fine-tunes decoder-only models (GPT-2, Llama, Qwen2, "
+                         "Mistral). Fine-tune T5 with meshtorch.hf.load from Python (docs/huggingface.md); "
+                         "meshtorch sample --checkpoint-dir decodes it.")

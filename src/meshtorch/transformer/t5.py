@@ -63,7 +63,8 @@ def t5_bitransformer(vocab_size: int, d_model: int, num_heads: int, d_kv: int, d
 
 
 def build_hf_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None,
-                decode_length: int = 0) -> HFGraph:
+                decode_length: int = 0, beam_size: int = 1, alpha: float = 0.6, temperature: float = 0.0,
+                top_k: int = -1) -> HFGraph:
     """The graph of ``T5ForConditionalGeneration`` for an imported ``config`` (batch and length from
     :meth:`HFModelConfig.with_shape`; encoder and decoder both get ``length``).
 
@@ -75,7 +76,12 @@ def build_hf_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
 
     With ``decode_length`` > 0 the graph decodes instead (Mesh TF ``Bitransformer.decode``, greedy):
     ``decoded`` int32 ``[batch, decode_length]``, the ids after the start token, 0 after the first EOS
-    (id 1) as ``generate(do_sample=False)`` pads; ``logits`` and ``loss`` are None.
+    (id 1) as ``generate(do_sample=False)`` pads; ``logits`` and ``loss`` are None. ``beam_size`` > 1: Mesh TF's
+    beam search instead (``Unitransformer.beam_search``, the best beam; it decodes up to 1.5 x the longest input +
+    10 ids, within ``decode_length``); hypotheses are ranked by summed log-probability divided by
+    ``((5 + len) / 6) ** alpha`` (GNMT's length penalty; ``alpha=0``: unnormalised, as ``transformers``'
+    ``generate(num_beams=..., length_penalty=0)``). ``temperature`` > 0 (``beam_size`` 1): sampling at that
+    temperature from the ``top_k`` most likely ids (-1: all), with the graph's ``seed``.
     """
     c = config
     graph = Graph(seed=seed)
@@ -86,7 +92,8 @@ def build_hf_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     model = t5_bitransformer(c.vocab_size, c.d_model, c.num_heads, c.d_kv, c.d_ff, c.num_layers, c.num_decoder_layers,
                              c.relative_buckets, c.gated)
     if decode_length:
-        decoded = model.decode(inputs, beam_size=1, temperature=0.0, max_decode_length=decode_length)
+        decoded = model.decode(inputs, beam_size=beam_size, alpha=alpha, temperature=temperature,
+                               sampling_keep_top_k=top_k if temperature else -1, max_decode_length=decode_length)
         return HFGraph(c, graph, mesh, inputs, targets, None, None, [], bitransformer=model, decoded=decoded)
     logits, loss = model.call_simple(inputs, targets, compute_loss=True, mode="train" if optimizer else "eval")
     updates = []
