@@ -103,7 +103,8 @@ def test_gradient_actions_recompute_no_forward():
     """The forward run stashes what the gradient programs read from it, so (planned, per virtual stage) no
     ``B``/``I``/``W`` program runs an einsum of the forward program, ``F`` + ``B`` einsum FLOPs equal those of one
     program fetching the output and every gradient (which computes the forward once), and a ``B`` given the
-    stash gives bitwise the gradients of one that recomputes; executed, one 1F1B step's einsum FLOPs (the
+    stash (or an ``I`` and a ``W`` given its activation gradients) gives bitwise the gradients of one that
+    recomputes; executed, one 1F1B step's einsum FLOPs (the
     sessions' counters) are M times that forward-plus-backward."""
     S, M = 2, 4
     programs = stage_programs(_cfg(S), S, M, 1, MESH, LAYOUT, STORAGE)
@@ -119,6 +120,13 @@ def test_gradient_actions_recompute_no_forward():
             if fetches:
                 assert not {st.op for st in lw.plan(fetches, p.saved).steps if st.flops} & fw_einsums, kind
         grads = pipeline_exec.action_fetches(p, "B")
+        if p.input_grad is not None:  # zero-bubble: W is given I's activation gradients, I + W = B
+            i_plan = lw.plan([p.input_grad], p.saved)
+            w_plan = lw.plan(pipeline_exec.action_fetches(p, "W"), p.saved + p.saved_grads)
+            assert p.saved_grads and not {st.op for st in w_plan.steps if st.flops} & {
+                st.op for st in i_plan.steps if st.flops}
+            assert (i_plan.counters.einsum_flops + w_plan.counters.einsum_flops
+                    == lw.plan_counters(grads, given=p.saved).einsum_flops)
         joint.append(lw.plan_counters([p.output] + grads).einsum_flops)
         assert fw.counters.einsum_flops + lw.plan_counters(grads, given=p.saved).einsum_flops == joint[-1]
         feeds = {p.inputs: ids[:BATCH // M] if p.stage == 0 else torch.randn(BATCH // M, 8, 16)}
@@ -128,6 +136,10 @@ def test_gradient_actions_recompute_no_forward():
             feeds[p.output_grad] = torch.randn(BATCH // M, 8, 16)
         _, saved = lw.run_stashed([p.output], feeds, stash=p.saved)
         given, _ = lw.run_stashed(grads, feeds, given=saved)
+        if p.input_grad is not None:
+            _, more = lw.run_stashed([p.input_grad], feeds, given=saved, stash=p.saved_grads)
+            w, _ = lw.run_stashed(grads[1:], feeds, given={**saved, **more})
+            given = given[:1] + w
         for a, b in zip(given, lw.run(grads, feeds), strict=True):
             assert torch.equal(a, b)
     before = [p.lowering.counters.einsum_flops for p in programs]

@@ -231,11 +231,12 @@ class Lowering:
         fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
         return self.session.plan(self._fetch_keys(fetches), tuple(given))
 
-    def stash_slots(self, first, later) -> tuple:
-        """The slots a run of ``later`` (Tensors/Operations) reads from the steps a run of ``first`` computes:
-        what ``first`` must stash so that ``later``, given them (:meth:`run_stashed`), runs none of ``first``'s
-        steps. For a forward output and its gradients these are the activations autodiff saved (the
-        transpose's inputs from the forward pass), so the backward does not recompute the forward."""
+    def stash_slots(self, first, later, given=()) -> tuple:
+        """The slots a run of ``later`` (Tensors/Operations) reads from the steps a run of ``first`` computes
+        (both given the slots ``given``): what ``first`` must stash so that ``later``, given them
+        (:meth:`run_stashed`), runs none of ``first``'s steps. For a forward output and its gradients these are
+        the activations autodiff saved (the transpose's inputs from the forward pass), so the backward does not
+        recompute the forward; for an input gradient and the weight gradients, the activation gradients."""
         first = list(first) if isinstance(first, list | tuple) else [first]
         later = list(later) if isinstance(later, list | tuple) else [later]
         prog = self.program
@@ -244,7 +245,7 @@ class Lowering:
             slots = {prog.tensors[k[1]].slot if k[0] == "tensor" else None for k in self._fetch_keys(fetches) if k}
             slots |= {s for k in self._fetch_keys(fetches) if k and k[0] == "assign" for _, s in
                       prog.assignments[k[1]]}
-            return select_steps(prog.steps, slots - {None}, set())[0]
+            return select_steps(prog.steps, slots - {None}, set(), given)[0]
 
         done = {id(st) for st in steps(first)}
         later_steps = steps(later)

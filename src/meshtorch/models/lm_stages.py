@@ -12,7 +12,8 @@ programs in a schedule's order is :mod:`meshtorch.runtime.pipeline_exec`.
 
 The forward run stashes the activations the gradient programs read from it (``saved``: the slots
 :meth:`~meshtorch.lowering.Lowering.stash_slots` finds, what autodiff saved) and every gradient run is given them
-(:meth:`~meshtorch.lowering.Lowering.run_stashed`), so no gradient program recomputes the forward pass.
+(:meth:`~meshtorch.lowering.Lowering.run_stashed`), so no gradient program recomputes the forward pass; a
+zero-bubble ``I`` likewise stashes the activation gradients its ``W`` reads (``saved_grads``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class StageProgram:
     stage 0), ``weights`` and ``weight_grads`` (by variable name), ``targets`` (last stage); with an optimizer
     ``grad_feeds`` (by variable name: the placeholder of the gradient the update applies), ``clip_coefficient``
     (float32 ``[]`` placeholder multiplying them, or None) and ``updates`` (the optimizer's assign ops);
-    ``saved``: the lowering's slots the forward run stashes for the gradient runs (activations autodiff saved)."""
+    ``saved``: the lowering's slots the forward run stashes for the gradient runs (activations autodiff saved);
+    ``saved_grads``: the slots an ``I`` run stashes for the ``W`` run (activation gradients inside the stage)."""
 
     stage: int
     lowering: Lowering
@@ -58,6 +60,7 @@ class StageProgram:
     clip_coefficient: object | None = None
     updates: list = field(default_factory=list)
     saved: tuple = ()
+    saved_grads: tuple = ()
 
 
 def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: int = 1, mesh_shape: str = "",
@@ -143,6 +146,7 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
                                               [weights[n] for n in names])
         lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage or None)}, mode=mode)
         saved = lw.stash_slots([y], ([gin] if v else []) + list(gw))
+        saved_grads = lw.stash_slots([gin], list(gw), given=saved) if v else ()
         out.append(StageProgram(v, lw, inputs, y, dy, gin, weights, dict(zip(names, gw, strict=True)), targets,
-                                feeds, coef, updates, saved))
+                                feeds, coef, updates, saved, saved_grads))
     return out

@@ -104,7 +104,10 @@ class _Executor:
                 self.send(self.acts, (v + 1, m), y, r, t.rank_of(v + 1), 2 * ((v + 1) * M + m))
             return
         fetch_in, names = _gradient_fetches(p, a.kind)
-        out, _ = p.lowering.run_stashed(action_fetches(p, a.kind), feeds, given=self.saved[(v, m)])
+        saved = self.saved[(v, m)]
+        out, more = p.lowering.run_stashed(action_fetches(p, a.kind), feeds, given=saved,
+                                           stash=p.saved_grads if a.kind == "I" else ())
+        saved.update(more)  # an I's activation gradients, for its W
         if fetch_in:
             self.send(self.grads_in, (v - 1, m), out[0], r, t.rank_of(v - 1), tag + 1)
             out = out[1:]
@@ -138,7 +141,8 @@ def action_fetches(p, kind: str) -> list:
 def action_flops(programs: list):
     """``cost(action)``: the planned einsum FLOPs of one action's program (global over the mesh inside a stage;
     :meth:`~meshtorch.Lowering.plan_counters`, nothing run; a gradient action is given its forward's stashed
-    activations, so it counts no forward einsum), memoized per (virtual stage, kind). ``programs``: every virtual stage's
+    activations, so it counts no forward einsum, and a ``W`` its ``I``'s activation gradients), memoized per
+    (virtual stage, kind). ``programs``: every virtual stage's
     (:func:`~meshtorch.models.lm_stages.stage_programs` without ``rank``)."""
     cost: dict = {}
 
@@ -147,7 +151,8 @@ def action_flops(programs: list):
         if key not in cost:
             f = action_fetches(programs[a.stage], a.kind)
             p = programs[a.stage]
-            cost[key] = p.lowering.plan_counters(f, given=() if a.kind == "F" else p.saved).einsum_flops if f else 0
+            given = {"F": (), "W": p.saved + p.saved_grads}.get(a.kind, p.saved)
+            cost[key] = p.lowering.plan_counters(f, given=given).einsum_flops if f else 0
         return cost[key]
 
     return flops
