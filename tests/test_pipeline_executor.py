@@ -104,7 +104,7 @@ def test_gradient_actions_recompute_no_forward():
     ``B``/``I``/``W`` program runs an einsum of the forward program, ``F`` + ``B`` einsum FLOPs equal those of one
     program fetching the output and every gradient (which computes the forward once), and a ``B`` given the
     stash (or an ``I`` and a ``W`` given its activation gradients) gives bitwise the gradients of one that
-    recomputes; executed, one 1F1B step's einsum FLOPs (the
+    recomputes; executed, one 1F1B or zero-bubble step's einsum FLOPs (the
     sessions' counters) are M times that forward-plus-backward."""
     S, M = 2, 4
     programs = stage_programs(_cfg(S), S, M, 1, MESH, LAYOUT, STORAGE)
@@ -142,10 +142,11 @@ def test_gradient_actions_recompute_no_forward():
             given = given[:1] + w
         for a, b in zip(given, lw.run(grads, feeds), strict=True):
             assert torch.equal(a, b)
-    before = [p.lowering.counters.einsum_flops for p in programs]
-    run_schedule(build_schedule("1f1b", S, M), programs, ids, tg)
-    assert [p.lowering.counters.einsum_flops - b for p, b in zip(programs, before, strict=True)] == [
-        M * j for j in joint]
+    for name in ("1f1b", "zero-bubble"):
+        before = [p.lowering.counters.einsum_flops for p in programs]
+        run_schedule(build_schedule(name, S, M), programs, ids, tg)
+        assert [p.lowering.counters.einsum_flops - b for p, b in zip(programs, before, strict=True)] == [
+            M * j for j in joint], name
 
 
 def test_refuses_what_it_cannot_cut():
