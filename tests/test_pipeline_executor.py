@@ -99,6 +99,56 @@ def test_a_skipped_send_fails(monkeypatch):
     assert dropped == [(1, 0)]
 
 
+def test_gradient_actions_recompute_no_forward():
+    """The forward run stashes what the gradient programs read from it, so (planned, per virtual stage) no
+    ``B``/``I``/``W`` program runs an einsum of the forward program, ``F`` + ``B`` einsum FLOPs equal those of one
+    program fetching the output and every gradient (which computes the forward once), and a ``B`` given the
+    stash (or an ``I`` and a ``W`` given its activation gradients) gives bitwise the gradients of one that
+    recomputes; executed, one 1F1B or zero-bubble step's einsum FLOPs (the
+    sessions' counters) are M times that forward-plus-backward."""
+    S, M = 2, 4
+    programs = stage_programs(_cfg(S), S, M, 1, MESH, LAYOUT, STORAGE)
+    ids, tg = _batch()
+    joint = []
+    for p in programs:
+        lw = p.lowering
+        fw = lw.plan([p.output])
+        fw_einsums = {st.op for st in fw.steps if st.flops}
+        assert fw_einsums and p.saved
+        for kind in ("B", "I", "W"):
+            fetches = pipeline_exec.action_fetches(p, kind)
+            if fetches:
+                assert not {st.op for st in lw.plan(fetches, p.saved).steps if st.flops} & fw_einsums, kind
+        grads = pipeline_exec.action_fetches(p, "B")
+        if p.input_grad is not None:  # zero-bubble: W is given I's activation gradients, I + W = B
+            i_plan = lw.plan([p.input_grad], p.saved)
+            w_plan = lw.plan(pipeline_exec.action_fetches(p, "W"), p.saved + p.saved_grads)
+            assert p.saved_grads and not {st.op for st in w_plan.steps if st.flops} & {
+                st.op for st in i_plan.steps if st.flops}
+            assert (i_plan.counters.einsum_flops + w_plan.counters.einsum_flops
+                    == lw.plan_counters(grads, given=p.saved).einsum_flops)
+        joint.append(lw.plan_counters([p.output] + grads).einsum_flops)
+        assert fw.counters.einsum_flops + lw.plan_counters(grads, given=p.saved).einsum_flops == joint[-1]
+        feeds = {p.inputs: ids[:BATCH // M] if p.stage == 0 else torch.randn(BATCH // M, 8, 16)}
+        if p.targets is not None:
+            feeds[p.targets] = tg[:BATCH // M]
+        if p.output_grad is not None:
+            feeds[p.output_grad] = torch.randn(BATCH // M, 8, 16)
+        _, saved = lw.run_stashed([p.output], feeds, stash=p.saved)
+        given, _ = lw.run_stashed(grads, feeds, given=saved)
+        if p.input_grad is not None:
+            _, more = lw.run_stashed([p.input_grad], feeds, given=saved, stash=p.saved_grads)
+            w, _ = lw.run_stashed(grads[1:], feeds, given={**saved, **more})
+            given = given[:1] + w
+        for a, b in zip(given, lw.run(grads, feeds), strict=True):
+            assert torch.equal(a, b)
+    for name in ("1f1b", "zero-bubble"):
+        before = [p.lowering.counters.einsum_flops for p in programs]
+        run_schedule(build_schedule(name, S, M), programs, ids, tg)
+        assert [p.lowering.counters.einsum_flops - b for p, b in zip(programs, before, strict=True)] == [
+            M * j for j in joint], name
+
+
 def test_refuses_what_it_cannot_cut():
     with pytest.raises(ValueError, match="num_layers"):
         stage_programs(_cfg(3), 2, 4)

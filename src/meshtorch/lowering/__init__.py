@@ -29,7 +29,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.planner import Planner
-from meshtorch.lowering.program import Program, Step, SubProgram, program_str
+from meshtorch.lowering.program import Program, Step, SubProgram, program_str, select_steps
 from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
 from meshtorch.lowering.session import Session, bind
 from meshtorch.lowering.stages import PlanOptions, fetch_keys, plan
@@ -225,10 +225,44 @@ class Lowering:
     def _fetch_keys(self, fetches: list) -> tuple:
         return fetch_keys(self.planner, fetches)
 
-    def plan(self, fetches):
-        """The session's :class:`~meshtorch.lowering.session.Plan` for ``fetches`` (Tensors/Operations)."""
+    def plan(self, fetches, given=()):
+        """The session's :class:`~meshtorch.lowering.session.Plan` for ``fetches`` (Tensors/Operations), given
+        the slots ``given`` (see :meth:`run_stashed`)."""
         fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
-        return self.session.plan(self._fetch_keys(fetches))
+        return self.session.plan(self._fetch_keys(fetches), tuple(given))
+
+    def stash_slots(self, first, later, given=()) -> tuple:
+        """The slots a run of ``later`` (Tensors/Operations) reads from the steps a run of ``first`` computes
+        (both given the slots ``given``): what ``first`` must stash so that ``later``, given them
+        (:meth:`run_stashed`), runs none of ``first``'s steps. For a forward output and its gradients these are
+        the activations autodiff saved (the transpose's inputs from the forward pass), so the backward does not
+        recompute the forward; for an input gradient and the weight gradients, the activation gradients."""
+        first = list(first) if isinstance(first, list | tuple) else [first]
+        later = list(later) if isinstance(later, list | tuple) else [later]
+        prog = self.program
+
+        def steps(fetches):
+            slots = {prog.tensors[k[1]].slot if k[0] == "tensor" else None for k in self._fetch_keys(fetches) if k}
+            slots |= {s for k in self._fetch_keys(fetches) if k and k[0] == "assign" for _, s in
+                      prog.assignments[k[1]]}
+            return select_steps(prog.steps, slots - {None}, set(), given)[0]
+
+        done = {id(st) for st in steps(first)}
+        later_steps = steps(later)
+        shared = {o for st in later_steps if id(st) in done for o in st.outputs}
+        return tuple(sorted({s for st in later_steps if id(st) not in done for s in st.inputs} & shared))
+
+    def run_stashed(self, fetches: list, feeds: dict | None = None, given: dict | None = None,
+                    stash: tuple = ()) -> tuple[list, dict]:
+        """:meth:`run` ``fetches`` (a list) handing laid-out values between runs: ``given`` (``{slot: laid-out
+        value}``, a dict an earlier ``run_stashed`` of this lowering returned) replaces the steps producing
+        those slots; ``stash`` (slots, e.g. :meth:`stash_slots`) are kept and returned. Returns ``(results,
+        {slot: laid-out value})``. The values are this process's, never exported or copied."""
+        if not self.materialize:
+            raise RuntimeError("Lowering(..., materialize=False) is a dry run: it cannot run.")
+        named = {t.name: v for t, v in (feeds or {}).items()}
+        out = self.session.run(self._fetch_keys(list(fetches)), named, given=given, stash=tuple(stash))
+        return (out[:-1], out[-1]) if stash else (out, {})
 
     def to_json(self, fetches=()) -> str:
         """The program as JSON, with ``fetches`` (Tensors to be fetched by name) made fetchable first.
@@ -268,7 +302,7 @@ class Lowering:
         out = self.session.run(self._fetch_keys(fetches), named, feed_slices, return_slices)
         return out[0] if single else out
 
-    def plan_counters(self, fetches, loop_iterations: int | dict | None = None) -> Counters:
+    def plan_counters(self, fetches, loop_iterations: int | dict | None = None, given=()) -> Counters:
         """Communication and FLOPs that one ``run(fetches)`` will cost, computed without running.
 
         Args:
@@ -279,6 +313,7 @@ class Lowering:
                 condition ``n + 1`` times, as :meth:`run` does; a nested loop's count is per
                 iteration of the enclosing loop. Default None: loop bodies and conditions count
                 zero times.
+            given: slots the run is given (:meth:`run_stashed`): their producing steps are not counted.
 
         Returns:
             :class:`~meshtorch.lowering.counters.Counters` (``runs`` = 1).
@@ -287,7 +322,7 @@ class Lowering:
             ValueError: a negative trip count, or a name in ``loop_iterations`` that is no while loop
                 of this program (the message lists the loops there are).
         """
-        plan = self.plan(fetches)
+        plan = self.plan(fetches, given)
         c = Counters()
         c.add(plan.counters)
         if loop_iterations is None:

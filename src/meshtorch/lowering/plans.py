@@ -47,6 +47,8 @@ class Plan:
     bound: list = field(default_factory=list)
     fn: object = None  # the generated straight-line function (codegen mode)
     compiled: bool = False  # fn is torch.compile'd
+    given: tuple = ()  # slots whose laid-out values the run is given (their producers not run)
+    stash: tuple = ()  # slots whose laid-out values the run returns besides the fetches
 
 
 class Processes:
@@ -78,8 +80,14 @@ class Processes:
         return self._device
 
 
-def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, first_bucket_bytes: int = 0) -> Plan:
+def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, first_bucket_bytes: int = 0,
+               given: tuple = (), stash: tuple = ()) -> Plan:
     """The :class:`Plan` of one run of ``fetches`` (``("tensor", name)``, ``("assign", op name)`` or None each).
+
+    ``given``: slots the run is handed as laid-out values (an earlier run's ``stash``), so the steps that only
+    produce them are pruned; ``stash``: slots the run keeps (never freed or written in place) and returns as
+    laid-out values, as it does fetches. Together they hand a forward pass's saved activations to a later
+    gradient run (:mod:`meshtorch.runtime.pipeline_exec`).
 
     Args:
         program: the :class:`~meshtorch.lowering.program.Program`.
@@ -100,10 +108,12 @@ def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, 
             fetch_slots.append((None, None))
         else:
             fetch_slots.append((p.tensors[f[1]].slot, f[1]))
-    needed = {s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments}
-    keep = needed | set(p.constants)  # results, new variable values and constants are never freed
-    steps, _ = select_steps(p.steps, needed, keep)
+    needed = {s for s, _ in fetch_slots if s is not None} | {s for _, s in assignments} | set(stash)
+    # results, new variable values, constants and given values are never freed (nor overwritten in place)
+    keep = needed | set(p.constants) | set(given)
+    steps, _ = select_steps(p.steps, needed, keep, given)
     needed |= {s for st in steps for s in st.inputs}
+    needed -= set(given)
     c = count(steps)
     c.runs = 1
     # scheduling passes (schedule.py): FSDP gather buckets, prefetch as deep as the storage-ruled
@@ -119,4 +129,4 @@ def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, 
     frees = frees_after(steps, keep)
     return Plan(steps, frees,
                 [(n, t.slot) for n, t in p.placeholders.items() if t.slot in needed],
-                var_reads, assignments, fetch_slots, c)
+                var_reads, assignments, fetch_slots, c, given=tuple(given), stash=tuple(stash))

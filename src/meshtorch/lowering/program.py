@@ -278,15 +278,16 @@ def program_str(steps) -> str:
     return "\n".join(lines)
 
 
-def select_steps(steps, needed: set, keep: set):
+def select_steps(steps, needed: set, keep: set, given=frozenset()):
     """The steps ``needed`` slots depend on (in order, reductions hoisted by :func:`hoist_collectives`),
-    and per step the slots to free after it."""
-    needed = set(needed)
+    and per step the slots to free after it. Slots in ``given`` arrive with the run's inputs (fed laid-out
+    values, TF's feed-any-tensor): the steps producing them are not selected for their sake."""
+    needed = set(needed) - set(given)
     chosen = []
     for st in reversed(steps):
         if any(o in needed for o in st.outputs):
             chosen.append(st)
-            needed.update(st.inputs)
+            needed.update(s for s in st.inputs if s not in given)
     chosen.reverse()
     chosen = hoist_collectives(chosen)
     return chosen, frees_after(chosen, keep)

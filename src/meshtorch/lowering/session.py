@@ -110,33 +110,41 @@ class Session:
             self._constants = executor.evaluate_constants(self.program, self.impls)
         return self._constants
 
-    def plan(self, fetches: tuple) -> Plan:
-        """The :class:`Plan` of ``fetches``: ``("tensor", name)``, ``("assign", op name)`` or ``None``."""
-        plan = self._plans.get(fetches)
+    def plan(self, fetches: tuple, given: tuple = (), stash: tuple = ()) -> Plan:
+        """The :class:`Plan` of ``fetches``: ``("tensor", name)``, ``("assign", op name)`` or ``None``; ``given``
+        and ``stash``: slots as :func:`~meshtorch.lowering.plans.fetch_plan` takes them."""
+        key = fetches if not (given or stash) else (fetches, tuple(sorted(given)), tuple(stash))
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[fetches] = self._make_plan(fetches)
+            plan = self._plans[key] = self._make_plan(fetches, given, stash)
         return plan
 
-    def _make_plan(self, fetches) -> Plan:
-        return fetch_plan(self.program, fetches, self.impls, self.bucket_bytes, self.first_bucket_bytes)
+    def _make_plan(self, fetches, given: tuple = (), stash: tuple = ()) -> Plan:
+        return fetch_plan(self.program, fetches, self.impls, self.bucket_bytes, self.first_bucket_bytes,
+                          tuple(sorted(given)), tuple(stash))
 
-    def run(self, fetches: tuple, feeds: dict, feed_slices: bool = False, return_slices: bool = False) -> list:
+    def run(self, fetches: tuple, feeds: dict, feed_slices: bool = False, return_slices: bool = False,
+            given: dict | None = None, stash: tuple = ()) -> list:
         """Execute ``fetches`` (see :meth:`plan`) with ``feeds`` = ``{placeholder name: value}``.
 
         Returns the full tensors (or this process's slices with ``return_slices``), None for
-        assign fetches; commits the assignments.
+        assign fetches; commits the assignments. With ``stash`` (slots) the results are followed by one
+        ``{slot: laid-out value}`` dict of those slots; ``given`` = ``{slot: laid-out value}`` (such a dict from
+        an earlier run of this session) stands in for the steps producing those slots.
 
         Raises:
             FeedError: naming the placeholder, if one the fetches need is missing or misshapen.
         """
-        plan = self.plan(fetches)
+        given = given or {}
+        plan = self.plan(fetches, tuple(given), tuple(stash))
         if self.mode == "interpret" and not plan.bound and plan.steps:
             plan.bound = executor.bind(plan.steps, plan.frees, self.impls, self._loops)
         first_compile = False
         if self.mode != "interpret" and plan.fn is None:
             produced = {o for st in plan.steps for o in st.outputs}
             reads = {s for st in plan.steps for s in st.inputs} - produced
-            writes = {s for s, _ in plan.fetch_slots if s is not None} | {s for _, s in plan.assignments}
+            writes = ({s for s, _ in plan.fetch_slots if s is not None} | {s for _, s in plan.assignments}
+                      | set(plan.stash))
             counters_read = {s for s, _ in self._run_counters} & reads
             compiled = self.mode == "compile" and not counters_read
             # compiled: collectives as functional collectives, so one graph holds the whole step
@@ -154,6 +162,8 @@ class Session:
                 self.compile_seconds[fetches] = None
         env = [None] * self.program.n_slots
         for s, v in self.constant_values.items():
+            env[s] = v
+        for s, v in given.items():
             env[s] = v
         p = self.program
         for name, s in plan.placeholders:
@@ -213,6 +223,8 @@ class Session:
                 self.counters.records[c] += n
             self.counters.runs_from_plan += 1
         self.run_count += 1
+        if stash:
+            results.append({s: env[s] for s in plan.stash})
         return results
 
     def _record_planned(self, plan: Plan, recorder) -> None:

@@ -10,8 +10,10 @@ the optimizer (:mod:`meshtorch.optim`, as ``build_lm``'s ``training_updates``) t
 (summed over the microbatches, optionally scaled by a clipping coefficient). The executor that runs these
 programs in a schedule's order is :mod:`meshtorch.runtime.pipeline_exec`.
 
-Every gradient program recomputes its stage's forward pass from the stage input: a lowered program starts from
-placeholders and variables only, so the forward's intermediate values cannot be handed to it.
+The forward run stashes the activations the gradient programs read from it (``saved``: the slots
+:meth:`~meshtorch.lowering.Lowering.stash_slots` finds, what autodiff saved) and every gradient run is given them
+(:meth:`~meshtorch.lowering.Lowering.run_stashed`), so no gradient program recomputes the forward pass; a
+zero-bubble ``I`` likewise stashes the activation gradients its ``W`` reads (``saved_grads``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class StageProgram:
     ``output_grad`` (placeholder of the upstream gradient; None on the last stage), ``input_grad`` (None on
     stage 0), ``weights`` and ``weight_grads`` (by variable name), ``targets`` (last stage); with an optimizer
     ``grad_feeds`` (by variable name: the placeholder of the gradient the update applies), ``clip_coefficient``
-    (float32 ``[]`` placeholder multiplying them, or None) and ``updates`` (the optimizer's assign ops)."""
+    (float32 ``[]`` placeholder multiplying them, or None) and ``updates`` (the optimizer's assign ops);
+    ``saved``: the lowering's slots the forward run stashes for the gradient runs (activations autodiff saved);
+    ``saved_grads``: the slots an ``I`` run stashes for the ``W`` run (activation gradients inside the stage)."""
 
     stage: int
     lowering: Lowering
@@ -55,6 +59,8 @@ class StageProgram:
     grad_feeds: dict = field(default_factory=dict)
     clip_coefficient: object | None = None
     updates: list = field(default_factory=list)
+    saved: tuple = ()
+    saved_grads: tuple = ()
 
 
 def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: int = 1, mesh_shape: str = "",
@@ -88,8 +94,8 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
         raise ValueError("stage_programs: give the unpipelined config (pipeline_stages=0); the stages come from "
                          "the schedule.")
     if config.dropout > 0:
-        raise ValueError("stage_programs: dropout > 0 is not supported (each gradient program recomputes its "
-                         "forward pass, which would draw other masks); set dropout=0.")
+        raise ValueError("stage_programs: dropout > 0 is not supported (the stage programs are separate runs, "
+                         "whose random draws differ from the unpipelined step's); set dropout=0.")
     if config.num_experts > 0:
         raise ValueError("stage_programs: MoE layers are not supported (their load-balancing loss would have to "
                          "leave every stage); set num_experts=0.")
@@ -139,6 +145,8 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
             updates = optimizer().apply_grads([feeds[n] if coef is None else feeds[n] * coef for n in names],
                                               [weights[n] for n in names])
         lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage or None)}, mode=mode)
+        saved = lw.stash_slots([y], ([gin] if v else []) + list(gw))
+        saved_grads = lw.stash_slots([gin], list(gw), given=saved) if v else ()
         out.append(StageProgram(v, lw, inputs, y, dy, gin, weights, dict(zip(names, gw, strict=True)), targets,
-                                feeds, coef, updates))
+                                feeds, coef, updates, saved, saved_grads))
     return out

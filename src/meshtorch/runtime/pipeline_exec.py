@@ -58,6 +58,7 @@ class _Executor:
         self.ids, self.targets = ids.chunk(M), targets.chunk(M)
         self.acts: dict = {}  # (v, m) -> input of stage v for microbatch m
         self.grads_in: dict = {}  # (v, m) -> gradient of stage v's output for microbatch m
+        self.saved: dict = {}  # (v, m) -> the laid-out activations stage v's forward stashed for its gradients
         self.stash: list[set] = [set() for _ in range(S)]
         self.run = ScheduleRun(0.0, {}, [[] for _ in range(S)], [0] * S)
 
@@ -93,7 +94,7 @@ class _Executor:
                                                 2 * ((v + 1) * M + m) + 1, p.output_grad)
         self.run.actions[r].append(a)
         if a.kind == "F":
-            y = p.lowering.run(p.output, feeds)
+            (y,), self.saved[(v, m)] = p.lowering.run_stashed([p.output], feeds, stash=p.saved)
             self.acts[(v, m)] = x  # the stash, until the backward is done
             self.stash[r].add((v, m))
             self.run.peak_stash[r] = max(self.run.peak_stash[r], len(self.stash[r]))
@@ -103,7 +104,10 @@ class _Executor:
                 self.send(self.acts, (v + 1, m), y, r, t.rank_of(v + 1), 2 * ((v + 1) * M + m))
             return
         fetch_in, names = _gradient_fetches(p, a.kind)
-        out = p.lowering.run(action_fetches(p, a.kind), feeds)
+        saved = self.saved[(v, m)]
+        out, more = p.lowering.run_stashed(action_fetches(p, a.kind), feeds, given=saved,
+                                           stash=p.saved_grads if a.kind == "I" else ())
+        saved.update(more)  # an I's activation gradients, for its W
         if fetch_in:
             self.send(self.grads_in, (v - 1, m), out[0], r, t.rank_of(v - 1), tag + 1)
             out = out[1:]
@@ -112,6 +116,7 @@ class _Executor:
         if names:  # the stage's input and output gradient are no longer needed
             self.stash[r].discard((v, m))
             self.acts.pop((v, m), None)
+            self.saved.pop((v, m), None)
             self.grads_in.pop((v, m), None)
 
     def result(self) -> ScheduleRun:
@@ -135,8 +140,9 @@ def action_fetches(p, kind: str) -> list:
 
 def action_flops(programs: list):
     """``cost(action)``: the planned einsum FLOPs of one action's program (global over the mesh inside a stage;
-    :meth:`~meshtorch.Lowering.plan_counters`, nothing run; each gradient action includes the forward pass it
-    recomputes), memoized per (virtual stage, kind). ``programs``: every virtual stage's
+    :meth:`~meshtorch.Lowering.plan_counters`, nothing run; a gradient action is given its forward's stashed
+    activations, so it counts no forward einsum, and a ``W`` its ``I``'s activation gradients), memoized per
+    (virtual stage, kind). ``programs``: every virtual stage's
     (:func:`~meshtorch.models.lm_stages.stage_programs` without ``rank``)."""
     cost: dict = {}
 
@@ -144,7 +150,9 @@ def action_flops(programs: list):
         key = (a.stage, a.kind)
         if key not in cost:
             f = action_fetches(programs[a.stage], a.kind)
-            cost[key] = programs[a.stage].lowering.plan_counters(f).einsum_flops if f else 0
+            p = programs[a.stage]
+            given = {"F": (), "W": p.saved + p.saved_grads}.get(a.kind, p.saved)
+            cost[key] = p.lowering.plan_counters(f, given=given).einsum_flops if f else 0
         return cost[key]
 
     return flops

@@ -86,8 +86,8 @@ def check_flags(cfg, mesh_shape, world: int) -> None:
     if world > 1 and (inner or world != S):
         raise UsageError(f"{flag} under torchrun runs one process per pipeline rank: give --mesh {axis}:{S} and "
                          f"{S} processes (got --mesh {cfg.mesh!r}, {world} processes).")
-    bad = [("--dropout", (cfg.dropout or 0) > 0, "each gradient program recomputes its stage's forward pass, "
-            "which would draw other dropout masks"),
+    bad = [("--dropout", (cfg.dropout or 0) > 0, "the stage programs' runs "
+            "would draw other dropout masks than the unpipelined step"),
            ("--experts", (cfg.experts or 0) > 0, "MoE layers are not pipelined"),
            ("--precision", cfg.precision == "bf16", "the stage programs are float32"),
            ("--device", cfg.device not in (None, "cpu"), "the stage executor runs on the CPU so far"),
@@ -199,7 +199,7 @@ def plan_line(name: str, model, mesh: str, layout: str, storage: str, layout_flo
     bubble = table.weighted(flops)[1]
     line = (f"  stage executor ({name}, meshtorch train --pipeline-schedule {name}): einsum FLOPs per processor per "
             f"step, by rank {' '.join(f'{f:.3e}' for f in per)} (idle steps priced at zero; each gradient action "
-            f"recomputes its stage's forward pass); bubble fraction with actions timed by their FLOPs {bubble:.3f}")
+            f"is given its forward's stashed activations); bubble fraction with actions timed by their FLOPs {bubble:.3f}")
     if layout_flops:
         line += (f"; the layout program (gpipe, bubbles computed) {layout_flops:.3e}: max rank / it "
                  f"{max(per) / layout_flops:.2f}")
