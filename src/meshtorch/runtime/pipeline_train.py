@@ -199,7 +199,8 @@ def plan_line(name: str, model, mesh: str, layout: str, storage: str, layout_flo
     bubble = table.weighted(flops)[1]
     line = (f"  stage executor ({name}, meshtorch train --pipeline-schedule {name}): einsum FLOPs per processor per "
             f"step, by rank {' '.join(f'{f:.3e}' for f in per)} (idle steps priced at zero; each gradient action "
-            f"is given its forward's stashed activations); bubble fraction with actions timed by their FLOPs {bubble:.3f}")
+            f"is given its forward's stashed activations); bubble fraction with actions timed by their FLOPs "
+            f"{bubble:.3f}")
     if layout_flops:
         line += (f"; the layout program (gpipe, bubbles computed) {layout_flops:.3e}: max rank / it "
                  f"{max(per) / layout_flops:.2f}")
