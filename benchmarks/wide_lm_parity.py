@@ -6,8 +6,8 @@ The meshtorch side is what ``meshtorch train`` builds: ``--optimizer adamw`` wit
 (:func:`meshtorch.runtime.optimizers.make_optimizer`) and ``--clip-norm`` global-norm clipping, one process
 (``PlacementMeshImpl`` on the empty mesh), batches of the built-in corpus with the byte tokenizer (vocabulary 256).
 The PyTorch side is :class:`meshtorch.testing.torch_lm.TorchLM` loaded with the lowering's initial values,
-``torch.optim.AdamW`` (betas 0.9/0.999, eps 1e-8, the same weight decay, ``foreach=False``), its learning rate set each step to
-``meshtorch train``'s host-side schedule value (:func:`meshtorch.runtime.train.host_lr`) and
+``torch.optim.AdamW`` (betas 0.9/0.999, eps 1e-8, the same weight decay, ``foreach=False``), its learning rate
+set each step to ``meshtorch train``'s host-side schedule value (:func:`meshtorch.runtime.train.host_lr`) and
 ``torch.nn.utils.clip_grad_norm_``. Printed per step: both losses, their relative difference, the global gradient
 norm before clipping (both) and the learning rate.
 
