@@ -21,7 +21,7 @@ from meshtorch.models.transformer import REMAT_POLICIES, build_lm
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.accumulate import accumulated_updates
 from meshtorch.optim.adam import AdamWOptimizer
-from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
+from meshtorch.planning.budget import LEAN_GATHERS, MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel
 from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_flag, schedule_table
 from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts
@@ -121,6 +121,9 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_l
         print_fn(f"over the memory limit: {e}")
         return None
     flags = f"--remat {remat}" + (f" --storage {st!r}" if st != storage else "")
+    if rep.lean_gathers:  # no flag of its own: the mesh's MeshSpec fields
+        flags += (" and without the kept forward gather and the prefetch of the weight gathers ("
+                  + ", ".join(f"{k}={v!r}" for k, v in LEAN_GATHERS.items()) + " on the mesh)")
     print_fn(f"over the memory limit of {_human(memory_limit)} as asked; fits with {flags} (fastest that fits): "
              f"{_human(rep.total_bytes)} per processor, estimated {rep.estimated_time['total_s'] * 1e3:.3f} ms")
     print_fn(rep.summary())
