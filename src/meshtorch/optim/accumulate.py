@@ -124,6 +124,7 @@ def accumulated_updates(graph: Graph, loss: Tensor, optimizer, microbatches: int
         with variable_scope(VariableScope("")):  # named after the variable wherever this is called
             acc = get_variable(v.mesh, f"{v.name}/{ACCUMULATOR_SUFFIX}", v.shape,
                                initializer=zeros_initializer(), dtype=torch.float32, trainable=False)
+        acc.operation.transient = True  # scratch, not state: checkpoints leave it out (checkpoint.format)
         accs.append(acc)
         with graph.storage_scope():
             first.append(Assign([acc.operation], [g], name="accumulate_first"))
