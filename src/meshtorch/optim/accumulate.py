@@ -23,6 +23,7 @@ those of one step on the whole batch to float32 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -37,7 +38,8 @@ from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.clip import clip_by_global_norm
 from meshtorch.optim.fused import UpdateOperation
 
-__all__ = ["ACCUMULATOR_SUFFIX", "AccumulateGradient", "AccumulatedUpdates", "accumulated_updates"]
+__all__ = ["ACCUMULATOR_SUFFIX", "AccumulateGradient", "AccumulatedUpdates", "accumulated_updates",
+           "build_training_graph"]
 
 #: an accumulator is the non-trainable float32 variable ``<variable name>/accumulated_gradient``
 ACCUMULATOR_SUFFIX = "accumulated_gradient"
@@ -139,3 +141,27 @@ def accumulated_updates(graph: Graph, loss: Tensor, optimizer, microbatches: int
         clipped, _ = clip_by_global_norm(sums, clip_norm)
     last = list(optimizer.apply_grads(clipped, variables)) + written
     return AccumulatedUpdates(microbatches, first, middle, last, accs, clipped)
+
+
+def build_training_graph(builder, config, optimizer, microbatches: int = 1, clip_norm: float | None = None,
+                         **build_kwargs):
+    """A model's training graph with ``optimizer`` applied once per ``microbatches`` N runs: what ``meshtorch train``
+    runs and ``meshtorch plan`` plans (one function, so the two agree).
+
+    Args:
+        builder: ``builder(config, optimizer=..., clip_norm=..., **build_kwargs)`` -> a graph with ``graph``,
+            ``loss`` and ``updates`` (e.g. :func:`meshtorch.models.transformer.build_lm`).
+        config: a dataclass with ``batch_size`` B (the whole batch of one optimizer step).
+        microbatches: N dividing B; N > 1 builds the graph of one microbatch (``batch_size`` B / N) without an
+            optimizer and sets its ``updates`` to the last microbatch's (:func:`accumulated_updates`, with
+            ``clip_norm``).
+
+    Returns:
+        ``(graph object, AccumulatedUpdates or None for N = 1)``.
+    """
+    if microbatches == 1:
+        return builder(config, optimizer=optimizer, clip_norm=clip_norm, **build_kwargs), None
+    lm = builder(dataclasses.replace(config, batch_size=config.batch_size // microbatches), **build_kwargs)
+    acc = accumulated_updates(lm.graph, lm.loss, optimizer, microbatches, clip_norm=clip_norm)
+    lm.updates = acc.last
+    return lm, acc

@@ -19,7 +19,7 @@ from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering.counters import _human
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm
 from meshtorch.ops.precision import PrecisionPolicy
-from meshtorch.optim.accumulate import accumulated_updates
+from meshtorch.optim.accumulate import build_training_graph
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.budget import LEAN_GATHERS, MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel
@@ -40,11 +40,7 @@ def training_lm(cfg, optimizer=None, accumulate: int = 1, precision=None):
     the float32 accumulators; ``precision``: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its
     name) the model is built with."""
     opt = optimizer() if optimizer is not None else AdamWOptimizer(1e-3)
-    if accumulate == 1:
-        return build_lm(cfg, optimizer=opt, precision=precision)
-    lm = build_lm(replace(cfg, batch_size=cfg.batch_size // accumulate), precision=precision)
-    lm.updates = accumulated_updates(lm.graph, lm.loss, opt, accumulate).last
-    return lm
+    return build_training_graph(build_lm, cfg, opt, accumulate, precision=precision)[0]
 
 
 def parse_bytes(text: str) -> int:
