@@ -152,6 +152,7 @@ class Planner:
             if lowered.home is self.steps and not lowered.layout.partial:
                 self.program.tensors[t.name] = self._tensor_slot(t, lowered.slot)
         self.program.n_slots = self._n_slots
+        self.program.in_backward = frozenset(op.name for op in graph.operations if getattr(op, "in_backward", False))
 
     def _tensor_slot(self, t: Tensor, slot: int) -> TensorSlot:
         return TensorSlot(slot, t.mesh.name, [(d.name, d.size) for d in t.shape], t.dtype,

@@ -37,6 +37,7 @@ from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.clip import clip_by_global_norm
 from meshtorch.optim.fused import UpdateOperation
+from meshtorch.optim.in_backward import mark_in_backward, per_variable
 
 __all__ = ["ACCUMULATOR_SUFFIX", "AccumulateGradient", "AccumulatedUpdates", "accumulated_updates",
            "build_training_graph"]
@@ -144,7 +145,7 @@ def accumulated_updates(graph: Graph, loss: Tensor, optimizer, microbatches: int
 
 
 def build_training_graph(builder, config, optimizer, microbatches: int = 1, clip_norm: float | None = None,
-                         **build_kwargs):
+                         in_backward: bool = False, **build_kwargs):
     """A model's training graph with ``optimizer`` applied once per ``microbatches`` N runs: what ``meshtorch train``
     runs and ``meshtorch plan`` plans (one function, so the two agree).
 
@@ -155,12 +156,25 @@ def build_training_graph(builder, config, optimizer, microbatches: int = 1, clip
         microbatches: N dividing B; N > 1 builds the graph of one microbatch (``batch_size`` B / N) without an
             optimizer and sets its ``updates`` to the last microbatch's (:func:`accumulated_updates`, with
             ``clip_norm``).
+        in_backward: optimizer-in-backward (:mod:`meshtorch.optim.in_backward`): one update op per variable, each
+            run as soon as its gradient is final.
 
     Returns:
         ``(graph object, AccumulatedUpdates or None for N = 1)``.
+
+    Raises:
+        ValueError: ``in_backward`` with ``clip_norm`` or with N > 1, in one line.
     """
+    if in_backward and (clip_norm or microbatches > 1):
+        why = ("gradient clipping needs every gradient's norm before any update (set the clip norm to 0)"
+               if clip_norm else f"gradient accumulation applies the optimizer once per {microbatches} microbatches")
+        raise ValueError(f"optimizer-in-backward is refused with {why}.")
     if microbatches == 1:
-        return builder(config, optimizer=optimizer, clip_norm=clip_norm, **build_kwargs), None
+        lm = builder(config, optimizer=per_variable(optimizer) if in_backward else optimizer, clip_norm=clip_norm,
+                     **build_kwargs)
+        if in_backward:
+            mark_in_backward(lm.updates)
+        return lm, None
     lm = builder(dataclasses.replace(config, batch_size=config.batch_size // microbatches), **build_kwargs)
     acc = accumulated_updates(lm.graph, lm.loss, optimizer, microbatches, clip_norm=clip_norm)
     lm.updates = acc.last

@@ -116,7 +116,8 @@ class AdamOptimizer(Optimizer):
         for all its variables' slices, as ``torch.optim.AdamW(fused=True)``), then one assignment per variable.
         Slot names, values and checkpoints are those of the per-variable update (:meth:`apply_grad`)."""
         grads, variables = list(grads), list(variables)
-        if not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables):
+        if (not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables)
+                or not getattr(self, "multi_tensor", True)):  # (False: per variable, for optim.in_backward)
             return super().apply_grads(grads, variables)
         groups: dict = {}
         for g, v in zip(grads, variables, strict=True):
