@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from meshtorch.checkpoint import latest_checkpoint, load_manifest
 from meshtorch.cli import main
 from meshtorch.cli.plan import add_plan_subcommand
 from meshtorch.cli.train import add_train_subcommand
@@ -186,6 +187,8 @@ def test_resume_continues_an_accumulated_run_exactly_and_accumulators_are_not_re
     base = [*TINY[:-4], "--mesh", "", "--layout", "", "--batch-size", "8", "--eval-every", "2"]
     ref = _train(*base, "--steps", "4", "--accumulate", "2")["history"]["loss"]
     _train(*base, "--steps", "2", "--accumulate", "2", "--checkpoint-dir", str(tmp_path / "a"))
+    saved = load_manifest(latest_checkpoint(str(tmp_path / "a")))["variables"]
+    assert "embedding" in saved and not [n for n in saved if "accumulated_gradient" in n]  # scratch is not saved
     out = _train(*base, "--steps", "4", "--accumulate", "2", "--checkpoint-dir", str(tmp_path / "a"), "--resume")
     assert out["history"]["loss"] == ref
     _train(*base, "--steps", "2", "--checkpoint-dir", str(tmp_path / "b"))

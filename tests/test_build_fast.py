@@ -123,6 +123,25 @@ def test_draw_flat_bitwise_equals_old_algorithm(kind, full, begin, sizes):
     assert torch.equal(DRAWS[kind](7, "v", rng.global_index(full, begin, sizes).reshape(-1)), ref)
 
 
+
+@pytest.mark.parametrize("kind", list(DRAWS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threaded_slice_draw_bitwise_equals_old_algorithm(kind, dtype, monkeypatch):
+    """A slice drawn by several threads (each its chunks: w, w + threads, ...) holds the old whole-slice values."""
+    monkeypatch.setattr(initializers, "DRAW_CHUNK", 100)  # 13 chunks, a short last one: uneven per thread
+    full, begin, sizes = (40, 52), (10, 0), (24, 52)
+    ref = (_old_draw(kind, 7, "v", rng.global_index(full, begin, sizes)) * 0.5).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3, 4):
+            torch.set_num_threads(n)
+            got = initializers._k_draw_slice(begin, sizes, full=full, dtype=dtype, seed=7, key="v",
+                                             draw=DRAWS[kind], mul=0.5, add=None)
+            assert torch.equal(got, ref), (kind, dtype, n)
+            assert torch.get_num_threads() == n  # the draw's one-thread setting is undone
+    finally:
+        torch.set_num_threads(threads)
+
 CFG = LMConfig(vocab_size=61, d_model=16, num_heads=2, d_kv=8, d_ff=40, num_layers=2, length=8, batch_size=4)
 
 

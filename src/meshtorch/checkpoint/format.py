@@ -128,9 +128,13 @@ def _sha256(path: str) -> str:
 
 
 def _var_table(lowering) -> list:
-    """``[(variable op, its output Tensor, MeshImpl, layout)]`` in graph order."""
+    """``[(variable op, its output Tensor, MeshImpl, layout)]`` in graph order, without transient variables
+    (an op with ``transient = True``: ``--accumulate``'s gradient accumulators, overwritten by each step's first
+    microbatch, so a checkpoint has nothing to keep of them)."""
     rows = []
     for var in lowering.variables:
+        if getattr(var, "transient", False):
+            continue
         out = var.outputs[0]
         rows.append((var, out, lowering.mesh_impl(out), lowering.tensor_layout(out)))
     return rows

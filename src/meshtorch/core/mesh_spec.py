@@ -31,8 +31,11 @@ class MeshSpec:
             update math are laid out (ZeRO-3 / FSDP). A storage rule overrides the compute rules for
             the dimension it names; default none (variables stored as computed).
         reshard_after_forward: with storage rules, a weight gathered for the forward pass is freed
-            after its last forward use and gathered again for the backward pass (FSDP's default);
-            False keeps the forward gather for the backward (one all-gather, more memory).
+            after its last forward use and gathered again for the backward pass (FSDP's default), except
+            where freeing it saves nothing (the output projection: see
+            :func:`meshtorch.lowering.planner.kept_forward_gathers`); ``"always"`` reshards those too (the
+            least memory: TorchTitan's ``reshard_after_forward_policy="always"``); False keeps every forward
+            gather for the backward (one all-gather, more memory).
         prefetch: with storage rules, how many weight all-gathers are issued ahead of their use
             (FSDP's forward/backward prefetch; 0: each gather just before its first use).
 
@@ -41,21 +44,25 @@ class MeshSpec:
 
     Raises:
         LayoutError: on a malformed rule or mesh shape.
-        ValueError: ``prefetch`` < 0.
+        ValueError: ``prefetch`` < 0, or a ``reshard_after_forward`` string other than ``"always"``.
     """
 
     __slots__ = ("shape", "layout_rules", "storage_rules", "reshard_after_forward", "prefetch",
                  "_storage_layout_rules", "_strides", "_group_cache")
 
-    def __init__(self, shape="", layout_rules="", storage=None, reshard_after_forward: bool = True,
+    def __init__(self, shape="", layout_rules="", storage=None, reshard_after_forward: bool | str = True,
                  prefetch: int = 1):
         if int(prefetch) < 0:
             raise ValueError(f"MeshSpec: prefetch must be >= 0 (gathers issued ahead), got {prefetch}.")
+        if isinstance(reshard_after_forward, str) and reshard_after_forward != "always":
+            raise ValueError(f"MeshSpec: reshard_after_forward must be True, False or 'always', got "
+                             f"{reshard_after_forward!r}.")
         s = object.__setattr__
         s(self, "shape", convert_to_shape(shape))
         s(self, "layout_rules", convert_to_layout_rules(layout_rules))
         s(self, "storage_rules", convert_to_layout_rules(storage or ""))
-        s(self, "reshard_after_forward", bool(reshard_after_forward))
+        s(self, "reshard_after_forward", reshard_after_forward if reshard_after_forward == "always"
+          else bool(reshard_after_forward))
         s(self, "prefetch", int(prefetch))
         s(self, "_storage_layout_rules", self.layout_rules.overridden_by(self.storage_rules))
         strides, n = [], 1

@@ -154,3 +154,51 @@ def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict
         elif any(ok) and callable(getattr(kernel_of(st.fn), "donates", None)):  # multi-tensor: per tensor
             out[i] = dataclasses.replace(st, fn=functools.partial(st.fn, donate=tuple(ok)))
     return out
+
+
+def updates_in_backward(steps: list[Step], marked: frozenset, start_slots: set, impls: dict) -> list[Step]:
+    """``steps`` with each update step of an op in ``marked`` moved up to where its gradient is final:
+    optimizer-in-backward (PyTorch's ``register_post_accumulate_grad_hook`` recipe), so the gradient is freed
+    after its update instead of living to the end of the backward pass.
+
+    A marked step goes right after the last step producing one of its inputs and after the last step reading
+    the slots it may update in place (its ``donates`` inputs: the weight and its moments) or a view of them
+    (outputs of steps whose outputs are not fresh tensors, followed through), so :func:`donate_inputs` still
+    updates in place and every reader sees the values from before the step. Steps computed from
+    ``start_slots`` (variables, constants) alone that feed a marked step (the learning rate, bias corrections)
+    move up first, as early as their inputs allow. Deterministic, so every SPMD process runs the same order;
+    the values are those of the unmoved order (each moved step reads the same inputs).
+    """
+    moving_updates = [i for i, st in enumerate(steps) if st.op in marked and st.kind == "slicewise"]
+    if not moving_updates:
+        return steps
+    made_by: dict[int, int] = {}
+    static: set[int] = set()
+    for i, st in enumerate(steps):
+        if (st.kind == "slicewise" and st.op not in marked
+                and all(s in start_slots or made_by.get(s) in static for s in st.inputs)):
+            static.add(i)
+        for o in st.outputs:
+            made_by[o] = i
+    need: set[int] = set()
+    stack = [s for i in moving_updates for s in steps[i].inputs]
+    while stack:
+        j = made_by.get(stack.pop())
+        if j in static and j not in need:
+            need.add(j)
+            stack.extend(steps[j].inputs)
+    moving = need | set(moving_updates)
+    order = [st for i, st in enumerate(steps) if i not in moving]
+    for i in sorted(moving):
+        st = steps[i]
+        inputs = set(st.inputs)
+        pos = 1 + max((k for k, other in enumerate(order) if inputs.intersection(other.outputs)), default=-1)
+        if i not in need:  # an update: after every reader of what it overwrites, and of views of it
+            aliases = {st.inputs[j] for j in donatable_inputs(st)}
+            for k, other in enumerate(order):
+                if aliases.intersection(other.inputs):
+                    pos = max(pos, k + 1)
+                    if not _fresh(other, impls[other.mesh]):
+                        aliases.update(other.outputs)
+        order.insert(pos, st)
+    return order

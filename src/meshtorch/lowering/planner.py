@@ -152,6 +152,7 @@ class Planner:
             if lowered.home is self.steps and not lowered.layout.partial:
                 self.program.tensors[t.name] = self._tensor_slot(t, lowered.slot)
         self.program.n_slots = self._n_slots
+        self.program.in_backward = frozenset(op.name for op in graph.operations if getattr(op, "in_backward", False))
 
     def _tensor_slot(self, t: Tensor, slot: int) -> TensorSlot:
         return TensorSlot(slot, t.mesh.name, [(d.name, d.size) for d in t.shape], t.dtype,
@@ -339,10 +340,13 @@ class Planner:
     def _phase(self, t: Tensor) -> bool:
         """True when the op being lowered is in the backward pass and ``t`` is a stored value (a variable)
         whose mesh reshards after the forward pass: its redistribution (the all-gather) is then emitted
-        again for the backward pass instead of keeping the forward one alive (FSDP)."""
+        again for the backward pass instead of keeping the forward one alive (FSDP); a kept forward gather
+        only where the mesh does not reshard ``"always"``."""
         op = self._current_op
-        return bool(op is not None and op.backward and storage_side(t.operation)
-                    and self.mesh_spec(t).reshard_after_forward and t not in self.kept_gathers)
+        if op is None or not op.backward or not storage_side(t.operation):
+            return False
+        reshard = self.mesh_spec(t).reshard_after_forward
+        return bool(reshard) and (reshard == "always" or t not in self.kept_gathers)
 
     def inputs(self, op: Operation, allow: bool = True, blocked=frozenset()) -> tuple[list[int], frozenset]:
         """Slots of ``op``'s inputs and the mesh axes over which its output stays a partial sum, as the

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshtorch.lowering.counters import Counters
-from meshtorch.lowering.donate import donate_inputs, donate_reductions
+from meshtorch.lowering.donate import donate_inputs, donate_reductions, updates_in_backward
 from meshtorch.lowering.program import count, frees_after, select_steps
 from meshtorch.lowering.schedule import bucket_gathers, bucket_reductions, prefetch_gathers
 
@@ -124,6 +124,8 @@ def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, 
     var_reads = [(n, t.slot) for n, t in p.variables.items() if t.slot in needed]
     variable_slots = {s for _, s in var_reads}
     layouts = {t.slot: t.layout for t in p.variables.values()}
+    if p.in_backward:  # optimizer-in-backward: each update as soon as its gradient is final
+        steps = updates_in_backward(steps, p.in_backward, variable_slots | set(p.constants), processes)
     steps = donate_inputs(steps, variable_slots, keep, processes, layouts)  # in-place updates
     steps = donate_reductions(steps, variable_slots, keep, processes)  # all-reduces in their input's buffer
     frees = frees_after(steps, keep)

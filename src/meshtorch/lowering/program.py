@@ -181,8 +181,12 @@ class Program:
         op_axes: ``{op name: mesh axis indices splitting any of its inputs or outputs}`` (what divides its
             FLOPs per processor), filled by :func:`~meshtorch.lowering.stages.plan`.
         pipeline: the graph's :class:`~meshtorch.core.pipeline.PipelineSchedule`, or None.
+        in_backward: names of the update ops to run as soon as their gradient is final (optimizer-in-backward,
+            :func:`meshtorch.lowering.donate.updates_in_backward`); a program read back from JSON has none (its
+            updates run at the end: the same values, more memory).
 
-    The last five are plan-time facts for the reports (:mod:`meshtorch.planning`); ``to_json`` leaves them out.
+    The five before ``in_backward`` are plan-time facts for the reports (:mod:`meshtorch.planning`); ``to_json``
+    leaves them out.
     """
 
     meshes: dict
@@ -201,6 +205,7 @@ class Program:
     specs: dict = field(default_factory=dict)
     op_axes: dict = field(default_factory=dict)
     pipeline: object = None
+    in_backward: frozenset = frozenset()
 
     def to_json(self) -> str:
         """The program as JSON text.

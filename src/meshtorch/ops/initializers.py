@@ -10,6 +10,7 @@ lowered program stays data.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -38,17 +39,21 @@ def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: 
     Drawn in chunks of :data:`DRAW_CHUNK` elements straight into the result (:func:`rng.draw_flat`: the
     integer hash in NumPy, float32 arithmetic; only :func:`rng.truncated_normal` uses float64 inside a
     chunk), so the transient memory is bounded by the chunk, not the slice; each element's value is the same
-    as drawing the whole slice at once.
+    as drawing the whole slice at once. On the CPU with ``torch.get_num_threads()`` T > 1 the chunks are split
+    over T Python threads (chunk w, w + T, ..., each thread with its own scratch), whose torch ops run on one
+    intra-op thread (:func:`one_thread`): the values do not depend on T.
     """
     sizes = tuple(int(s) for s in sizes)
     out = torch.empty(sizes, dtype=out_dtype or dtype, device=device)
     flat = out.view(-1)
     n = flat.numel()
     chunk = DRAW_CHUNK
-    scratch = rng.DrawScratch(draw, min(n, chunk))
     direct = flat.dtype == dtype == torch.float32 and flat.device.type == "cpu"  # drawn in place in ``out``
-    with one_thread():
-        for start in range(0, n, chunk):
+    workers = min(torch.get_num_threads(), -(-n // chunk)) if flat.device.type == "cpu" else 1
+
+    def part(w: int) -> None:  # chunks w, w + workers, ... (each worker its own NumPy buffers)
+        scratch = rng.DrawScratch(draw, min(n, chunk))
+        for start in range(w * chunk, n, workers * chunk):
             stop = min(n, start + chunk)
             seg = flat[start:stop]
             v = rng.draw_flat(draw, seed, key, full, begin, sizes, start, stop, device, scratch,
@@ -57,6 +62,13 @@ def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: 
                 v.add_(add)
             if not direct:
                 seg.copy_(v.to(dtype))  # (then to out_dtype: copy_ rounds as .to does)
+
+    with one_thread():
+        if workers <= 1:
+            part(0)
+        else:  # the intra-op threads' share as Python threads over the chunks (NumPy and torch drop the GIL)
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                list(pool.map(part, range(workers)))
     return out
 
 

@@ -227,7 +227,7 @@ def draw_flat(draw, seed: int, key: str, full_sizes, begin, slice_sizes, start: 
     tops = []
     for i, row in enumerate(bits):
         dst = out.numpy() if i == 0 and out is not None else top[i]
-        np.copyto(dst, row, casting="unsafe")  # < 2**24: exact in float32
+        np.copyto(dst, row.view(np.int32), casting="unsafe")  # < 2**24: exact in float32 (int32: a SIMD cast)
         tops.append(out if i == 0 and out is not None else torch.from_numpy(dst).to(device))
     v = floats(*tops)
     return v if out is None or v is out else out.copy_(v)

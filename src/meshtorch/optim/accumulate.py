@@ -23,6 +23,7 @@ those of one step on the whole batch to float32 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -36,8 +37,10 @@ from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.variables import Assign, get_variable
 from meshtorch.optim.clip import clip_by_global_norm
 from meshtorch.optim.fused import UpdateOperation
+from meshtorch.optim.in_backward import mark_in_backward, per_variable
 
-__all__ = ["ACCUMULATOR_SUFFIX", "AccumulateGradient", "AccumulatedUpdates", "accumulated_updates"]
+__all__ = ["ACCUMULATOR_SUFFIX", "AccumulateGradient", "AccumulatedUpdates", "accumulated_updates",
+           "build_training_graph"]
 
 #: an accumulator is the non-trainable float32 variable ``<variable name>/accumulated_gradient``
 ACCUMULATOR_SUFFIX = "accumulated_gradient"
@@ -124,6 +127,7 @@ def accumulated_updates(graph: Graph, loss: Tensor, optimizer, microbatches: int
         with variable_scope(VariableScope("")):  # named after the variable wherever this is called
             acc = get_variable(v.mesh, f"{v.name}/{ACCUMULATOR_SUFFIX}", v.shape,
                                initializer=zeros_initializer(), dtype=torch.float32, trainable=False)
+        acc.operation.transient = True  # scratch, not state: checkpoints leave it out (checkpoint.format)
         accs.append(acc)
         with graph.storage_scope():
             first.append(Assign([acc.operation], [g], name="accumulate_first"))
@@ -138,3 +142,40 @@ def accumulated_updates(graph: Graph, loss: Tensor, optimizer, microbatches: int
         clipped, _ = clip_by_global_norm(sums, clip_norm)
     last = list(optimizer.apply_grads(clipped, variables)) + written
     return AccumulatedUpdates(microbatches, first, middle, last, accs, clipped)
+
+
+def build_training_graph(builder, config, optimizer, microbatches: int = 1, clip_norm: float | None = None,
+                         in_backward: bool = False, **build_kwargs):
+    """A model's training graph with ``optimizer`` applied once per ``microbatches`` N runs: what ``meshtorch train``
+    runs and ``meshtorch plan`` plans (one function, so the two agree).
+
+    Args:
+        builder: ``builder(config, optimizer=..., clip_norm=..., **build_kwargs)`` -> a graph with ``graph``,
+            ``loss`` and ``updates`` (e.g. :func:`meshtorch.models.transformer.build_lm`).
+        config: a dataclass with ``batch_size`` B (the whole batch of one optimizer step).
+        microbatches: N dividing B; N > 1 builds the graph of one microbatch (``batch_size`` B / N) without an
+            optimizer and sets its ``updates`` to the last microbatch's (:func:`accumulated_updates`, with
+            ``clip_norm``).
+        in_backward: optimizer-in-backward (:mod:`meshtorch.optim.in_backward`): one update op per variable, each
+            run as soon as its gradient is final.
+
+    Returns:
+        ``(graph object, AccumulatedUpdates or None for N = 1)``.
+
+    Raises:
+        ValueError: ``in_backward`` with ``clip_norm`` or with N > 1, in one line.
+    """
+    if in_backward and (clip_norm or microbatches > 1):
+        why = ("gradient clipping needs every gradient's norm before any update (set the clip norm to 0)"
+               if clip_norm else f"gradient accumulation applies the optimizer once per {microbatches} microbatches")
+        raise ValueError(f"optimizer-in-backward is refused with {why}.")
+    if microbatches == 1:
+        lm = builder(config, optimizer=per_variable(optimizer) if in_backward else optimizer, clip_norm=clip_norm,
+                     **build_kwargs)
+        if in_backward:
+            mark_in_backward(lm.updates)
+        return lm, None
+    lm = builder(dataclasses.replace(config, batch_size=config.batch_size // microbatches), **build_kwargs)
+    acc = accumulated_updates(lm.graph, lm.loss, optimizer, microbatches, clip_norm=clip_norm)
+    lm.updates = acc.last
+    return lm, acc

@@ -124,7 +124,8 @@ class AdamOptimizer(Optimizer):
             ValueError: ``found_inf`` with ``fused=False`` or a subclass's own ``apply_grad``.
         """
         grads, variables = list(grads), list(variables)
-        if not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables):
+        if (not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables)
+                or not getattr(self, "multi_tensor", True)):  # (False: per variable, for optim.in_backward)
             if found_inf is not None:
                 raise ValueError(f"{type(self).__name__}: skipping overflowed steps (fp16 loss scaling) needs the "
                                  "fused multi-tensor update (fused=None or True, torch >= 2.4).")

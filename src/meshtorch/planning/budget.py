@@ -6,7 +6,9 @@ limit, the predicted bytes per processor and a storage rule (FSDP / ZeRO-3) that
 running out of memory after allocating. ``meshtorch train`` / ``meshtorch plan`` and
 ``benchmarks/fsdp_memory.py`` call it. :func:`fit_memory_limit` goes further: over the limit, it tries the
 variants of a graph (``meshtorch plan``: the LM's activation-checkpointing policies, ``--remat``) with the
-given storage rules and with each storage candidate, and returns the fastest configuration that fits.
+given storage rules and with each storage candidate, and with the weight gathers of :data:`LEAN_GATHERS` (no
+kept forward gather, no prefetch: the FSDP schedule of least memory), and returns the fastest configuration that
+fits.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 from meshtorch.planning.search import storage_candidates
 
-__all__ = ["MemoryLimitError", "check_memory_limit", "fit_memory_limit", "plan_memory"]
+__all__ = ["LEAN_GATHERS", "MemoryLimitError", "check_memory_limit", "fit_memory_limit", "plan_memory"]
+
+#: The :class:`~meshtorch.core.mesh_spec.MeshSpec` fields of the FSDP weight-gather schedule of least memory: every
+#: weight resharded after the forward pass (also the output projection, whose forward gather the default keeps
+#: for the backward pass) and no gather issued ahead of its use (the default prefetches one). It costs one more
+#: all-gather per kept weight and the overlap of the prefetch; it matters only under storage rules.
+LEAN_GATHERS = {"reshard_after_forward": "always", "prefetch": 0}
 
 
 class MemoryLimitError(MeshtorchError, ValueError):
@@ -42,17 +50,20 @@ def _join(storage: str, extra: str) -> str:
 
 
 def plan_memory(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str = "",
-                cost: CostModel | None = None, options: PlanOptions | None = None) -> MemoryReport:
+                cost: CostModel | None = None, options: PlanOptions | None = None,
+                lean_gathers: bool = False) -> MemoryReport:
     """The :class:`MemoryReport` of one ``run(fetches)`` of ``graph`` on ``mesh_shape`` with compute rules
     ``layout`` and storage rules ``storage`` (dry run: nothing allocated), with its estimated time.
     ``options``: the schedule planned (:class:`~meshtorch.lowering.stages.PlanOptions`: buckets, one process
-    per processor or one for all); default the placement mesh's.
+    per processor or one for all); default the placement mesh's. ``lean_gathers``: the weight gathers of
+    :data:`LEAN_GATHERS` (else the MeshSpec defaults).
 
     Raises:
         LayoutError: naming the tensor and dimension, if the rules are illegal for the graph.
     """
-    rep = memory_report(plan(graph, fetches, {mesh: MeshSpec(mesh_shape, layout, storage=storage)}, options))
-    rep.layout, rep.storage = layout, storage
+    spec = MeshSpec(mesh_shape, layout, storage=storage, **(LEAN_GATHERS if lean_gathers else {}))
+    rep = memory_report(plan(graph, fetches, {mesh: spec}, options))
+    rep.layout, rep.storage, rep.lean_gathers = layout, storage, lean_gathers
     rep.estimated_time = estimate_time(rep, cost or CostModel())
     return rep
 
@@ -64,7 +75,8 @@ def _breakdown(r: MemoryReport) -> str:
 
 def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", storage: str = "",
                        memory_limit: int | None = None, candidates: Sequence[str] | None = None,
-                       cost: CostModel | None = None, options: PlanOptions | None = None) -> MemoryReport:
+                       cost: CostModel | None = None, options: PlanOptions | None = None,
+                       lean_gathers: bool = False) -> MemoryReport:
     """Plan ``fetches`` (e.g. ``[loss] + updates``) and fail before training if over ``memory_limit``.
 
     Args:
@@ -74,7 +86,7 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
         candidates: storage rules to suggest from (added to ``storage``); default
             :func:`~meshtorch.planning.search.storage_candidates` (``d_model:<axis>`` first).
         cost: the cost model ranking the storage rules that fit (default :class:`CostModel`).
-        options: the schedule planned (:func:`plan_memory`).
+        options, lean_gathers: the schedule planned (:func:`plan_memory`).
 
     Returns:
         The :class:`MemoryReport` of the configuration (it fits).
@@ -85,7 +97,7 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
             rule that fits (by estimated time), or says that none of the candidates does.
         LayoutError: the rules are illegal for the graph.
     """
-    rep = plan_memory(graph, mesh, fetches, mesh_shape, layout, storage, cost, options)
+    rep = plan_memory(graph, mesh, fetches, mesh_shape, layout, storage, cost, options, lean_gathers)
     if memory_limit is None or rep.total_bytes <= memory_limit:
         return rep
     cands = storage_candidates(graph, mesh_shape, layout) if candidates is None else list(candidates)
@@ -96,7 +108,7 @@ def check_memory_limit(graph, mesh, fetches, mesh_shape, layout: str = "", stora
             continue
         st = _join(storage, extra)
         try:
-            r = plan_memory(graph, mesh, fetches, mesh_shape, layout, st, cost, options)
+            r = plan_memory(graph, mesh, fetches, mesh_shape, layout, st, cost, options, lean_gathers)
         except LayoutError:
             continue
         if smallest is None or r.total_bytes < smallest[1].total_bytes:
@@ -133,7 +145,9 @@ def fit_memory_limit(build, options: Sequence, mesh_shape, layout: str = "", sto
     (:func:`check_memory_limit`'s suggestion); of the configurations that fit, the one with the smallest
     estimated time (then fewest bytes) wins, so recomputation is chosen only where it is cheaper than
     sharding or where nothing else fits (the planner's memory walk and FLOP count both see the
-    recomputed steps). ``plan_options``: the schedule planned (:func:`plan_memory`).
+    recomputed steps). Where storage rules apply, each option is also planned with the weight gathers of
+    :data:`LEAN_GATHERS` (no kept forward gather, no prefetch), which compete the same way: the report says
+    so (``lean_gathers``). ``plan_options``: the schedule planned (:func:`plan_memory`).
 
     Returns:
         ``(option, storage rules, MemoryReport)``.
@@ -147,19 +161,19 @@ def fit_memory_limit(build, options: Sequence, mesh_shape, layout: str = "", sto
     fits, first_error, smallest = [], None, None
     for i, opt in enumerate(options):
         graph, mesh, fetches = build(opt)
-        try:
-            rep = check_memory_limit(graph, mesh, fetches, mesh_shape, layout, storage, memory_limit, cost=cost,
-                                     options=plan_options)
-            if i == 0:
-                return opt, storage, rep
-            fits.append((opt, storage, rep))
-            continue
-        except MemoryLimitError as e:
-            first_error = first_error or e
-            if smallest is None or e.report.total_bytes < smallest[2].total_bytes:
-                smallest = (opt, storage, e.report)
-            if e.suggestion is not None:
-                fits.append((opt, e.suggestion[0], e.suggestion[1]))
+        for lean in (False, True):
+            try:
+                rep = check_memory_limit(graph, mesh, fetches, mesh_shape, layout, storage, memory_limit, cost=cost,
+                                         options=plan_options, lean_gathers=lean)
+                if i == 0 and not lean:
+                    return opt, storage, rep
+                fits.append((opt, storage, rep))
+            except MemoryLimitError as e:
+                first_error = first_error or e
+                if smallest is None or e.report.total_bytes < smallest[2].total_bytes:
+                    smallest = (opt, storage, e.report)
+                if e.suggestion is not None:
+                    fits.append((opt, e.suggestion[0], e.suggestion[1]))
     if fits:
         return min(fits, key=lambda f: (f[2].estimated_time["total_s"], f[2].total_bytes))
     raise MemoryLimitError(f"{first_error} With every option of {options}: none fits; the smallest without a "

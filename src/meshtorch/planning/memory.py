@@ -105,6 +105,9 @@ class MemoryReport:
     flops_serial: int = 0
     pipeline: PipelinePlan | None = None
     remat: str | None = None  # set by the search when it needed a heavier ``--remat`` than asked to fit a limit
+    #: set by :func:`~meshtorch.planning.budget.fit_memory_limit` when the plan fits a limit only with the weight
+    #: gathers of :data:`~meshtorch.planning.budget.LEAN_GATHERS` (no kept forward gather, no prefetch)
+    lean_gathers: bool = False
 
     @property
     def parameter_bytes(self) -> int:

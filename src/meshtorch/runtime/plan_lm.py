@@ -19,9 +19,9 @@ from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering.counters import _human
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm
 from meshtorch.ops.precision import PrecisionPolicy
-from meshtorch.optim.accumulate import accumulated_updates
+from meshtorch.optim.accumulate import build_training_graph
 from meshtorch.optim.adam import AdamWOptimizer
-from meshtorch.planning.budget import MemoryLimitError, fit_memory_limit, plan_memory
+from meshtorch.planning.budget import LEAN_GATHERS, MemoryLimitError, fit_memory_limit, plan_memory
 from meshtorch.planning.cost import CostModel
 from meshtorch.planning.pipeline import STAGE_DIM, pipeline_candidates, schedule_flag, schedule_table
 from meshtorch.planning.search import layout_key, pipeline_layouts, search_layouts, trust_line
@@ -40,11 +40,7 @@ def training_lm(cfg, optimizer=None, accumulate: int = 1, precision=None):
     the float32 accumulators; ``precision``: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its
     name) the model is built with."""
     opt = optimizer() if optimizer is not None else AdamWOptimizer(1e-3)
-    if accumulate == 1:
-        return build_lm(cfg, optimizer=opt, precision=precision)
-    lm = build_lm(replace(cfg, batch_size=cfg.batch_size // accumulate), precision=precision)
-    lm.updates = accumulated_updates(lm.graph, lm.loss, opt, accumulate).last
-    return lm
+    return build_training_graph(build_lm, cfg, opt, accumulate, precision=precision)[0]
 
 
 def parse_bytes(text: str) -> int:
@@ -121,6 +117,9 @@ def _fit(cfg, mesh_shape, layout, storage, memory_limit, cost, print_fn, train_l
         print_fn(f"over the memory limit: {e}")
         return None
     flags = f"--remat {remat}" + (f" --storage {st!r}" if st != storage else "")
+    if rep.lean_gathers:  # no flag of its own: the mesh's MeshSpec fields
+        flags += (" and without the kept forward gather and the prefetch of the weight gathers ("
+                  + ", ".join(f"{k}={v!r}" for k, v in LEAN_GATHERS.items()) + " on the mesh)")
     print_fn(f"over the memory limit of {_human(memory_limit)} as asked; fits with {flags} (fastest that fits): "
              f"{_human(rep.total_bytes)} per processor, estimated {rep.estimated_time['total_s'] * 1e3:.3f} ms")
     print_fn(rep.summary())

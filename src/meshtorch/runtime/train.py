@@ -37,7 +37,7 @@ from meshtorch.mesh.recorder import collective_report, flight_recorder
 from meshtorch.models.hf import hf_flops_per_token
 from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
-from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, accumulated_updates
+from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, build_training_graph
 from meshtorch.optim.loss_scale import LOSS_SCALE_VARIABLES
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks, failures, hf_train, pipeline_train, runs
@@ -215,14 +215,11 @@ def _build_model(job: _Job) -> None:
         job.pipeline = pipeline_train.PipelineTrainer(cfg, model)  # variables, for evaluation and checkpoints
         model = job.pipeline.config
         job.say(job.pipeline.describe())
-    elif n_acc > 1:  # the graph is one microbatch's; the optimizer is applied once per n_acc of them
-        model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)
-        opt, clip, accumulate = None, None, (opt, clip)
-    try:
-        builder = hf.build if imported else build_lm
-        job.lm = builder(model, seed=cfg.seed, optimizer=opt, clip_norm=clip, precision=cfg.precision_policy)
+    try:  # --accumulate N > 1: the graph is one microbatch's; the optimizer is applied once per N of them
+        job.lm, job.accumulation = build_training_graph(hf.build if imported else build_lm, model, opt, n_acc, clip,
+                                                        seed=cfg.seed, precision=cfg.precision_policy)
         if n_acc > 1:
-            _accumulate(job, *accumulate)
+            model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)  # one microbatch
         if imported and not cfg.resuming:  # an imported model's weights (resumed: from the checkpoint)
             job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
         else:
@@ -242,14 +239,6 @@ def _build_model(job: _Job) -> None:
             f"{batch} x length {model.length}; tokenizer {getattr(job.tok, 'path', cfg.tokenizer)}")
     job.say(f"mesh {cfg.mesh!r} layout {cfg.layout!r} storage {cfg.storage or '(as the layout)'!r}; "
             f"{len(job.dataset.train)} train / {len(job.dataset.validation)} validation sequences")
-
-
-def _accumulate(job: _Job, optimizer, clip) -> None:
-    """``--accumulate N``: the optimizer (and clipping) applied to the gradients summed over N microbatches
-    (:func:`meshtorch.optim.accumulate.accumulated_updates`); ``lm.updates`` are the last microbatch's."""
-    lm = job.lm
-    job.accumulation = accumulated_updates(lm.graph, lm.loss, optimizer, job.cfg.accumulate, clip_norm=clip)
-    lm.updates = job.accumulation.last
 
 
 def _flops_per_token(model) -> float:
