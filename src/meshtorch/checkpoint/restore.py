@@ -80,8 +80,9 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
         entry = saved.get(var.name)
         if entry is None and legacy:
             old = _legacy_name(var.name, legacy)
-            entry = saved.get(old)
-            used.add(old)
+            entry = saved.get(old) if old is not None else None
+            if entry is not None:
+                used.add(old)
         if entry is None:
             missing.append(var.name)
             continue

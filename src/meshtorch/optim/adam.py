@@ -76,6 +76,9 @@ class AdamOptimizer(Optimizer):
     """
 
     decoupled = False
+    #: fused: one multi-tensor update over every variable (False: one update op per variable, which
+    #: :func:`meshtorch.optim.in_backward.per_variable` sets so each update can run as its gradient is final)
+    multi_tensor = True
 
     def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.0,
                  fused: bool | None = None):
@@ -125,7 +128,7 @@ class AdamOptimizer(Optimizer):
         """
         grads, variables = list(grads), list(variables)
         if (not self.fused or type(self).apply_grad is not AdamOptimizer.apply_grad or len(grads) != len(variables)
-                or not getattr(self, "multi_tensor", True)):  # (False: per variable, for optim.in_backward)
+                or not self.multi_tensor):
             if found_inf is not None:
                 raise ValueError(f"{type(self).__name__}: skipping overflowed steps (fp16 loss scaling) needs the "
                                  "fused multi-tensor update (fused=None or True, torch >= 2.4).")
