@@ -2,8 +2,10 @@
 planner, is the fastest measured of the measured candidates (the default layout always among them) and is what
 runs; a second run reads the choice from the cache; ``--trace-collectives`` reports the collectives that ran."""
 
+import itertools
 import json
 import os
+import statistics
 
 import pytest
 
@@ -117,18 +119,20 @@ def test_layout_auto_with_microbatches_chooses_a_pipeline_when_only_it_fits(cali
 
 class _FakeTimer:
     """Stands in for :func:`autolayout.prepare_candidate`: the timed steps of the i-th prepared candidate take
-    ``times[i]`` s (a number: every step; a list: step after step), ``rest`` s for candidates beyond ``times``
-    (so a test decides which is fastest), and every candidate is recorded."""
+    ``times[i]`` s (a number: every step; a list: step after step, cycling), ``rest`` s for candidates beyond
+    ``times`` (so a test decides which is fastest); every candidate and the seconds of each of its steps
+    (``steps[i]``) are recorded."""
 
     def __init__(self, times, rest=1.0):
-        self.times, self.rest, self.calls = times, rest, []
+        self.times, self.rest, self.calls, self.steps = times, rest, [], []
 
     def __call__(self, config, mesh_shape, c, **kw):
         self.calls.append(c)
         i = len(self.calls) - 1
         t = self.times[i] if i < len(self.times) else self.rest
-        steps = iter(t) if isinstance(t, list) else None
-        return (lambda: next(steps)) if steps is not None else (lambda: t)
+        steps, took = itertools.cycle(t if isinstance(t, list) else [t]), []
+        self.steps.append(took)
+        return lambda: took.append(next(steps)) or took[-1]
 
 
 def _same_layout(a, b, storage_a="", storage_b=""):
@@ -137,11 +141,10 @@ def _same_layout(a, b, storage_a="", storage_b=""):
 
 
 def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, capsys, monkeypatch):
-    """The decision is the least median of each candidate's timed steps: here the 3rd measured has it, while the
-    least first step (the 4th's), the least single step (the 5th's) and the least mean (the 2nd's) point
-    elsewhere; train runs the 3rd, and the default layout was measured (first) also with --auto-candidates 1."""
-    import statistics
-
+    """The decision is the least median of each candidate's timed steps (as recorded by the fake): here the 3rd
+    measured has it, while the least first step (the 4th's), the least single step (the 5th's) and the least mean
+    (the 2nd's) point elsewhere; train runs it, and the default layout was measured (first) also with
+    --auto-candidates 1."""
     from meshtorch.runtime import autolayout
     from meshtorch.runtime.train_config import DEFAULT_LAYOUT
     steps = [[0.50, 0.50, 0.50], [0.38, 0.38, 0.38], [0.60, 0.35, 0.35], [0.29, 0.45, 0.44], [0.36, 0.10, 0.80]]
@@ -151,9 +154,9 @@ def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, cap
     out = capsys.readouterr().out
     assert len(timer.calls) >= 5, len(timer.calls)
     assert _same_layout(timer.calls[0].layout, DEFAULT_LAYOUT, timer.calls[0].storage)
-    med = [statistics.median(s) for s in steps] + [timer.rest] * (len(timer.calls) - len(steps))
-    fastest = timer.calls[min(range(len(med)), key=med.__getitem__)]
-    assert fastest is timer.calls[2]  # the reference's choice differs from least first/min/mean step:
+    assert all(len(t) >= 3 for t in timer.steps[:5])  # the others (1 s) leave after one step (> 3x 0.29 s)
+    fastest = timer.calls[min(range(len(timer.calls)), key=lambda i: statistics.median(timer.steps[i]))]
+    assert fastest is timer.calls[2]  # and not the least first, single or mean step:
     assert {min(range(5), key=lambda i: f(steps[i])) for f in (lambda s: s[0], min, statistics.mean)} == {1, 3, 4}
     assert _chosen(out) == (fastest.layout, fastest.storage)
     assert "predicted ms" in out and "measured ms" in out and "range ms" in out and "chosen" in out
@@ -163,6 +166,21 @@ def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, cap
     out = capsys.readouterr().out
     assert _same_layout(timer2.calls[0].layout, DEFAULT_LAYOUT, timer2.calls[0].storage)
     assert _chosen(out) == (timer2.calls[1].layout, timer2.calls[1].storage)
+
+
+def test_layout_auto_races_candidates_within_the_noise_on_for_more_steps(calibration, capsys, monkeypatch):
+    """After 3 timed steps the cost model's first (0.29 s, 0.29 s, 0.29 s) looks faster than the default (0.28 s,
+    0.30 s, 0.32 s), but their steps overlap: both run more rounds, the first's later steps take 0.40 s, and the
+    default, the least median of all recorded steps, is chosen; a candidate clear of the noise runs no more."""
+    from meshtorch.runtime import autolayout
+    timer = _FakeTimer([[0.28, 0.30, 0.32], [0.29, 0.29, 0.29, 0.40, 0.40, 0.40, 0.40]], rest=0.8)
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1", "--auto-candidates", "1"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert len(timer.steps[0]) == len(timer.steps[1]) > 3
+    assert all(len(t) == 3 for t in timer.steps[2:]), [len(t) for t in timer.steps]
+    fastest = min(range(len(timer.calls)), key=lambda i: statistics.median(timer.steps[i]))
+    assert fastest == 0 and _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
 
 
 def _band_calibration(cal, spread):

@@ -42,6 +42,7 @@ WARMUP_STEPS = 1  # excluded: the first step builds the executor's program and a
 TIMED_STEPS = 3  # median of these
 GIVE_UP = 3.0  # one process: a candidate whose first timed step takes this many times the best first stops
 BUDGET_SHARE, BUDGET_STEPS = 0.2, 600  # measuring may cost 20% of a 600-step run of the default layout
+RACE_ROUNDS = 4  # at most this many more steps for the candidates whose steps overlap the best median
 MODEL_ERROR = 0.25  # the least trust band: the cost model's median error against measured steps (docs/planning.md)
 
 
@@ -169,14 +170,16 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
             hold=memory_limit is None, world=world)
     finally:
         torch.set_num_threads(old)
-    rounds = [list(c.times) + [math.inf] * (TIMED_STEPS - len(c.times)) for c in measured]  # inf: left the race
-    flat = _max_over_ranks([t for r in rounds for t in r], world)
-    for i, c in enumerate(measured):
-        c.times = tuple(flat[i * TIMED_STEPS:(i + 1) * TIMED_STEPS])
+    for c in measured:  # inf: left the race after its first step
+        c.times += (math.inf,) * (TIMED_STEPS - len(c.times))
+    flat, at = _max_over_ranks([t for c in measured for t in c.times], world), 0  # the slowest rank's steps
+    for c in measured:
+        c.times, at = tuple(flat[at:at + len(c.times)]), at + len(c.times)
     chosen = pick(measured)
     table = _table(measured, chosen_ones[len(measured):], chosen)
     print_fn(f"{head}; measured {len(measured)} of them ({_why(chosen_ones, measured, candidates, band)}; "
-             f"{WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each, median"
+             f"{WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each, up to {RACE_ROUNDS} more for those within "
+             f"the noise of the best, median"
              f"{', slowest rank' if world > 1 else ''}) in {time.perf_counter() - t0:.1f} s:")
     print_fn(table)
     c = measured[chosen]
@@ -235,8 +238,10 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
     candidate takes its first timed step at once (one process: one slower than ``GIVE_UP`` x the best first step
     so far leaves the race); with ``hold`` the remaining ``TIMED_STEPS`` - 1 rounds are interleaved over the
     held candidates (a load that comes and goes hits all alike), else each candidate's steps run before the next
-    is built (one held at a time, under ``--memory-limit``). Sets each measured candidate's ``times``; returns
-    the measured ones (a prefix of ``cands``)."""
+    is built (one held at a time, under ``--memory-limit``). Then, for up to ``RACE_ROUNDS`` more interleaved
+    rounds while the budget lasts, the held candidates whose fastest step is within the best median (the slowest
+    rank's steps) race on: their difference is within the noise of the steps so far, and more steps make the
+    medians surer. Sets each measured candidate's ``times``; returns the measured ones (a prefix of ``cands``)."""
     held, done, budget, scale, spent = [], [], math.inf, 1.0, 0.0
     for c in cands:
         if len(done) >= 2:
@@ -263,6 +268,21 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
     for _ in range(TIMED_STEPS - 1):
         for c, step in held:
             c.times += (step(),)
+    for _ in range(RACE_ROUNDS):  # the close ones race on while the budget lasts: more steps, a surer median
+        agreed = _max_over_ranks([t for c, _ in held for t in c.times], world)
+        meds, at = [], 0
+        for c, _ in held:
+            meds.append((statistics.median(agreed[at:at + len(c.times)]), min(agreed[at:at + len(c.times)])))
+            at += len(c.times)
+        best = min((m for m, _ in meds), default=math.inf)
+        race = [(c, step) for (c, step), (_, low) in zip(held, meds, strict=True) if low <= best]
+        cost = sum(statistics.median(c.times) for c, _ in race)
+        if len(race) < 2 or _max_over_ranks([spent], world)[0] + cost > budget:
+            break
+        for c, step in race:
+            c.times += (step(),)
+        spent += cost
+        held = race
     return done
 
 
