@@ -276,7 +276,7 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
             at += len(c.times)
         best = min((m for m, _ in meds), default=math.inf)
         race = [(c, step) for (c, step), (_, low) in zip(held, meds, strict=True) if low <= best]
-        cost = sum(statistics.median(c.times) for c, _ in race)
+        cost = sum(m for (m, low) in meds if low <= best)  # the slowest rank's: every rank decides alike
         if len(race) < 2 or _max_over_ranks([spent], world)[0] + cost > budget:
             break
         for c, step in race:
