@@ -126,7 +126,8 @@ def test_plan_search_prints_the_calibrations_spread(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path))
     cal = cal_mod.Calibration(host=cal_mod._host_key(), backend="placement", threads=1, gemm_flop_rate=5e10,
                               kernel_overhead=5e-6, memory_bandwidth=1e10, spread={"gemm": 0.4, "kernel": 0.1},
-                              busy=True, collectives={k: [1e-5, 1e-10] for k in cal_mod.KINDS})
+                              busy=True, collectives={k: [1e-5, 1e-10] for k in cal_mod.KINDS},
+                              version=cal_mod.CALIBRATION_VERSION)
     path = cal_mod.cache_path("placement", 1)
     os.makedirs(os.path.dirname(path))
     with open(path, "w") as f:
@@ -140,3 +141,75 @@ def test_plan_search_prints_the_calibrations_spread(tmp_path, monkeypatch, capsy
     line = next(ln for ln in out.splitlines() if ln.startswith("trust:"))
     assert "spread 40%" in line and "busy" in line
     assert (f"{len(close)} other layout(s)" in line) if close else ("no other layout" in line), (line, close)
+
+
+REPEATED = ["batch:data;heads:model", "batch:data;heads:model;d_ff:model;vocab:model",  # the batch split over data
+            "d_model:data;heads:model", "heads:data;d_ff:model", "vocab:data", "d_ff:data"]  # repeated over data
+
+
+def _placement_run(layout, mode):
+    """(MemoryReport, mode) of one AdamW training step of a 1-layer tiny LM on the placement mesh data:2,model:2
+    under ``layout`` with train's sliced feeds, run (after a warm-up step) inside the TorchDispatchMode ``mode``."""
+    from meshtorch.data.sharding import local_batch_indices, local_feed
+    from meshtorch.models.transformer import build_lm
+    spec = mtf.MeshSpec("data:2,model:2", layout)
+    cfg = preset("tiny", num_layers=1, d_model=32, num_heads=4, d_kv=8, d_ff=64, length=16, batch_size=8,
+                 vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"))
+    lm = build_lm(cfg, optimizer=mtf.optim.AdamWOptimizer(1e-3))
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl("data:2,model:2", layout)})
+    b = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.length + 1), generator=torch.Generator().manual_seed(0))
+    feeds = {t: local_feed(lw, t, v[local_batch_indices(lw, t)]) for t, v in ((lm.inputs, b[:, :-1]),
+                                                                            (lm.targets, b[:, 1:]))}
+    fetches = [lm.loss] + lm.updates
+    lw.run(fetches, feeds=feeds, feed_slices=True)
+    with mode:
+        lw.run(fetches, feeds=feeds, feed_slices=True)
+    return memory_report(lw, fetches), mode
+
+
+def test_flops_under_a_repeated_batch_match_the_flop_counter_of_the_run():
+    """A layout that splits a non-batch dim over ``data`` repeats the batch on both data processors: every one of
+    them does the whole batch's work of the ops that dim does not split. The planned FLOPs of the one-process run
+    (``flops_serial``) against ``FlopCounterMode`` on the real placement run: each layout within 0-25% above
+    (the planner counts a few contractions torch runs as elementwise kernels), and the repeated-batch layouts priced
+    like the batch-split ones (the ratios within 15% of each other)."""
+    ratios = {}
+    for layout in REPEATED:
+        rep, fc = _placement_run(layout, FlopCounterMode(display=False))
+        ratios[layout] = rep.flops_serial / fc.get_total_flops()
+    assert all(1.0 <= r <= 1.25 for r in ratios.values()), ratios
+    assert max(ratios.values()) / min(ratios.values()) <= 1.15, ratios
+
+
+class _Traffic(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes read (tensor arguments) and written (tensor results) by the aten ops a run dispatches, views and the
+    contractions (priced as FLOPs) left out."""
+
+    SKIP = {"mm", "bmm", "addmm", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+    def __init__(self):
+        super().__init__()
+        self.moved = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        view = not func._schema.is_mutable and any(a.alias_info for a in func._schema.returns)
+        if not view and func.overloadpacket.__name__ not in self.SKIP:
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+            self.moved += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        return out
+
+
+def test_elementwise_bytes_under_a_repeated_batch_match_the_traffic_of_the_run():
+    """The bytes the cost model prices at ``memory_bandwidth`` (what the slicewise steps read and write, every
+    processor of the one-process run) against the bytes the run's aten ops read and write (a TorchDispatchMode;
+    it also counts the placement collectives' own adds and copies, which the model prices as collectives): within
+    -30% / +20% for the batch-split and the repeated-batch layouts alike (the writes alone are 2-3x short)."""
+    for layout in REPEATED:
+        rep, traffic = _placement_run(layout, _Traffic())
+        moved = rep.kernel_read_bytes_serial + rep.kernel_bytes_serial
+        assert 0.7 <= moved / traffic.moved <= 1.2, (layout, moved / traffic.moved)
+        # and those are the bytes the placement model charges (FLOPs, calls and collectives made free here)
+        free = CostModel(flop_rate=1e30, bandwidth=1e30, latency=0.0, memory_bandwidth=1e9, serial=True)
+        assert estimate_time(rep, free)["compute_s"] == pytest.approx(moved / 1e9, rel=1e-6)

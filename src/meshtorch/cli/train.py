@@ -81,9 +81,11 @@ def add_train_subcommand(subparsers) -> None:
                    help="with --layout auto: bytes per processor the layout may need, e.g. 16GiB (predicted by the "
                         "planner)")
     p.add_argument("--auto-candidates", type=int, default=3,
-                   help="with --layout auto: how many of the cost model's best layouts to train a few steps each "
-                        "(with the default layout) before training with the fastest measured; the choice is cached, "
-                        "so the next run of the same job measures nothing; 0: take the cost model's first unmeasured")
+                   help="with --layout auto: at least how many of the cost model's best layouts to train a few steps "
+                        "each (with the default layout and every layout predicted within the ranking's trust band, "
+                        "up to 20%% of a 600-step default run) before training with the fastest measured; the choice "
+                        "is cached, so the next run of the same job measures nothing; 0: take the cost model's first "
+                        "unmeasured")
     p.add_argument("--device", default=None,
                    help="where the slices live: cpu, cuda (a simulated mesh spreads its processors over the visible "
                         "GPUs round-robin; under torchrun each rank uses cuda:LOCAL_RANK with NCCL) or cuda:<index> "

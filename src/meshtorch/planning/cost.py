@@ -44,8 +44,10 @@ class CostModel:
 
     * ``kernel_overhead``: seconds per kernel call of a step (the executor's dispatch and the small
       kernels between the einsums), charged once per slicewise step per processor;
-    * ``memory_bandwidth``: bytes/s of elementwise kernels (counted as 3x the bytes each step writes:
-      two operands read, one result written), 0 to ignore them;
+    * ``memory_bandwidth``: bytes/s of elementwise kernels, charged on the bytes the slicewise steps read and
+      write (:attr:`MemoryReport.kernel_read_bytes` + :attr:`MemoryReport.kernel_bytes`: a fused step such as a
+      softmax cross-entropy reads ``[batch, length, vocab]`` and writes ``[batch, length]``, and a layout that
+      repeats the batch over a mesh axis reads the whole batch's on each processor of it), 0 to ignore them;
     * ``collectives``: ``((kind, latency_s, seconds_per_wire_byte), ...)`` measured per kind, which
       override ``latency``/``bandwidth`` for that kind;
     * ``spread``: the largest relative spread ``(max - min) / median`` of the measured constants over the
@@ -129,18 +131,21 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
     """``{"compute_s", "comm_s", "total_s"}`` of one run under ``cost`` (default :class:`CostModel`).
 
     SPMD (``cost.serial`` False): one processor's einsum FLOPs over the FLOP rate, plus its kernel calls
-    times ``kernel_overhead``, plus each collective once. Placement (``serial``): the work of every processor
+    times ``kernel_overhead``, plus the bytes its slicewise steps read and write over ``memory_bandwidth``, plus
+    each collective once. Placement (``serial``): the work of every processor
     one after another (:attr:`MemoryReport.flops_serial`), plus each collective once per processor group (the
     groups of a mesh axis run one after another in one process).
     """
     cost = cost or CostModel()
     if cost.serial:
-        flops, calls, written = report.flops_serial, report.kernel_calls_serial, report.kernel_bytes_serial
+        flops, calls = report.flops_serial, report.kernel_calls_serial
+        moved = report.kernel_read_bytes_serial + report.kernel_bytes_serial
     else:
-        flops, calls, written = report.flops_per_processor, report.kernel_steps, report.kernel_bytes
+        flops, calls = report.flops_per_processor, report.kernel_steps
+        moved = report.kernel_read_bytes + report.kernel_bytes
     compute = flops / cost.flop_rate + calls * cost.kernel_overhead
     if cost.memory_bandwidth:
-        compute += 3 * written / cost.memory_bandwidth
+        compute += moved / cost.memory_bandwidth
     comm = 0.0
     for c, n in report.counters.records.items():
         group = math.prod(report.mesh_axis_sizes.get(a, 1) for a in c.mesh_axes)

@@ -76,6 +76,10 @@ class MemoryReport:
             kernels).
         kernel_bytes / kernel_bytes_serial: bytes the slicewise steps write per processor / in a one-process
             simulation (the memory traffic of the elementwise work between the einsums).
+        kernel_read_bytes / kernel_read_bytes_serial: bytes the slicewise steps read (their inputs' slices), per
+            processor / in a one-process simulation: a fused step's work scales with what it reads (a softmax
+            cross-entropy reads ``[batch, length, vocab]`` logits and writes ``[batch, length]``), and under a
+            layout that repeats the batch over a mesh axis every processor of it reads the whole batch's.
         pipeline: for a pipelined graph (one with a ``pipeline_schedule``), its
             :class:`~meshtorch.planning.pipeline.PipelinePlan` (bubble fraction, collectives over the stage
             axis, stacked vs other weights per processor); None otherwise.
@@ -102,6 +106,8 @@ class MemoryReport:
     kernel_calls_serial: int = 0
     kernel_bytes: int = 0
     kernel_bytes_serial: int = 0
+    kernel_read_bytes: int = 0
+    kernel_read_bytes_serial: int = 0
     flops_serial: int = 0
     pipeline: PipelinePlan | None = None
     remat: str | None = None  # set by the search when it needed a heavier ``--remat`` than asked to fit a limit
@@ -342,7 +348,7 @@ def _report(program: Program, prog, specs: dict, op_axes: dict, pipeline) -> Mem
     peak, peak_i, largest = _walk(prog.steps, prog.frees, size, size.records, live=inputs)
     largest = max([largest, *(size(s) for _, s in prog.placeholders)])
     peak_op = "<feeds>" if peak_i < 0 else prog.steps[peak_i].op
-    local_flops = kernel_steps = kernel_bytes = 0
+    local_flops = kernel_steps = kernel_bytes = kernel_read = 0
     for st in prog.steps:
         if st.flops:  # the einsum's work, divided by the axes that split it
             axes = op_axes.get(st.op)
@@ -350,6 +356,7 @@ def _report(program: Program, prog, specs: dict, op_axes: dict, pipeline) -> Mem
         if st.kind == "slicewise":
             kernel_steps += 1
             kernel_bytes += sum(size(s) for s in st.outputs)
+            kernel_read += sum(size(s) for s in st.inputs)
     # a one-process simulation runs every processor's kernels: once any value is split, results stop being
     # shared between replicas (collective outputs, updated variables); and even a fully replicated program
     # gets one fed slice per processor from train's feed_slices=True batches, so its replicas share nothing
@@ -369,4 +376,5 @@ def _report(program: Program, prog, specs: dict, op_axes: dict, pipeline) -> Mem
         gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)),
         kernel_steps=kernel_steps, kernel_calls_serial=kernel_steps * serial, kernel_bytes=kernel_bytes,
         kernel_bytes_serial=kernel_bytes * serial, flops_serial=local_flops * serial,
+        kernel_read_bytes=kernel_read, kernel_read_bytes_serial=kernel_read * serial,
         pipeline=pipeline_plan(program, variables, counters, peak, specs=specs, schedule=pipeline))

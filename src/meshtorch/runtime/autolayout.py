@@ -1,7 +1,8 @@
 """``meshtorch train --layout auto``: predict, then measure. The calibrated cost model ranks every legal layout
-(and, with ``--storage auto``, storage rules) within a memory limit; the best ``--auto-candidates`` of them and
-train's default layout are then trained for a few steps each on the real mesh and backend, and the run trains
-with the fastest measured. The choice is cached, so a second run of the same job measures nothing.
+(and, with ``--storage auto``, storage rules) within a memory limit; train's default layout, the best
+``--auto-candidates`` and every layout predicted within the ranking's trust band of the best are then trained
+for a few steps each on the real mesh and backend (within a budget of 20% of a 600-step default run), and the
+run trains with the fastest measured. The choice is cached, so a second run of the same job measures nothing.
 
 Mesh TF shipped a cost model over layouts (``auto_mtf``); measuring the model's best candidates on the machine
 before committing to one is what cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``) and Inductor's
@@ -40,6 +41,9 @@ from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, pipeline_fields, plan_lm, 
 WARMUP_STEPS = 1  # excluded: the first step builds the executor's program and allocates the optimizer state
 TIMED_STEPS = 3  # median of these
 GIVE_UP = 3.0  # one process: a candidate whose first timed step takes this many times the best first stops
+BUDGET_SHARE, BUDGET_STEPS = 0.2, 600  # measuring may cost 20% of a 600-step run of the default layout
+RACE_ROUNDS = 4  # at most this many more steps for the candidates whose steps overlap the best median
+MODEL_ERROR = 0.25  # the least trust band: the cost model's median error against measured steps (docs/planning.md)
 
 
 @dataclass
@@ -82,16 +86,21 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     """``(layout rules, storage rules, remat)`` of the fastest measured of the cost model's best layouts of
     the LM on ``mesh_shape``.
 
-    The calibrated cost model of ``backend`` with ``threads`` torch threads ranks every legal layout; the
-    best ``candidates`` of them and the mesh's default layout (:func:`default_layout_for`, when it fits
-    ``memory_limit``) are each trained for ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch
-    on the real mesh (:func:`prepare_candidate`), in interleaved rounds (each round one step of every candidate,
-    so a load that comes and goes on the host hits all alike; one candidate after another under
-    ``memory_limit``, so only one is held at a time); the one of the least median step time wins (:func:`pick`:
-    the default layout only loses to a candidate faster than it in every round). Under torchrun
-    (``world`` > 1) every rank measures the same candidates in the same order and the slowest rank's median
-    counts (an all-reduce max), so all ranks choose alike. The choice is cached (:func:`cache_file`) and read
-    back by the next run of the same job, which then measures nothing.
+    The calibrated cost model of ``backend`` with ``threads`` torch threads ranks every legal layout. The layouts
+    measured (:func:`select`) are the mesh's default layout (:func:`default_layout_for`, when it fits
+    ``memory_limit``), then in predicted order the best ``candidates`` and every layout predicted within the
+    trust band (:func:`trust_band`: the calibration's spread, at least ``MODEL_ERROR``) of the best prediction,
+    as long as measuring them is predicted to cost at most ``BUDGET_SHARE`` of ``BUDGET_STEPS`` steps of the
+    default layout; while measuring, the real seconds spent are checked against that budget (set from the
+    default's measured step) before each candidate starts (:func:`_measure`). Each is trained for
+    ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch on the real mesh (:func:`prepare_candidate`),
+    the later timed steps in interleaved rounds (so a load that comes and goes on the host hits all alike; one
+    candidate after another under ``memory_limit``, so only one is held at a time); the one of the least median
+    timed step wins (:func:`pick`). Under torchrun (``world`` > 1) every rank measures the same candidates in the
+    same order, the budget is checked on the slowest rank's seconds and the slowest rank's steps count (an
+    all-reduce max), so all ranks choose alike. The table printed gives each candidate's predicted and median
+    measured step, the range of its timed steps and the choice. The choice is cached (:func:`cache_file`) and
+    read back by the next run of the same job, which then measures nothing.
 
     Args:
         config: ``fn(vocab_multiple) -> LMConfig`` (the vocab is padded for whichever mesh axis splits it).
@@ -102,8 +111,9 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
         print_fn: receives the calibration line, the table of candidates and the choice with its reason.
         microbatches: ``train --microbatches`` (> 1): pipelined layouts (``stage:<axis>``, docs/pipeline.md) with
             this many microbatches are searched too; None or 1: not.
-        candidates: how many of the cost model's best layouts to measure (``--auto-candidates``); 0: none,
-            the cost model's first is taken without measuring (nor the default layout measured).
+        candidates: how many of the cost model's best layouts to measure at least (``--auto-candidates``; the
+            budget permitting: the first is always measured); 0: none, the cost model's first is taken without
+            measuring (nor the default layout measured).
         device, executor: ``train --device`` / ``--executor``, what the measured steps run on.
         world: the job's process count (torchrun's ``WORLD_SIZE``).
         cache: read a cached choice (False: measure anyway; the new choice is cached either way).
@@ -148,45 +158,147 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
                  f"measured 0 candidates:")
         print_fn(hit["table"])
         return _result(hit["layout"], hit["storage"], hit["remat"], print_fn)
-    cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, candidates, print_fn, precision)
+    cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, print_fn, precision)
+    band = trust_band(cost)
+    chosen_ones = select(cands, candidates, band)
     t0 = time.perf_counter()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        groups = [cands] if memory_limit is None else [[c] for c in cands]
-        for group in groups:
-            _measure_rounds(group, [prepare_candidate(config, mesh_shape, c, microbatches=microbatches, device=device,
-                                                      executor=executor, precision=precision) for c in group],
-                            prune=world == 1)
+        measured = _measure(chosen_ones, lambda c: prepare_candidate(
+            config, mesh_shape, c, microbatches=microbatches, device=device, executor=executor, precision=precision),
+            hold=memory_limit is None, world=world)
     finally:
         torch.set_num_threads(old)
-    rounds = [list(c.times) + [math.inf] * (TIMED_STEPS - len(c.times)) for c in cands]  # inf: left the race
-    flat = _max_over_ranks([t for r in rounds for t in r], world)
-    rounds = [flat[i * TIMED_STEPS:(i + 1) * TIMED_STEPS] for i in range(len(cands))]
-    medians = [statistics.median(r) for r in rounds]
-    chosen = pick(cands, rounds)
-    table = _table(cands, medians, chosen)
-    best = min(candidates, len(ranked))
-    print_fn(f"{head}; measured the best {best}" + (" and the default layout" if len(cands) > best else "")
-             + f" ({WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each in interleaved rounds, median"
+    for c in measured:  # inf: left the race after its first step
+        c.times += (math.inf,) * (TIMED_STEPS - len(c.times))
+    flat, at = _max_over_ranks([t for c in measured for t in c.times], world), 0  # the slowest rank's steps
+    for c in measured:
+        c.times, at = tuple(flat[at:at + len(c.times)]), at + len(c.times)
+    chosen = pick(measured)
+    table = _table(measured, chosen_ones[len(measured):], chosen)
+    print_fn(f"{head}; measured {len(measured)} of them ({_why(chosen_ones, measured, candidates, band)}; "
+             f"{WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each, up to {RACE_ROUNDS} more for those within "
+             f"the noise of the best, median"
              f"{', slowest rank' if world > 1 else ''}) in {time.perf_counter() - t0:.1f} s:")
     print_fn(table)
-    c = cands[chosen]
+    c = measured[chosen]
     _write_cache(key, {"layout": c.layout, "storage": c.storage, "remat": c.remat, "table": table,
                        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, world)
     return _result(c.layout, c.storage, c.remat, print_fn)
 
 
-def pick(cands: list[Candidate], rounds: list[list[float]]) -> int:
-    """The index of the candidate to train with, from each candidate's step seconds per round (``rounds``,
-    inf where it left the race): the least median, except that the default layout is left only for a
-    candidate that was faster than it in every round (a paired comparison: a load burst slows a whole round
-    alike, and noise cannot trade the default for a layout that only looked faster on its median); ties go to
-    the cost model's order."""
-    d = next((i for i, c in enumerate(cands) if c.default), None)
-    ok = [i for i in range(len(cands))
-          if d is None or i == d or all(a < b for a, b in zip(rounds[i], rounds[d], strict=True))]
-    return min(ok, key=lambda i: (statistics.median(rounds[i]), i))
+def trust_band(cost) -> float:
+    """How far apart (relative) two predicted step times must be before the ranking may decide between them
+    without measuring: the calibration's spread (``cost.spread``, :func:`meshtorch.planning.search.trust_line`),
+    and at least ``MODEL_ERROR`` (the cost model's median error against measured step times, docs/planning.md)."""
+    return max(cost.spread or 0.0, MODEL_ERROR)
+
+
+def select(cands: list[Candidate], k: int, band: float) -> list[Candidate]:
+    """The candidates worth measuring, in the order to measure them: the default layout first (the fallback,
+    and its measured step sets the budget), then in predicted order every candidate among the best ``k`` or
+    predicted within ``band`` (relative) of the best prediction, while the predicted cost of measuring them
+    (:func:`measuring_cost`) stays within the budget (:func:`budget_s` of the default's prediction); the cost
+    model's first is always kept. ``cands``: every ranked layout, best first, the default marked."""
+    ranked = [c for c in cands if not c.default]
+    default = next((c for c in cands if c.default), None)
+    best = min((c.predicted_s for c in cands), default=0.0)
+    budget = budget_s(default.predicted_s if default is not None else best)
+    out = [default] if default is not None else []
+    spent = sum(measuring_cost(c.predicted_s) for c in out)
+    for i, c in enumerate(ranked):
+        if not (i < k or c.predicted_s <= best * (1 + band)):
+            continue
+        if i > 0 and spent + measuring_cost(c.predicted_s) > budget:
+            break
+        out.append(c)
+        spent += measuring_cost(c.predicted_s)
+    return out
+
+
+def budget_s(default_step_s: float) -> float:
+    """Seconds ``--layout auto`` may spend measuring: ``BUDGET_SHARE`` of ``BUDGET_STEPS`` steps of the default
+    layout (``default_step_s`` seconds each)."""
+    return BUDGET_SHARE * BUDGET_STEPS * default_step_s
+
+
+def measuring_cost(step_s: float) -> float:
+    """Predicted seconds of measuring a candidate of ``step_s`` seconds per step (warm-up and timed steps; the
+    build is not predicted, it is counted once spent)."""
+    return (WARMUP_STEPS + TIMED_STEPS) * step_s
+
+
+def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Candidate]:
+    """Measure ``cands`` in order (``prepare(c)``: builds ``c``, runs its warm-up and returns a function running
+    one timed step and returning its seconds) until the budget is spent: ``budget_s`` of the first's (the
+    default's) first timed step. After the first two, a candidate is started only if the seconds spent so far
+    (each build and warm-up as timed here plus the timed steps' seconds; the slowest rank's, so all ranks agree)
+    plus its predicted measuring cost, scaled by the first's measured over predicted step, fit. Each started
+    candidate takes its first timed step at once (one process: one slower than ``GIVE_UP`` x the best first step
+    so far leaves the race); with ``hold`` the remaining ``TIMED_STEPS`` - 1 rounds are interleaved over the
+    held candidates (a load that comes and goes hits all alike), else each candidate's steps run before the next
+    is built (one held at a time, under ``--memory-limit``). Then, for up to ``RACE_ROUNDS`` more interleaved
+    rounds while the budget lasts, the held candidates whose fastest step is within the best median (the slowest
+    rank's steps) race on: their difference is within the noise of the steps so far, and more steps make the
+    medians surer. Sets each measured candidate's ``times``; returns the measured ones (a prefix of ``cands``)."""
+    held, done, budget, scale, spent = [], [], math.inf, 1.0, 0.0
+    for c in cands:
+        if len(done) >= 2:
+            if _max_over_ranks([spent], world)[0] + scale * measuring_cost(c.predicted_s) > budget:
+                break
+        t0 = time.perf_counter()
+        step = prepare(c)
+        spent += time.perf_counter() - t0
+        c.times = (step(),)
+        if not done:  # the slowest rank's first step, so all ranks agree on the budget
+            first = _max_over_ranks([c.times[0]], world)[0]
+            budget = budget_s(first)
+            scale = first / c.predicted_s if c.predicted_s > 0 else 1.0
+        done.append(c)
+        if world == 1 and c.times[0] > GIVE_UP * min(d.times[0] for d in done):
+            spent += c.times[0]
+            continue  # cannot win: no more steps
+        if hold:
+            held.append((c, step))
+        else:
+            c.times += tuple(step() for _ in range(TIMED_STEPS - 1))
+        spent += TIMED_STEPS * c.times[0] if hold else sum(c.times)  # held: its later rounds, as its first
+        del step
+    for _ in range(TIMED_STEPS - 1):
+        for c, step in held:
+            c.times += (step(),)
+    for _ in range(RACE_ROUNDS):  # the close ones race on while the budget lasts: more steps, a surer median
+        agreed = _max_over_ranks([t for c, _ in held for t in c.times], world)
+        meds, at = [], 0
+        for c, _ in held:
+            meds.append((statistics.median(agreed[at:at + len(c.times)]), min(agreed[at:at + len(c.times)])))
+            at += len(c.times)
+        best = min((m for m, _ in meds), default=math.inf)
+        race = [(c, step) for (c, step), (_, low) in zip(held, meds, strict=True) if low <= best]
+        cost = sum(m for (m, low) in meds if low <= best)  # the slowest rank's: every rank decides alike
+        if len(race) < 2 or _max_over_ranks([spent], world)[0] + cost > budget:
+            break
+        for c, step in race:
+            c.times += (step(),)
+        spent += cost
+        held = race
+    return done
+
+
+def pick(cands: list[Candidate]) -> int:
+    """The index of the candidate to train with: the least median of its timed steps (the warm-up excluded;
+    a candidate that left the race has inf steps); ties go to the default layout, then to the cost model's
+    order (``cands``' order)."""
+    return min(range(len(cands)), key=lambda i: (statistics.median(cands[i].times or (math.inf,)),
+                                                 not cands[i].default, i))
+
+
+def _why(chosen: list[Candidate], measured: list[Candidate], k: int, band: float) -> str:
+    left = len(chosen) - len(measured)
+    return (f"the default, the best {k} and those predicted within {100 * band:.0f}% of the best, up to "
+            f"{100 * BUDGET_SHARE:.0f}% of {BUDGET_STEPS} default steps"
+            + (f"; {left} left unmeasured when the budget was spent" if left else ""))
 
 
 def _result(layout: str, storage: str, remat: str | None, print_fn) -> tuple[str, str, str | None]:
@@ -195,37 +307,31 @@ def _result(layout: str, storage: str, remat: str | None, print_fn) -> tuple[str
     return layout, storage, remat
 
 
-def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, k, print_fn,
+def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, print_fn,
                 precision=None) -> list[Candidate]:
-    """The best ``k`` of ``ranked`` and the mesh's default layout (ranked, or predicted apart; left out with a
-    line saying why when it does not fit ``memory_limit`` or is illegal for the model)."""
+    """Every layout of ``ranked`` as a :class:`Candidate`, best first, with the mesh's default layout marked
+    (ranked, or predicted apart and appended; left out with a line saying why when it does not fit
+    ``memory_limit`` or is illegal for the model)."""
     sizes = {d.name: d.size for d in MeshSpec(mesh_shape).shape}
     out = [Candidate(lay, r.storage or "", r.remat, r.pipeline is not None, r.estimated_time["total_s"],
-                     r.total_bytes) for lay, r in ranked[:k]]
+                     r.total_bytes) for lay, r in ranked]
     default = default_layout_for(mesh_shape)
     dstore = "" if storage in ("", "auto") else storage
     want = layout_key(default, dstore, sizes)
-
-    def plain_default(lay, st, remat, piped):
-        return layout_key(lay, st, sizes) == want and not remat and not piped
-    mine = next((c for c in out if plain_default(c.layout, c.storage, c.remat, c.pipelined)), None)
+    mine = next((c for c in out if layout_key(c.layout, c.storage, sizes) == want and not c.remat
+                 and not c.pipelined), None)
     if mine is None:
-        found = next(((lay, r) for lay, r in ranked if plain_default(lay, r.storage or "", r.remat,
-                                                                      r.pipeline is not None)), None)
-        if found is None:
-            try:
-                rep = plan_lm(config, mesh_shape, default, storage=dstore, cost=cost, print_fn=lambda *a: None,
-                              precision=precision)[0][1]
-            except SystemExit:
-                print_fn(f"--layout auto: the default layout {default!r} is illegal for this model; not measured.")
-                return out
-            if memory_limit is not None and rep.total_bytes > memory_limit:
-                print_fn(f"--layout auto: the default layout {default!r} needs {_human(rep.total_bytes)} per "
-                         f"processor, over --memory-limit {_human(memory_limit)}; not measured.")
-                return out
-            found = (default, rep)
-        lay, r = found
-        mine = Candidate(lay, r.storage or "", None, False, r.estimated_time["total_s"], r.total_bytes)
+        try:
+            rep = plan_lm(config, mesh_shape, default, storage=dstore, cost=cost, print_fn=lambda *a: None,
+                          precision=precision)[0][1]
+        except SystemExit:
+            print_fn(f"--layout auto: the default layout {default!r} is illegal for this model; not measured.")
+            return out
+        if memory_limit is not None and rep.total_bytes > memory_limit:
+            print_fn(f"--layout auto: the default layout {default!r} needs {_human(rep.total_bytes)} per "
+                     f"processor, over --memory-limit {_human(memory_limit)}; not measured.")
+            return out
+        mine = Candidate(default, rep.storage or "", None, False, rep.estimated_time["total_s"], rep.total_bytes)
         out.append(mine)
     mine.default = True
     return out
@@ -240,22 +346,6 @@ def candidate_config(config, mesh_shape: str, c: Candidate, microbatches: int | 
     if c.pipelined:
         cfg = replace(cfg, **pipeline_fields(mesh_shape, c.layout, microbatches, None, None, cfg.num_layers))
     return cfg
-
-
-def _measure_rounds(group: list[Candidate], steps: list, prune: bool) -> None:
-    """``TIMED_STEPS`` rounds, each one timed step of every candidate of ``group`` still in the race (``steps``:
-    their step functions); with ``prune``, after the first round a candidate slower than ``GIVE_UP`` x the
-    round's fastest leaves it (it cannot win). Sets each candidate's ``times``."""
-    times = [[] for _ in group]
-    live = list(range(len(group)))
-    for r in range(TIMED_STEPS):
-        for i in live:
-            times[i].append(steps[i]())
-        if prune and r == 0:
-            best = min(times[i][0] for i in live)
-            live = [i for i in live if times[i][0] <= GIVE_UP * best]
-    for c, t in zip(group, times, strict=True):
-        c.times = tuple(t)
 
 
 def prepare_candidate(config, mesh_shape: str, c: Candidate, microbatches: int | None = None,
@@ -293,13 +383,21 @@ def time_steps(lm, lowering, steps: int, warmup: int = 0, seed: int = 0) -> list
     return times
 
 
-def _table(cands: list[Candidate], medians: list[float], chosen: int) -> str:
-    lines = [f"  {'layout':<48} {'storage':<16}{'predicted ms':>13}{'measured ms':>12}  "]
-    for i, c in enumerate(cands):
-        meas = f"{medians[i] * 1e3:12.1f}" if math.isfinite(medians[i]) else f"{'gave up':>12}"
+def _table(measured: list[Candidate], unmeasured: list[Candidate], chosen: int) -> str:
+    """The measured candidates (predicted, median and range of the timed steps, which was chosen) and those
+    selected but left unmeasured when the budget was spent."""
+    lines = [f"  {'layout':<48} {'storage':<16}{'predicted ms':>13}{'measured ms':>12}{'range ms':>16}  "]
+    for i, c in enumerate(measured + unmeasured):
+        med = c.measured_s
+        if i >= len(measured):
+            meas, spread = f"{'-':>12}", f"{'not measured':>16}"
+        elif math.isfinite(med):
+            meas, spread = f"{med * 1e3:12.1f}", f"{min(c.times) * 1e3:7.1f}-{max(c.times) * 1e3:<8.1f}"
+        else:
+            meas, spread = f"{'gave up':>12}", f"{min(c.times) * 1e3:7.1f}{'':9}"
         mark = ("chosen" if i == chosen else "") + (" (default)" if c.default else "")
         lines.append(f"  {c.layout or '(replicated)':<48} {c.storage or '-':<16}{c.predicted_s * 1e3:13.1f}{meas}"
-                     f"  {mark.strip()}")
+                     f"{spread}  {mark.strip()}")
     return "\n".join(lines)
 
 
@@ -309,7 +407,8 @@ def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, micr
     return {"model": config(1).to_dict(), "mesh": mesh_shape, "storage": storage, "memory_limit": memory_limit,
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
-            "steps": [WARMUP_STEPS, TIMED_STEPS], "precision": [policy.name, str(policy.reduce_dtype)]}
+            "steps": [WARMUP_STEPS, TIMED_STEPS, BUDGET_SHARE, BUDGET_STEPS, MODEL_ERROR],
+            "precision": [policy.name, str(policy.reduce_dtype)]}
 
 
 def cache_file(key: dict) -> str:

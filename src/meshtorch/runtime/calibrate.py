@@ -62,7 +62,12 @@ class Calibration:
         gemm_flop_rate: median over the GEMM shape classes of each class's best float32 rate, FLOP/s.
         gemm_rates: ``{"m x k x n": FLOP/s}`` per class.
         kernel_overhead: seconds per kernel call of a planned step.
-        memory_bandwidth: bytes/s of a large elementwise multiply (2 operands read, 1 result written).
+        memory_bandwidth: bytes read and written per second by a mix of a Transformer step's elementwise kernels
+            (``_ELEMENTWISE``: multiply, add, exp, softmax, relu on ``_ELEMENTWISE_SIZE`` floats; their total bytes
+            over their total seconds), the rate :func:`~meshtorch.planning.cost.estimate_time` prices the slicewise
+            steps' reads and writes at.
+        version: the measuring method (``CALIBRATION_VERSION`` when measured by this meshtorch; an older cached
+            calibration is measured again).
         collectives: ``{kind: [latency_s, seconds_per_wire_byte]}`` over 2 processors.
         measured_s: how long the measurement took; ``when``: its UTC time.
         spread: ``{"gemm", "kernel", "elementwise": (max - min) / median}`` of the compute measurements over
@@ -88,6 +93,7 @@ class Calibration:
     load: float = 0.0
     busy: bool = False
     dtype_rates: dict = field(default_factory=dict)
+    version: int = 1
 
     def trust(self) -> str:
         """How far the constants can be trusted, a few words: the largest spread and whether the host was busy."""
@@ -134,9 +140,10 @@ def cached(backend: str = "placement", threads: int | None = None) -> Calibratio
     threads = threads or torch.get_num_threads()
     try:
         with open(cache_path(backend, threads)) as f:
-            return Calibration(**json.load(f))
+            cal = Calibration(**json.load(f))
     except (OSError, ValueError, TypeError):
         return None
+    return cal if cal.version == CALIBRATION_VERSION else None  # older constants mean other things: measure
 
 
 def calibrate(backend: str = "placement", threads: int | None = None, force: bool = False) -> Calibration:
@@ -176,7 +183,7 @@ def calibrate(backend: str = "placement", threads: int | None = None, force: boo
                       gemm_flop_rate=statistics.median(rates.values()), kernel_overhead=overhead,
                       collectives=coll, gemm_rates=rates, memory_bandwidth=bandwidth,
                       measured_s=time.perf_counter() - t0, spread=spread, load=load,
-                      busy=_busy(load, spread), dtype_rates=low,
+                      busy=_busy(load, spread), dtype_rates=low, version=CALIBRATION_VERSION,
                       when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     path = cache_path(backend, threads)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -215,6 +222,11 @@ def _best_seconds(fn, reps: int = 5, min_s: float = 0.02, calls: int | None = No
     return best
 
 
+CALIBRATION_VERSION = 2  # 2: memory_bandwidth of the elementwise mix, priced on bytes read and written
+_ELEMENTWISE_SIZE = 1 << 18  # floats: a Transformer activation slice (batch x length x d_model of the small preset)
+# the elementwise mix: (kernel on operands a, b; tensors it reads and writes)
+_ELEMENTWISE = ((lambda a, b: a * b, 3), (lambda a, b: a + b, 3), (lambda a, b: torch.exp(a), 2),
+                (lambda a, b: torch.softmax(a.view(-1, 256), -1), 2), (lambda a, b: torch.relu(a), 2))
 REPEATS = 3  # repetitions of the compute measurements; the constants are their medians
 BUSY_SPREAD = 0.15  # a larger spread between repetitions: the host was busy
 
@@ -225,11 +237,11 @@ def _compute_rates() -> tuple[dict, float, float, dict, dict]:
     rounds), and the spread ``(max - min) / median`` of the GEMM rate (the median over the classes), the
     kernel call and the elementwise bandwidth over the repetitions. A low-precision dtype's rate is the float32
     median times its rate over float32's on ``_DTYPE_GEMM``."""
-    big = [torch.randn(1 << 22), torch.randn(1 << 22)]
+    big = [torch.randn(_ELEMENTWISE_SIZE), torch.randn(_ELEMENTWISE_SIZE)]
     runs = []
     for _ in range(REPEATS):
         rates = {f"{m}x{k}x{n}": _gemm_rate(m, k, n) for m, k, n in _GEMMS}
-        bandwidth = 3 * 4 * (1 << 22) / _best_seconds(lambda: big[0] * big[1], reps=5, min_s=0.05)
+        bandwidth = _elementwise_bandwidth(big)
         ref = _gemm_rate(*_DTYPE_GEMM, reps=3)
         ratios = {str(d).replace("torch.", ""): _gemm_rate(*_DTYPE_GEMM, dtype=d, reps=3) / ref for d in _LOW_DTYPES}
         runs.append((rates, _kernel_overhead(), bandwidth, ratios))
@@ -239,6 +251,17 @@ def _compute_rates() -> tuple[dict, float, float, dict, dict]:
     spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in series.items()}
     low = {k: statistics.median(rates.values()) * statistics.median(r[3][k] for r in runs) for k in runs[0][3]}
     return rates, statistics.median(series["kernel"]), statistics.median(series["elementwise"]), spread, low
+
+
+def _elementwise_bandwidth(x: list) -> float:
+    """Bytes read and written per second by the ``_ELEMENTWISE`` kernels on the two float32 tensors ``x`` (their
+    total bytes over their total best seconds: a step's elementwise work is such a mix, and one multiply streams
+    some 10x faster per byte than an exp or a softmax on this size)."""
+    total_bytes = total_s = 0.0
+    for fn, tensors in _ELEMENTWISE:
+        total_bytes += tensors * x[0].numel() * x[0].element_size()
+        total_s += _best_seconds(lambda fn=fn: fn(*x), reps=5, min_s=0.02)
+    return total_bytes / total_s
 
 
 def _busy(load: float, spread: dict) -> bool:
