@@ -26,7 +26,7 @@ from meshtorch.core.schedules import ScheduleTable
 from meshtorch.mesh.recorder import flight_recorder
 
 __all__ = ["SEND", "ScheduleRun", "action_fetches", "action_flops", "apply_updates", "clip_coefficient", "rank_flops",
-           "run_rank", "run_schedule"]
+           "run_forward", "run_rank", "run_schedule"]
 
 #: the flight recorder's kind of a point-to-point transfer between pipeline ranks
 SEND = "send"
@@ -276,3 +276,37 @@ def apply_updates(programs: list, grads: dict, clip_norm: float | None = None, d
             feeds[p.clip_coefficient] = torch.tensor(1.0 if coef is None else coef)
         p.lowering.run(p.updates, feeds)
     return norm
+
+
+def run_forward(table: ScheduleTable, programs: list, ids: torch.Tensor, targets: torch.Tensor,
+                distributed: bool = False) -> float | None:
+    """The mean loss over the ``M`` microbatches of ``ids``/``targets`` (int64 ``[batch, length]``), forward
+    passes only (evaluation): microbatch by microbatch, each virtual stage this process holds runs its forward
+    program (nothing stashed) and hands its output to the next stage (``distributed``: this process is rank
+    ``torch.distributed.get_rank()`` and receives / ``isend``-s the activations from / to the neighbouring ranks,
+    as :func:`run_rank`). Returns the loss on the process holding the last stage, None on the others."""
+    M, V = table.microbatches, table.virtual_stages
+    me = dist.get_rank() if distributed else None
+    ids, targets = ids.chunk(M), targets.chunk(M)
+    loss, pending = 0.0, []
+    for m in range(M):
+        x = ids[m]
+        for v in range(V):
+            p, r = programs[v], table.rank_of(v)
+            if distributed and r != me:
+                continue
+            if distributed and v and table.rank_of(v - 1) != me:
+                x = torch.empty([d.size for d in p.inputs.shape], dtype=p.inputs.dtype)
+                dist.recv(x, table.rank_of(v - 1), tag=2 * (v * M + m))
+            feeds = {p.inputs: x}
+            if p.targets is not None:
+                feeds[p.targets] = targets[m]
+            x = p.lowering.run(p.output, feeds=feeds)
+            if v == V - 1:
+                loss += float(x) / M
+            elif distributed and table.rank_of(v + 1) != me:
+                x = x.contiguous()
+                pending.append((dist.isend(x, table.rank_of(v + 1), tag=2 * ((v + 1) * M + m)), x))
+    for work, _ in pending:
+        work.wait()
+    return loss if not distributed or table.rank_of(V - 1) == me else None
