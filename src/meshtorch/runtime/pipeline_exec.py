@@ -26,7 +26,7 @@ from meshtorch.core.schedules import ScheduleTable
 from meshtorch.mesh.recorder import flight_recorder
 
 __all__ = ["SEND", "ScheduleRun", "action_fetches", "action_flops", "apply_updates", "clip_coefficient", "rank_flops",
-           "run_forward", "run_rank", "run_schedule"]
+           "rank_memory", "run_forward", "run_rank", "run_schedule"]
 
 #: the flight recorder's kind of a point-to-point transfer between pipeline ranks
 SEND = "send"
@@ -163,6 +163,35 @@ def rank_flops(table: ScheduleTable, programs: list) -> list[int]:
     actions (idle steps cost nothing)."""
     flops = action_flops(programs)
     return [sum(flops(a) for a in row) for row in table.order]
+
+
+def rank_memory(table: ScheduleTable, programs: list) -> list[dict]:
+    """Planned bytes per processor of each rank for one step of ``table`` (dry run,
+    :func:`meshtorch.planning.memory_report` of the stage programs): ``variables`` (weights, optimizer slots, step
+    counters of its stages), ``gradients`` (the weight gradients summed over the microbatches), ``stash`` (what one
+    in-flight microbatch keeps: the stage input and the activations its forward stashes, the most of its
+    stages; zero-bubble also the activation gradients its ``I`` stashes), ``transient`` (the largest peak of
+    live values of one stage's forward-and-backward run), ``in_flight`` (the table's peak in-flight microbatches)
+    and ``total`` = variables + gradients + (in_flight - 1) stash + transient.
+    ``programs``: every virtual stage's (:func:`~meshtorch.models.lm_stages.stage_programs`)."""
+    from meshtorch.planning import memory_report
+
+    out = []
+    for r, peak in enumerate(table.in_flight()):
+        row = dict(variables=0, gradients=0, stash=0, transient=0, in_flight=peak)
+        for p in programs[r::table.stages]:
+            sizes, lw = p.lowering.program.slot_bytes, p.lowering
+            slots = p.saved + (p.saved_grads if table.name == "zero-bubble" else ())
+            x = math.prod(d.size for d in p.inputs.shape) * p.inputs.dtype.itemsize
+            row["stash"] = max(row["stash"], x + sum(sizes.get(s, 0) for s in slots))
+            rep = memory_report(lw, action_fetches(p, "B"))
+            row["variables"] += memory_report(lw, list(p.updates) or [p.output]).variable_bytes
+            row["gradients"] += rep.parameter_bytes
+            row["transient"] = max(row["transient"], rep.peak_activation_bytes)
+        row["total"] = (row["variables"] + row["gradients"] + max(peak - 1, 0) * row["stash"]
+                        + row["transient"])
+        out.append(row)
+    return out
 
 
 class _DistExecutor(_Executor):
