@@ -111,8 +111,11 @@ class _Executor:
         if fetch_in:
             self.send(self.grads_in, (v - 1, m), out[0], r, t.rank_of(v - 1), tag + 1)
             out = out[1:]
-        for n, g in zip(names, out, strict=True):
-            self.run.grads[n] = self.run.grads[n] + g if n in self.run.grads else g.clone()
+        for n, g in zip(names, out, strict=True):  # summed in place (the first microbatch's copied)
+            if n in self.run.grads:
+                self.run.grads[n].add_(g)
+            else:
+                self.run.grads[n] = g.clone()
         if names:  # the stage's input and output gradient are no longer needed
             self.stash[r].discard((v, m))
             self.acts.pop((v, m), None)
@@ -120,7 +123,7 @@ class _Executor:
             self.grads_in.pop((v, m), None)
 
     def result(self) -> ScheduleRun:
-        self.run.grads = {n: g / self.M for n, g in self.run.grads.items()}
+        self.run.grads = {n: g.div_(self.M) for n, g in self.run.grads.items()}
         return self.run
 
 
