@@ -513,6 +513,27 @@ def main(argv=None):
 
 
     torch_schedules(results, med, S, M, args.virtual_stages)
+    for run in [r for r in runs if r in EXEC_RUNS]:
+        planned = executor_memory(cfg, S, M, SCHEDULE_OF[run], torch_local_stages(run, args.virtual_stages))
+        got, plan, p0 = med[run + "_rss"], [p["total"] / MIB for p in planned], planned[0]
+        print(f"\n{run} per-rank memory (MiB): planner (meshtorch.runtime.pipeline_exec.rank_memory) "
+              f"{' '.join(f'{p:.1f}' for p in plan)}; measured peak RSS growth {' '.join(f'{g:.1f}' for g in got)}; "
+              f"measured / planner {' '.join(f'{g / p:.2f}' for g, p in zip(got, plan, strict=True))}; planner "
+              f"parts of rank 0: variables {p0['variables'] / MIB:.1f}, gradients {p0['gradients'] / MIB:.1f}, "
+              f"stash {p0['stash'] / MIB:.1f} x {p0['in_flight']} in flight, transient {p0['transient'] / MIB:.1f}")
+
+
+def executor_memory(cfg: LMConfig, stages: int, microbatches: int, schedule: str, local: int) -> list[dict]:
+    """The planner's per-rank bytes of the stage executor's step (:func:`meshtorch.runtime.pipeline_exec.rank_memory`
+    of every rank's stage programs with AdamW, as :func:`_exec_job` builds them)."""
+    import meshtorch as mtf
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import stage_programs
+    from meshtorch.runtime.pipeline_exec import rank_memory
+
+    programs = stage_programs(cfg, stages, microbatches, local,
+                              optimizer=lambda: mtf.optim.AdamWOptimizer(LR, weight_decay=0.0))
+    return rank_memory(build_schedule(schedule, stages, microbatches, local), programs)
 
 
 def torch_schedules(results: dict, med: dict, S: int, M: int, virtual: int) -> None:

@@ -76,15 +76,21 @@ def schedule_worker(cases, train=None):
 
 
 def train_worker(root, flags):
-    """``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` in this rank (one process per pipeline rank):
-    its losses and the unpipelined LM's variables after the run."""
+    """``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` for 2 steps in this rank (one process per pipeline
+    rank), then the run resumed from its checkpoint by ``--pipeline-schedule zero-bubble`` for a third: per run its
+    losses, {variable: value} of this rank's stages (``res["lowering"]``: the stages' variables) and validation
+    losses."""
     import torch.distributed as dist
 
     from meshtorch.runtime.train import main_train
     from meshtorch.runtime.train_config import TrainConfig
 
-    res = main_train(TrainConfig(**flags, layers=2, steps=2, runs_dir=root, run_name="gloo", mesh="pipe:2",
-                                 layout="stage:pipe", microbatches=4, pipeline_schedule="1f1b"))
-    lw = res["lowering"]
     assert dist.get_world_size() == 2
-    return res["history"]["loss"], {n: lw.variable_value(n) for n in lw.variable_names}
+    out = []
+    for steps, name, resume in ((2, "1f1b", False), (3, "zero-bubble", True)):
+        res = main_train(TrainConfig(**flags, layers=2, steps=steps, runs_dir=root, run_name="gloo", mesh="pipe:2",
+                                     layout="stage:pipe", microbatches=4, pipeline_schedule=name, resume=resume))
+        lw = res["lowering"]
+        out.append((res["history"]["loss"], {n: lw.variable_value(n) for n in lw.variable_names},
+                    res["history"]["val_loss"]))
+    return out

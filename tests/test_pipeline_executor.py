@@ -169,17 +169,16 @@ def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases, 
     gradients point to point; the ranks' gradients together, and the last rank's loss, are the unpipelined LM's
     (computed here, in the parent), their sends (flight recorder) together the table's. With ``train``, the same
     ranks then run ``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` (one process per pipeline rank):
-    every rank's losses and variables (gathered into the unpipelined LM) are the one-process unpipelined run's
-    (``tests/test_pipeline_train.py``'s model and flags)."""
+    every rank's losses and its stages' variables are the one-process unpipelined run's
+    (``tests/test_pipeline_train.py``'s model and flags), and so after resuming by zero-bubble
+    (:func:`_check_gloo_training`)."""
     import test_pipeline_train as T
 
     extra = (str(tmp_path), T.FLAGS) if train else None
     res = run_spmd("_spmd_pipeline:schedule_worker", args=(cases, extra), nprocs=S, timeout_s=300,
                    extra_path=[TESTS_DIR]).check().results
     if train:
-        ref = T.train(tmp_path / "ref", "ref-one", 2, mesh="", layout="")
-        for r in res:
-            T._same(r["train"], ref)
+        _check_gloo_training(T, tmp_path, [r["train"] for r in res])
         res = [r["cases"] for r in res]
     for i, (name, S_, M, R) in enumerate(cases):
         table = build_schedule(name, S_, M, R)
@@ -197,3 +196,26 @@ def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases, 
         assert sum(x[2] for x in per_rank) == len(table.sends())
         assert [x[3] for x in per_rank] == table.in_flight()
         assert [x[4] for x in per_rank] == [[str(a) for a in o] for o in table.order]
+
+
+def _check_gloo_training(T, tmp_path, per_rank):
+    """The 2 gloo ranks' ``meshtorch train`` runs (2 steps 1F1B, then resumed by zero-bubble to step 3): each
+    rank's losses and validation losses are the one-process unpipelined run's, the ranks' variables together
+    (each on one rank; ``global_step`` on rank 0) are its variables; the checkpoint of step 2 holds one file per
+    rank, each with that rank's stage's variables only (written by the rank that holds them)."""
+    from safetensors import safe_open
+
+    for k, steps in enumerate((2, 3)):
+        ref = T.train(tmp_path / "ref", f"ref-one-{steps}", 2, steps=steps, mesh="", layout="")
+        got = {}
+        for r in per_rank:
+            assert not set(got) & set(r[k][1])  # each variable on one rank
+            got.update(r[k][1])
+            T._same((r[k][0], ref[1], r[k][2]), ref)
+        T._same((ref[0], got, ref[2]), ref)
+    ckpt = tmp_path / "gloo" / "ckpt" / "ckpt-2"
+    files = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    assert len(files) == 2, files
+    for f, r in zip(files, per_rank, strict=True):
+        with safe_open(str(ckpt / f), "pt") as h:
+            assert set(h.keys()) == set(r[0][1]), f

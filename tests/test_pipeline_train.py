@@ -12,6 +12,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from meshtorch.cli import main as cli_main
 from meshtorch.runtime.train import main_train
@@ -25,10 +26,11 @@ PIPE = dict(mesh="pipe:2,data:2", layout="stage:pipe;batch:data", storage="d_mod
 
 
 def train(root, name, layers, steps=2, **kw):
-    """Losses and ``{variable: value}`` (the unpipelined LM's variables) of a ``meshtorch train`` run."""
+    """Losses, ``{variable: value}`` (the unpipelined LM's variables; pipelined: the stages') and validation
+    losses of a ``meshtorch train`` run."""
     res = main_train(TrainConfig(**FLAGS, layers=layers, steps=steps, runs_dir=str(root), run_name=name, **kw))
     lw = res["lowering"]
-    return res["history"]["loss"], {n: lw.variable_value(n) for n in lw.variable_names}
+    return res["history"]["loss"], {n: lw.variable_value(n) for n in lw.variable_names}, res["history"]["val_loss"]
 
 
 @functools.cache
@@ -39,9 +41,12 @@ def _reference(root, layers, steps=2):
 
 
 def _same(got, ref):
+    """Training losses, the last validation loss (a resumed run's history holds the earlier run's too) and every
+    variable within 1e-6."""
     assert len(got[0]) == len(ref[0])
     for a, b in zip(got[0], ref[0], strict=True):
         assert abs(a - b) <= 1e-6, (got[0], ref[0])
+    assert abs(got[2][-1] - ref[2][-1]) <= 1e-6, (got[2], ref[2])
     assert set(got[1]) == set(ref[1])
     for n, v in ref[1].items():
         assert (got[1][n].double() - v.double()).abs().max().item() <= 1e-6, n
@@ -59,7 +64,7 @@ def test_schedule_trains_as_the_unpipelined_model(root, name, layers, repeats):
 
 
 def test_gpipe_layout_gives_the_same_losses(root):
-    losses, _ = train(root, "gpipe", 2, pipeline_schedule="gpipe", **PIPE)
+    losses, _, _ = train(root, "gpipe", 2, pipeline_schedule="gpipe", **PIPE)
     ref = _reference(root, 2)[0]
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= 1e-6
 
@@ -70,6 +75,33 @@ def test_1f1b_and_resume_from_another_schedules_checkpoint(root):
     _same(train(root, "resume", 2, steps=2, pipeline_schedule="1f1b", **PIPE), _reference(root, 2))
     got = train(root, "resume", 2, steps=3, pipeline_schedule="zero-bubble", resume=True, **PIPE)
     _same(got, _reference(root, 2, 3))
+
+
+def _restored(ckpt, mesh, layout):
+    """``{variable: value}`` of the LM ``meshtorch sample`` restores from checkpoint ``ckpt`` on ``mesh`` /
+    ``layout`` (weights only, no optimizer slots)."""
+    from meshtorch.runtime.sample import load_lm
+
+    _, lw = load_lm(str(ckpt), mesh, layout)
+    return {n: lw.variable_value(n) for n in lw.variable_names}
+
+
+def test_checkpoints_cross_between_pipelined_and_unpipelined_runs(root):
+    """A 1F1B checkpoint (written from the stages' variables) restores bitwise into the unpipelined LM that
+    ``meshtorch sample`` builds on another mesh, and the unpipelined run resumed from it trains its third step as the 3-step unpipelined run; an
+    unpipelined checkpoint resumed by 1F1B likewise."""
+    got = train(root, "cross", 2, steps=2, pipeline_schedule="1f1b", **PIPE)
+    _same(got, _reference(root, 2))
+    ckpt = os.path.join(root, "cross", "ckpt", "ckpt-2")
+    back = _restored(ckpt, "model:2", "d_ff:model;heads:model")
+    assert back and set(back) <= set(got[1])
+    for n, v in back.items():
+        assert torch.equal(v, got[1][n]), n
+    _same(train(root, "cross", 2, steps=3, resume=True, mesh="data:2", layout="batch:data", storage="d_model:data"),
+          _reference(root, 2, 3))
+    train(root, "cross-back", 2, steps=2, mesh="data:2", layout="batch:data", storage="d_model:data")
+    _same(train(root, "cross-back", 2, steps=3, resume=True, pipeline_schedule="1f1b", **PIPE),
+          _reference(root, 2, 3))
 
 
 @pytest.mark.parametrize("extra,match", [

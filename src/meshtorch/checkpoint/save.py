@@ -154,6 +154,7 @@ def _start_temp(root: str, tmp: str):
 def _write_index(lowering, tmp: str, full: bool):
     """This process's files and its ``index-p<first pnum>.json``."""
     index = _write_full(lowering, tmp) if full else _write_shards(lowering, tmp)
+    index["variables"] = _var_entries(lowering)  # the leader's manifest lists variables it may not hold
     first = min((min(_local_pnums(i)) for i in _impls(lowering)), default=0)
     _write_json(os.path.join(tmp, f"index-p{first:05d}.json"), index)
 
@@ -288,21 +289,16 @@ def _write_full(lowering, tmp: str) -> dict:
 
 def _manifest(lowering, tmp: str, step: int, extra) -> dict:
     """Merge the per-process index files into the manifest; check every variable is fully covered."""
-    files = {}
+    files, variables = {}, {}
     for fn in sorted(os.listdir(tmp)):
         if fn.startswith("index-") and fn.endswith(".json"):
             with open(os.path.join(tmp, fn)) as f:
-                files.update(json.load(f)["files"])
-    variables = {}
-    for var, out, impl, layout in _var_table(lowering):
-        variables[var.name] = {
-            "mesh": _mesh_name(lowering, impl),
-            "shape": [[d.name, d.size] for d in out.shape],
-            "dtype": _dtype_name(out.dtype),
-            "trainable": bool(var.trainable),
-            "layout": [None if a is None else impl.shape[a].name for a in layout],
-            "regions": [],
-        }
+                index = json.load(f)
+            files.update(index["files"])
+            for name, entry in index.get("variables", {}).items():  # processes holding different variables
+                variables.setdefault(name, {**entry, "regions": []})  # (pipeline stages) each list theirs
+    for name, entry in _var_entries(lowering).items():
+        variables.setdefault(name, {**entry, "regions": []})
     for fname, info in files.items():
         for r in info["regions"]:
             variables[r["var"]]["regions"].append({"file": fname, "key": r["key"], "begin": r["begin"],
@@ -329,6 +325,14 @@ def _manifest(lowering, tmp: str, step: int, extra) -> dict:
         "meshes": meshes, "variables": variables,
         "files": {k: {"bytes": v["bytes"], "sha256": v["sha256"]} for k, v in files.items()},
     }
+
+
+def _var_entries(lowering) -> dict:
+    """The manifest's entry of each variable of ``lowering``, without its regions."""
+    return {var.name: {"mesh": _mesh_name(lowering, impl), "shape": [[d.name, d.size] for d in out.shape],
+                       "dtype": _dtype_name(out.dtype), "trainable": bool(var.trainable),
+                       "layout": [None if a is None else impl.shape[a].name for a in layout]}
+            for var, out, impl, layout in _var_table(lowering)}
 
 
 def _run_of(ckpt: str) -> str | None:

@@ -26,7 +26,7 @@ from meshtorch.core.schedules import ScheduleTable
 from meshtorch.mesh.recorder import flight_recorder
 
 __all__ = ["SEND", "ScheduleRun", "action_fetches", "action_flops", "apply_updates", "clip_coefficient", "rank_flops",
-           "run_rank", "run_schedule"]
+           "rank_memory", "run_forward", "run_rank", "run_schedule"]
 
 #: the flight recorder's kind of a point-to-point transfer between pipeline ranks
 SEND = "send"
@@ -111,8 +111,11 @@ class _Executor:
         if fetch_in:
             self.send(self.grads_in, (v - 1, m), out[0], r, t.rank_of(v - 1), tag + 1)
             out = out[1:]
-        for n, g in zip(names, out, strict=True):
-            self.run.grads[n] = self.run.grads[n] + g if n in self.run.grads else g.clone()
+        for n, g in zip(names, out, strict=True):  # summed in place (the first microbatch's copied)
+            if n in self.run.grads:
+                self.run.grads[n].add_(g)
+            else:
+                self.run.grads[n] = g.clone()
         if names:  # the stage's input and output gradient are no longer needed
             self.stash[r].discard((v, m))
             self.acts.pop((v, m), None)
@@ -120,7 +123,7 @@ class _Executor:
             self.grads_in.pop((v, m), None)
 
     def result(self) -> ScheduleRun:
-        self.run.grads = {n: g / self.M for n, g in self.run.grads.items()}
+        self.run.grads = {n: g.div_(self.M) for n, g in self.run.grads.items()}
         return self.run
 
 
@@ -163,6 +166,35 @@ def rank_flops(table: ScheduleTable, programs: list) -> list[int]:
     actions (idle steps cost nothing)."""
     flops = action_flops(programs)
     return [sum(flops(a) for a in row) for row in table.order]
+
+
+def rank_memory(table: ScheduleTable, programs: list) -> list[dict]:
+    """Planned bytes per processor of each rank for one step of ``table`` (dry run,
+    :func:`meshtorch.planning.memory_report` of the stage programs): ``variables`` (weights, optimizer slots, step
+    counters of its stages), ``gradients`` (the weight gradients summed over the microbatches), ``stash`` (what one
+    in-flight microbatch keeps: the stage input and the activations its forward stashes, the most of its
+    stages; zero-bubble also the activation gradients its ``I`` stashes), ``transient`` (the largest peak of
+    live values of one stage's forward-and-backward run), ``in_flight`` (the table's peak in-flight microbatches)
+    and ``total`` = variables + gradients + (in_flight - 1) stash + transient.
+    ``programs``: every virtual stage's (:func:`~meshtorch.models.lm_stages.stage_programs`)."""
+    from meshtorch.planning import memory_report
+
+    out = []
+    for r, peak in enumerate(table.in_flight()):
+        row = dict(variables=0, gradients=0, stash=0, transient=0, in_flight=peak)
+        for p in programs[r::table.stages]:
+            sizes, lw = p.lowering.program.slot_bytes, p.lowering
+            slots = p.saved + (p.saved_grads if table.name == "zero-bubble" else ())
+            x = math.prod(d.size for d in p.inputs.shape) * p.inputs.dtype.itemsize
+            row["stash"] = max(row["stash"], x + sum(sizes.get(s, 0) for s in slots))
+            rep = memory_report(lw, action_fetches(p, "B"))
+            row["variables"] += memory_report(lw, list(p.updates) or [p.output]).variable_bytes
+            row["gradients"] += rep.parameter_bytes
+            row["transient"] = max(row["transient"], rep.peak_activation_bytes)
+        row["total"] = (row["variables"] + row["gradients"] + max(peak - 1, 0) * row["stash"]
+                        + row["transient"])
+        out.append(row)
+    return out
 
 
 class _DistExecutor(_Executor):
@@ -276,3 +308,37 @@ def apply_updates(programs: list, grads: dict, clip_norm: float | None = None, d
             feeds[p.clip_coefficient] = torch.tensor(1.0 if coef is None else coef)
         p.lowering.run(p.updates, feeds)
     return norm
+
+
+def run_forward(table: ScheduleTable, programs: list, ids: torch.Tensor, targets: torch.Tensor,
+                distributed: bool = False) -> float | None:
+    """The mean loss over the ``M`` microbatches of ``ids``/``targets`` (int64 ``[batch, length]``), forward
+    passes only (evaluation): microbatch by microbatch, each virtual stage this process holds runs its forward
+    program (nothing stashed) and hands its output to the next stage (``distributed``: this process is rank
+    ``torch.distributed.get_rank()`` and receives / ``isend``-s the activations from / to the neighbouring ranks,
+    as :func:`run_rank`). Returns the loss on the process holding the last stage, None on the others."""
+    M, V = table.microbatches, table.virtual_stages
+    me = dist.get_rank() if distributed else None
+    ids, targets = ids.chunk(M), targets.chunk(M)
+    loss, pending = 0.0, []
+    for m in range(M):
+        x = ids[m]
+        for v in range(V):
+            p, r = programs[v], table.rank_of(v)
+            if distributed and r != me:
+                continue
+            if distributed and v and table.rank_of(v - 1) != me:
+                x = torch.empty([d.size for d in p.inputs.shape], dtype=p.inputs.dtype)
+                dist.recv(x, table.rank_of(v - 1), tag=2 * (v * M + m))
+            feeds = {p.inputs: x}
+            if p.targets is not None:
+                feeds[p.targets] = targets[m]
+            x = p.lowering.run(p.output, feeds=feeds)
+            if v == V - 1:
+                loss += float(x) / M
+            elif distributed and table.rank_of(v + 1) != me:
+                x = x.contiguous()
+                pending.append((dist.isend(x, table.rank_of(v + 1), tag=2 * ((v + 1) * M + m)), x))
+    for work, _ in pending:
+        work.wait()
+    return loss if not distributed or table.rank_of(V - 1) == me else None

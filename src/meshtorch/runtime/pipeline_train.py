@@ -11,10 +11,11 @@ the unpipelined model's. In one process (a placement mesh) every rank's actions 
 under ``torchrun`` / ``meshtorch launch`` with one process per pipeline rank (``--mesh pipe:S``), each
 process runs its own row of the table and the activations and gradients travel by ``isend``/``recv``.
 
-Evaluation, sampling and checkpoints use the unpipelined LM (same variable names, built with the same optimizer,
-so the same slots): :meth:`PipelineTrainer.publish` copies the stages' variables into it (under torchrun each
-from the rank that holds it, by broadcast), :meth:`PipelineTrainer.load` copies a restored checkpoint back into
-the stages. A checkpoint is therefore the unpipelined run's, whichever schedule wrote it.
+No process builds the unpipelined LM. Evaluation runs forward passes through the stages
+(:meth:`PipelineTrainer.evaluate`); checkpoints are saved from and restored into the stages' variables
+(:attr:`PipelineTrainer.state`, :class:`~meshtorch.runtime.pipeline_state.StageVariables`: the unpipelined LM's
+names and format, under torchrun each process its own stages' slices), so a checkpoint is the unpipelined run's,
+whichever schedule wrote it, and ``meshtorch sample`` decodes it.
 """
 
 from __future__ import annotations
@@ -28,15 +29,21 @@ from meshtorch.core.errors import UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.schedules import build_schedule
-from meshtorch.lowering import Lowering
 from meshtorch.models.lm_stages import stage_programs
 from meshtorch.runtime.optimizers import make_optimizer
-from meshtorch.runtime.pipeline_exec import action_flops, apply_updates, run_rank, run_schedule
+from meshtorch.runtime.pipeline_exec import action_flops, apply_updates, run_forward, run_rank, run_schedule
+from meshtorch.runtime.pipeline_state import StageVariables
 
-__all__ = ["EXECUTED", "PipelineTrainer", "check_flags", "inner_mesh", "plan_line"]
+__all__ = ["EXECUTED", "PipelineTrainer", "check_flags", "inner_mesh", "plan_line", "unpipelined"]
 
 #: the schedules ``meshtorch train`` runs with the stage executor (gpipe: the pipeline layout's own program)
 EXECUTED = ("1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def unpipelined(model):
+    """The unpipelined LMConfig of the pipelined ``model`` (``pipeline_stages`` 0, one microbatch): the model whose
+    variables the stages hold, which a checkpoint of the stage executor describes (its run record's config)."""
+    return dataclasses.replace(model, pipeline_stages=0, microbatches=1, pipeline_repeats=1)
 
 
 def _rules(text: str) -> list[tuple[str, str]]:
@@ -110,18 +117,14 @@ class PipelineTrainer:
         S, M, R = model.pipeline_stages, model.microbatches, model.pipeline_repeats
         self.cfg, self.table = cfg, build_schedule(cfg.pipeline_schedule, S, M, R)
         self.axis, mesh, layout, storage = inner_mesh(cfg.mesh, cfg.layout, cfg.storage)
-        self.config = dataclasses.replace(model, pipeline_stages=0, microbatches=1, pipeline_repeats=1)
+        self.config = unpipelined(model)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         rank = dist.get_rank() if self.distributed else None
         self.programs = stage_programs(self.config, S, M, R, mesh, layout, storage, seed=cfg.seed, rank=rank,
                                        optimizer=lambda: make_optimizer(cfg), clip=bool(cfg.clip_norm),
                                        mode=cfg.executor)
-        self.held = {}  # variable name -> the lowerings of this process's stages that hold it (global_step: all)
-        for p in self.programs:
-            if p is not None:
-                for n in p.lowering.variable_names:
-                    self.held.setdefault(n, []).append(p.lowering)
-        self.owners = None  # torchrun: variable name -> the rank holding it (made on first publish)
+        #: this process's stage variables as one lowering, for save / restore (the unpipelined LM's names)
+        self.state = StageVariables(self.programs, rank, dist.get_world_size() if self.distributed else 1)
 
     def describe(self) -> str:
         """One line: the schedule, its table's bubble and in-flight microbatches, the mesh inside a stage."""
@@ -144,43 +147,26 @@ class PipelineTrainer:
             dist.broadcast(loss, self.table.rank_of(self.table.virtual_stages - 1))
         return [loss.float(), torch.tensor(norm * norm, dtype=torch.float32)]
 
-    def _owner_of(self) -> dict:
-        if self.owners is None:
-            names = [None] * dist.get_world_size()
-            dist.all_gather_object(names, sorted(self.held))
-            self.owners = {}
-            for r, ns in enumerate(names):
-                for n in ns:
-                    self.owners.setdefault(n, r)
-        return self.owners
+    def evaluate(self, dataset, batches: int) -> float:
+        """Mean validation cross-entropy (nats per token) over ``batches`` validation batches, forward passes
+        through the stages only (:func:`~meshtorch.runtime.pipeline_exec.run_forward`; the batches
+        :func:`meshtorch.runtime.train.evaluate` reads); under torchrun the last stage's rank broadcasts it."""
+        total, n = 0.0, 0
+        for b in dataset.batches(self.config.batch_size, seed=0, split="validation"):
+            loss = run_forward(self.table, self.programs, b[:, :-1], b[:, 1:], self.distributed)
+            total += 0.0 if loss is None else loss
+            n += 1
+            if n >= batches:
+                break
+        out = torch.tensor(total / max(n, 1), dtype=torch.float64)
+        if self.distributed:
+            dist.broadcast(out, self.table.rank_of(self.table.virtual_stages - 1))
+        return out.item()
 
-    def publish(self, lowering: Lowering) -> None:
-        """Copy every variable of the stages into ``lowering`` (the unpipelined LM's, built with the same
-        optimizer); under torchrun every rank calls it and receives each variable from the rank that holds it.
-
-        Raises:
-            RuntimeError: a variable of ``lowering`` that no stage holds.
-        """
-        owners = self._owner_of() if self.distributed else None
-        for name in lowering.variable_names:
-            if self.distributed:
-                if name not in owners:
-                    raise RuntimeError(f"pipeline: variable {name!r} of the unpipelined LM is on no stage.")
-                value = self.held[name][0].variable_value(name) if name in self.held else \
-                    lowering.variable_value(name).clone()
-                value = value.contiguous()
-                dist.broadcast(value, owners[name])
-            elif name in self.held:
-                value = self.held[name][0].variable_value(name)
-            else:
-                raise RuntimeError(f"pipeline: variable {name!r} of the unpipelined LM is on no stage.")
-            lowering.set_variable_value(name, value)
-
-    def load(self, lowering: Lowering) -> None:
-        """Copy ``lowering``'s variables (a restored checkpoint) into the stages of this process."""
-        for name, lws in self.held.items():
-            for lw in lws:
-                lw.set_variable_value(name, lowering.variable_value(name))
+    def after_restore(self) -> None:
+        """After :func:`meshtorch.checkpoint.restore` into :attr:`state`: ``global_step`` into every stage (under
+        torchrun only rank 0 reads it)."""
+        self.state.share_step()
 
 
 def plan_line(name: str, model, mesh: str, layout: str, storage: str, layout_flops: int | None = None) -> str:
@@ -191,7 +177,7 @@ def plan_line(name: str, model, mesh: str, layout: str, storage: str, layout_flo
     S, M, R = model.pipeline_stages, model.microbatches, model.pipeline_repeats
     table = build_schedule(name, S, M, R)
     _, inner, inner_layout, inner_storage = inner_mesh(mesh, layout, storage)
-    unpiped = dataclasses.replace(model, pipeline_stages=0, microbatches=1, pipeline_repeats=1)
+    unpiped = unpipelined(model)
     programs = stage_programs(unpiped, S, M, R, inner, inner_layout, inner_storage)
     n = MeshSpec(inner).size if inner else 1
     flops = action_flops(programs)

@@ -197,7 +197,8 @@ def _load_data(job: _Job) -> tuple | None:
         raise UsageError(f"--prompt is {len(tok.encode(cfg.prompt))} tokens, but the model's context is "
                          f"{model.length} tokens (--length); give a shorter prompt or a longer --length.")
     job.tok, job.model = tok, model
-    job.record = {**runs.run_record(job.paths, cfg, model.to_dict(), fingerprint, len(docs)), **extra,
+    described = pipeline_train.unpipelined(model) if cfg.pipeline_schedule in pipeline_train.EXECUTED else model
+    job.record = {**runs.run_record(job.paths, cfg, described.to_dict(), fingerprint, len(docs)), **extra,
                   "precision": cfg.precision_policy.record()}
     resuming = _resume_check(cfg, job.record) if cfg.resuming else None
     job.dataset = PackedDataset.from_documents(docs, tok, model.length + 1)
@@ -211,8 +212,8 @@ def _build_model(job: _Job) -> None:
     opt, clip = make_optimizer(cfg), cfg.clip_norm or None
     kwargs = {"mode": cfg.executor, "bucket_bytes": cfg.bucket_bytes}
     imported = isinstance(model, HFModelConfig)
-    if cfg.pipeline_schedule in pipeline_train.EXECUTED:  # the stage executor trains; lm: the unpipelined LM's
-        job.pipeline = pipeline_train.PipelineTrainer(cfg, model)  # variables, for evaluation and checkpoints
+    if cfg.pipeline_schedule in pipeline_train.EXECUTED:  # the stage executor trains, evaluates and checkpoints;
+        job.pipeline = pipeline_train.PipelineTrainer(cfg, model)  # lm: the unpipelined graph only (not lowered)
         model = job.pipeline.config
         job.say(job.pipeline.describe())
     try:  # --accumulate N > 1: the graph is one microbatch's; the optimizer is applied once per N of them
@@ -220,7 +221,9 @@ def _build_model(job: _Job) -> None:
                                                         seed=cfg.seed, precision=cfg.precision_policy)
         if n_acc > 1:
             model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)  # one microbatch
-        if imported and not cfg.resuming:  # an imported model's weights (resumed: from the checkpoint)
+        if job.pipeline is not None:
+            job.lowering = job.pipeline.state  # the stages' variables: what save / restore read and write
+        elif imported and not cfg.resuming:  # an imported model's weights (resumed: from the checkpoint)
             job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
         else:
             job.lowering = Lowering(job.lm.graph, {job.lm.mesh: job.impl}, **kwargs)
@@ -285,7 +288,7 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
     if resuming is not None:
         start, epoch, in_epoch = _resume(resuming, lowering, record, history, say)
         if job.pipeline is not None:
-            job.pipeline.load(lowering)  # the checkpoint's variables into the stages
+            job.pipeline.after_restore()
         paths.name = record["run"]  # the resumed run goes on (its retention covers its earlier checkpoints)
     if cfg.checkpoint_dir and main_process:
         runs.write_run_manifest(cfg.checkpoint_dir, record)
@@ -354,8 +357,6 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
                                f"{val / math.log(2) / bpt:.4f} bits per byte")
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                                        or step + 1 == cfg.steps):
-                if job.pipeline is not None:
-                    job.pipeline.publish(lowering)  # the stages' variables into the unpipelined LM's
                 _check_finite(lowering, step + 1, cfg)
                 saved = save(lowering, cfg.checkpoint_dir, step=step + 1, keep=cfg.keep, run=paths.name,
                              extra={**record, "data": {"epoch": epoch, "batch": in_epoch}, "history": history})
@@ -380,8 +381,8 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
 def _evaluate_now(job: _Job, comp) -> float:
     """The validation loss now (the training weights copied into the evaluation twin first, if any)."""
     lowering, eval_lowering = job.lowering, job.eval_lowering
-    if job.pipeline is not None:
-        job.pipeline.publish(lowering)
+    if job.pipeline is not None:  # forward passes through the stages
+        return job.pipeline.evaluate(job.dataset, job.cfg.eval_batches)
     if eval_lowering is not lowering:
         for name in lowering.variable_names:
             if name in eval_lowering.variable_names:
@@ -424,7 +425,9 @@ def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, s
                      + (f"; storage {cfg.storage}" if cfg.storage else ""))
         say(f"loss curve: {cfg.plot}")
     ids = None
-    if cfg.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
+    if cfg.sample and job.pipeline is not None:
+        say("sample: not decoded by the stage executor; decode the checkpoint with meshtorch sample")
+    elif cfg.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
         ids = sample(job.eval_lowering, job.eval_lm, job.tok.encode(cfg.prompt), max_new_tokens=cfg.sample,
                      temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed,
                      eos_ids=getattr(model, "eos_ids", ()))[0]
