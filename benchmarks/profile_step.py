@@ -178,7 +178,8 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--counts", action="store_true", help="print aten:: calls per step by op name and exit")
     ap.add_argument("--sides", default=None,
-                    help="default meshtorch,meshtorch_dense,torch (with --counts: meshtorch,torch,torch_lm); meshtorch (sparse loss), meshtorch_dense (the one-hot loss of before), torch "
+                    help="default meshtorch,meshtorch_dense,torch (with --counts: meshtorch,torch,torch_lm); "
+                         "meshtorch (sparse loss), meshtorch_dense (the one-hot loss of before), torch "
                          "(AdamW fused=True), torch_foreach (AdamW foreach=True), torch_lm (the test twin TorchLM, "
                          "AdamW fused=True)")
     args = ap.parse_args(argv)
