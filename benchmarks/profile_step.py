@@ -204,9 +204,12 @@ def main(argv=None):
             times[name].append(timed(fn, s))
     for name, t in times.items():
         print(f"{name:<10} step s median {statistics.median(t):.3f} (min {min(t):.3f}, max {max(t):.3f})")
-    for a in (k for k in times if k.startswith("meshtorch") and "torch" in times):
-        print(f"{a} / torch: {statistics.median(times[a]) / statistics.median(times['torch']):.2f} "
-              f"(min/min {min(times[a]) / min(times['torch']):.2f})")
+    for a in (k for k in times if k.startswith("meshtorch")):
+        for ref in (r for r in ("torch", "torch_lm") if r in times):
+            per_step = [x / y for x, y in zip(times[a], times[ref], strict=True)]  # neighbours in time
+            print(f"{a} / {ref}: {statistics.median(times[a]) / statistics.median(times[ref]):.3f} "
+                  f"(min/min {min(times[a]) / min(times[ref]):.3f}; per-step ratios median "
+                  f"{statistics.median(per_step):.3f}, min {min(per_step):.3f}, max {max(per_step):.3f})")
     model_flops = flops_per_token(cfg) * cfg.batch_size * cfg.length
     best, gemm_s = gemm_rates(gemm_shapes(cfg))
     peak = max(best.values())
