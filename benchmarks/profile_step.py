@@ -6,12 +6,17 @@ context 256; ``--layers`` blocks, ``--batch`` sequences), AdamW on both sides (m
 ``--steps`` steps (after one warm-up), the two sides' steps interleaved (A B A B ...), then one step under
 ``torch.profiler`` and the ``aten::`` ops with the largest self CPU time.
 
-Run: ``python benchmarks/profile_step.py [--layers 2] [--batch 1] [--steps 3] [--top 25] [--no-profile]``
+``--counts``: instead, the ``aten::`` calls of one step per op name (nested calls included, as
+``tests/test_step_kernels.py`` counts them), meshtorch vs ``torch`` (this file's ``BlockLM``) and ``torch_lm``
+(the test twin :class:`meshtorch.testing.torch_lm.TorchLM`), AdamW ``fused=True``; rows where the sides differ.
+
+Run: ``python benchmarks/profile_step.py [--layers 2] [--batch 1] [--steps 3] [--top 25] [--no-profile] [--counts]``
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -84,6 +89,46 @@ def torch_step(cfg, optim="fused"):
     return step
 
 
+def torch_lm_step(cfg):
+    """The test twin :class:`~meshtorch.testing.torch_lm.TorchLM` with ``torch.optim.AdamW(fused=True)``."""
+    from meshtorch.testing.torch_lm import TorchLM
+    model = TorchLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+
+    def step(s):
+        x, y = data(cfg, s)
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
+def aten_counts(fn, s) -> collections.Counter:
+    """``aten::`` calls per op name (nested ones included) in one call of ``fn(s)`` under ``torch.profiler``."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(s)
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def count_table(sides) -> str:
+    """Per side: total ``aten::`` calls in one step, then the op names whose counts differ between the sides."""
+    counts = {}
+    for name, fn in sides.items():
+        fn(0)  # warm-up (optimizer state, caches)
+        counts[name] = aten_counts(fn, 1)
+    names = list(counts)
+    out = [f"{'aten:: calls per step':<36}" + "".join(f"{n:>16}" for n in names),
+           f"{'total':<36}" + "".join(f"{sum(c.values()):>16}" for c in counts.values())]
+    ops = sorted({op for c in counts.values() for op in c}, key=lambda op: (-max(c[op] for c in counts.values()), op))
+    for op in ops:
+        row = [counts[n][op] for n in names]
+        if len(set(row)) > 1:
+            out.append(f"{op:<36}" + "".join(f"{v:>16}" for v in row))
+    return "\n".join(out)
+
+
 def gemm_shapes(cfg):
     """(m, k, n) of the step's matmuls: forward ``x @ W``, and the backward's ``dy @ W^T`` and ``x^T @ dy``,
     for q, k, v, o, wi, wo per layer and the logits (attention's score/value products are left out)."""
@@ -131,17 +176,26 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--sides", default="meshtorch,meshtorch_dense,torch",
-                    help="meshtorch (sparse loss), meshtorch_dense (the one-hot loss of before), torch "
-                         "(AdamW fused=True), torch_foreach (AdamW foreach=True)")
+    ap.add_argument("--counts", action="store_true", help="print aten:: calls per step by op name and exit")
+    ap.add_argument("--sides", default=None,
+                    help="default meshtorch,meshtorch_dense,torch (with --counts: meshtorch,torch,torch_lm); "
+                         "meshtorch (sparse loss), meshtorch_dense (the one-hot loss of before), torch "
+                         "(AdamW fused=True), torch_foreach (AdamW foreach=True), torch_lm (the test twin TorchLM, "
+                         "AdamW fused=True)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = config(args.layers, args.batch)
     make = {"meshtorch": lambda: meshtorch_step(cfg), "meshtorch_dense": lambda: meshtorch_step(cfg, True),
-            "torch": lambda: torch_step(cfg), "torch_foreach": lambda: torch_step(cfg, "foreach")}
+            "torch": lambda: torch_step(cfg), "torch_foreach": lambda: torch_step(cfg, "foreach"),
+            "torch_lm": lambda: torch_lm_step(cfg)}
+    if args.sides is None:
+        args.sides = "meshtorch,torch,torch_lm" if args.counts else "meshtorch,meshtorch_dense,torch"
     sides = {k: make[k]() for k in args.sides.split(",")}
     print(f"{args.layers} layers, batch {args.batch} x {cfg.length}, vocab {cfg.vocab_size}, {args.threads} thread(s), "
           f"torch {torch.__version__}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    if args.counts:
+        print(count_table(sides))
+        return
     for fn in sides.values():
         fn(0)  # warm-up
     times = {k: [] for k in sides}
@@ -150,9 +204,12 @@ def main(argv=None):
             times[name].append(timed(fn, s))
     for name, t in times.items():
         print(f"{name:<10} step s median {statistics.median(t):.3f} (min {min(t):.3f}, max {max(t):.3f})")
-    for a in (k for k in times if k.startswith("meshtorch") and "torch" in times):
-        print(f"{a} / torch: {statistics.median(times[a]) / statistics.median(times['torch']):.2f} "
-              f"(min/min {min(times[a]) / min(times['torch']):.2f})")
+    for a in (k for k in times if k.startswith("meshtorch")):
+        for ref in (r for r in ("torch", "torch_lm") if r in times):
+            per_step = [x / y for x, y in zip(times[a], times[ref], strict=True)]  # neighbours in time
+            print(f"{a} / {ref}: {statistics.median(times[a]) / statistics.median(times[ref]):.3f} "
+                  f"(min/min {min(times[a]) / min(times[ref]):.3f}; per-step ratios median "
+                  f"{statistics.median(per_step):.3f}, min {min(per_step):.3f}, max {max(per_step):.3f})")
     model_flops = flops_per_token(cfg) * cfg.batch_size * cfg.length
     best, gemm_s = gemm_rates(gemm_shapes(cfg))
     peak = max(best.values())

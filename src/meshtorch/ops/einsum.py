@@ -146,12 +146,18 @@ def _k_matmul(a, b, *, swap, pa, pb, po, nb, nl, nk, shaped=(False, False, False
     bs, ls, ks, rs = a.shape[:nb], a.shape[nb:nb + nl], a.shape[nb + nl:], b.shape[nb + nk:]
     n_b, n_l, n_k, n_r = math.prod(bs), math.prod(ls), math.prod(ks), math.prod(rs)
     if nb:
-        y = torch.bmm(a if shaped[0] else a.reshape(n_b, n_l, n_k), b if shaped[1] else b.reshape(n_b, n_k, n_r))
+        y = torch.bmm(a if shaped[0] else _flat(a, (n_b, n_l, n_k)), b if shaped[1] else _flat(b, (n_b, n_k, n_r)))
     else:
-        y = torch.mm(a if shaped[0] else a.reshape(n_l, n_k), b if shaped[1] else b.reshape(n_k, n_r))
+        y = torch.mm(a if shaped[0] else _flat(a, (n_l, n_k)), b if shaped[1] else _flat(b, (n_k, n_r)))
     if not shaped[2]:
-        y = y.reshape((*bs, *ls, *rs))
+        y = y.view((*bs, *ls, *rs))  # mm/bmm's result is contiguous: a view, never a copy
     return y if po is None else y.permute(po)
+
+
+def _flat(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t.reshape(shape)`` as one ``aten::view`` when ``t`` is contiguous (``reshape`` dispatches to
+    ``view``/``_reshape_alias`` itself: two aten calls per operand per step), else ``reshape`` (may copy)."""
+    return t.view(shape) if t.is_contiguous() else t.reshape(shape)
 
 
 def einsum(xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:
