@@ -1,6 +1,7 @@
 """Hugging Face import / export (GPT-2, Llama with GQA, T5 v1.1, Qwen2, Mistral) on 4 gloo ranks
-(SpmdMeshImpl, FSDP storage ``d_model:data`` with ``heads``/``kv_heads``/``d_ff``/``vocab`` split): each rank reads exactly its slices, logits match
-``transformers``, and the export written from the 4-rank run loads with ``from_pretrained``."""
+(SpmdMeshImpl, FSDP storage ``d_model:data`` with ``heads``/``kv_heads``/``d_ff``/``vocab`` split): each rank reads
+exactly its slices, logits match ``transformers``, and the export written from the 4-rank run loads with
+``from_pretrained``."""
 
 from __future__ import annotations
 
