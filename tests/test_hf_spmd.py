@@ -1,6 +1,7 @@
-"""Hugging Face import / export (GPT-2, Llama with GQA, T5 v1.1) on 4 gloo ranks (SpmdMeshImpl, FSDP storage
-``d_model:data`` with ``heads``/``kv_heads``/``d_ff``/``vocab`` split): each rank reads exactly its slices, logits match
-``transformers``, and the export written from the 4-rank run loads with ``from_pretrained``."""
+"""Hugging Face import / export (GPT-2, Llama with GQA, T5 v1.1, Qwen2, Mistral) on 4 gloo ranks
+(SpmdMeshImpl, FSDP storage ``d_model:data`` with ``heads``/``kv_heads``/``d_ff``/``vocab`` split): each rank reads
+exactly its slices, logits match ``transformers``, and the export written from the 4-rank run loads with
+``from_pretrained``."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from meshtorch.testing.spmd import run_spmd  # noqa: E402
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-FAMILIES = ("llama_gqa", "gpt2", "t5")
+FAMILIES = ("llama_gqa", "gpt2", "t5", "qwen2", "mistral")
 
 
 def test_hf_on_four_gloo_ranks(tmp_path):
-    """One 4-process job imports and exports both families."""
+    """One 4-process job imports and exports every family."""
     refs = {f: F.make_t5() if f == "t5" else F.make_model(f) for f in FAMILIES}
     jobs = [((F.save_t5 if f == "t5" else F.save)(refs[f], str(tmp_path / f / "in")), str(tmp_path / f / "out"))
             for f in FAMILIES]

@@ -41,6 +41,7 @@ _REFUSED = {"preset": "the model is the one in DIR", "layers": "its sizes come f
             "pipeline_stages": "imported models are not pipelined yet",
             "microbatches": "imported models are not pipelined yet",
             "pipeline_repeats": "imported models are not pipelined yet",
+            "pipeline_schedule": "imported models are not pipelined yet",
             "memory_limit": "it is for --layout auto, which imported models do not have yet",
             "vocab_size": "it sizes a SentencePiece vocabulary; the model's tokenizer.json has its own"}
 
