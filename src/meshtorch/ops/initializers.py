@@ -22,12 +22,13 @@ from meshtorch.ops import rng
 from meshtorch.ops._util import dim_names
 
 #: Elements drawn per chunk. The transient of a draw is its :class:`rng.DrawScratch` (32 bytes per chunk
-#: element for a normal draw, allocated once per slice; :func:`rng.truncated_normal` adds float64 temporaries),
-#: whatever the variable's size, while the ~40 NumPy and torch calls per chunk cost little next to its
-#: elements (8192 cost ~1.5x the CPU time of 16384 to 65536 per element, 2026-11-28). The values do not depend
-#: on the chunk size (the float part is elementwise; :func:`rng.draw_flat` equals the int64 torch path bit for
-#: bit).
-DRAW_CHUNK = 16384
+#: element for a normal draw, 2 MiB, allocated once per slice; :func:`rng.truncated_normal` adds float64
+#: temporaries), whatever the variable's size. Each chunk costs ~40 NumPy and torch calls of ~1 us overhead
+#: each: the 124M LM's draw alone took 4.8-6.5 s of CPU with 16384, 3.8-4.5 s with 65536 (one thread, 7
+#: interleaved rounds; 262144 no better), though in the whole build benchmark the gain was inside the host's
+#: spread (2026-11-28, docs/memory.md "Build time"). The values do not depend on the
+#: chunk size (the float part is elementwise; :func:`rng.draw_flat` equals the int64 torch path bit for bit).
+DRAW_CHUNK = 65536
 
 
 def _k_draw_slice(begin, sizes, device=None, *, full, dtype: torch.dtype, seed: int, key: str, draw, mul: float,
