@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import _hf_fixtures as F  # noqa: E402
-from meshtorch.cli import main  # noqa: E402
+from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 
 B, L, LR, STEPS = 4, 12, 3e-3, 4
@@ -65,3 +65,37 @@ def test_t5_train_cli_matches_transformers_adamw(tmp_path, mesh, layout):
     assert len(ours) == STEPS
     for a, b in zip(ours, theirs, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
+    # meshtorch sample of the fine-tuned run (greedy) == transformers' generate of the torch-trained model
+    prompt, n = PAIRS[0][0], 6
+    ids = torch.tensor([[int(i) for i in HFTokenizer(f"{path}/tokenizer.json").encode(prompt)]])
+    with torch.no_grad():
+        want = ref.eval().generate(ids, max_new_tokens=n, do_sample=False, decoder_start_token_id=0, eos_token_id=1,
+                                   pad_token_id=0)[0, 1:].tolist()
+    want = want[:want.index(1)] if 1 in want else want
+    args = build_parser().parse_args(["sample", "--checkpoint-dir", ck, "--prompt", prompt, "--max-new-tokens",
+                                      str(n), "--temperature", "0", "--mesh", mesh, "--layout", layout])
+    assert args.func(args) == [want]
+    assert len(want) > 0, want
+
+
+@pytest.mark.parametrize("flag", [["--pipeline-stages", "2"], ["--layout", "auto"], ["--accumulate", "2"],
+                                  ["--precision", "bf16"]])
+def test_t5_train_cli_refusals(tmp_path, capsys, flag):
+    path, data = _setup(tmp_path)
+    capsys.readouterr()
+    assert main(["train", "--init-from", path, "--data", data, "--batch-size", "4", "--length", str(L),
+                 "--plot", ""] + flag) == 2
+    err = capsys.readouterr().err
+    assert flag[0] in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_t5_pairs_file_errors(tmp_path, capsys):
+    path, _ = _setup(tmp_path)
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("a cat\tthe dog\nno tab here\n")
+    assert main(["train", "--init-from", path, "--data", str(bad), "--plot", ""]) == 2
+    assert f"{bad}:2: a T5 pair is one line" in capsys.readouterr().err
+    long = tmp_path / "long.tsv"
+    long.write_text("a cat\tthe dog\n" + "the cat " * 20 + "\tthe dog\n")
+    assert main(["train", "--init-from", path, "--data", str(long), "--length", str(L), "--plot", ""]) == 2
+    assert f"{long}:2: the input is" in capsys.readouterr().err
