@@ -28,8 +28,8 @@ import torch
 
 from meshtorch.checkpoint import hf, latest_checkpoint, load_manifest, restore, save
 from meshtorch.core.errors import CheckpointError, LayoutError, RunFailure, UsageError
-from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.pairs import PairsDataset
+from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import make_mesh_impl
@@ -432,7 +432,8 @@ def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, s
                      + (f"; storage {cfg.storage}" if cfg.storage else ""))
         say(f"loss curve: {cfg.plot}")
     ids = None
-    if cfg.sample and getattr(job.lm, "bitransformer", None) is None:  # T5: meshtorch sample; every process decodes (the logits fetch gathers full tensors); the main one prints
+    # every process decodes (the logits fetch gathers full tensors); the main one prints. T5: meshtorch sample
+    if cfg.sample and getattr(job.lm, "bitransformer", None) is None:
         ids = sample(job.eval_lowering, job.eval_lm, job.tok.encode(cfg.prompt), max_new_tokens=cfg.sample,
                      temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed,
                      eos_ids=getattr(model, "eos_ids", ()))[0]
