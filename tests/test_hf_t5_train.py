@@ -16,7 +16,8 @@ from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 
 B, L, LR, STEPS = 4, 12, 3e-3, 4
 PAIRS = [("the cat sat", "a dog ran"), ("a dog", "the cat sat on it"), ("on the mat", "ran"),
-         ("it sat on the cat", "a mat"), ("the dog", "the cat")]  # B train + 1 validation (the last)
+         ("it sat on the cat", "a mat"), ("the dog", "the cat"), ("a cat", "on the dog"), ("the mat", "a cat sat"),
+         ("sat", "the dog ran")]  # B train + B validation (the last B)
 
 
 def _setup(tmp_path):
@@ -97,5 +98,6 @@ def test_t5_pairs_file_errors(tmp_path, capsys):
     assert f"{bad}:2: a T5 pair is one line" in capsys.readouterr().err
     long = tmp_path / "long.tsv"
     long.write_text("a cat\tthe dog\n" + "the cat " * 20 + "\tthe dog\n")
-    assert main(["train", "--init-from", path, "--data", str(long), "--length", str(L), "--plot", ""]) == 2
+    assert main(["train", "--init-from", path, "--data", str(long), "--length", str(L), "--batch-size", "1",
+                 "--plot", ""]) == 2
     assert f"{long}:2: the input is" in capsys.readouterr().err

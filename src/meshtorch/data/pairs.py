@@ -43,15 +43,21 @@ def read_pairs(paths) -> list[tuple[str, str, str]]:
 
 class PairsDataset(PackedDataset):
     """:class:`~meshtorch.data.text.PackedDataset` of int64 rows ``[2 * length]`` (``inputs | targets``, each
-    EOS-terminated and 0-padded to ``length``); the last ``max(1, 5%)`` pairs are the validation split."""
+    EOS-terminated and 0-padded to ``length``)."""
 
     @classmethod
-    def from_pairs(cls, pairs, tokenizer, length: int) -> PairsDataset:
-        """Raises:
-            DataError: a side longer than ``length - 1`` tokens (naming its ``file:line``), or fewer than 2 pairs.
+    def from_pairs(cls, pairs, tokenizer, length: int, batch_size: int) -> PairsDataset:
+        """The last ``max(batch_size, 5%)`` pairs are the validation split; ``bytes_per_token`` is the validation
+        targets' UTF-8 bytes per target position (padding included, as the loss divides), so bits per byte is
+        the summed target cross entropy per target byte.
+
+        Raises:
+            DataError: a side longer than ``length - 1`` tokens (naming its ``file:line``), or fewer than
+                ``2 * batch_size`` pairs (one batch each for training and validation).
         """
-        if len(pairs) < 2:
-            raise DataError("--data: a T5 run needs at least 2 pairs (training and validation).")
+        if len(pairs) < 2 * batch_size:
+            raise DataError(f"--data: {len(pairs)} pairs; a T5 run needs at least 2 x --batch-size ({2 * batch_size}) "
+                            "pairs (one batch each for training and validation).")
         rows = torch.full((len(pairs), 2 * length), PAD, dtype=torch.int64)
         for r, (a, b, where) in enumerate(pairs):
             for k, (side, text) in enumerate((("input", a), ("target", b))):
@@ -60,5 +66,9 @@ class PairsDataset(PackedDataset):
                     raise DataError(f"--data {where}: the {side} is {len(ids)} tokens with EOS, more than --length "
                                     f"{length}; shorten it or give a longer --length.")
                 rows[r, k * length:k * length + len(ids)] = torch.tensor(ids)
-        n_val = max(1, len(pairs) // 20)
-        return cls(rows[:-n_val].clone(), rows[-n_val:].clone(), 2 * length)
+        n_val = max(batch_size, len(pairs) // 20)
+        val_bytes = sum(len(b.encode("utf-8")) + 1 for _, b, _ in pairs[-n_val:])  # + 1: EOS
+        if len(pairs) - n_val < batch_size:
+            raise DataError(f"--data: {len(pairs)} pairs leave {len(pairs) - n_val} for training after "
+                            f"{n_val} for validation; give at least {n_val + batch_size} or a smaller --batch-size.")
+        return cls(rows[:-n_val].clone(), rows[-n_val:].clone(), 2 * length, val_bytes / (n_val * length))

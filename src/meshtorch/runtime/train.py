@@ -207,7 +207,7 @@ def _load_data(job: _Job) -> tuple | None:
     job.record = {**runs.run_record(job.paths, cfg, model.to_dict(), fingerprint, len(docs)), **extra,
                   "precision": cfg.precision_policy.record()}
     resuming = _resume_check(cfg, job.record) if cfg.resuming else None
-    job.dataset = (PairsDataset.from_pairs(pairs, tok, model.length) if t5
+    job.dataset = (PairsDataset.from_pairs(pairs, tok, model.length, model.batch_size) if t5
                    else PackedDataset.from_documents(docs, tok, model.length + 1))
     return resuming
 
