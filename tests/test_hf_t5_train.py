@@ -76,7 +76,10 @@ def test_t5_train_cli_matches_transformers_adamw(tmp_path, mesh, layout):
     args = build_parser().parse_args(["sample", "--checkpoint-dir", ck, "--prompt", prompt, "--max-new-tokens",
                                       str(n), "--temperature", "0", "--mesh", mesh, "--layout", layout])
     assert args.func(args) == [want]
-    assert len(want) > 0, want
+    with torch.no_grad():  # the fine-tuning changed the greedy output: the sample read the run's weights
+        base = F.make_t5().generate(ids, max_new_tokens=n, do_sample=False, decoder_start_token_id=0,
+                                    eos_token_id=1, pad_token_id=0)[0, 1:].tolist()
+    assert len(want) > 0 and (base[:base.index(1)] if 1 in base else base) != want, (want, base)
 
 
 @pytest.mark.parametrize("flag", [["--pipeline-stages", "2"], ["--layout", "auto"], ["--accumulate", "2"],
