@@ -113,7 +113,7 @@ PROMPT = 40
 
 def test_t5_sample_from_the_command_line_equals_generate(tmp_path, capsys):
     """``meshtorch sample --checkpoint-dir T5DIR``: the prompt is the encoder's input; greedy and 4-beam outputs
-    equal ``generate`` (ids up to EOS); ``train --init-from T5DIR`` is refused in one line."""
+    equal ``generate`` (ids up to EOS); ``train --init-from T5DIR`` on plain text (not pairs) is refused in one line."""
     from meshtorch.cli import build_parser, main
 
     text = F.text()
@@ -141,7 +141,7 @@ def test_t5_sample_from_the_command_line_equals_generate(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--init-from", path, "--data", str(data), "--plot", ""]) == 2
     err = capsys.readouterr().err
-    assert "--init-from: T5 is an encoder-decoder" in err and len(err.strip().splitlines()) == 1, err
+    assert "a T5 pair is one line 'input<TAB>target'" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("mesh,layout", [("", ""), ("model:2", "heads:model;d_ff:model;vocab:model")])

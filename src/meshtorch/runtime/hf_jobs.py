@@ -110,8 +110,8 @@ def main_hf_sample(args):
     checks.device("--device", getattr(args, "device", None))
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
-    if cfg.encoder_decoder:  # a T5 directory (the command line trains no T5 run)
-        return t5_sample(args, cfg, args.checkpoint_dir, tok, prompt)
+    if cfg.encoder_decoder:  # a T5 directory or T5 run
+        return t5_sample(args, cfg, args.checkpoint_dir, tok, prompt, ckpt)
     impl = make_mesh_impl(args.mesh, args.layout, device=getattr(args, "device", None))
     axis = impl.tensor_dimension_to_mesh_axis("batch")
     split = 1 if axis is None else impl.shape[axis].size

@@ -21,6 +21,7 @@ from meshtorch.checkpoint import hf
 from meshtorch.core.errors import UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.data.hf_tokenizer import HFTokenizer
+from meshtorch.data.pairs import read_pairs
 from meshtorch.data.text import ByteTokenizer
 from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.hf_families import parse_hf_config
@@ -76,13 +77,12 @@ def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModel
 
     Raises:
         CheckpointError: the model directory (:func:`meshtorch.checkpoint.hf.read_config`, :func:`~meshtorch.
-            checkpoint.hf.check_files`). UsageError: a T5 model, or ``--length`` past the model's positions.
+            checkpoint.hf.check_files`). UsageError: ``--length`` past the model's positions.
     """
     if saved and "hf_config" in saved:
         c = parse_hf_config(saved["hf_config"], where=f"the run's {saved.get('run')!r} record")
     else:
         c = hf.read_config(cfg.init_from)
-        decoder_only(c, "--init-from")
         hf.check_files(cfg.init_from, c)
     length = cfg.length or min(c.max_positions, MAX_DEFAULT_LENGTH)
     try:
@@ -90,6 +90,31 @@ def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModel
     except ValueError as e:
         raise UsageError(f"--length: {e}") from None
     return c.replace(vocab_multiple=vocab_multiple, remat=cfg.remat or "none")
+
+
+def t5_pairs(cfg):
+    """A T5 run's ``(input, target, file:line)`` pairs from ``--data`` (:func:`meshtorch.data.pairs.read_pairs`),
+    or None when ``cfg`` is not ``--init-from`` a T5 directory (nor the resume of a T5 run).
+
+    Raises:
+        UsageError: a T5 run without ``--data`` or with a flag T5 training does not support. CheckpointError:
+            the directory's config.json. DataError: the pairs file.
+    """
+    if not cfg.init_from:
+        return None
+    saved = cfg.saved_record()
+    c = (parse_hf_config(saved["hf_config"], where="the run's record") if saved and "hf_config" in saved
+         else hf.read_config(cfg.init_from))
+    if not c.encoder_decoder:
+        return None
+    if not cfg.data:
+        raise UsageError("--init-from a T5 directory needs --data FILE of 'input<TAB>target' lines "
+                         "(docs/huggingface.md).")
+    for flag, bad in (("--accumulate", cfg.accumulate > 1), ("--precision", cfg.precision_policy.mixed)):
+        if bad:
+            raise UsageError(f"{flag} cannot be combined with --init-from a T5 directory: T5 fine-tuning runs in "
+                             "float32, one batch per step.")
+    return read_pairs(cfg.data)
 
 
 def tokenizer(cfg, model: HFModelConfig):
@@ -152,17 +177,5 @@ def record_fields(cfg, model: HFModelConfig) -> dict:
 
 
 __all__ = ["TOKENIZER", "check_prompt", "model_config", "record_fields", "refuse_flags",
-           "save_tokenizer", "tokenizer"]
+           "save_tokenizer", "t5_pairs", "tokenizer"]
 
-
-def decoder_only(cfg: HFModelConfig, flag: str) -> None:
-    """Refuse an encoder-decoder model (T5) for ``flag`` of the command line, in one line saying why and what to use.
-
-    Raises:
-        UsageError: ``cfg`` is T5.
-    """
-    if cfg.encoder_decoder:
-        raise UsageError(f"{flag}: T5 is an encoder-decoder (it trains on input/target pairs; meshtorch train reads "
-                         "one text stream): meshtorch train fine-tunes decoder-only models (GPT-2, Llama, Qwen2, "
-                         "Mistral). Fine-tune T5 with meshtorch.hf.load from Python (docs/huggingface.md); "
-                         "meshtorch sample --checkpoint-dir decodes it.")

@@ -28,6 +28,7 @@ import torch
 
 from meshtorch.checkpoint import hf, latest_checkpoint, load_manifest, restore, save
 from meshtorch.core.errors import CheckpointError, LayoutError, RunFailure, UsageError
+from meshtorch.data.pairs import PairsDataset
 from meshtorch.data.sharding import local_batch_indices, local_feed
 from meshtorch.data.text import ByteTokenizer, PackedDataset, SentencePieceTokenizer, load_documents
 from meshtorch.lowering import Lowering
@@ -74,9 +75,12 @@ def host_lr(args, step: int) -> float | None:
 
 def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
     """``feed_slices=True`` feeds for a token batch int64 ``[batch, length + 1]``: inputs ``batch[:, :-1]``
-    and targets ``batch[:, 1:]``, only the rows (and columns) this process's slices hold."""
-    feeds = {}
-    for t, full in ((lm.inputs, batch[:, :-1]), (lm.targets, batch[:, 1:])):
+    and targets ``batch[:, 1:]``, only the rows (and columns) this process's slices hold; a T5 model's batch is
+    :class:`~meshtorch.data.pairs.PairsDataset`'s ``[batch, 2 * length]``: inputs ``| targets``."""
+    feeds, n = {}, batch.shape[1] // 2
+    halves = ((batch[:, :n], batch[:, n:]) if getattr(lm, "bitransformer", None) is not None
+              else (batch[:, :-1], batch[:, 1:]))
+    for t, full in zip((lm.inputs, lm.targets), halves, strict=True):
         rows = full[local_batch_indices(lowering, t)]
         feeds[t] = local_feed(lowering, t, rows)
     return feeds
@@ -171,7 +175,10 @@ def _load_data(job: _Job) -> tuple | None:
     imported model's HFModelConfig) and the packed dataset; the run's record, and the checkpoint to resume
     checked against it (None: a new run)."""
     cfg = job.cfg
-    docs = load_documents(list(cfg.data) if cfg.data is not None else None)
+    pairs = hf_train.t5_pairs(cfg)  # a T5 run's input/target pairs (None: a decoder-only or native run)
+    t5 = pairs is not None
+    docs = ["\n".join(a + "\t" + b for a, b, _ in pairs)] if t5 else load_documents(
+        list(cfg.data) if cfg.data is not None else None)
     fingerprint = runs.data_fingerprint(docs)
     multiple = vocab_multiple(cfg.mesh, cfg.layout)
     if cfg.init_from:  # the model and its tokenizer come from the Hugging Face directory (or the resumed run)
@@ -193,7 +200,7 @@ def _load_data(job: _Job) -> tuple | None:
                        activation=cfg.activation, norm=cfg.norm, gated=cfg.gated or None, vocab_size=tok.vocab_size,
                        vocab_multiple=multiple, num_experts=cfg.experts, remat=cfg.remat, **cfg.pipeline_fields())
         extra = {"preset": cfg.preset}
-    if cfg.sample and len(tok.encode(cfg.prompt)) >= model.length:  # SentencePiece: known once it is trained
+    if cfg.sample and not t5 and len(tok.encode(cfg.prompt)) >= model.length:  # SentencePiece: known once it is trained
         raise UsageError(f"--prompt is {len(tok.encode(cfg.prompt))} tokens, but the model's context is "
                          f"{model.length} tokens (--length); give a shorter prompt or a longer --length.")
     job.tok, job.model = tok, model
@@ -201,7 +208,8 @@ def _load_data(job: _Job) -> tuple | None:
     job.record = {**runs.run_record(job.paths, cfg, described.to_dict(), fingerprint, len(docs)), **extra,
                   "precision": cfg.precision_policy.record()}
     resuming = _resume_check(cfg, job.record) if cfg.resuming else None
-    job.dataset = PackedDataset.from_documents(docs, tok, model.length + 1)
+    job.dataset = (PairsDataset.from_pairs(pairs, tok, model.length, model.batch_size) if t5
+                   else PackedDataset.from_documents(docs, tok, model.length + 1))
     return resuming
 
 
@@ -427,7 +435,8 @@ def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, s
     ids = None
     if cfg.sample and job.pipeline is not None:
         say("sample: not decoded by the stage executor; decode the checkpoint with meshtorch sample")
-    elif cfg.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
+    # every process decodes (the logits fetch gathers full tensors); the main one prints. T5: meshtorch sample
+    elif cfg.sample and getattr(job.lm, "bitransformer", None) is None:
         ids = sample(job.eval_lowering, job.eval_lm, job.tok.encode(cfg.prompt), max_new_tokens=cfg.sample,
                      temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed,
                      eos_ids=getattr(model, "eos_ids", ()))[0]

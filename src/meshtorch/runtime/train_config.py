@@ -319,7 +319,7 @@ class TrainConfig:
         anything is loaded (:mod:`meshtorch.runtime.hf_train`)."""
         model = hf_train.model_config(self, vocab_multiple(self.mesh, self.layout), self.saved_record())
         tok = hf_train.tokenizer(self, model)
-        if self.sample:
+        if self.sample and not model.encoder_decoder:  # T5: no end-of-run sample (meshtorch sample decodes it)
             hf_train.check_prompt(tok, self.prompt, model.length)
         names = checks.graph_dim_names(hf.build(model.replace(num_layers=1)).graph)
         checks.layout_rules("--layout", self.layout, names, mesh)
