@@ -104,3 +104,14 @@ def test_t5_pairs_file_errors(tmp_path, capsys):
     assert main(["train", "--init-from", path, "--data", str(long), "--length", str(L), "--batch-size", "1",
                  "--plot", ""]) == 2
     assert f"{long}:2: the input is" in capsys.readouterr().err
+
+
+def test_t5_train_says_where_its_sample_is(tmp_path, capsys):
+    """``--sample`` (default 200) is not decoded at the end of a T5 run (the run has no input text): the run says so
+    and names ``meshtorch sample`` instead of ignoring the flag silently."""
+    path, data = _setup(tmp_path)
+    rc = main(["train", "--init-from", path, "--data", data, "--batch-size", str(B), "--length", str(L),
+               "--steps", "1", "--checkpoint-dir", str(tmp_path / "run"), "--plot", "", "--sample", "5"])
+    out = capsys.readouterr()
+    assert rc in (0, None), out.err
+    assert "T5 runs are not decoded here" in out.out + out.err and "meshtorch sample" in out.out + out.err

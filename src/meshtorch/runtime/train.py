@@ -435,8 +435,10 @@ def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, s
     ids = None
     if cfg.sample and job.pipeline is not None:
         say("sample: not decoded by the stage executor; decode the checkpoint with meshtorch sample")
-    # every process decodes (the logits fetch gathers full tensors); the main one prints. T5: meshtorch sample
-    elif cfg.sample and getattr(job.lm, "bitransformer", None) is None:
+    elif cfg.sample and getattr(job.lm, "bitransformer", None) is not None:
+        say("sample: T5 runs are not decoded here (no input text); decode the checkpoint with meshtorch sample "
+            "--prompt INPUT")
+    elif cfg.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints
         ids = sample(job.eval_lowering, job.eval_lm, job.tok.encode(cfg.prompt), max_new_tokens=cfg.sample,
                      temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed,
                      eos_ids=getattr(model, "eos_ids", ()))[0]
