@@ -4,10 +4,10 @@
 ``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` (no
 dropout) over a ``length`` window; :func:`build_hf_decoder` the same model as a KV-cache decoder (a prefill and a
 one-token step, :mod:`meshtorch.models.decoding`), which :mod:`meshtorch.runtime.generate` decodes with. Nothing
-here is per family: every block is :func:`_block`, built from ``meshtorch.layers`` (``dense``, ``feed_forward``,
-``layer_norm`` / ``rms_norm``, the attention of :mod:`meshtorch.layers.kv_cache`) as the config's block options
-say (:class:`meshtorch.models.hf_families.BlockOptions`: norm kind, learned or rotary positions, MLP activation
-and gating, q/k/v, output and MLP biases, grouped-query attention, tied head).
+here is per family: every block is :func:`meshtorch.models.blocks.block` (the one block builder, shared with the
+native LM) with the :class:`~meshtorch.models.blocks.BlockSpec` of the config's block options
+(:func:`block_spec`; :class:`meshtorch.models.hf_families.BlockOptions`: norm kind, learned or rotary positions,
+MLP activation and gating, q/k/v, output and MLP biases, grouped-query attention); the head is tied or untied.
 
 Dimension names are the CLI LM's (``batch``, ``length``, ``d_model``, ``heads``, ``kv_heads``, ``d_kv``, ``d_ff``,
 ``vocab``; a learned position table adds ``positions``), so layouts such as

@@ -10,7 +10,8 @@ Typical layouts on a ``data:2,model:2`` mesh: ``batch:data`` (data parallel),
 a ``microbatches`` dim: on ``pipe:2,data:2``, ``stage:pipe;batch:data`` (pipeline parallelism: neighbour
 exchanges over ``pipe``; :mod:`meshtorch.layers.pipeline`). Follows Mesh TF's
 ``transformer`` package (Unitransformer with pre-norm layers) in structure; the parameter naming is
-ours and documented in :func:`build_lm`.
+ours and documented in :func:`build_lm`. The blocks are :func:`meshtorch.models.blocks.block` (the one block
+builder of the decoder-only models) with :func:`block_spec`.
 """
 
 from __future__ import annotations
