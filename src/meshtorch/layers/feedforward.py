@@ -18,6 +18,18 @@ _ACTIVATIONS = {"relu": ew.relu, "gelu": ew.gelu, "gelu_tanh": lambda x: ew.gelu
                 "silu": lambda x: x * ew.sigmoid(x), "linear": lambda x: x}
 
 
+def activation_function(name: str):
+    """The feed-forward activation function named ``name``: ``relu``, ``gelu`` (erf), ``gelu_tanh`` (the tanh
+    approximation), ``silu`` (``x * sigmoid(x)``, Swish) or ``linear``.
+
+    Raises:
+        ValueError: ``name`` is not one of these.
+    """
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"feed-forward activation {name!r} is not one of {sorted(_ACTIVATIONS)}.")
+    return _ACTIVATIONS[name]
+
+
 def dense_act_dense(x: Tensor, hidden_dim, activation: str = "relu", gated: bool = False, use_bias: bool = False,
                     name: str | None = None) -> Tensor:
     """``W_o act(W_i x)`` (Vaswani et al. 2017), or gated ``W_o (act(W_g x) * W_i x)`` (Shazeer 2020, GLU variants).
@@ -32,10 +44,8 @@ def dense_act_dense(x: Tensor, hidden_dim, activation: str = "relu", gated: bool
     Returns:
         Tensor of x's shape. Variables ``{name}/wi`` (``/wi_gate``) ``[d_model, d_ff]`` and ``{name}/wo``.
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"dense_act_dense: activation {activation!r} is not one of {sorted(_ACTIVATIONS)}.")
+    act = activation_function(activation)
     name = x.graph.unique_name(name or "ffn")
-    act = _ACTIVATIONS[activation]
     factors = [(f"{name}/wi", None), (f"{name}/wi_gate", act)] if gated else [(f"{name}/wi", act)]
     return feed_forward(x, hidden_dim, factors, f"{name}/wo", use_bias=use_bias)
 

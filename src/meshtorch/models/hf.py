@@ -4,10 +4,10 @@
 ``transformers``' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` (no
 dropout) over a ``length`` window; :func:`build_hf_decoder` the same model as a KV-cache decoder (a prefill and a
 one-token step, :mod:`meshtorch.models.decoding`), which :mod:`meshtorch.runtime.generate` decodes with. Nothing
-here is per family: every block is :func:`_block`, built from ``meshtorch.layers`` (``dense``, ``feed_forward``,
-``layer_norm`` / ``rms_norm``, the attention of :mod:`meshtorch.layers.kv_cache`) as the config's block options
-say (:class:`meshtorch.models.hf_families.BlockOptions`: norm kind, learned or rotary positions, MLP activation
-and gating, q/k/v, output and MLP biases, grouped-query attention, tied head).
+here is per family: every block is :func:`meshtorch.models.blocks.block` (the one block builder, shared with the
+native LM) with the :class:`~meshtorch.models.blocks.BlockSpec` of the config's block options
+(:func:`block_spec`; :class:`meshtorch.models.hf_families.BlockOptions`: norm kind, learned or rotary positions,
+MLP activation and gating, q/k/v, output and MLP biases, grouped-query attention); the head is tied or untied.
 
 Dimension names are the CLI LM's (``batch``, ``length``, ``d_model``, ``heads``, ``kv_heads``, ``d_kv``, ``d_ff``,
 ``vocab``; a learned position table adds ``positions``), so layouts such as
@@ -24,7 +24,6 @@ Megatron-style model parallelism. A multi-head model (``kv_heads == heads``) use
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,15 +33,13 @@ from meshtorch.autodiff import recompute_grad
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.layers.kv_cache import FullSequence
 from meshtorch.lowering import Lowering
+from meshtorch.models.blocks import FULL_SEQUENCE, HF_NAMES, BlockSpec, block, norm
 from meshtorch.models.decoding import DecoderGraph, build_decoder
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes
 from meshtorch.models.hf_families import hf_tensor_map
 from meshtorch.models.hf_legacy import legacy_names
 from meshtorch.models.transformer import REMAT_POLICIES, keeps_matmuls, training_updates
-from meshtorch.ops import elementwise as ew
-from meshtorch.ops.activations import swish
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
@@ -82,43 +79,29 @@ def _dims(c: HFModelConfig) -> dict[str, Dimension]:
     return d
 
 
-_FULL = FullSequence()  # training: causal attention and rotary over the whole ``length`` window
+_FULL = FULL_SEQUENCE  # training: causal attention and rotary over the whole ``length`` window
 _INIT = random_normal_initializer(0.0, 0.02)  # transformers' initializer_range (until weights are loaded)
-_ACTIVATIONS = {"gelu_tanh": lambda x: ew.gelu(x, approximate="tanh"), "gelu": ew.gelu, "silu": swish, "relu": ew.relu}
+
+
+def block_spec(c: HFModelConfig) -> BlockSpec:
+    """The :class:`~meshtorch.models.blocks.BlockSpec` of a decoder-only family's config: its block options
+    (:class:`meshtorch.models.hf_families.BlockOptions`: norm and its epsilon, rotary or learned positions, biases,
+    activation and gating), grouped-query attention when ``num_kv_heads < num_heads``, N(0, 0.02) kernels,
+    :data:`~meshtorch.models.blocks.HF_NAMES`, no dropout."""
+    return BlockSpec(HF_NAMES, norm=c.norm, norm_eps=c.norm_eps,
+                     rope_theta=c.rope_theta if c.positions == "rotary" else None,
+                     grouped_query=c.num_kv_heads != c.num_heads, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+                     mlp_bias=c.mlp_bias, activation=c.activation, gated=c.gated, init=_INIT)
 
 
 def _norm(c: HFModelConfig, x: Tensor, d: dict, name: str) -> Tensor:
-    if c.norm == "layer":
-        return layers.layer_norm(x, d["d_model"], epsilon=c.norm_eps, name=name)
-    return layers.rms_norm(x, d["d_model"], epsilon=c.norm_eps, name=name)
-
-
-def _attention(c: HFModelConfig, h: Tensor, d: dict, p: str, attn) -> Tensor:
-    """Self-attention: q/k/v projections (``layers.dense``, biased when ``c.qkv_bias``), rotary q/k when
-    ``c.positions == "rotary"``, causal multi-head or grouped-query attention (``kv_heads < heads``) through
-    ``attn`` (:mod:`meshtorch.layers.kv_cache`), output projection (biased when ``c.o_bias``)."""
-    kv = "heads" if c.num_kv_heads == c.num_heads else "kv_heads"
-    q, k, v = (layers.dense(h, [d[heads], d["d_kv"]], use_bias=c.qkv_bias, kernel_initializer=_INIT,
-                            name=f"{p}attn/{w}") for w, heads in (("q", "heads"), ("k", kv), ("v", kv)))
-    if c.positions == "rotary":
-        q = attn.rotary(q, c.rope_theta, name=f"{p}attn/q_rope")
-        k = attn.rotary(k, c.rope_theta, name=f"{p}attn/k_rope")
-    o = attn.attend(q, k, v, 1.0 / math.sqrt(c.d_kv), name=f"{p}attn/{'sdpa' if kv == 'heads' else 'gqa'}",
-                    kv_heads=None if kv == "heads" else kv)
-    return layers.dense(o, d["d_model"], reduced_dims=[d["heads"], d["d_kv"]], use_bias=c.o_bias,
-                        kernel_initializer=_INIT, name=f"{p}attn/o")
+    return norm(x, d["d_model"], block_spec(c), name)
 
 
 def _block(x: Tensor, d: dict, c: HFModelConfig, i: int, attn=_FULL) -> Tensor:
-    """Pre-norm decoder block ``i`` of every decoder-only family, from ``c``'s block options: ``x + attention(
-    norm(x))``, then ``+ mlp(norm(.))`` (``layers.feed_forward``: ``act(W_i x)`` or gated ``act(W_g x) * W_i x``)."""
-    p = f"layers{i}/"
-    x = x + _attention(c, _norm(c, x, d, f"{p}attn_norm"), d, p, attn)
-    act = _ACTIVATIONS[c.activation]
-    factors = [(f"{p}mlp/wi_gate", act), (f"{p}mlp/wi", None)] if c.gated else [(f"{p}mlp/wi", act)]
-    h = layers.feed_forward(_norm(c, x, d, f"{p}mlp_norm"), d["d_ff"], factors, f"{p}mlp/wo", use_bias=c.mlp_bias,
-                            kernel_initializer=_INIT)
-    return x + h
+    """Pre-norm decoder block ``i`` of every decoder-only family: :func:`meshtorch.models.blocks.block` with
+    :func:`block_spec`."""
+    return block(x, d, block_spec(c), f"layers{i}/", attn)
 
 
 def _remat(c: HFModelConfig, x, d, i, attn=_FULL):

@@ -39,7 +39,8 @@ __all__ = ["BlockOptions", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "parse
 @dataclass(frozen=True)
 class BlockOptions:
     """How a pre-norm decoder block computes (the :class:`~meshtorch.models.hf_config.HFModelConfig` fields of
-    the same names; :func:`meshtorch.models.hf.build_hf_lm` reads them).
+    the same names; :func:`meshtorch.models.hf.block_spec` turns them into the
+    :class:`~meshtorch.models.blocks.BlockSpec` of the one block builder).
 
     ``norm``: ``layer`` (LayerNorm with bias) or ``rms``; ``positions``: ``learned`` (a position table added to
     the token embeddings) or ``rotary`` (RoPE on q and k); ``activation``: the MLP's

@@ -10,7 +10,8 @@ Typical layouts on a ``data:2,model:2`` mesh: ``batch:data`` (data parallel),
 a ``microbatches`` dim: on ``pipe:2,data:2``, ``stage:pipe;batch:data`` (pipeline parallelism: neighbour
 exchanges over ``pipe``; :mod:`meshtorch.layers.pipeline`). Follows Mesh TF's
 ``transformer`` package (Unitransformer with pre-norm layers) in structure; the parameter naming is
-ours and documented in :func:`build_lm`.
+ours and documented in :func:`build_lm`. The blocks are :func:`meshtorch.models.blocks.block` (the one block
+builder of the decoder-only models) with :func:`block_spec`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import PipelineSchedule
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
+from meshtorch.models.blocks import FULL_SEQUENCE, NATIVE_NAMES, BlockSpec, MoEOptions, block, norm
 from meshtorch.ops.einsum import EinsumOperation
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import one_hot
@@ -184,10 +186,18 @@ def dims(c: LMConfig) -> dict[str, Dimension]:
             "vocab": Dimension("vocab", c.padded_vocab), "experts": Dimension("experts", max(1, c.num_experts))}
 
 
+def block_spec(c: LMConfig) -> BlockSpec:
+    """The native LM's :class:`~meshtorch.models.blocks.BlockSpec`: :data:`~meshtorch.models.blocks.NATIVE_NAMES`,
+    ``c.norm`` (epsilon 1e-6), no positions in the block (learned ``pos_embedding``), multi-head attention and
+    MLP without biases, variance-scaling (fan-in) initialisers, ``c.activation`` / ``c.gated`` / ``c.dropout``, and
+    MoE settings when ``c.num_experts`` > 0."""
+    moe = MoEOptions(c.expert_capacity_factor, c.moe_top_k, c.moe_min_capacity) if c.num_experts > 0 else None
+    return BlockSpec(NATIVE_NAMES, norm=c.norm, activation=c.activation, gated=c.gated, dropout=c.dropout, moe=moe)
+
+
 def _norm(c, x, d, name):
-    if c.norm == "rms":
-        return layers.rms_norm(x, d, name=name)
-    return layers.layer_norm(x, d, name=name)
+    """``c.norm`` of ``x`` over the Dimension ``d`` (:func:`meshtorch.models.blocks.norm`)."""
+    return norm(x, d, block_spec(c), name)
 
 
 def _dropout(c, x, train):
@@ -319,21 +329,11 @@ def decoder_block(c: LMConfig, d: dict, x: Tensor, name: str, attend) -> Tensor:
 
 
 def _block(c, d, x, name, train, aux_losses, moe=False, attend=None):
-    """One pre-norm block named ``name``: self-attention and feed-forward (or MoE) sublayers with residuals.
-    ``x`` ``[..., length, d_model]`` may carry leading dims (a pipeline's ``stage``): every op treats them as batch."""
-    h = _norm(c, x, d["d_model"], f"{name}/attention_norm")
-    h = layers.multihead_attention_layer(h, d["heads"], d["d_kv"], "length", causal=True,
-                                         scale=1.0 / math.sqrt(c.d_kv), name=f"{name}/attention", attend=attend)
-    x = x + _dropout(c, h, train)
-    h = _norm(c, x, d["d_model"], f"{name}/ffn_norm")
-    if moe:
-        h, aux = layers.moe_ffn(h, d["experts"], d["d_ff"], capacity_factor=c.expert_capacity_factor,
-                                top_k=c.moe_top_k, min_expert_capacity=c.moe_min_capacity,
-                                activation=c.activation, name=f"{name}/moe")
-        aux_losses.append(aux)
-    else:
-        h = layers.dense_act_dense(h, d["d_ff"], activation=c.activation, gated=c.gated, name=f"{name}/ffn")
-    return x + _dropout(c, h, train)
+    """One pre-norm block named ``name``: self-attention and feed-forward (or MoE) sublayers with residuals
+    (:func:`meshtorch.models.blocks.block` with :func:`block_spec`). ``x`` ``[..., length, d_model]`` may carry
+    leading dims (a pipeline's ``stage``): every op treats them as batch."""
+    return block(x, d, block_spec(c), f"{name}/", attend if attend is not None else FULL_SEQUENCE, train, moe,
+                 aux_losses)
 
 
 #: ``LMConfig.remat`` / ``meshtorch train --remat``: activation checkpointing policies. ``none`` keeps every
