@@ -213,3 +213,68 @@ def test_elementwise_bytes_under_a_repeated_batch_match_the_traffic_of_the_run()
         # and those are the bytes the placement model charges (FLOPs, calls and collectives made free here)
         free = CostModel(flop_rate=1e30, bandwidth=1e30, latency=0.0, memory_bandwidth=1e9, serial=True)
         assert estimate_time(rep, free)["compute_s"] == pytest.approx(moved / 1e9, rel=1e-6)
+
+
+def _recorded_calls(mesh, layout):
+    """(MemoryReport, [mesh axes of each collective call the run made over more than one processor]) of one AdamW
+    step of a 1-layer tiny LM on the placement mesh ``mesh`` (the flight recorder: what the backend executed)."""
+    from meshtorch.mesh.recorder import flight_recorder
+    spec = mtf.MeshSpec(mesh, layout)
+    from meshtorch.models.transformer import build_lm
+    cfg = preset("tiny", num_layers=1, d_model=32, num_heads=4, d_kv=8, d_ff=64, length=16, batch_size=8,
+                 vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"))
+    lm = build_lm(cfg, optimizer=mtf.optim.AdamWOptimizer(1e-3))
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(mesh, layout)})
+    b = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.length + 1), generator=torch.Generator().manual_seed(0))
+    sizes = {d.name: d.size for d in spec.shape}
+    sink = flight_recorder().sink = []
+    try:
+        lw.run([lm.loss] + lm.updates, feeds={lm.inputs: b[:, :-1], lm.targets: b[:, 1:]})
+    finally:
+        flight_recorder().sink = None
+    calls = [tuple(r.mesh_axes) for r in sink if r.tag is not None
+             and int(torch.tensor([sizes[a] for a in r.mesh_axes]).prod()) > 1]
+    return memory_report(lw, [lm.loss] + lm.updates), calls
+
+
+@pytest.mark.parametrize("mesh,layout", [("all:2", "heads:all;d_ff:all"), ("all:2", "batch:all"),
+                                         ("data:2,model:2", "batch:data;heads:model;d_ff:model")])
+def test_sync_points_match_the_collective_calls_the_run_made(mesh, layout):
+    """The synchronisation points priced (issue 36) against the collective calls the flight recorder saw in a real
+    run: every call over a non-batch axis is one point, and the calls over the batch's axes only (the gradient
+    sums, bucketed on an SPMD mesh) count as one together."""
+    from meshtorch.planning.cost import sync_points
+    rep, calls = _recorded_calls(mesh, layout)
+    batch_axes = {a for d, a in mtf.LayoutRules(layout).pairs if d == "batch"}
+    model_calls = [c for c in calls if not set(c) <= batch_axes]
+    assert calls, "the run made no collective call"
+    assert sync_points(rep) == len(model_calls) + (len(model_calls) < len(calls))
+
+
+def test_sync_wait_is_charged_per_synchronisation_point_on_spmd_only():
+    """A fake calibration: with ``sync_wait`` w an SPMD step costs exactly w x its synchronisation points more, so a
+    model-parallel layout with k more points than the batch-split one is priced k x w higher than without it; on a
+    placement mesh (one process, nothing to wait for) w changes nothing."""
+    from meshtorch.lowering import Lowering
+    from meshtorch.models.transformer import build_lm
+    from meshtorch.planning.cost import sync_points
+
+    def report(layout):
+        lm = build_lm(preset("tiny", vocab_size=256), optimizer=mtf.optim.AdamWOptimizer(1e-3))
+        lw = Lowering(lm.graph, {lm.mesh: mtf.MeshSpec("all:2", layout)}, materialize=False)
+        return memory_report(lw, [lm.loss] + lm.updates)
+
+    base = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4)
+    w = 3e-3
+    waits = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4, sync_wait=w)
+    dp, mp = report("batch:all"), report("heads:all;d_ff:all")
+    n_dp, n_mp = sync_points(dp), sync_points(mp)
+    assert n_dp == 1 and n_mp > n_dp
+    for rep, n in ((dp, n_dp), (mp, n_mp)):
+        t0, t1 = estimate_time(rep, base), estimate_time(rep, waits)
+        assert t1["total_s"] - t0["total_s"] == pytest.approx(w * n, rel=1e-9) and t1["sync_s"] == pytest.approx(w * n)
+    gap0 = estimate_time(mp, base)["total_s"] - estimate_time(dp, base)["total_s"]
+    gap1 = estimate_time(mp, waits)["total_s"] - estimate_time(dp, waits)["total_s"]
+    assert gap1 - gap0 == pytest.approx(w * (n_mp - n_dp), rel=1e-9)
+    serial = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4, serial=True)
+    assert estimate_time(mp, serial) == estimate_time(mp, CostModel(**{**serial.__dict__, "sync_wait": w}))
