@@ -117,8 +117,8 @@ class Calibration:
                          kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
                          serial=self.backend == "placement", flop_rates=rates,
                          spread=max(self.spread.values(), default=None), busy=self.busy,
-                         collectives=coll, sync_wait=float(self.sync_wait), name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} "
-                                                f"({self.trust()})")
+                         collectives=coll, sync_wait=float(self.sync_wait),
+                         name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} ({self.trust()})")
 
     def summary(self) -> str:
         """What was measured, a few lines for a person."""
@@ -359,13 +359,17 @@ def _spmd_worker(rank: int, port: int, backend: str, threads: int, path: str):
         dist.destroy_process_group()
 
 
-def _sync_wait(device) -> float:
+def _sync_wait(device, segment=None) -> float:
     """Seconds this process loses per synchronisation point, the mean over the group: ``_SYNC_ITERS`` iterations
-    of a ``_SYNC_SEGMENT`` GEMM then a 4-byte all-reduce; the median iteration minus the median segment and the
-    all-reduce's best time after a barrier (its latency). A busy host descheduling one process makes the other
-    wait at the all-reduce; on a quiet host this is near 0."""
-    m, k, n = _SYNC_SEGMENT
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    of a compute ``segment`` (default a ``_SYNC_SEGMENT`` GEMM) then a 4-byte all-reduce; the median iteration
+    minus the median segment and the all-reduce's best time after a barrier (its latency). A busy host
+    descheduling one process makes the other wait at the all-reduce; on a quiet host this is near 0."""
+    if segment is None:
+        m, k, n = _SYNC_SEGMENT
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+
+        def segment():
+            return a @ b
     tiny = torch.zeros(1, device=device)
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
 
@@ -378,7 +382,7 @@ def _sync_wait(device) -> float:
     dist.barrier()
     for _ in range(_SYNC_ITERS):
         t0 = time.perf_counter()
-        a @ b
+        segment()
         sync()
         t1 = time.perf_counter()
         reduce()
