@@ -207,7 +207,7 @@ def main():
         q = [pred[r] - est[r]["sync_s"] for r in layouts]
         best_q = layouts[min(range(len(q)), key=q.__getitem__)]
         err_q = statistics.median(abs(a / b - 1) for a, b in zip(q, m, strict=True))
-        print(f"without the synchronisation wait ({cost.sync_wait * 1e3:.2f} ms per point): Kendall tau "
+        print(f"without the synchronisation wait ({100 * cost.sync_fraction:.1f}% of compute): Kendall tau "
               f"{kendall_tau(q, m):.3f}; top-1 regret {100 * (meas[best_q] / min(m) - 1):.1f}% (predicted best "
               f"{best_q or '(replicated)'!r}); median |predicted/measured - 1| {100 * err_q:.1f}%")
 

@@ -124,14 +124,15 @@ def _sync_wait_worker(extras):
 
 def test_sync_wait_measures_the_wait_a_slower_process_causes():
     """On 2 gloo processes whose segments differ by a known 10 ms, rank 0 waits ~10 ms per all-reduce and rank 1
-    ~0: the calibration's mean wait is ~5 ms more than with equal segments (a loaded host adds its own waits to
-    both, so the difference is checked, within 2 ms)."""
+    ~0: the calibration's mean wait is ~5 ms more than with equal segments, and its mean segment 5 ms longer (a
+    loaded host adds its own waits to both, so the differences are checked, within 2 ms)."""
     import os
 
     from meshtorch.testing.spmd import run_spmd
     here = [os.path.dirname(os.path.abspath(__file__))]
     job = run_spmd("test_calibrate:_sync_wait_worker", ((0.0, 0.010),), nprocs=2, timeout_s=120,
                    extra_path=here).check()
-    assert job.results[0] == pytest.approx(job.results[1])  # one value per run, averaged over the group
-    equal, skewed = job.results[0]
+    assert [v for r in job.results[0] for v in r] == pytest.approx([v for r in job.results[1] for v in r])  # means
+    (equal, seg_equal), (skewed, seg_skewed) = job.results[0]
     assert skewed - equal == pytest.approx(0.005, abs=0.002), (equal, skewed)
+    assert seg_skewed - seg_equal == pytest.approx(0.005, abs=0.002), (seg_equal, seg_skewed)  # (2 + 12) / 2 ms

@@ -251,10 +251,11 @@ def test_sync_points_match_the_collective_calls_the_run_made(mesh, layout):
     assert sync_points(rep) == len(model_calls) + (len(model_calls) < len(calls))
 
 
-def test_sync_wait_is_charged_per_synchronisation_point_on_spmd_only():
-    """A fake calibration: with ``sync_wait`` w an SPMD step costs exactly w x its synchronisation points more, so a
-    model-parallel layout with k more points than the batch-split one is priced k x w higher than without it; on a
-    placement mesh (one process, nothing to wait for) w changes nothing."""
+def test_sync_wait_is_a_share_of_the_compute_of_steps_that_synchronise():
+    """A fake calibration: with ``sync_fraction`` f an SPMD step that has synchronisation points costs exactly f x its
+    compute more, whether it has one point (batch-split) or many (model-parallel): the waits measured with the
+    flight recorder were 17-23% of the step for 2 to 27 calls; a step without a collective (replicated) waits for
+    nobody, and a placement mesh (one process) neither."""
     from meshtorch.lowering import Lowering
     from meshtorch.models.transformer import build_lm
     from meshtorch.planning.cost import sync_points
@@ -264,17 +265,15 @@ def test_sync_wait_is_charged_per_synchronisation_point_on_spmd_only():
         lw = Lowering(lm.graph, {lm.mesh: mtf.MeshSpec("all:2", layout)}, materialize=False)
         return memory_report(lw, [lm.loss] + lm.updates)
 
-    base = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4)
-    w = 3e-3
-    waits = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4, sync_wait=w)
-    dp, mp = report("batch:all"), report("heads:all;d_ff:all")
-    n_dp, n_mp = sync_points(dp), sync_points(mp)
-    assert n_dp == 1 and n_mp > n_dp
-    for rep, n in ((dp, n_dp), (mp, n_mp)):
+    base = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4, kernel_overhead=1e-5)
+    f = 0.2
+    waits = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4, kernel_overhead=1e-5, sync_fraction=f)
+    dp, mp, rep0 = report("batch:all"), report("heads:all;d_ff:all"), report("")
+    assert sync_points(dp) == 1 and sync_points(mp) > 1 and sync_points(rep0) == 0
+    for rep in (dp, mp):
         t0, t1 = estimate_time(rep, base), estimate_time(rep, waits)
-        assert t1["total_s"] - t0["total_s"] == pytest.approx(w * n, rel=1e-9) and t1["sync_s"] == pytest.approx(w * n)
-    gap0 = estimate_time(mp, base)["total_s"] - estimate_time(dp, base)["total_s"]
-    gap1 = estimate_time(mp, waits)["total_s"] - estimate_time(dp, waits)["total_s"]
-    assert gap1 - gap0 == pytest.approx(w * (n_mp - n_dp), rel=1e-9)
+        assert t1["total_s"] - t0["total_s"] == pytest.approx(f * t0["compute_s"], rel=1e-9)
+        assert t1["sync_s"] == pytest.approx(f * t0["compute_s"]) and t1["compute_s"] == t0["compute_s"]
+    assert estimate_time(rep0, waits) == estimate_time(rep0, base)
     serial = CostModel(flop_rate=1e10, bandwidth=1e9, latency=1e-4, serial=True)
-    assert estimate_time(mp, serial) == estimate_time(mp, CostModel(**{**serial.__dict__, "sync_wait": w}))
+    assert estimate_time(mp, serial) == estimate_time(mp, CostModel(**{**serial.__dict__, "sync_fraction": f}))

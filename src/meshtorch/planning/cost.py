@@ -54,11 +54,14 @@ class CostModel:
     * ``spread``: the largest relative spread ``(max - min) / median`` of the measured constants over the
       calibration's repetitions (None: the constants were not measured), and ``busy``: other work competed
       while they were measured (:func:`meshtorch.planning.search.trust_line` states both under a ranking);
-    * ``sync_wait``: seconds lost per synchronisation point of an SPMD step (:func:`sync_points`): the processes,
-      sharing a host's cores with each other and with other work, reach a blocking collective at different
-      times and the earlier ones wait; the alpha-beta constants (fitted on back-to-back collectives after a
-      barrier) exclude this wait. Measured by calibration (a compute segment then a small all-reduce on every
-      process); 0 on a placement mesh (one process) and in the fixed models;
+    * ``sync_fraction``: seconds an SPMD process waits for the others per second of compute, charged when the step
+      has a synchronisation point (:func:`sync_points`): processes sharing a host's cores with each other and with
+      other work reach a blocking collective at different times and the earlier ones wait; the alpha-beta
+      constants (fitted on back-to-back collectives after a barrier) exclude it. Measured on gloo (2026-11-28,
+      loaded 2-core host, flight recorder): the summed start skew was 17-23% of the step for layouts with 2 to 27
+      collective calls, so the wait grows with the compute between the points, not with their number. Measured by
+      calibration (a compute segment then a small all-reduce on every process: wait over segment); 0 on a
+      placement mesh (one process) and in the fixed models;
     * ``serial``: the processors run one after another in this process (a placement mesh): compute is every
       processor's work in turn (:attr:`MemoryReport.flops_serial`: train's sliced feeds keep even a replicated
       layout's replicas apart), and each collective's time is paid by every processor group of the mesh in
@@ -77,7 +80,7 @@ class CostModel:
     compute_dtype: str = "float32"
     spread: float | None = None
     busy: bool = False
-    sync_wait: float = 0.0
+    sync_fraction: float = 0.0
 
     @classmethod
     def cpu(cls) -> CostModel:
@@ -165,8 +168,8 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
 
     SPMD (``cost.serial`` False): one processor's einsum FLOPs over the FLOP rate, plus its kernel calls
     times ``kernel_overhead``, plus the bytes its slicewise steps read and write over ``memory_bandwidth``, plus
-    each collective once, plus ``sync_wait`` per synchronisation point (:func:`sync_points`; ``sync_s``, part of
-    ``comm_s``). Placement (``serial``): the work of every processor
+    each collective once, plus ``sync_fraction`` x compute when the step has a synchronisation point
+    (:func:`sync_points`; ``sync_s``, part of ``comm_s``). Placement (``serial``): the work of every processor
     one after another (:attr:`MemoryReport.flops_serial`), plus each collective once per processor group (the
     groups of a mesh axis run one after another in one process), no synchronisation wait.
     """
@@ -184,7 +187,7 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
     for c, n in report.counters.records.items():
         group = math.prod(report.mesh_axis_sizes.get(a, 1) for a in c.mesh_axes)
         comm += n * cost.times_paid(group, report.num_processors) * cost.collective_time(c, group)
-    sync = 0.0 if cost.serial or not cost.sync_wait else cost.sync_wait * sync_points(report)
+    sync = cost.sync_fraction * compute if cost.sync_fraction and not cost.serial and sync_points(report) else 0.0
     comm += sync
     return {"compute_s": compute, "comm_s": comm, "sync_s": sync, "total_s": compute + comm}
 

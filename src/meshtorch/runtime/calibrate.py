@@ -10,10 +10,10 @@
 * each collective's latency and seconds per wire byte (all-reduce, all-gather, reduce-scatter,
   all-to-all over 2 processors, at 4 KiB and 4 MiB per processor): on the ``placement`` backend
   (one process) or ``gloo`` (2 spawned processes over loopback; ``nccl`` the same way on 2 GPUs);
-* on gloo/nccl, the seconds a process waits per synchronisation point (``sync_wait``): both processes run a
-  GEMM segment (about a Transformer layer's slice of work) then a 4-byte all-reduce, and the wait is the
-  median iteration minus the median segment and the all-reduce's latency (on a shared host the processes
-  reach each blocking collective at different times);
+* on gloo/nccl, the seconds a process waits per synchronisation point (``sync_wait``) and per second of
+  compute (``sync_wait / sync_segment``): both processes run a GEMM segment then a 4-byte all-reduce, and the
+  wait is the median iteration minus the median segment and the all-reduce's latency (on a shared host the
+  processes reach each blocking collective at different times);
 
 and returns a :class:`Calibration` whose :meth:`Calibration.cost_model` feeds
 :func:`meshtorch.planning.cost.estimate_time` (``serial`` for the placement backend, whose processors run
@@ -73,8 +73,9 @@ class Calibration:
         version: the measuring method (``CALIBRATION_VERSION`` when measured by this meshtorch; an older cached
             calibration is measured again).
         collectives: ``{kind: [latency_s, seconds_per_wire_byte]}`` over 2 processors.
-        sync_wait: seconds lost per synchronisation point (:func:`_sync_wait`; 0 on placement), the mean over
-            the processes.
+        sync_wait, sync_segment: seconds lost per synchronisation point and the seconds of the compute segment
+            before it (:func:`_sync_wait`; 0 on placement), means over the processes; the cost model charges their
+            ratio on an SPMD step's compute (``CostModel.sync_fraction``).
         measured_s: how long the measurement took; ``when``: its UTC time.
         spread: ``{"gemm", "kernel", "elementwise": (max - min) / median}`` of the compute measurements over
             ``REPEATS`` repetitions (each a best of several rounds; the constants are their medians).
@@ -101,6 +102,7 @@ class Calibration:
     dtype_rates: dict = field(default_factory=dict)
     version: int = 1
     sync_wait: float = 0.0
+    sync_segment: float = 0.0
 
     def trust(self) -> str:
         """How far the constants can be trusted, a few words: the largest spread and whether the host was busy."""
@@ -117,7 +119,8 @@ class Calibration:
                          kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
                          serial=self.backend == "placement", flop_rates=rates,
                          spread=max(self.spread.values(), default=None), busy=self.busy,
-                         collectives=coll, sync_wait=float(self.sync_wait),
+                         collectives=coll,
+                         sync_fraction=self.sync_wait / self.sync_segment if self.sync_segment > 0 else 0.0,
                          name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} ({self.trust()})")
 
     def summary(self) -> str:
@@ -132,8 +135,8 @@ class Calibration:
                  f"  {self.trust()}" + ("; measure again on a quiet host (meshtorch plan --calibrate)"
                                         if self.busy else "")]
         if self.sync_wait:
-            lines.append(f"  {self.sync_wait * 1e3:.2f} ms waited per synchronisation point (a blocking collective "
-                         f"after a {_SYNC_SEGMENT_NAME} GEMM segment)")
+            lines.append(f"  {self.sync_wait * 1e3:.2f} ms waited per synchronisation point after "
+                         f"{self.sync_segment * 1e3:.1f} ms of compute (a {_SYNC_SEGMENT_NAME} GEMM)")
         for k, (a, b) in self.collectives.items():
             lines.append(f"  {k:<15} latency {a * 1e6:8.1f} us, {1 / max(b, 1e-15) / 1e9:6.2f} GB/s on the wire")
         return "\n".join(lines)
@@ -184,7 +187,7 @@ def calibrate(backend: str = "placement", threads: int | None = None, force: boo
     try:
         if backend == "placement":
             rates, overhead, bandwidth, spread, low = _compute_rates()
-            coll, sync = _placement_collectives(), 0.0
+            coll, sync = _placement_collectives(), (0.0, 0.0)
         else:  # measured in the 2 processes, side by side: they share the host's cores, caches and memory
             rates, overhead, bandwidth, spread, low, coll, sync = _spawned(backend, threads)
     finally:
@@ -193,7 +196,8 @@ def calibrate(backend: str = "placement", threads: int | None = None, force: boo
                       gemm_flop_rate=statistics.median(rates.values()), kernel_overhead=overhead,
                       collectives=coll, gemm_rates=rates, memory_bandwidth=bandwidth,
                       measured_s=time.perf_counter() - t0, spread=spread, load=load,
-                      busy=_busy(load, spread), dtype_rates=low, version=CALIBRATION_VERSION, sync_wait=sync,
+                      busy=_busy(load, spread), dtype_rates=low, version=CALIBRATION_VERSION, sync_wait=sync[0],
+                      sync_segment=sync[1],
                       when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     path = cache_path(backend, threads)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -359,11 +363,12 @@ def _spmd_worker(rank: int, port: int, backend: str, threads: int, path: str):
         dist.destroy_process_group()
 
 
-def _sync_wait(device, segment=None) -> float:
-    """Seconds this process loses per synchronisation point, the mean over the group: ``_SYNC_ITERS`` iterations
-    of a compute ``segment`` (default a ``_SYNC_SEGMENT`` GEMM) then a 4-byte all-reduce; the median iteration
-    minus the median segment and the all-reduce's best time after a barrier (its latency). A busy host
-    descheduling one process makes the other wait at the all-reduce; on a quiet host this is near 0."""
+def _sync_wait(device, segment=None) -> tuple[float, float]:
+    """(Seconds a process loses per synchronisation point, seconds of the segment), means over the group:
+    ``_SYNC_ITERS`` iterations of a compute ``segment`` (default a ``_SYNC_SEGMENT`` GEMM) then a 4-byte
+    all-reduce; the wait is the median iteration minus the median segment and the all-reduce's best time after a
+    barrier (its latency). A busy host descheduling one process makes the other wait at the all-reduce; on a
+    quiet host this is near 0."""
     if segment is None:
         m, k, n = _SYNC_SEGMENT
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
@@ -388,10 +393,10 @@ def _sync_wait(device, segment=None) -> float:
         reduce()
         segs.append(t1 - t0)
         iters.append(time.perf_counter() - t0)
-    wait = torch.tensor([max(statistics.median(iters) - statistics.median(segs) - max(latency, 0.0), 0.0)],
-                        dtype=torch.float64, device=device)
+    wait = torch.tensor([max(statistics.median(iters) - statistics.median(segs) - max(latency, 0.0), 0.0),
+                         statistics.median(segs)], dtype=torch.float64, device=device)
     dist.all_reduce(wait)
-    return float(wait.item()) / dist.get_world_size()
+    return tuple(float(v) / dist.get_world_size() for v in wait.tolist())
 
 
 def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict, dict, float]:
