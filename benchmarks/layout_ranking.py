@@ -169,8 +169,7 @@ def main():
     print(f"{len(layouts)} legal layouts of the {args.preset!r} LM on mesh {mesh!r} ({args.backend}, "
           f"{args.threads} thread(s) per process); {args.rounds} interleaved rounds of {args.warmup} + "
           f"{args.steps} steps")
-    est = {r: predict(args.preset, mesh, r, args.batch_size, cost) for r in layouts}
-    pred = {r: t["total_s"] for r, t in est.items()}
+    pred = {r: predict(args.preset, mesh, r, args.batch_size, cost)["total_s"] for r in layouts}
     runs: dict = {r: [] for r in layouts}
     for _ in range(args.rounds):
         if args.backend == "placement":
@@ -203,13 +202,6 @@ def main():
     print(f"Kendall tau {kendall_tau(p, m):.3f}; top-1 regret {100 * regret:.1f}% (predicted best "
           f"{best_pred or '(replicated)'!r}); median |predicted/measured - 1| {100 * err:.1f}%; "
           f"{time.perf_counter() - t0:.0f} s")
-    if any(t.get("sync_s") for t in est.values()):  # the same measurements against the model without the waits
-        q = [pred[r] - est[r]["sync_s"] for r in layouts]
-        best_q = layouts[min(range(len(q)), key=q.__getitem__)]
-        err_q = statistics.median(abs(a / b - 1) for a, b in zip(q, m, strict=True))
-        print(f"without the synchronisation wait ({100 * cost.sync_fraction:.1f}% of compute): Kendall tau "
-              f"{kendall_tau(q, m):.3f}; top-1 regret {100 * (meas[best_q] / min(m) - 1):.1f}% (predicted best "
-              f"{best_q or '(replicated)'!r}); median |predicted/measured - 1| {100 * err_q:.1f}%")
 
 
 if __name__ == "__main__":

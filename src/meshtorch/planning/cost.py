@@ -13,7 +13,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshtorch.core.layout import LayoutRules
 from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective
 from meshtorch.lowering.layout import Transform
@@ -54,14 +53,6 @@ class CostModel:
     * ``spread``: the largest relative spread ``(max - min) / median`` of the measured constants over the
       calibration's repetitions (None: the constants were not measured), and ``busy``: other work competed
       while they were measured (:func:`meshtorch.planning.search.trust_line` states both under a ranking);
-    * ``sync_fraction``: seconds an SPMD process waits for the others per second of compute, charged when the step
-      has a synchronisation point (:func:`sync_points`): processes sharing a host's cores with each other and with
-      other work reach a blocking collective at different times and the earlier ones wait; the alpha-beta
-      constants (fitted on back-to-back collectives after a barrier) exclude it. Measured on gloo (2026-11-28,
-      loaded 2-core host, flight recorder): the summed start skew was 17-23% of the step for layouts with 2 to 27
-      collective calls, so the wait grows with the compute between the points, not with their number. Measured by
-      calibration (a compute segment then a small all-reduce on every process: wait over segment); 0 on a
-      placement mesh (one process) and in the fixed models;
     * ``serial``: the processors run one after another in this process (a placement mesh): compute is every
       processor's work in turn (:attr:`MemoryReport.flops_serial`: train's sliced feeds keep even a replicated
       layout's replicas apart), and each collective's time is paid by every processor group of the mesh in
@@ -80,7 +71,6 @@ class CostModel:
     compute_dtype: str = "float32"
     spread: float | None = None
     busy: bool = False
-    sync_fraction: float = 0.0
 
     @classmethod
     def cpu(cls) -> CostModel:
@@ -137,41 +127,14 @@ def _wire(kind: str, b: int, group: int) -> float:
     return kind_of(kind)[0].wire_bytes(b, group)
 
 
-#: the tensor dim whose mesh axes carry the data-parallel gradient sums (Mesh TF's and the LM's name)
-BATCH_DIM = "batch"
-
-
-def sync_points(report: MemoryReport, batch_dim: str = BATCH_DIM) -> int:
-    """Synchronisation points of one SPMD step: every planned collective call over a group of more than one
-    processor whose mesh axes are not all axes of ``batch_dim`` (a model-parallel collective inside the forward or
-    backward pass: its result is needed before the next kernel), plus one if any collective runs over the batch
-    axes only (the data-parallel gradient sums and the loss's: bucketed and awaited together at the step's end).
-
-    The layout is read from :attr:`MemoryReport.layout` (e.g. ``"batch:data;heads:model"``); a layout without a
-    ``batch_dim`` rule has no data-parallel sums, so every collective counts.
-    """
-    rules = LayoutRules(report.layout.replace(";", " ")) if report.layout else LayoutRules()
-    batch_axes = {a for d, a in rules.pairs if d == batch_dim}
-    points, data_parallel = 0, False
-    for c, n in report.counters.records.items():
-        if math.prod(report.mesh_axis_sizes.get(a, 1) for a in c.mesh_axes) <= 1:
-            continue
-        if set(c.mesh_axes) <= batch_axes:
-            data_parallel = True
-        else:
-            points += n
-    return points + int(data_parallel)
-
-
 def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
-    """``{"compute_s", "comm_s", "sync_s", "total_s"}`` of one run under ``cost`` (default :class:`CostModel`).
+    """``{"compute_s", "comm_s", "total_s"}`` of one run under ``cost`` (default :class:`CostModel`).
 
     SPMD (``cost.serial`` False): one processor's einsum FLOPs over the FLOP rate, plus its kernel calls
     times ``kernel_overhead``, plus the bytes its slicewise steps read and write over ``memory_bandwidth``, plus
-    each collective once, plus ``sync_fraction`` x compute when the step has a synchronisation point
-    (:func:`sync_points`; ``sync_s``, part of ``comm_s``). Placement (``serial``): the work of every processor
+    each collective once. Placement (``serial``): the work of every processor
     one after another (:attr:`MemoryReport.flops_serial`), plus each collective once per processor group (the
-    groups of a mesh axis run one after another in one process), no synchronisation wait.
+    groups of a mesh axis run one after another in one process).
     """
     cost = cost or CostModel()
     if cost.serial:
@@ -187,9 +150,7 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
     for c, n in report.counters.records.items():
         group = math.prod(report.mesh_axis_sizes.get(a, 1) for a in c.mesh_axes)
         comm += n * cost.times_paid(group, report.num_processors) * cost.collective_time(c, group)
-    sync = cost.sync_fraction * compute if cost.sync_fraction and not cost.serial and sync_points(report) else 0.0
-    comm += sync
-    return {"compute_s": compute, "comm_s": comm, "sync_s": sync, "total_s": compute + comm}
+    return {"compute_s": compute, "comm_s": comm, "total_s": compute + comm}
 
 
 def transform_time(transforms: Sequence[Transform], cost: CostModel | None = None,

@@ -10,10 +10,6 @@
 * each collective's latency and seconds per wire byte (all-reduce, all-gather, reduce-scatter,
   all-to-all over 2 processors, at 4 KiB and 4 MiB per processor): on the ``placement`` backend
   (one process) or ``gloo`` (2 spawned processes over loopback; ``nccl`` the same way on 2 GPUs);
-* on gloo/nccl, the seconds a process waits per synchronisation point (``sync_wait``) and per second of
-  compute (``sync_wait / sync_segment``): both processes run a GEMM segment then a 4-byte all-reduce, and the
-  wait is the median iteration minus the median segment and the all-reduce's latency (on a shared host the
-  processes reach each blocking collective at different times);
 
 and returns a :class:`Calibration` whose :meth:`Calibration.cost_model` feeds
 :func:`meshtorch.planning.cost.estimate_time` (``serial`` for the placement backend, whose processors run
@@ -73,9 +69,6 @@ class Calibration:
         version: the measuring method (``CALIBRATION_VERSION`` when measured by this meshtorch; an older cached
             calibration is measured again).
         collectives: ``{kind: [latency_s, seconds_per_wire_byte]}`` over 2 processors.
-        sync_wait, sync_segment: seconds lost per synchronisation point and the seconds of the compute segment
-            before it (:func:`_sync_wait`; 0 on placement), means over the processes; the cost model charges their
-            ratio on an SPMD step's compute (``CostModel.sync_fraction``).
         measured_s: how long the measurement took; ``when``: its UTC time.
         spread: ``{"gemm", "kernel", "elementwise": (max - min) / median}`` of the compute measurements over
             ``REPEATS`` repetitions (each a best of several rounds; the constants are their medians).
@@ -101,8 +94,6 @@ class Calibration:
     busy: bool = False
     dtype_rates: dict = field(default_factory=dict)
     version: int = 1
-    sync_wait: float = 0.0
-    sync_segment: float = 0.0
 
     def trust(self) -> str:
         """How far the constants can be trusted, a few words: the largest spread and whether the host was busy."""
@@ -119,9 +110,8 @@ class Calibration:
                          kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
                          serial=self.backend == "placement", flop_rates=rates,
                          spread=max(self.spread.values(), default=None), busy=self.busy,
-                         collectives=coll,
-                         sync_fraction=self.sync_wait / self.sync_segment if self.sync_segment > 0 else 0.0,
-                         name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} ({self.trust()})")
+                         collectives=coll, name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} "
+                                                f"({self.trust()})")
 
     def summary(self) -> str:
         """What was measured, a few lines for a person."""
@@ -134,9 +124,6 @@ class Calibration:
                  f"{self.memory_bandwidth / 1e9:.1f} GB/s",
                  f"  {self.trust()}" + ("; measure again on a quiet host (meshtorch plan --calibrate)"
                                         if self.busy else "")]
-        if self.sync_wait:
-            lines.append(f"  {self.sync_wait * 1e3:.2f} ms waited per synchronisation point after "
-                         f"{self.sync_segment * 1e3:.1f} ms of compute (a {_SYNC_SEGMENT_NAME} GEMM)")
         for k, (a, b) in self.collectives.items():
             lines.append(f"  {k:<15} latency {a * 1e6:8.1f} us, {1 / max(b, 1e-15) / 1e9:6.2f} GB/s on the wire")
         return "\n".join(lines)
@@ -187,17 +174,16 @@ def calibrate(backend: str = "placement", threads: int | None = None, force: boo
     try:
         if backend == "placement":
             rates, overhead, bandwidth, spread, low = _compute_rates()
-            coll, sync = _placement_collectives(), (0.0, 0.0)
+            coll = _placement_collectives()
         else:  # measured in the 2 processes, side by side: they share the host's cores, caches and memory
-            rates, overhead, bandwidth, spread, low, coll, sync = _spawned(backend, threads)
+            rates, overhead, bandwidth, spread, low, coll = _spawned(backend, threads)
     finally:
         torch.set_num_threads(old)
     cal = Calibration(host=_host_key(), backend=backend, threads=threads,
                       gemm_flop_rate=statistics.median(rates.values()), kernel_overhead=overhead,
                       collectives=coll, gemm_rates=rates, memory_bandwidth=bandwidth,
                       measured_s=time.perf_counter() - t0, spread=spread, load=load,
-                      busy=_busy(load, spread), dtype_rates=low, version=CALIBRATION_VERSION, sync_wait=sync[0],
-                      sync_segment=sync[1],
+                      busy=_busy(load, spread), dtype_rates=low, version=CALIBRATION_VERSION,
                       when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     path = cache_path(backend, threads)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -236,10 +222,7 @@ def _best_seconds(fn, reps: int = 5, min_s: float = 0.02, calls: int | None = No
     return best
 
 
-CALIBRATION_VERSION = 3  # 2: memory_bandwidth of the elementwise mix, priced on bytes read and written; 3: sync_wait
-_SYNC_SEGMENT = (512, 512, 512)  # the GEMM of one compute segment between synchronisation points
-_SYNC_SEGMENT_NAME = "x".join(map(str, _SYNC_SEGMENT))
-_SYNC_ITERS = 20
+CALIBRATION_VERSION = 2  # 2: memory_bandwidth of the elementwise mix, priced on bytes read and written
 _ELEMENTWISE_SIZE = 1 << 18  # floats: a Transformer activation slice (batch x length x d_model of the small preset)
 # the elementwise mix: (kernel on operands a, b; tensors it reads and writes)
 _ELEMENTWISE = ((lambda a, b: a * b, 3), (lambda a, b: a + b, 3), (lambda a, b: torch.exp(a), 2),
@@ -355,51 +338,14 @@ def _spmd_worker(rank: int, port: int, backend: str, threads: int, path: str):
                 barrier = _best_seconds(dist.barrier, reps=3, calls=10)
                 times[4 * n] = max(_best_seconds(once, reps=3, calls=10) - barrier, 1e-7)
             out[kind] = _fit(times, kind)
-        sync = _sync_wait(impl.device(rank))
         if rank == 0:
             with open(path, "w") as f:
-                json.dump({"compute": compute, "collectives": out, "sync_wait": sync}, f)
+                json.dump({"compute": compute, "collectives": out}, f)
     finally:
         dist.destroy_process_group()
 
 
-def _sync_wait(device, segment=None) -> tuple[float, float]:
-    """(Seconds a process loses per synchronisation point, seconds of the segment), means over the group:
-    ``_SYNC_ITERS`` iterations of a compute ``segment`` (default a ``_SYNC_SEGMENT`` GEMM) then a 4-byte
-    all-reduce; the wait is the median iteration minus the median segment and the all-reduce's best time after a
-    barrier (its latency). A busy host descheduling one process makes the other wait at the all-reduce; on a
-    quiet host this is near 0."""
-    if segment is None:
-        m, k, n = _SYNC_SEGMENT
-        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-
-        def segment():
-            return a @ b
-    tiny = torch.zeros(1, device=device)
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
-
-    def reduce():
-        dist.all_reduce(tiny)
-        sync()
-    latency = _best_seconds(lambda: (dist.barrier(), reduce()), reps=3, calls=10) - \
-        _best_seconds(dist.barrier, reps=3, calls=10)
-    segs, iters = [], []
-    dist.barrier()
-    for _ in range(_SYNC_ITERS):
-        t0 = time.perf_counter()
-        segment()
-        sync()
-        t1 = time.perf_counter()
-        reduce()
-        segs.append(t1 - t0)
-        iters.append(time.perf_counter() - t0)
-    wait = torch.tensor([max(statistics.median(iters) - statistics.median(segs) - max(latency, 0.0), 0.0),
-                         statistics.median(segs)], dtype=torch.float64, device=device)
-    dist.all_reduce(wait)
-    return tuple(float(v) / dist.get_world_size() for v in wait.tolist())
-
-
-def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict, dict, float]:
+def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict, dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -417,7 +363,7 @@ def _spawned(backend: str, threads: int) -> tuple[dict, float, float, dict, dict
         out = json.load(f)
     os.remove(path)
     rates, overhead, bandwidth, spread, low = out["compute"]
-    return rates, overhead, bandwidth, spread, low, out["collectives"], out["sync_wait"]
+    return rates, overhead, bandwidth, spread, low, out["collectives"]
 
 
 def run_plan(args):
