@@ -100,11 +100,16 @@ def spmd_worker(name, mesh, layouts, batch, steps, warmup, threads):
     torch.set_num_threads(threads)
     out = {}
     for rules in layouts:
-        lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
-        lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh, rules)})
+        lm, lw = _spmd_lm(name, mesh, rules, batch)
         dist.barrier()
         out[rules] = statistics.median(time_steps(lm, lw, steps, warmup=warmup))
     return out
+
+
+def _spmd_lm(name, mesh, rules, batch):
+    """(the LM with AdamW, its Lowering on this rank's SPMD mesh) under ``rules``."""
+    lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
+    return lm, mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh, rules)})
 
 
 def spmd_breakdown_worker(name, mesh, layouts, batch, steps, warmup, threads):
@@ -117,8 +122,7 @@ def spmd_breakdown_worker(name, mesh, layouts, batch, steps, warmup, threads):
     torch.set_num_threads(threads)
     out = {}
     for rules in layouts:
-        lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
-        lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh, rules)})
+        lm, lw = _spmd_lm(name, mesh, rules, batch)
         dist.barrier()
         time_steps(lm, lw, warmup)
         out[rules] = []
