@@ -19,11 +19,16 @@ top-1 regret (measured time of the predicted best / best measured - 1), and the 
 not cached; on gloo in the ranks of the mesh, as under torchrun) and reports its layout's time in the
 interleaved measurement over the fastest's and the default layout's, and the time the choice took over 600
 steps of the default layout.
+
+``--breakdown`` (gloo) times each layout's steps again with the flight recorder on every rank and prints where a step
+goes: collective calls executed / planned, seconds in collectives per rank, the transfer after the last rank reached
+each call, and the spread of the ranks' arrival times (the synchronisation wait), summed over the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -73,6 +78,15 @@ def predict(name: str, mesh: str, rules: str, batch: int | None, cost) -> dict:
     return estimate_time(memory_report(lw, [lm.loss] + lm.updates), cost)
 
 
+def planned_calls(name: str, mesh: str, rules: str, batch: int | None) -> int:
+    """Collective calls over more than one processor that the plan of one step counts (before gradient buckets)."""
+    lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
+    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec(mesh, rules)}, materialize=False)
+    rep = memory_report(lw, [lm.loss] + lm.updates)
+    sizes = rep.mesh_axis_sizes
+    return sum(n for c, n in rep.counters.records.items() if math.prod(sizes.get(a, 1) for a in c.mesh_axes) > 1)
+
+
 def measure_placement(name, mesh, rules, batch, steps, warmup) -> float:
     lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
     lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(mesh, rules)})
@@ -86,11 +100,58 @@ def spmd_worker(name, mesh, layouts, batch, steps, warmup, threads):
     torch.set_num_threads(threads)
     out = {}
     for rules in layouts:
-        lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
-        lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh, rules)})
+        lm, lw = _spmd_lm(name, mesh, rules, batch)
         dist.barrier()
         out[rules] = statistics.median(time_steps(lm, lw, steps, warmup=warmup))
     return out
+
+
+def _spmd_lm(name, mesh, rules, batch):
+    """(the LM with AdamW, its Lowering on this rank's SPMD mesh) under ``rules``."""
+    lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
+    return lm, mtf.Lowering(lm.graph, {lm.mesh: mtf.SpmdMeshImpl(mesh, rules)})
+
+
+def spmd_breakdown_worker(name, mesh, layouts, batch, steps, warmup, threads):
+    """One rank of ``--breakdown``: per layout, ``steps`` timed steps (after ``warmup``), each as (seconds, [(kind,
+    bytes per processor, start, seconds, asynchronous) of every collective call the flight recorder saw])."""
+    import torch.distributed as dist
+
+    from meshtorch.mesh.recorder import flight_recorder
+
+    torch.set_num_threads(threads)
+    out = {}
+    for rules in layouts:
+        lm, lw = _spmd_lm(name, mesh, rules, batch)
+        dist.barrier()
+        time_steps(lm, lw, warmup)
+        out[rules] = []
+        for i in range(steps):
+            sink = flight_recorder().sink = []
+            t = time_steps(lm, lw, 1, seed=i + 1)[0]
+            flight_recorder().sink = None
+            out[rules].append((t, [(r.kind, r.bytes_per_processor, r.start, r.seconds, r.asynchronous) for r in sink]))
+    return out
+
+
+def breakdown(results: list, layouts: list[str], planned: dict) -> None:
+    """Print where each layout's gloo step goes (``--breakdown``), from every rank's flight records: the slowest rank's
+    median step, collective calls executed (and planned), seconds in collectives per rank, the seconds after the last
+    rank arrived at each call (the transfer) and the spread of the ranks' arrival times (the synchronisation wait),
+    summed over the step's calls; medians over the steps. ``time.perf_counter`` is the host's monotonic clock, so
+    the ranks' start times compare (one host only)."""
+    print(f"{'layout':<40} {'step ms':>8} {'calls':>11} {'in coll. ms (ranks)':>22} {'transfer ms':>12} {'wait ms':>8}")
+    for r in layouts:
+        rows = []
+        for steps in zip(*(res[r] for res in results), strict=True):
+            calls = list(zip(*(c for _, c in steps), strict=True))
+            rows.append((max(t for t, _ in steps), len(calls), [sum(x[3] for x in c) for _, c in steps],
+                         sum(min(x[2] + x[3] for x in call) - max(x[2] for x in call) for call in calls),
+                         sum(max(x[2] for x in call) - min(x[2] for x in call) for call in calls)))
+        med = [statistics.median(row[i] for row in rows) for i in (0, 3, 4)]
+        coll = "/".join(f"{statistics.median(row[2][k] for row in rows) * 1e3:.0f}" for k in range(len(results)))
+        print(f"{r or '(replicated)':<40} {med[0] * 1e3:8.1f} {f'{rows[0][1]} / {planned[r]}':>11} {coll:>22} "
+              f"{med[1] * 1e3:12.1f} {med[2] * 1e3:8.1f}")
 
 
 def spmd_auto_worker(name, mesh, batch, threads):
@@ -132,6 +193,9 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calibrate", action="store_true", help="measure the machine again before predicting")
     ap.add_argument("--max-layouts", type=int, default=40)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="gloo: also time each layout's steps with the flight recorder on every rank and print where "
+                         "they go (collective calls, transfer after the last rank arrived, the ranks' arrival spread)")
     ap.add_argument("--auto", action="store_true",
                     help="also run --layout auto's choice (measuring, not cached) first, and report its "
                          "measured time over the fastest and over the default layout's, and its cost as a share of "
@@ -185,6 +249,14 @@ def main():
             for r in layouts:
                 runs[r].append(max(res[r] for res in job.results))
     meas = {r: statistics.median(v) for r, v in runs.items()}
+    if args.breakdown and args.backend == "gloo":
+        from meshtorch.testing.spmd import run_spmd
+
+        job = run_spmd("layout_ranking:spmd_breakdown_worker", (args.preset, mesh, layouts, args.batch_size,
+                                                                args.steps, args.warmup, args.threads),
+                       nprocs=mtf.MeshSpec(mesh).size, timeout_s=3600,
+                       extra_path=[os.path.dirname(os.path.abspath(__file__))]).check()
+        breakdown(job.results, layouts, {r: planned_calls(args.preset, mesh, r, args.batch_size) for r in layouts})
     print(f"{'layout':<52} {'predicted ms':>12} {'measured ms':>12} {'pred/meas':>9}  spread")
     for r in sorted(layouts, key=lambda r: meas[r]):
         print(f"{r or '(replicated)':<52} {pred[r] * 1e3:12.1f} {meas[r] * 1e3:12.1f} {pred[r] / meas[r]:9.2f}  "
