@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from meshtorch.core.schedules import ScheduleTable
 from meshtorch.mesh.recorder import flight_recorder
+from meshtorch.planning import memory_report
 
 __all__ = ["SEND", "ScheduleRun", "action_fetches", "action_flops", "apply_updates", "clip_coefficient", "rank_flops",
            "rank_memory", "run_forward", "run_rank", "run_schedule"]
@@ -177,8 +178,6 @@ def rank_memory(table: ScheduleTable, programs: list) -> list[dict]:
     live values of one stage's forward-and-backward run), ``in_flight`` (the table's peak in-flight microbatches)
     and ``total`` = variables + gradients + (in_flight - 1) stash + transient.
     ``programs``: every virtual stage's (:func:`~meshtorch.models.lm_stages.stage_programs`)."""
-    from meshtorch.planning import memory_report
-
     out = []
     for r, peak in enumerate(table.in_flight()):
         row = dict(variables=0, gradients=0, stash=0, transient=0, in_flight=peak)
