@@ -63,9 +63,10 @@ def spmd_bucket_worker(steps: int, bucket_bytes: int):
     return losses, {n: lw.variable_value(n) for n in ("w1", "w2")}, kinds
 
 
-def spmd_compiled_worker(steps: int, mesh_shape: str, layout: str, storage: str, bucket_bytes: int):
-    """Inside a gloo rank: the MLP compiled (``mode="compile"``): losses, variables, step kinds and
-    dynamo's graph-break reasons and number of graphs compiled."""
+def spmd_compiled_worker(steps: int, mesh_shape: str, layout: str, storage: str, bucket_bytes: int,
+                         backend: str = "inductor"):
+    """Inside a gloo rank: the MLP compiled (``mode="compile"``, ``torch.compile`` backend ``backend``): losses,
+    variables, step kinds and dynamo's graph-break reasons and number of graphs compiled."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -73,7 +74,7 @@ def spmd_compiled_worker(steps: int, mesh_shape: str, layout: str, storage: str,
     # asynchronous: dynamo turns blocking c10d calls into functional collectives by itself, not async_op=True
     # calls (23 graphs for this program before SpmdMeshImpl.traceable())
     impl = mtf.SpmdMeshImpl(mesh_shape, layout, storage=storage, async_collectives=True)
-    lw = mtf.Lowering(g, {mesh: impl}, mode="compile", bucket_bytes=bucket_bytes)
+    lw = mtf.Lowering(g, {mesh: impl}, mode="compile", bucket_bytes=bucket_bytes, compile_backend=backend)
     losses = [lw.run([loss] + updates, feeds={x: batch(s)})[0] for s in range(steps)]
     kinds = [st.kind for st in lw.plan([loss] + updates).steps]
     return (losses, {n: lw.variable_value(n) for n in ("w1", "w2")}, kinds, dict(counters["graph_break"]),

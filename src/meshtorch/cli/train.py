@@ -128,6 +128,10 @@ def add_train_subcommand(subparsers) -> None:
                         "step compiles, tens of seconds on a CPU; plans with dropout stay uncompiled)")
     p.add_argument("--compile", dest="executor", action="store_const", const="compile",
                    help="shorthand for --executor compile")
+    p.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help="torch.compile's backend under --compile (default inductor; aot_eager captures the same "
+                        "one-graph step through dynamo and AOTAutograd without generating kernels: seconds to "
+                        "compile; any name torch._dynamo.list_backends gives)")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="numerics (docs/precision.md): fp32; tf32 (float32 with TF32 matmuls on CUDA, set in every "
                         "process before any step is compiled); bf16 (float32 master weights and optimizer state, "

@@ -31,7 +31,7 @@ from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.planner import Planner
 from meshtorch.lowering.program import Program, Step, SubProgram, program_str, select_steps
 from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
-from meshtorch.lowering.session import Session, bind
+from meshtorch.lowering.session import Session, bind, check_compile_backend
 from meshtorch.lowering.stages import PlanOptions, fetch_keys, plan
 from meshtorch.lowering.variables import VariableStore
 from meshtorch.mesh.base import MeshImpl
@@ -117,6 +117,8 @@ class Lowering:
             only when a run (or ``variable_value``) first needs it, so variables a checkpoint restore or
             a state-dict import sets first (``set_variable_value`` / ``set_variable_slices``) are never
             drawn. The values are the same either way.
+        compile_backend: ``torch.compile``'s ``backend`` in mode ``"compile"`` (default ``"inductor"``;
+            ``"aot_eager"``: the same captured graph without generated kernels).
 
     Attributes:
         program: the :class:`Program`; ``session``: the :class:`Session`; ``store``: the
@@ -126,14 +128,16 @@ class Lowering:
         LayoutError: naming the tensor and dimension, if the layout rules are illegal for some
             tensor of the graph (size not divisible, two dims on one mesh axis, a dim an op needs
             whole is split).
-        ValueError: an unknown ``mode`` or ``init``, or a negative ``bucket_bytes``, before planning.
+        ValueError: an unknown ``mode``, ``init`` or ``compile_backend``, or a negative ``bucket_bytes``, before
+            planning.
     """
 
     def __init__(self, graph: Graph, mesh_to_impl: dict, autostack: bool = True, log_file=None,
                  materialize: bool = True, mode: str = "codegen", bucket_bytes: int | None = None,
-                 init: str = "random"):
+                 init: str = "random", compile_backend: str = "inductor"):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Lowering: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
+        check_compile_backend(compile_backend)
         impls_by_mesh = {m: _backend(v) for m, v in mesh_to_impl.items()}
         default_buckets = bucket_bytes is None
         if default_buckets:
@@ -154,7 +158,8 @@ class Lowering:
         if materialize:
             self.store.initialize(lazy=init == "lazy")
         first_bucket_bytes = FIRST_BUCKET_BYTES if default_buckets and bucket_bytes > FIRST_BUCKET_BYTES else 0
-        self.session = Session(self.program, impls, self.store, mode, bucket_bytes, first_bucket_bytes)
+        self.session = Session(self.program, impls, self.store, mode, bucket_bytes, first_bucket_bytes,
+                               compile_backend)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)
 
     @property
@@ -169,7 +174,8 @@ class Lowering:
         impls = {m.name: i for m, i in self._mesh_to_impl.items()}
         self.store.impls = impls
         old = self.session
-        self.session = Session(self.program, impls, self.store, old.mode, old.bucket_bytes, old.first_bucket_bytes)
+        self.session = Session(self.program, impls, self.store, old.mode, old.bucket_bytes, old.first_bucket_bytes,
+                               old.compile_backend)
         self.session.counters, self.session.run_count = old.counters, old.run_count
 
     @property

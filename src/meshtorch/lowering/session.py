@@ -39,6 +39,16 @@ def check_backends(program: Program, impls: dict) -> None:
                              "and rules.")
 
 
+def check_compile_backend(name) -> None:
+    """Refuse a ``torch.compile`` backend name that dynamo does not register (ValueError naming the known ones)."""
+    if name == "inductor":  # torch's default, always registered (listing imports dynamo: seconds)
+        return
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ValueError(f"compile backend must be one torch._dynamo.list_backends names, e.g. 'inductor' or "
+                         f"'aot_eager'; got {name!r} (known: {', '.join(known)}).")
+
+
 class Session:
     """Runs ``program`` on ``{mesh name: MeshImpl}`` with the variables in ``store``.
 
@@ -70,17 +80,24 @@ class Session:
     planned collectives in an uncompiled mode (``"codegen"``, ``"interpret"``). With the flight recorder
     off (``flight_recorder().enabled = False``) uncompiled runs count no collectives.
 
+    ``compile_backend``: ``torch.compile``'s ``backend`` for mode ``"compile"`` (default ``"inductor"``;
+    ``"aot_eager"`` traces the same one-graph step through dynamo and AOTAutograd without generating
+    kernels: a check of the capture that compiles in seconds).
+
     Raises:
-        ValueError: an unknown ``mode``, or an implementation whose mesh shape or rules differ from
-            the program's.
+        ValueError: an unknown ``mode`` or ``compile_backend`` (one ``torch._dynamo.list_backends``
+            does not name), or an implementation whose mesh shape or rules differ from the program's.
 
     """
 
     def __init__(self, program: Program, impls: dict, store: VariableStore, mode: str = "codegen",
-                 bucket_bytes: int = 0, first_bucket_bytes: int = 0):
+                 bucket_bytes: int = 0, first_bucket_bytes: int = 0, compile_backend: str = "inductor"):
         if mode not in ("codegen", "interpret", "compile"):
             raise ValueError(f"Session: mode must be 'codegen', 'interpret' or 'compile', got {mode!r}.")
+        check_compile_backend(compile_backend)
         self.mode = mode
+        #: ``torch.compile``'s ``backend`` in mode ``"compile"``
+        self.compile_backend = compile_backend
         #: gradient bucket size in bytes per processor (0: one all-reduce call per value; see schedule.py)
         self.bucket_bytes = int(bucket_bytes)
         #: > 0: the first all-reduce bucket closes once it holds this many bytes (DDP's first bucket)
@@ -154,7 +171,7 @@ class Session:
             plan.fn = codegen.generate(plan.steps, plan.frees, impls, self._loops, reads, writes, tagged=not compiled)
             plan.compiled = compiled
             if compiled:
-                plan.fn = torch.compile(plan.fn, dynamic=False)
+                plan.fn = torch.compile(plan.fn, dynamic=False, backend=self.compile_backend)
                 plan.compiled = first_compile = True
             elif self.mode == "compile":
                 # random ops key on the run number, a Python int torch.compile would specialise on (one

@@ -65,7 +65,8 @@ class StageProgram:
 
 def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: int = 1, mesh_shape: str = "",
                    layout: str = "", storage: str = "", seed: int = 0, rank: int | None = None,
-                   optimizer: Callable | None = None, clip: bool = False, mode: str = "codegen") -> list:
+                   optimizer: Callable | None = None, clip: bool = False, mode: str = "codegen",
+                   compile_backend: str = "inductor") -> list:
     """The ``V = stages x repeats`` virtual stages of the unpipelined LM ``config`` (``num_layers`` a multiple of
     ``V``: stage ``v`` runs layers ``v L/V .. (v+1) L/V - 1``), each a graph of one microbatch (``batch_size /
     microbatches`` sequences) lowered on ``MeshSpec(mesh_shape, layout, storage)``. Variables keep the
@@ -76,7 +77,8 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
     ``meshtorch.runtime.optimizers.make_optimizer``); each stage then has update ops applying it to its
     ``grad_feeds`` (times ``clip_coefficient`` with ``clip``). Its slots and ``global_step`` take the names
     ``build_lm(optimizer=...)`` gives them, so the stages' variables together are the unpipelined LM's.
-    ``mode``: the :class:`~meshtorch.lowering.Lowering`'s executor (``codegen``, ``interpret``, ``compile``).
+    ``mode``, ``compile_backend``: the :class:`~meshtorch.lowering.Lowering`'s executor (``codegen``, ``interpret``,
+    ``compile``) and ``torch.compile`` backend.
 
     Raises:
         ValueError: ``num_layers`` not a multiple of ``V``, a batch that ``microbatches`` does not divide, dropout,
@@ -144,7 +146,8 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
             coef = placeholder(mesh, "clip_coefficient", []) if clip else None
             updates = optimizer().apply_grads([feeds[n] if coef is None else feeds[n] * coef for n in names],
                                               [weights[n] for n in names])
-        lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage or None)}, mode=mode)
+        lw = Lowering(graph, {mesh: MeshSpec(mesh_shape, layout, storage=storage or None)}, mode=mode,
+                      compile_backend=compile_backend)
         saved = lw.stash_slots([y], ([gin] if v else []) + list(gw))
         saved_grads = lw.stash_slots([gin], list(gw), given=saved) if v else ()
         out.append(StageProgram(v, lw, inputs, y, dy, gin, weights, dict(zip(names, gw, strict=True)), targets,

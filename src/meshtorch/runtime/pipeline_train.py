@@ -122,7 +122,7 @@ class PipelineTrainer:
         rank = dist.get_rank() if self.distributed else None
         self.programs = stage_programs(self.config, S, M, R, mesh, layout, storage, seed=cfg.seed, rank=rank,
                                        optimizer=lambda: make_optimizer(cfg), clip=bool(cfg.clip_norm),
-                                       mode=cfg.executor)
+                                       mode=cfg.executor, compile_backend=cfg.compile_backend)
         #: this process's stage variables as one lowering, for save / restore (the unpipelined LM's names)
         self.state = StageVariables(self.programs, rank, dist.get_world_size() if self.distributed else 1)
 

@@ -218,7 +218,7 @@ def _build_model(job: _Job) -> None:
     a checkpoint is resumed), and the twin without dropout for evaluation."""
     cfg, model, n_acc = job.cfg, job.model, job.cfg.accumulate
     opt, clip = make_optimizer(cfg), cfg.clip_norm or None
-    kwargs = {"mode": cfg.executor, "bucket_bytes": cfg.bucket_bytes}
+    kwargs = {"mode": cfg.executor, "bucket_bytes": cfg.bucket_bytes, "compile_backend": cfg.compile_backend}
     imported = isinstance(model, HFModelConfig)
     if cfg.pipeline_schedule in pipeline_train.EXECUTED:  # the stage executor trains, evaluates and checkpoints;
         job.pipeline = pipeline_train.PipelineTrainer(cfg, model)  # lm: the unpipelined graph only (not lowered)

@@ -19,6 +19,7 @@ from meshtorch.checkpoint import hf, latest_checkpoint, load_manifest
 from meshtorch.core.errors import CheckpointError, UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.lowering.session import check_compile_backend
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.pipeline import schedule_flag as pipeline_schedule_flag
@@ -104,6 +105,7 @@ class TrainConfig:
     # execution
     threads: int = 1
     executor: str = "codegen"
+    compile_backend: str = "inductor"  # torch.compile's backend under --compile
     precision: str = "fp32"  # fp32 | tf32 | bf16 (meshtorch.ops.precision.PrecisionPolicy.named)
     reduce_dtype: str = "float32"  # float32 | bfloat16: gradient reductions under bf16
     peak_tflops: float | None = None
@@ -354,6 +356,10 @@ class TrainConfig:
             PrecisionPolicy.named(self.precision, self.reduce_dtype)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        try:
+            check_compile_backend(self.compile_backend)
+        except ValueError as e:
+            raise UsageError(f"--compile-backend: {e}") from None
         if self.precision == "fp16" and (self.optimizer not in ("adam", "adamw") or self.accumulate > 1
                                          or self.init_from):
             raise UsageError("--precision fp16 (dynamic loss scaling) runs with --optimizer adamw or adam, without "
