@@ -11,13 +11,17 @@ continuation would train parameters the native run does not have. The reference 
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
+from transformers import GPT2LMHeadModel  # noqa: E402
 
 import _hf_fixtures as F  # noqa: E402
 from meshtorch.cli import build_parser  # noqa: E402
@@ -64,11 +68,6 @@ def test_init_from_export_continues_like_resume(exported):
 
 def test_export_is_a_bias_free_gpt2_that_transformers_loads(exported):
     """The export's biases are zeros and flagged absent; transformers loads every tensor (none missing)."""
-    import json
-
-    from safetensors.torch import load_file
-    from transformers import GPT2LMHeadModel
-
     _, out, _ = exported
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
@@ -83,10 +82,6 @@ def test_export_is_a_bias_free_gpt2_that_transformers_loads(exported):
 
 def test_trained_bias_in_a_bias_free_export_is_refused(exported, tmp_path):
     """A bias made nonzero (trained elsewhere) under ``attention_bias: false`` is refused, naming the tensor."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     common, out, _ = exported
     bad = str(tmp_path / "bad")
     shutil.copytree(out, bad)
