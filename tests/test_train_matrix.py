@@ -140,3 +140,20 @@ def test_init_from_compiled_on_the_2x2_mesh(models, tmp_path, capsys):
     assert "compiled the training step in" in out, out
     rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "loss" in r] == [1]
+
+
+@pytest.mark.parametrize("kind", ["native", "gpt2", "llama"])
+def test_start_step_runs_with_init_from_and_is_refused_natively(models, tmp_path, capsys, kind):
+    """``--start-step 1 --steps 2``: an imported model trains step 2 only (metrics.jsonl); a native run exits 2
+    naming the flag (it continues with --resume)."""
+    spec, data = models
+    logs = str(tmp_path / "logs")
+    rc, out = _cli(capsys, ["train", *spec[kind], "--start-step", "1", "--log-dir", logs, "--data", data,
+                            "--runs-dir", str(tmp_path / "runs"), *BASE])
+    if kind == "native":
+        last = out.strip().splitlines()[-1]
+        assert rc == 2 and "--start-step" in last and "Traceback" not in out, out
+        return
+    assert rc == 0, out
+    rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "loss" in r] == [2]

@@ -43,6 +43,7 @@ from meshtorch.models.hf_families import (
     hf_tensor_map,
     parse_hf_config,
     tied_keys,
+    zero_biases,
 )
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.transformer.t5 import build_hf_t5
@@ -185,7 +186,12 @@ def check_files(path: str, config: HFModelConfig, files: _Files | None = None) -
             if got != list(shape):
                 raise CheckpointError(f"hf: tensor {key!r} in {os.path.join(path, files.map[key])!r} has shape "
                                       f"{got}, but {CONFIG} implies {list(shape)}.")
-        ignore = set(tied_keys(config))
+        zeros = zero_biases(config)
+        for key in sorted(set(zeros) & set(files.map)):
+            if files.shape(key) != list(zeros[key]):
+                raise CheckpointError(f"hf: tensor {key!r} in {os.path.join(path, files.map[key])!r} has shape "
+                                      f"{files.shape(key)}, but {CONFIG} implies {list(zeros[key])}.")
+        ignore = set(tied_keys(config)) | set(zeros)
         unknown = sorted(k for k in files.map
                          if k not in needed and k not in ignore and not k.endswith(BUFFER_SUFFIXES))
         if unknown:
@@ -274,6 +280,7 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
     try:
         if check:
             check_files(path, c, files)
+        _check_zero_biases(files, c)
         done = []
         for t in hf_tensor_map(c):
             var = by_name.get(t.var)
@@ -298,6 +305,17 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
         return done
     finally:
         files.close()
+
+
+def _check_zero_biases(files: _Files, c: HFModelConfig) -> None:
+    """The biases ``c``'s config says the model lacks (:func:`~meshtorch.models.hf_families.zero_biases`) must
+    be zero where the files hold them: else they were trained (by another tool) and would be dropped."""
+    for key in zero_biases(c):
+        if key in files.map and bool(files.handle(key).get_tensor(key).any()):
+            raise CheckpointError(f"hf: tensor {key!r} in {os.path.join(files.path, files.map[key])!r} is not zero, "
+                                  f"but {CONFIG}'s attention_bias / mlp_bias false say the model has no such bias "
+                                  f"(a meshtorch export of a native LM, trained since with biases?); delete those "
+                                  f"keys from {CONFIG} to train with the biases.")
 
 
 def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None = None, mesh_shape: str = "",
@@ -372,7 +390,9 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
     bytes (a single tensor larger than that gets a shard of its own), named
     ``model-0000k-of-0000N.safetensors`` with ``model.safetensors.index.json`` when there is more
     than one, else ``model.safetensors``. ``config.json`` is the imported one with ``architectures``
-    and ``dtype`` set. Tied models write the embedding only (``transformers`` ties it back).
+    and ``dtype`` set. Tied models write the embedding only (``transformers`` ties it back). Biases the
+    family always has but the model lacks (:func:`~meshtorch.models.hf_families.zero_biases`) are written as
+    zeros.
 
     Returns:
         the file names written (on the leader; [] elsewhere).
@@ -393,6 +413,16 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
     for t in hf_tensor_map(c):
         entries.setdefault(t.key, []).append(t)
     shards, cur, cur_bytes, written = [], {}, 0, []
+
+    def add(key: str, tensor: torch.Tensor) -> None:
+        nonlocal cur, cur_bytes
+        nbytes = tensor.numel() * tensor.element_size()
+        if cur and cur_bytes + nbytes > max_shard_size:
+            shards.append(_write_shard(out_dir, len(shards), cur))
+            cur, cur_bytes = {}, 0
+        cur[key] = tensor.contiguous()
+        cur_bytes += nbytes
+
     for key, ts in entries.items():
         tensor = None
         for t in ts:
@@ -409,15 +439,12 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
             tensor[idx] = x
         if not leader:
             continue
-        nbytes = tensor.numel() * tensor.element_size()
-        if cur and cur_bytes + nbytes > max_shard_size:
-            shards.append(_write_shard(out_dir, len(shards), cur))
-            cur, cur_bytes = {}, 0
-        cur[key] = tensor.contiguous()
-        cur_bytes += nbytes
+        add(key, tensor)
         for alias in aliases.get(key, ()):  # written as copies: safetensors refuses shared storage
             cur[alias] = tensor.clone()
-            cur_bytes += nbytes
+            cur_bytes += tensor.numel() * tensor.element_size()
+    for key, shape in zero_biases(c).items() if leader else ():  # transformers' GPT-2 always has its biases
+        add(key, torch.zeros(shape))
     if leader:
         if cur or not shards:
             shards.append(_write_shard(out_dir, len(shards), cur))

@@ -31,6 +31,18 @@ def _resume_mode(value: str) -> str:
     return value
 
 
+def _start_step(value: str) -> int:
+    """``--start-step``'s value: a whole number of steps, 0 or more."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: give the step the exported run had reached, a whole number "
+                                         ">= 0 (meshtorch export prints it)")
+    return n
+
+
 def add_train_subcommand(subparsers) -> None:
     """Register ``meshtorch train`` on an argparse sub-parsers object. Every flag is checked before data is loaded
     (:meth:`meshtorch.runtime.train_config.TrainConfig.checked`; a new flag also gets a field there)."""
@@ -197,6 +209,12 @@ def add_train_subcommand(subparsers) -> None:
                         "native run. The model comes from DIR: --preset, the size flags, --dropout, --experts, "
                         "--tokenizer sentencepiece, pipelines and --layout auto are refused (docs/huggingface.md); "
                         "default --batch-size 8, --length the model's positions up to 128")
+    p.add_argument("--start-step", type=_start_step, default=0, metavar="N",
+                   help="with --init-from: continue an exported run as if N steps were done (the step meshtorch "
+                        "export printed): the learning-rate schedule and step count start at N, the data N batches "
+                        "in (each step takes one --batch-size batch), and --steps counts in total, as with --resume. "
+                        "With plain --optimizer sgd (an export has no optimizer state) the losses equal --resume's "
+                        "(docs/huggingface.md)")
     p.set_defaults(func=main_train)
 
 

@@ -200,6 +200,22 @@ class PackedDataset:
             yield data[order[i:i + batch_size]]
 
 
+    def position(self, batch_size: int, batches_done: int) -> tuple[int, int]:
+        """Where :meth:`stream` stands after ``batches_done`` training batches from the start (of ``batch_size``
+        sequences each): ``(epoch, batches of that epoch done)``, to pass to :meth:`stream` to continue there.
+
+        Raises:
+            DataError: if the training split holds fewer than ``batch_size`` sequences (no batch at all).
+        """
+        per_epoch = len(self.train) // batch_size  # :meth:`batches` drops the tail
+        if per_epoch == 0:
+            raise self._too_small(batch_size)
+        return divmod(batches_done, per_epoch)
+
+    def _too_small(self, batch_size: int) -> DataError:
+        return DataError(f"the training data has {len(self.train)} sequence(s), fewer than one batch of "
+                         f"{batch_size}; give more text, a smaller --batch-size or a shorter --length.")
+
     def stream(self, batch_size: int, seed: int, epoch: int = 0, start: int = 0) -> Iterator[tuple]:
         """Training batches epoch after epoch, without end: yields ``(epoch, batches of that epoch done, batch)``
         (what a checkpoint records to resume), beginning ``start`` batches into ``epoch``; each epoch is
@@ -214,8 +230,7 @@ class PackedDataset:
                 if done > start:
                     yield epoch, done, batch
             if done == 0:
-                raise DataError(f"the training data has {len(self.train)} sequence(s), fewer than one batch of "
-                                f"{batch_size}; give more text, a smaller --batch-size or a shorter --length.")
+                raise self._too_small(batch_size)
             epoch, start = epoch + 1, 0
 
 

@@ -33,7 +33,7 @@ from meshtorch.models.hf_config import (
 )
 
 __all__ = ["BlockOptions", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "parse_hf_config", "hf_tensor_map",
-           "tied_keys", "export_aliases", "architecture", "variable_dims", "BUFFER_SUFFIXES"]
+           "tied_keys", "zero_biases", "export_aliases", "architecture", "variable_dims", "BUFFER_SUFFIXES"]
 
 
 @dataclass(frozen=True)
@@ -213,10 +213,12 @@ _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", 
 
 
 def _gpt2_extra(cfg: dict, where: str) -> dict:
+    """GPT-2's activation; ``attention_bias: false`` (meshtorch's own key, see :func:`zero_biases`) drops the
+    output projection's bias with q/k/v's, as Llama's does."""
     act = cfg.get("activation_function", "gelu_new")
     if act not in _GPT2_ACTIVATIONS:
         refuse(where, "activation_function", act, f"meshtorch implements {sorted(_GPT2_ACTIVATIONS)}")
-    return {"activation": _GPT2_ACTIVATIONS[act]}
+    return {"activation": _GPT2_ACTIVATIONS[act], "o_bias": bool(cfg.get("attention_bias", True))}
 
 
 def _llama_extra(cfg: dict, where: str) -> dict:
@@ -253,7 +255,7 @@ _GPT2 = Family(
     refuse=(("scale_attn_weights", (True,), "only True is implemented"),
             ("scale_attn_by_inverse_layer_idx", (False,), "only False is implemented"),
             ("add_cross_attention", (False,), "only False is implemented")),
-    extra=_gpt2_extra, linear=False,
+    options={"attention_bias": "qkv_bias", "mlp_bias": "mlp_bias"}, extra=_gpt2_extra, linear=False,
     names=_GPT2_NAMES)
 
 _L = "model.layers.{i}."  # Llama's layer prefix
@@ -338,6 +340,24 @@ def export_aliases(c: HFModelConfig) -> dict[str, tuple[str, ...]]:
     if c.encoder_decoder:
         return {"shared.weight": ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}
     return {}
+
+
+def zero_biases(c: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """Bias tensors that ``c``'s family always has but ``c``'s graph lacks, as ``{tensor key: full shape}``.
+
+    ``transformers``' GPT-2 has no switch for its biases; a GPT-2 that ``meshtorch export`` writes from a native
+    LM (which has none) says ``"attention_bias": false, "mlp_bias": false`` in ``config.json`` (Llama's keys) and
+    holds these tensors as zeros, so that ``transformers`` computes the same function and ``--init-from`` trains
+    the same parameters as the native run. Written as zeros on export; on import they must be zero (else
+    :func:`meshtorch.checkpoint.hf.load_hf_weights` refuses). Empty for every other config.
+    """
+    fam = FAMILIES[c.family]
+    if isinstance(fam, _EncDec):
+        return {}
+    full = c.replace(qkv_bias=c.qkv_bias or fam.block.qkv_bias, o_bias=c.o_bias or fam.block.o_bias,
+                     mlp_bias=c.mlp_bias or fam.block.mlp_bias)
+    have = {t.key for t in _decoder_map(fam, c)}
+    return {t.key: t.full_shape for t in _decoder_map(fam, full) if t.key not in have}
 
 
 def tied_keys(c: HFModelConfig) -> tuple[str, ...]:

@@ -194,5 +194,6 @@ def _export_native(args, c) -> list[str]:
             shutil.copyfile(spm, os.path.join(args.hf, "tokenizer.model"))
             written.append("tokenizer.model")
         print(f"exported the native LM as gpt2 (GPT2LMHeadModel) step {meta['step']} from {meta['path']} to "
-              f"{args.hf}: {', '.join(written)}", file=sys.stdout, flush=True)
+              f"{args.hf}: {', '.join(written)} (continue it: meshtorch train --init-from {args.hf} --start-step "
+              f"{meta['step']} --steps N; docs/huggingface.md, Export)", file=sys.stdout, flush=True)
     return written

@@ -60,7 +60,8 @@ def gpt2_config_of(c: LMConfig) -> HFModelConfig:
            "n_embd": c.d_model, "n_head": c.num_heads, "n_layer": c.num_layers, "n_inner": c.d_ff,
            "n_positions": c.length, "layer_norm_epsilon": _NORM_EPS, "activation_function": _ACTIVATIONS[c.activation],
            "tie_word_embeddings": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-           "bos_token_id": None, "eos_token_id": None}
+           "bos_token_id": None, "eos_token_id": None,
+           "attention_bias": False, "mlp_bias": False}  # the native LM has no such biases (hf_families.zero_biases)
     return parse_hf_config(cfg, where="export --hf").replace(vocab_multiple=c.vocab_multiple)
 
 
@@ -80,7 +81,8 @@ def _names(c: LMConfig) -> dict[str, str]:
 
 def copy_native_weights(native_lowering, native_lm, hf_lowering, hf_lm) -> list[str]:
     """Set every variable of the imported-model graph ``hf_lm`` (built from :func:`gpt2_config_of`) from the
-    native lowering; the biases GPT-2 has and the native LM lacks stay zero. Returns the copied names.
+    native lowering (a GPT-2 without the projections' biases, which the native LM lacks; export writes them as
+    zeros). Returns the copied names.
 
     Raises:
         CheckpointError: naming the variable, if a native weight is missing or its dims do not match.

@@ -39,6 +39,7 @@ from meshtorch.models.hf import hf_flops_per_token
 from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.transformer import build_lm, flops_per_token, preset
 from meshtorch.optim.accumulate import ACCUMULATOR_SUFFIX, build_training_graph
+from meshtorch.optim.base import GLOBAL_STEP_NAME
 from meshtorch.optim.loss_scale import LOSS_SCALE_VARIABLES
 from meshtorch.optim.schedules import _cosine_decay_with_warmup, _linear_warmup, _rsqrt_decay
 from meshtorch.runtime import checks, failures, hf_train, pipeline_train, runs
@@ -298,6 +299,11 @@ def _train_loop(job: _Job, resuming, peak: float, tqdm):
         if job.pipeline is not None:
             job.pipeline.after_restore()
         paths.name = record["run"]  # the resumed run goes on (its retention covers its earlier checkpoints)
+    elif cfg.start_step:  # --init-from an exported run: continue at its step and data position
+        start, (epoch, in_epoch) = cfg.start_step, job.dataset.position(model.batch_size, cfg.start_step)
+        _set_global_step(lowering, start)
+        say(f"--start-step {start}: the learning-rate schedule at step {start}, the data at epoch {epoch}, batch "
+            f"{in_epoch} (as a run that trained {start} steps)")
     if cfg.checkpoint_dir and main_process:
         runs.write_run_manifest(cfg.checkpoint_dir, record)
         if paths.default_layout:
@@ -496,6 +502,14 @@ def _resume(checked: tuple, lowering, record: dict, history: dict, say) -> tuple
         + (": --force-data, the data position starts over on the new data" if force else "")
         + runs.resume_changes(saved, record))  # what may change on resume (issue 35)
     return start, epoch, in_epoch
+
+
+def _set_global_step(lowering, step: int) -> None:
+    """Set every ``global_step`` counter of ``lowering`` (the optimizer's: the schedules read it) to ``step``."""
+    for name in lowering.variable_names:
+        if name == GLOBAL_STEP_NAME or name.endswith("/" + GLOBAL_STEP_NAME):
+            value = lowering.variable_value(name)
+            lowering.set_variable_value(name, torch.full_like(value, step))
 
 
 def _last_good(checkpoint_dir: str) -> str:

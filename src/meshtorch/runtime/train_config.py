@@ -131,6 +131,7 @@ class TrainConfig:
     top_k: int = 40
     # the model: a Hugging Face GPT-2 / Llama directory instead of a preset (meshtorch.runtime.hf_train)
     init_from: str | None = None
+    start_step: int = 0  # --start-step N: an --init-from run continues an exported run at step N
 
     @classmethod
     def from_args(cls, args) -> TrainConfig:
@@ -175,6 +176,7 @@ class TrainConfig:
                 axis of the mesh, listing both.
         """
         self._check_numbers()
+        self._check_start_step()
         cfg = self._with_mesh_defaults()._with_auto_resume()
         mesh = checks.mesh_shape("--mesh", cfg.mesh)
         checks.mesh_fits_world("--mesh", cfg.mesh, mesh, world_size())
@@ -315,6 +317,29 @@ class TrainConfig:
         return self.replace(preset=self.preset or DEFAULT_PRESET, tokenizer=self.tokenizer or "byte",
                             remat=self.remat or "none", gated=bool(self.gated),
                             vocab_size=self.vocab_size or DEFAULT_VOCAB_SIZE)
+
+    def _check_start_step(self) -> None:
+        """``--start-step N``: only for an ``--init-from`` run, and below ``--steps``. With ``--resume auto`` it
+        applies when the run starts (a restarted attempt continues the run's checkpoint instead).
+
+        Raises:
+            UsageError: naming ``--start-step``: negative, without ``--init-from``, with ``--resume`` or
+                ``--resume-from`` (the checkpoint holds the step), or not below ``--steps``.
+        """
+        n = self.start_step
+        if not n:
+            return
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise UsageError(f"--start-step must be a whole number of steps >= 0, got {n!r}.")
+        if self.resume is True or self.resume_from:
+            raise UsageError(f"--start-step {n} cannot be combined with --resume / --resume-from: the checkpoint "
+                             "holds the step and the data position.")
+        if not self.init_from:
+            raise UsageError(f"--start-step {n} continues an exported model (--init-from DIR); a native run "
+                             "continues with --resume.")
+        if n >= self.steps:
+            raise UsageError(f"--start-step {n}: --steps {self.steps} counts steps in total (as with --resume); "
+                             f"give --steps above {n} to train.")
 
     def _check_imported(self, mesh) -> None:
         """``--init-from``: the model directory, its tokenizer, the prompt and the layout rules, checked before
