@@ -32,9 +32,9 @@ PARTS = ("variables", "gradients", "in_flight", "sends", "other")
 
 def _holders(ex, programs) -> dict:
     """``{storage key: holder}`` of what the executor ``ex`` and the stage ``programs`` hold now."""
-    from meshtorch.testing.live_tensors import LiveTensorBytes
-
     from torch.utils._pytree import tree_leaves
+
+    from meshtorch.testing.live_tensors import LiveTensorBytes
 
     key, out = LiveTensorBytes.key, {}
 

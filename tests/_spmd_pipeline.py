@@ -103,7 +103,7 @@ def memory_worker(cfg_kw, cases):
     import torch
     import torch.distributed as dist
 
-    import meshtorch as mtf
+    import test_pipeline_memory as T
     from meshtorch.core.schedules import build_schedule
     from meshtorch.models.lm_stages import stage_programs
     from meshtorch.models.transformer import preset
@@ -113,8 +113,7 @@ def memory_worker(cfg_kw, cases):
     out = []
     for name, S, M, R in cases:
         cfg = preset("tiny", **{**cfg_kw, "num_layers": S * R})
-        programs = stage_programs(cfg, S, M, R, rank=dist.get_rank(),
-                                  optimizer=lambda: mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0))
+        programs = stage_programs(cfg, S, M, R, rank=dist.get_rank(), optimizer=T.adamw)
         table = build_schedule(name, S, M, R)
         g = torch.Generator().manual_seed(0)
         ids, targets = (torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.length), generator=g) for _ in "it")

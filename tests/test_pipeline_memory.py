@@ -22,7 +22,8 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 S, M = 2, 4
 
 
-def ADAMW():  # noqa: N802 (a constant: the optimizer factory of every test here and of _spmd_pipeline.memory_worker)
+def adamw():
+    """The optimizer of every stage program here and in ``_spmd_pipeline.memory_worker``."""
     return mtf.optim.AdamWOptimizer(1e-3, weight_decay=0.0)
 
 
@@ -36,7 +37,7 @@ def _nbytes(x) -> int:
 def programs():
     cfg = preset("tiny", d_model=16, num_heads=2, d_kv=8, d_ff=32, length=8, vocab_size=30, num_layers=S,
                  batch_size=8)
-    return stage_programs(cfg, S, M, 1, optimizer=ADAMW)
+    return stage_programs(cfg, S, M, 1, optimizer=adamw)
 
 
 def test_planned_parts_are_what_the_programs_hold(programs):
@@ -79,7 +80,7 @@ def test_planned_rank_memory_is_the_live_tensor_peak_of_a_gloo_step():
                    extra_path=[TESTS_DIR]).check().results
     for i, (name, S_, M_, R) in enumerate(CASES):
         cfg = preset("tiny", **CFG, num_layers=S_ * R)
-        planned = rank_memory(build_schedule(name, S_, M_, R), stage_programs(cfg, S_, M_, R, optimizer=ADAMW))
+        planned = rank_memory(build_schedule(name, S_, M_, R), stage_programs(cfg, S_, M_, R, optimizer=adamw))
         for r in range(S_):
             live, plan = res[r][i], planned[r]["total"]
             assert 0.99 * plan <= live <= 1.03 * plan, (name, r, live, planned[r])
