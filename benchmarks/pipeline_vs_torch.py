@@ -520,7 +520,8 @@ def main(argv=None):
               f"{' '.join(f'{p:.1f}' for p in plan)}; measured peak RSS growth {' '.join(f'{g:.1f}' for g in got)}; "
               f"measured / planner {' '.join(f'{g / p:.2f}' for g, p in zip(got, plan, strict=True))}; planner "
               f"parts of rank 0: variables {p0['variables'] / MIB:.1f}, gradients {p0['gradients'] / MIB:.1f}, "
-              f"stash {p0['stash'] / MIB:.1f} x {p0['in_flight']} in flight, transient {p0['transient'] / MIB:.1f}")
+              f"stash {p0['stash'] / MIB:.1f} x {p0['in_flight']} in flight, sends {p0['sends'] / MIB:.1f}, transient "
+              f"{p0['transient'] / MIB:.1f}; peak at {', '.join(p['peak_at'] for p in planned)}")
 
 
 def executor_memory(cfg: LMConfig, stages: int, microbatches: int, schedule: str, local: int) -> list[dict]:

@@ -94,3 +94,34 @@ def train_worker(root, flags):
         out.append((res["history"]["loss"], {n: lw.variable_value(n) for n in lw.variable_names},
                     res["history"]["val_loss"]))
     return out
+
+
+def memory_worker(cfg_kw, cases):
+    """Per ``(schedule, S, M, R)`` case: the peak bytes of live tensors (:class:`meshtorch.testing.live_tensors.
+    LiveTensorBytes`, counting every op's outputs and the variables) of this rank's training step (stage executor
+    and AdamW, :func:`meshtorch.runtime.pipeline_exec.run_rank` + ``apply_updates``), after one uncounted step."""
+    import torch
+    import torch.distributed as dist
+
+    import test_pipeline_memory as T
+    from meshtorch.core.schedules import build_schedule
+    from meshtorch.models.lm_stages import stage_programs
+    from meshtorch.models.transformer import preset
+    from meshtorch.runtime.pipeline_exec import apply_updates, run_rank
+    from meshtorch.testing.live_tensors import LiveTensorBytes
+
+    out = []
+    for name, S, M, R in cases:
+        cfg = preset("tiny", **{**cfg_kw, "num_layers": S * R})
+        programs = stage_programs(cfg, S, M, R, rank=dist.get_rank(), optimizer=T.adamw)
+        table = build_schedule(name, S, M, R)
+        g = torch.Generator().manual_seed(0)
+        ids, targets = (torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.length), generator=g) for _ in "it")
+        apply_updates(programs, run_rank(table, programs, ids, targets).grads)
+        dist.barrier()
+        with LiveTensorBytes() as live:
+            live.track([p.lowering.store.values for p in programs if p is not None])
+            apply_updates(programs, run_rank(table, programs, ids, targets).grads)
+        dist.barrier()
+        out.append(live.peak)
+    return out

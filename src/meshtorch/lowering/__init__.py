@@ -231,11 +231,11 @@ class Lowering:
     def _fetch_keys(self, fetches: list) -> tuple:
         return fetch_keys(self.planner, fetches)
 
-    def plan(self, fetches, given=()):
+    def plan(self, fetches, given=(), stash=()):
         """The session's :class:`~meshtorch.lowering.session.Plan` for ``fetches`` (Tensors/Operations), given
-        the slots ``given`` (see :meth:`run_stashed`)."""
+        the slots ``given`` and keeping the slots ``stash`` (see :meth:`run_stashed`)."""
         fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
-        return self.session.plan(self._fetch_keys(fetches), tuple(given))
+        return self.session.plan(self._fetch_keys(fetches), tuple(given), tuple(stash))
 
     def stash_slots(self, first, later, given=()) -> tuple:
         """The slots a run of ``later`` (Tensors/Operations) reads from the steps a run of ``first`` computes

@@ -298,7 +298,7 @@ def _split_factor(spec, axes) -> int:
     return math.prod(spec.shape[a].size for a in axes)
 
 
-def memory_report(program, fetches=None) -> MemoryReport:
+def memory_report(program, fetches=None, given: tuple = (), stash: tuple = ()) -> MemoryReport:
     """Memory, FLOPs and communication of one run of a planned program's fetches, without running it.
 
     Args:
@@ -307,6 +307,9 @@ def memory_report(program, fetches=None) -> MemoryReport:
             :class:`~meshtorch.lowering.Lowering` (``materialize=False`` is enough; its session's schedule).
         fetches: with a Lowering, what ``run`` would fetch (a Tensor/Operation or a list, e.g.
             ``[loss] + updates``); with a Program, None.
+        given, stash: with a Lowering, the slots of a :meth:`~meshtorch.lowering.Lowering.run_stashed` run:
+            ``given`` values are handed in (their producing steps pruned; the caller holds them, so they are
+            not counted), ``stash`` slots are kept to the end of the run (counted from their step on).
 
     Returns:
         A :class:`MemoryReport` (bytes per processor; see its attributes for what is estimated).
@@ -318,13 +321,13 @@ def memory_report(program, fetches=None) -> MemoryReport:
             given with a Program (plan them with ``plan(graph, fetches, spec)``).
     """
     if isinstance(program, Program):
-        if fetches is not None:
+        if fetches is not None or given or stash:
             raise ValueError("memory_report: a Program reports the fetch set it was planned for; plan these "
                              "fetches with meshtorch.lowering.stages.plan(graph, fetches, spec) instead.")
         return _report(program, schedule(program), program.specs, program.op_axes, program.pipeline)
     lw = program  # the Mesh TF-style facade: its program, its session's schedule
     fetches = list(fetches) if isinstance(fetches, list | tuple) else [fetches]
-    plan = lw.plan(fetches)
+    plan = lw.plan(fetches, given, stash)
     return _report(lw.program, plan, {m.name: s for m, s in lw.mesh_to_spec.items()},
                    op_mesh_axes(lw.planner, lw.graph.operations), getattr(lw.graph, "pipeline_schedule", None))
 

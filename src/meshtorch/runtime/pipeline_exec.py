@@ -169,29 +169,93 @@ def rank_flops(table: ScheduleTable, programs: list) -> list[int]:
     return [sum(flops(a) for a in row) for row in table.order]
 
 
+def _nbytes(t) -> int:
+    """Bytes of graph tensor ``t`` (full shape: one processor per stage mesh in the executor's runs)."""
+    return math.prod(d.size for d in t.shape) * t.dtype.itemsize
+
+
+def _action_memory(p, kind: str) -> tuple[int, int, int]:
+    """``(transient, fetched, held_feeds)`` of an action of ``kind`` on stage program ``p``: the peak of live
+    values of its :meth:`~meshtorch.Lowering.run_stashed` run as the executor calls it (given the forward's stash,
+    keeping the slots it stashes; :func:`meshtorch.planning.memory_report`), the bytes it fetches, and the bytes
+    of its feeds the executor already holds (a gradient action's stage input, a ``W``'s output gradient), which
+    that peak counts again."""
+    lw = p.lowering
+    given = {"F": (), "W": p.saved + p.saved_grads}.get(kind, p.saved)
+    stash = {"F": p.saved, "I": p.saved_grads}.get(kind, ())
+    fetches = action_fetches(p, kind)
+    fed = {n for n, _ in lw.plan(fetches, given, stash).placeholders}
+    held = [p.inputs] if kind != "F" else []
+    held += [p.output_grad] if kind == "W" and p.output_grad is not None else []
+    return (memory_report(lw, fetches, given, stash).peak_activation_bytes, sum(_nbytes(t) for t in fetches),
+            sum(_nbytes(t) for t in held if t.name in fed))
+
+
 def rank_memory(table: ScheduleTable, programs: list) -> list[dict]:
-    """Planned bytes per processor of each rank for one step of ``table`` (dry run,
-    :func:`meshtorch.planning.memory_report` of the stage programs): ``variables`` (weights, optimizer slots, step
-    counters of its stages), ``gradients`` (the weight gradients summed over the microbatches), ``stash`` (what one
-    in-flight microbatch keeps: the stage input and the activations its forward stashes, the most of its
-    stages; zero-bubble also the activation gradients its ``I`` stashes), ``transient`` (the largest peak of
-    live values of one stage's forward-and-backward run), ``in_flight`` (the table's peak in-flight microbatches)
-    and ``total`` = variables + gradients + (in_flight - 1) stash + transient.
+    """Planned bytes per processor of each rank for one training step of ``table`` (dry run: the stage programs'
+    plans, :func:`meshtorch.planning.memory_report`), by walking the rank's actions in order as
+    :func:`run_rank` and :func:`apply_updates` hold tensors: ``variables`` (weights, optimizer slots, step counters
+    of its stages); ``gradients`` (the weight gradients summed over the microbatches, from the stage's first
+    gradient action on); per microbatch in flight its ``stash`` (the stage input, the activations its forward
+    stashes, zero-bubble also the activation gradients its ``I`` stashes and the output gradient it keeps for its
+    ``W``; the most of the rank's stages), held from its ``F`` to its last gradient action; the ``sends``: every
+    activation and input gradient sent to another rank is held until the step's last wait (``isend``); and the
+    running action's ``transient`` (its run's peak of live values, its received output gradient, and at a
+    stage's first gradient action the copy its fetched weight gradients are summed into); after the step, the
+    optimizer's run. ``total`` is the largest sum over that walk, reached at ``peak_at`` (``"F3 on stage 0"``,
+    ``"optimizer"``); ``in_flight`` is the table's peak of microbatches in flight, ``sends`` the bytes sent by
+    the step's end, ``transient`` the largest action transient.
     ``programs``: every virtual stage's (:func:`~meshtorch.models.lm_stages.stage_programs`)."""
+    zb = table.name == "zero-bubble"
+    V = table.virtual_stages
     out = []
     for r, peak in enumerate(table.in_flight()):
-        row = dict(variables=0, gradients=0, stash=0, transient=0, in_flight=peak)
-        for p in programs[r::table.stages]:
-            sizes, lw = p.lowering.program.slot_bytes, p.lowering
-            slots = p.saved + (p.saved_grads if table.name == "zero-bubble" else ())
-            x = math.prod(d.size for d in p.inputs.shape) * p.inputs.dtype.itemsize
-            row["stash"] = max(row["stash"], x + sum(sizes.get(s, 0) for s in slots))
-            rep = memory_report(lw, action_fetches(p, "B"))
-            row["variables"] += memory_report(lw, list(p.updates) or [p.output]).variable_bytes
-            row["gradients"] += rep.parameter_bytes
-            row["transient"] = max(row["transient"], rep.peak_activation_bytes)
-        row["total"] = (row["variables"] + row["gradients"] + max(peak - 1, 0) * row["stash"]
-                        + row["transient"])
+        row = dict(variables=0, gradients=0, stash=0, transient=0, sends=0, in_flight=peak, total=0, peak_at="")
+        mine = programs[r::table.stages]
+        grads = {p.stage: sum(_nbytes(t) for t in p.weight_grads.values()) for p in mine}
+        costs = {(p.stage, k): _action_memory(p, k) for p in mine for k in {a.kind for a in table.order[r]}}
+        for p in mine:
+            sizes = p.lowering.program.slot_bytes
+            kept = sum(sizes.get(s, 0) for s in p.saved) + _nbytes(p.inputs)
+            grad_kept = sum(sizes.get(s, 0) for s in p.saved_grads) + (_nbytes(p.output_grad) if p.output_grad
+                                                                       is not None else 0)
+            row["stash"] = max(row["stash"], kept + (grad_kept if zb else 0))
+            row["variables"] += memory_report(p.lowering, list(p.updates) or [p.output]).variable_bytes
+        row["gradients"] = sum(grads.values())
+
+        def bump(now: int, where: str) -> None:
+            if now > row["total"]:
+                row["total"], row["peak_at"] = now, where
+
+        held, summed, sent = {}, set(), 0  # (stage, microbatch) -> bytes; stages with gradient sums; bytes sent
+        for a in table.order[r]:
+            p, v = programs[a.stage], a.stage
+            transient, fetched, double = costs[(v, a.kind)]
+            received = _nbytes(p.output_grad) if a.kind in ("B", "I") and p.output_grad is not None else 0
+            row["transient"] = max(row["transient"], transient - double)
+            base = row["variables"] + sum(grads[s] for s in summed) + sum(held.values()) + sent
+            where = f"{a.kind}{a.microbatch} on stage {v}"
+            bump(base + transient - double, where)
+            weights = a.kind in ("B", "W")
+            if weights and v not in summed:  # the fetched gradients and their first copies
+                bump(base + received + fetched + grads[v], where)
+                summed.add(v)
+            sizes = p.lowering.program.slot_bytes
+            if a.kind == "F":
+                held[(v, a.microbatch)] = _nbytes(p.inputs) + sum(sizes.get(s, 0) for s in p.saved)
+                sent += _nbytes(p.output) if v < V - 1 and table.rank_of(v + 1) != r else 0
+            elif a.kind in ("B", "I"):
+                sent += _nbytes(p.input_grad) if p.input_grad is not None and table.rank_of(v - 1) != r else 0
+            if a.kind == "I":
+                held[(v, a.microbatch)] += received + sum(sizes.get(s, 0) for s in p.saved_grads)
+            if weights:
+                held.pop((v, a.microbatch), None)
+        for p in mine:  # apply_updates: its gradient feeds are the sums counted above
+            if p.updates:
+                feeds = sum(_nbytes(t) for t in p.grad_feeds.values())
+                bump(row["variables"] + row["gradients"]
+                     + memory_report(p.lowering, list(p.updates)).peak_activation_bytes - feeds, "optimizer")
+        row["sends"] = sent
         out.append(row)
     return out
 
