@@ -8,9 +8,11 @@ the index words mixed with a 64-bit key derived from ``(seed, key)`` by BLAKE2b;
 is done in int64 with 16-bit partial products, so it never overflows.
 
 Initial values are drawn by :func:`draw_flat`: the same values bit for bit, the integer hash computed by NumPy
-in uint32 (wrapping products, in place, over a whole chunk and both Box-Muller streams at once: about a
-tenth of the int64 torch path's passes over memory) and the float part (Box-Muller, inverse CDF) by the torch
-code below on the values' device, so the float rounding is the torch path's.
+in uint32 (wrapping products, in place, over a whole chunk and both Box-Muller streams at once, the three
+lowbias32 rounds' inner xorshifts folded away: :func:`_rounds_np`) and the float part (Box-Muller, inverse CDF)
+by the torch code below on the values' device, so the float rounding is the torch path's; on the CPU the
+normal and uniform float parts run their correctly rounded steps in NumPy (:func:`_normal24_np`; the same
+values: ``tests/test_draw_float_exhaustive.py`` checks every possible input).
 """
 
 from __future__ import annotations
@@ -128,8 +130,31 @@ def truncated_normal(seed: int, key: str, index: torch.Tensor, bound: float = 2.
     return _truncated24(_top24(random_bits(seed, key, index)), bound)
 
 
+def _uniform24_np(top: np.ndarray) -> None:
+    """:func:`_uniform24` in place on a float32 NumPy array (an exact scaling: the same values)."""
+    top *= np.float32(_SCALE24)
+
+
+def _normal24_np(top0: np.ndarray, top1: np.ndarray) -> None:
+    """:func:`_normal24` in place in ``top0`` (float32 NumPy arrays; ``top1`` is overwritten), bit for bit: the
+    correctly rounded steps (``+ 1``, the products; NumPy's float32 product by ``np.float32(c)`` is torch's by a
+    Python scalar, which torch rounds to float32 first) in NumPy, at about half the per-pass cost of torch
+    calls, and ``log``, ``sqrt`` and ``cos`` by torch as there (torch's float32 ``sqrt`` is not always
+    correctly rounded: NumPy's differs on 2.9M of the 2**24 possible radii)."""
+    np.add(top0, np.float32(1.0), out=top0)
+    top0 *= np.float32(_SCALE24)
+    torch.from_numpy(top0).log_()
+    top0 *= np.float32(-2.0)
+    torch.from_numpy(top0).sqrt_()
+    top1 *= np.float32(_SCALE24 * 2.0 * math.pi)
+    torch.from_numpy(top1).cos_()
+    top0 *= top1
+
+
 #: ``{draw function: (the streams it reads, its float part on their top 24 bits)}``, for :func:`draw_flat`.
 _FLOAT_PARTS = {uniform: ((0,), _uniform24), normal: ((0, 1), _normal24), truncated_normal: ((0,), _truncated24)}
+#: The float parts that :func:`draw_flat` runs on CPU values in NumPy, in place in the first row (the same values).
+_FLOAT_PARTS_NP = {uniform: _uniform24_np, normal: _normal24_np}
 
 
 def _xorshift16(x: int) -> int:
@@ -224,7 +249,7 @@ def draw_flat(draw, seed: int, key: str, full_sizes, begin, slice_sizes, start: 
               scratch: DrawScratch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``draw(seed, key, flat_global_index(full_sizes, begin, slice_sizes, start, stop, device))`` bit for bit:
     float32 ``[stop - start]`` on ``device``, the integer hash computed by NumPy (module docstring) and the
-    float part by ``draw``'s own torch code on ``device``.
+    float part by ``draw``'s own torch code on ``device`` (on the CPU: :data:`_FLOAT_PARTS_NP`, the same values).
 
     Args:
         draw: :func:`uniform`, :func:`normal` or :func:`truncated_normal`.
@@ -261,10 +286,11 @@ def draw_flat(draw, seed: int, key: str, full_sizes, begin, slice_sizes, start: 
     np.right_shift(bits, 24, out=t)  # the top 24 bits of random_bits = f(bits) (f: _xorshift16) ...
     bits >>= 8
     bits ^= t  # ... are (bits >> 8) ^ (bits >> 24)
-    tops = []
-    for i, row in enumerate(bits):
-        dst = out.numpy() if i == 0 and out is not None else top[i]
+    dsts = [out.numpy() if i == 0 and out is not None else top[i] for i in range(len(streams))]
+    for dst, row in zip(dsts, bits, strict=True):
         np.copyto(dst, row.view(np.int32), casting="unsafe")  # < 2**24: exact in float32 (int32: a SIMD cast)
-        tops.append(out if i == 0 and out is not None else torch.from_numpy(dst).to(device))
-    v = floats(*tops)
+    if draw in _FLOAT_PARTS_NP and (device is None or torch.device(device).type == "cpu"):
+        _FLOAT_PARTS_NP[draw](*dsts)
+        return out if out is not None else torch.from_numpy(dsts[0])
+    v = floats(*[out if i == 0 and out is not None else torch.from_numpy(d).to(device) for i, d in enumerate(dsts)])
     return v if out is None or v is out else out.copy_(v)
