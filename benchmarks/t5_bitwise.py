@@ -1,7 +1,10 @@
-"""Before/after check of a change to the T5 graph (``hf.build`` of a ``T5ForConditionalGeneration`` directory):
-loss, logits and every variable's gradient, bitwise, on tiny random T5s (``save_pretrained`` under a fixed seed;
-gated-gelu and relu; batches with and without padding) under 1 processor and the 2x2 Megatron layout (with
-storage ``d_model:data``).
+"""Before/after check of a change to the T5 graphs: loss, logits and every variable's gradient, bitwise, under
+1 processor and the 2x2 Megatron layout (with storage ``d_model:data``), of
+
+* ``hf.build`` of tiny random ``T5ForConditionalGeneration`` directories (``save_pretrained`` under a fixed seed;
+  gated-gelu and relu; batches with and without padding);
+* :func:`meshtorch.models.encdec.build_encdec` (relative bias and absolute positions; dropout 0 and 0.1 with
+  ``train=True``: the dropout masks too), from its seeded initial values.
 
     PYTHONPATH=src python benchmarks/t5_bitwise.py save /tmp/before.pt      # on the old code
     PYTHONPATH=src python benchmarks/t5_bitwise.py compare /tmp/before.pt   # on the new code: exit 1 on a difference
@@ -73,6 +76,33 @@ def results() -> dict:
                     out[f"{key}/loss"], out[f"{key}/logits"] = got[0], got[1]
                     for v, g in zip(variables, got[2:], strict=True):
                         out[f"{key}/grad/{v.name}"] = g
+        out.update(_encdec())
+    return out
+
+
+def _encdec() -> dict:
+    from meshtorch.models.encdec import EncDecConfig, build_encdec
+
+    out = {}
+    base = dict(vocab_size=30, vocab_multiple=4, d_model=16, num_heads=4, d_kv=4, d_ff=16, num_encoder_layers=2,
+                num_decoder_layers=2, input_length=8, target_length=6, batch_size=4, num_buckets=8, max_distance=16)
+    x = torch.randint(1, 30, (4, 8), generator=torch.Generator().manual_seed(5))
+    y = torch.randint(1, 30, (4, 6), generator=torch.Generator().manual_seed(6))
+    x[2, 3:], y[1, 4:] = 0, 0
+    for rel in (True, False):
+        for rate in (0.0, 0.1):
+            c = EncDecConfig(**base, relative_attention=rel, dropout=rate)
+            for lname, (mesh, layout, storage) in LAYOUTS.items():
+                m = build_encdec(c, seed=1, train=True)
+                variables = m.graph.trainable_variables
+                grads = gradients([m.loss], variables)
+                lw = m.lowering(mesh_impl=mtf.PlacementMeshImpl(mesh, layout, storage=storage))
+                got = lw.run([m.loss, m.logits] + grads, feeds={m.inputs: x, m.targets: y})
+                key = f"encdec/rel={rel}/dropout={rate}/{lname}"
+                out[f"{key}/loss"], out[f"{key}/logits"] = got[0], got[1]
+                for v, g in zip(variables, got[2:], strict=True):
+                    out[f"{key}/grad/{v.name}"] = g
+                    out[f"{key}/init/{v.name}"] = lw.variable_value(v.name)
     return out
 
 

@@ -267,8 +267,7 @@ def norm(x: Tensor, dim, spec: BlockSpec, name: str) -> Tensor:
 
 
 def block(x: Tensor, d: dict, spec: BlockSpec, prefix: str, attend=FULL_SEQUENCE, train: bool = False,
-          moe: bool = False, aux_losses: list | None = None, cross: Attend | None = None,
-          mask: Tensor | None = None) -> Tensor:
+          moe: bool = False, aux_losses: list | None = None, cross: Attend | None = None) -> Tensor:
     """One pre-norm block: ``x + dropout(attention(norm(x)))``, with ``cross`` then
     ``+ dropout(cross-attention(norm(.)))``, then ``+ dropout(mlp or moe(norm(.)))``.
 
@@ -286,8 +285,6 @@ def block(x: Tensor, d: dict, spec: BlockSpec, prefix: str, attend=FULL_SEQUENCE
             is appended to ``aux_losses``.
         cross: the encoder-decoder attention over ``cross.memory`` (an :class:`Attend`; scopes
             ``names.cross_norm`` / ``names.cross``), between the self-attention and the MLP (a T5 decoder block).
-        mask: float ``[batch.., length]`` multiplied into each sublayer's normed input (Mesh TF's
-            ``sublayer_mask_padding``: 0 at padding positions), or None.
 
     Returns:
         A Tensor of ``x``'s shape and dtype.
@@ -295,16 +292,13 @@ def block(x: Tensor, d: dict, spec: BlockSpec, prefix: str, attend=FULL_SEQUENCE
     Raises:
         ValueError: ``moe=True`` with ``spec.moe`` None or without ``aux_losses``.
     """
-    n = spec.names
-
-    def normed(t: Tensor, scope: str) -> Tensor:
-        h = norm(t, d["d_model"], spec, f"{prefix}{scope}")
-        return h if mask is None else h * mask
-
-    x = x + _dropout(_attention(normed(x, n.attn_norm), d, spec, f"{prefix}{n.attn}", attend), spec, train)
+    n, dm = spec.names, d["d_model"]
+    x = x + _dropout(_attention(norm(x, dm, spec, f"{prefix}{n.attn_norm}"), d, spec, f"{prefix}{n.attn}", attend),
+                     spec, train)
     if cross is not None:
-        x = x + _dropout(_attention(normed(x, n.cross_norm), d, spec, f"{prefix}{n.cross}", cross), spec, train)
-    h = normed(x, n.mlp_norm)
+        h = norm(x, dm, spec, f"{prefix}{n.cross_norm}")
+        x = x + _dropout(_attention(h, d, spec, f"{prefix}{n.cross}", cross), spec, train)
+    h = norm(x, dm, spec, f"{prefix}{n.mlp_norm}")
     if moe:
         if spec.moe is None or aux_losses is None:
             raise ValueError(f"block {prefix!r}: moe=True needs BlockSpec.moe and an aux_losses list.")
@@ -341,7 +335,7 @@ def _attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> Tenso
     """Attention of ``h`` ``[..., d_model]``: q/k/v projections, rotary q/k (``spec.rope_theta``),
     multi-head or grouped-query attention through ``attend``, output projection."""
     scale = spec.attn_scale if spec.attn_scale is not None else 1.0 / math.sqrt(d["d_kv"].size)
-    if spec.combined_heads or isinstance(attend, Attend):
+    if spec.combined_heads or spec.relative is not None or isinstance(attend, Attend):
         return _mtf_attention(h, d, spec, scope, attend, scale)
     kv = "kv_heads" if spec.grouped_query else "heads"
     q, k, v = (_projection(h, [d[heads], d["d_kv"]], spec, f"{scope}/{w}", spec.qkv_bias)

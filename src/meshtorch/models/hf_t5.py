@@ -8,9 +8,11 @@ position bias per stack (:class:`~meshtorch.models.blocks.RelativeBias`: made in
 others; bidirectional buckets in the encoder, causal in the decoder); encoder-decoder attention in the decoder blocks;
 the feed-forward ``wo(gelu_tanh(wi_0 x) * wi_1 x)`` (T5 v1.1's gated-gelu) or ``wo(relu(wi x))``; one input embedding
 shared by both stacks, an untied head. Masks are Mesh TF's: id 0 is padding in inputs and targets, a position sees the
-positions of its own sequence id (``min(ids, 1)``), the decoder's also only earlier ones, each sublayer's normed input
-and each stack's output are zeroed at padding (``sublayer_mask_padding``), as Mesh TF's T5 graph did; logits of
-non-padding positions equal ``transformers``' with ``attention_mask = ids != 0``.
+positions of its own sequence id (``min(ids, 1)``), the decoder's also only earlier ones, and each stack's output is
+zeroed at padding; logits of non-padding positions equal ``transformers``' with ``attention_mask = ids != 0``. (Mesh
+TF also zeroes the padding positions of each sublayer's input, ``sublayer_mask_padding``: no output, loss or gradient
+depends on those values, which the masks above hide, so the builder does not; ``benchmarks/t5_bitwise.py`` checks the
+graph bitwise against Mesh TF's.)
 
 Dimension names: ``batch``, ``length`` (encoder inputs and decoder targets), ``memory_length`` (keys), ``d_model``,
 ``heads`` (also the combined ``heads x d_kv`` dim of the projection kernels, as Mesh TF), ``d_kv``, ``d_ff``,
@@ -67,11 +69,10 @@ def t5_block_specs(c: HFModelConfig) -> tuple[BlockSpec, BlockSpec]:
 def _stack(x: Tensor, d: dict, spec: BlockSpec, stack: str, n: int, seq: Tensor, attend: Attend,
            cross: Attend | None = None) -> Tensor:
     """``n`` blocks of ``spec`` under ``{stack}/block_{i:03d}/``, the final RMS norm ``{stack}/rms_norm``; positions of
-    sequence id 0 (padding) zeroed before each sublayer and at the output (Mesh TF)."""
-    keep = cast(not_equal(seq, 0), torch.float32)
+    sequence id 0 (padding) zeroed at the output (Mesh TF)."""
     for i in range(n):
-        x = block(x, d, spec, f"{stack}/block_{i:03d}/", attend, cross=cross, mask=keep)
-    return norm(x, d["d_model"], spec, f"{stack}/rms_norm") * keep
+        x = block(x, d, spec, f"{stack}/block_{i:03d}/", attend, cross=cross)
+    return norm(x, d["d_model"], spec, f"{stack}/rms_norm") * cast(not_equal(seq, 0), torch.float32)
 
 
 def _same_sequence(seq: Tensor, memory_seq: Tensor) -> Tensor:
