@@ -1,17 +1,23 @@
-"""The one pre-norm Transformer block of the decoder-only models, parametrised by a :class:`BlockSpec`.
+"""The one pre-norm Transformer block of every model here, parametrised by a :class:`BlockSpec`.
 
 :func:`block` is every decoder block of :func:`meshtorch.models.transformer.build_lm` (the native LM, its pipeline,
 its KV-cache decoder and its pipeline stage programs) and of :func:`meshtorch.models.hf.build_hf_lm` (GPT-2, Llama,
-Qwen2, Mistral): ``x + dropout(attention(norm(x)))``, then ``+ dropout(mlp(norm(.)))`` (Xiong et al. 2020's
+Qwen2, Mistral), and every encoder and decoder block of :func:`meshtorch.models.hf_t5.build_t5` (T5) and
+:func:`meshtorch.models.encdec.build_encdec`: ``x + dropout(attention(norm(x)))``, in a decoder block with an
+encoder then ``+ dropout(cross-attention(norm(.)))``, then ``+ dropout(mlp(norm(.)))`` (Xiong et al. 2020's
 pre-LN residual stack; Mesh TF ``transformer``'s pre-norm layers). What differs between the models is a
 :class:`BlockSpec` and nothing else:
 
 * norm: ``layer`` (LayerNorm with bias) or ``rms`` (RMSNorm, Zhang & Sennrich 2019), and its epsilon;
-* positions: rotary q/k (RoPE, Su et al. 2021) with ``rope_theta``, or none in the block (learned absolute
-  positions are added to the embeddings by the model; T5's relative bias is :mod:`meshtorch.transformer`'s);
+* positions: rotary q/k (RoPE, Su et al. 2021) with ``rope_theta``, T5's relative position bias
+  (:class:`RelativeBias`), or none in the block (learned absolute positions are added to the embeddings by the
+  model);
 * attention: multi-head, or grouped-query (Ainslie et al. 2023: keys and values on ``kv_heads``), q/k/v and output
-  projections with or without biases, causal, scale ``1/sqrt(d_kv)``, through a
-  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding);
+  projections with or without biases, scale ``1/sqrt(d_kv)`` or ``attn_scale``, causal through a
+  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding), or
+  with masks as biases through an :class:`Attend` (T5, :mod:`meshtorch.models.encdec`: bidirectional encoders,
+  and the encoder-decoder attention of a decoder block, its ``cross`` sublayer); Mesh TF's combined-heads kernels
+  (``combined_heads``, T5's checkpoints);
 * MLP: :func:`meshtorch.layers.feed_forward` with an activation of
   :func:`meshtorch.layers.feedforward.activation_function` (``relu``, ``gelu``, ``gelu_tanh``, ``silu``), plain or
   gated (ReLU / GELU MLP; SwiGLU, GEGLU: Shazeer 2020), with or without biases; or a Mixture-of-Experts layer
