@@ -23,6 +23,7 @@ import transformers
 import meshtorch as mtf
 from meshtorch.autodiff import gradients
 from meshtorch.checkpoint import hf
+from meshtorch.models.encdec import EncDecConfig, build_encdec
 
 LAYOUTS = {"1proc": ("", "", None),
            "2x2": ("data:2;model:2", "batch:data;heads:model;d_ff:model;vocab:model", "d_model:data")}
@@ -81,8 +82,6 @@ def results() -> dict:
 
 
 def _encdec() -> dict:
-    from meshtorch.models.encdec import EncDecConfig, build_encdec
-
     out = {}
     base = dict(vocab_size=30, vocab_multiple=4, d_model=16, num_heads=4, d_kv=4, d_ff=16, num_encoder_layers=2,
                 num_decoder_layers=2, input_length=8, target_length=6, batch_size=4, num_buckets=8, max_distance=16)
