@@ -1,17 +1,23 @@
-"""The one pre-norm Transformer block of the decoder-only models, parametrised by a :class:`BlockSpec`.
+"""The one pre-norm Transformer block of every model here, parametrised by a :class:`BlockSpec`.
 
 :func:`block` is every decoder block of :func:`meshtorch.models.transformer.build_lm` (the native LM, its pipeline,
 its KV-cache decoder and its pipeline stage programs) and of :func:`meshtorch.models.hf.build_hf_lm` (GPT-2, Llama,
-Qwen2, Mistral): ``x + dropout(attention(norm(x)))``, then ``+ dropout(mlp(norm(.)))`` (Xiong et al. 2020's
+Qwen2, Mistral), and every encoder and decoder block of :func:`meshtorch.models.hf_t5.build_t5` (T5) and
+:func:`meshtorch.models.encdec.build_encdec`: ``x + dropout(attention(norm(x)))``, in a decoder block with an
+encoder then ``+ dropout(cross-attention(norm(.)))``, then ``+ dropout(mlp(norm(.)))`` (Xiong et al. 2020's
 pre-LN residual stack; Mesh TF ``transformer``'s pre-norm layers). What differs between the models is a
 :class:`BlockSpec` and nothing else:
 
 * norm: ``layer`` (LayerNorm with bias) or ``rms`` (RMSNorm, Zhang & Sennrich 2019), and its epsilon;
-* positions: rotary q/k (RoPE, Su et al. 2021) with ``rope_theta``, or none in the block (learned absolute
-  positions are added to the embeddings by the model; T5's relative bias is :mod:`meshtorch.transformer`'s);
+* positions: rotary q/k (RoPE, Su et al. 2021) with ``rope_theta``, T5's relative position bias
+  (:class:`RelativeBias`), or none in the block (learned absolute positions are added to the embeddings by the
+  model);
 * attention: multi-head, or grouped-query (Ainslie et al. 2023: keys and values on ``kv_heads``), q/k/v and output
-  projections with or without biases, causal, scale ``1/sqrt(d_kv)``, through a
-  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding);
+  projections with or without biases, scale ``1/sqrt(d_kv)`` or ``attn_scale``, causal through a
+  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding), or
+  with masks as biases through an :class:`Attend` (T5, :mod:`meshtorch.models.encdec`: bidirectional encoders,
+  and the encoder-decoder attention of a decoder block, its ``cross`` sublayer); Mesh TF's combined-heads kernels
+  (``combined_heads``, T5's checkpoints);
 * MLP: :func:`meshtorch.layers.feed_forward` with an activation of
   :func:`meshtorch.layers.feedforward.activation_function` (``relu``, ``gelu``, ``gelu_tanh``, ``silu``), plain or
   gated (ReLU / GELU MLP; SwiGLU, GEGLU: Shazeer 2020), with or without biases; or a Mixture-of-Experts layer
@@ -28,17 +34,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from meshtorch import layers
-from meshtorch.core.dims import Shape
+from meshtorch.core.dims import Dimension, Shape
 from meshtorch.core.graph import Tensor
+from meshtorch.layers.attention import attention
 from meshtorch.layers.feedforward import activation_function
 from meshtorch.layers.kv_cache import FullSequence
+from meshtorch.ops.activations import logical_not
+from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast
+from meshtorch.ops.indexing import gather
 from meshtorch.ops.initializers import Initializer, VarianceScalingInitializer
 from meshtorch.ops.random import dropout as dropout_op
-from meshtorch.ops.variables import get_variable
+from meshtorch.ops.reshape import rename_dimension, replace_dimensions, transpose
+from meshtorch.ops.shape import add_n
+from meshtorch.ops.variables import get_variable, import_tensor
 
-__all__ = ["BlockNames", "MoEOptions", "BlockSpec", "block", "norm", "FULL_SEQUENCE", "NATIVE_NAMES", "HF_NAMES"]
+__all__ = ["BlockNames", "MoEOptions", "RelativeBias", "BlockSpec", "Attend", "block", "norm", "mask_bias",
+           "relative_position_buckets", "FULL_SEQUENCE", "NATIVE_NAMES", "HF_NAMES"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,9 @@ class BlockNames:
         gate_first: a gated MLP makes ``wi_gate`` before ``wi`` (the variables' order in the graph: optimizer
             state, global-norm sums and checkpoints keep it).
         moe: a Mixture-of-Experts layer's scope (:func:`meshtorch.layers.moe_ffn`'s variables under it).
+        mlp_in / mlp_gate: the MLP's input projections' names under ``mlp`` (T5: ``wi``; gated ``wi_1`` and the
+            activated ``wi_0``).
+        cross_norm / cross: the encoder-decoder attention's norm and attention scopes (a block given ``cross``).
     """
 
     attn_norm: str
@@ -63,6 +81,10 @@ class BlockNames:
     mlp: str
     gate_first: bool
     moe: str = "moe"
+    mlp_in: str = "wi"
+    mlp_gate: str = "wi_gate"
+    cross_norm: str = "cross_attn_norm"
+    cross: str = "cross_attn"
 
 
 #: The native LM's names (:func:`meshtorch.models.transformer.build_lm`).
@@ -83,6 +105,24 @@ class MoEOptions:
 
 
 @dataclass(frozen=True)
+class RelativeBias:
+    """T5's relative position bias (Raffel et al. 2020, section 2.1; Mesh TF ``relative_attention_type=
+    "bias_shared"``): a learned scalar per head and bucket added to the self-attention logits, the bucket of each
+    (query, key) pair from :func:`relative_position_buckets` (bidirectional in an encoder, causal in a decoder: the
+    :class:`Attend`'s ``bidirectional``).
+
+    Attributes:
+        table: the full name of the variable ``[heads, buckets]``: made by the first block that uses it and shared
+            by the other blocks of its stack.
+        num_buckets / max_distance: the bucketing's (T5: 32 and 128).
+    """
+
+    table: str
+    num_buckets: int = 32
+    max_distance: int = 128
+
+
+@dataclass(frozen=True)
 class BlockSpec:
     """Everything that makes one model's pre-norm block differ from another's (see the module docstring).
 
@@ -97,6 +137,14 @@ class BlockSpec:
             projection's input dims: Mesh TF's default).
         dropout: rate of the dropout on each sublayer's output when the block is built for training.
         moe: the Mixture-of-Experts settings of the layers built with ``moe=True`` (None: no MoE layers).
+        attn_scale: the attention logits' scale (None: ``1/sqrt(d_kv)``; T5: 1.0, the scale folded into its
+            query initialisation).
+        combined_heads: Mesh TF's projection kernels ``[d_model, heads(heads*d_kv)]`` and
+            ``[heads(heads*d_kv), d_model]`` (one combined dim, reshaped to ``[heads, d_kv]`` after the
+            projection; all four made before the first projection, as Mesh TF's ``AttentionParams``) instead of
+            ``[d_model, heads, d_kv]`` / ``[heads, d_kv, d_model]``.
+        relative: T5's relative position bias on the self-attention logits (:class:`RelativeBias`; needs an
+            :class:`Attend` ``attend``), or None.
     """
 
     names: BlockNames
@@ -112,6 +160,9 @@ class BlockSpec:
     init: Initializer | None = None
     dropout: float = 0.0
     moe: MoEOptions | None = None
+    attn_scale: float | None = None
+    combined_heads: bool = False
+    relative: RelativeBias | None = None
 
     def __post_init__(self):
         if self.norm not in ("rms", "layer"):
@@ -123,6 +174,96 @@ class BlockSpec:
 FULL_SEQUENCE = FullSequence()
 
 
+def relative_position_buckets(query_length: int, memory_length: int, bidirectional: bool, num_buckets: int = 32,
+                              max_distance: int = 128) -> torch.Tensor:
+    """T5's bucket of every (query, memory) pair: int64 ``[query_length, memory_length]``.
+
+    With ``n = query - memory``: bidirectional, half the buckets are for ``n < 0`` (memory after the
+    query) and ``|n|`` is bucketed in the other half; unidirectional, ``n`` is clamped at 0. Of the
+    ``b`` buckets for ``|n|``, distances below ``b/2`` get their own bucket; larger ones share
+    logarithmically spaced buckets up to ``max_distance`` (Mesh TF
+    ``_relative_position_bucket``, T5 section 2.1).
+
+    Raises:
+        ValueError: if ``num_buckets`` is too small (< 2, or < 4 when bidirectional).
+    """
+    if num_buckets < (4 if bidirectional else 2):
+        raise ValueError(f"relative_position_buckets: num_buckets={num_buckets} is too small.")
+    n = torch.arange(query_length)[:, None] - torch.arange(memory_length)[None, :]
+    ret = torch.zeros_like(n)
+    nb = num_buckets
+    if bidirectional:
+        nb //= 2
+        ret = ret + (n < 0).long() * nb
+        n = n.abs()
+    else:
+        n = n.clamp(min=0)
+    max_exact = nb // 2
+    large = max_exact + (torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+                         * (nb - max_exact)).long()
+    large = large.clamp(max=nb - 1)
+    return ret + torch.where(n < max_exact, n, large)
+
+
+def mask_bias(visible: Tensor) -> Tensor:
+    """``-1e9`` where the bool ``visible`` is False, else 0 (float32): a mask as an attention bias (Mesh TF's
+    ``visibility_mask_to_attention_bias``)."""
+    return cast(logical_not(visible), torch.float32) * -1e9
+
+
+class Attend:
+    """Attention over a whole window, or over a memory, with no causal mask but additive biases: Mesh TF
+    ``transformer``'s attention (causal and padding masks as :func:`mask_bias` biases, summed in order with the
+    :class:`RelativeBias`), the attention of T5's blocks; the ``attend`` of :func:`block` beside
+    :mod:`meshtorch.layers.kv_cache`'s ``FullSequence``.
+
+    Args:
+        masks: bias Tensors, each broadcastable to ``[batch.., length, memory_length]``.
+        memory: the keys' and values' source ``[batch.., memory_length, d_model]`` (encoder-decoder attention), or
+            None: self-attention (keys and values of the block's input, ``length`` renamed ``memory_length``; not
+            renamed when ``memory_length`` is ``length``).
+        bidirectional: the relative bias's buckets (T5: True in the encoder, False in the decoder).
+        causal: also mask the keys after the query (the fused op's causal mask; for masks given as biases, as
+            Mesh TF's, leave it False).
+    """
+
+    def __init__(self, masks: list, memory: Tensor | None = None, bidirectional: bool = True, causal: bool = False,
+                 length: str = "length", memory_length: str = "memory_length", key: str = "d_kv"):
+        self.masks, self.memory, self.bidirectional, self.causal = list(masks), memory, bidirectional, causal
+        self.length, self.memory_length, self.key = length, memory_length, key
+        self._buckets: dict = {}
+
+    def source(self, h: Tensor) -> Tensor:
+        """The keys' and values' input: ``memory``, or ``h`` (``length`` renamed ``memory_length``)."""
+        if self.memory is not None or self.memory_length == self.length:
+            return self.memory if self.memory is not None else h
+        return rename_dimension(h, self.length, self.memory_length)
+
+    def relative(self, q: Tensor, k: Tensor, heads: Dimension, r: RelativeBias) -> Tensor:
+        """``r``'s bias ``[heads, length, memory_length]``: its table gathered at the buckets of the pairs.
+
+        Raises:
+            ValueError: if ``memory_length`` is ``length`` (the pairs need two dims)."""
+        if self.memory_length == self.length:
+            raise ValueError(f"Attend: a relative bias needs keys on a dim other than {self.length!r}.")
+        lq, lm = q.shape.get_dim_by_name(self.length), k.shape.get_dim_by_name(self.memory_length)
+        buckets = Dimension("buckets", r.num_buckets)
+        table = get_variable(q.mesh, r.table, Shape([heads, buckets]), dtype=q.dtype)
+        key = (lq, lm, r.num_buckets, r.max_distance)
+        if key not in self._buckets:  # one bucket table per stack, shared by its blocks
+            ids = relative_position_buckets(lq.size, lm.size, self.bidirectional, r.num_buckets, r.max_distance)
+            self._buckets[key] = import_tensor(q.mesh, ids, [lq, lm], name=f"{r.table}_buckets")
+        return gather(table, self._buckets[key], buckets)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, name: str, bias: Tensor | None = None) -> Tensor:
+        """``softmax(q k^T * scale + masks + bias) v`` (:func:`meshtorch.layers.attention.attention`, float32
+        logits), ``q``'s shape."""
+        biases = self.masks + ([bias] if bias is not None else [])
+        return attention(q, k, v, self.memory_length, self.key, self.key, length_dim=self.length,
+                         bias=add_n(biases) if biases else None, scale=scale, causal=self.causal,
+                         float32_logits=True, output_shape=q.shape, name=name)
+
+
 def norm(x: Tensor, dim, spec: BlockSpec, name: str) -> Tensor:
     """``spec.norm`` (:func:`meshtorch.layers.rms_norm` or :func:`~meshtorch.layers.layer_norm`) of ``x`` over
     ``dim`` (``d_model``) with ``spec.norm_eps``; variables ``{name}/scale`` (``/bias``) ``[dim]``."""
@@ -132,8 +273,9 @@ def norm(x: Tensor, dim, spec: BlockSpec, name: str) -> Tensor:
 
 
 def block(x: Tensor, d: dict, spec: BlockSpec, prefix: str, attend=FULL_SEQUENCE, train: bool = False,
-          moe: bool = False, aux_losses: list | None = None) -> Tensor:
-    """One pre-norm block: ``x + dropout(attention(norm(x)))``, then ``+ dropout(mlp or moe(norm(.)))``.
+          moe: bool = False, aux_losses: list | None = None, cross: Attend | None = None) -> Tensor:
+    """One pre-norm block: ``x + dropout(attention(norm(x)))``, with ``cross`` then
+    ``+ dropout(cross-attention(norm(.)))``, then ``+ dropout(mlp or moe(norm(.)))``.
 
     Args:
         x: ``[..., length, d_model]`` (leading dims such as a pipeline's ``stage`` are batch to every op), or
@@ -142,11 +284,13 @@ def block(x: Tensor, d: dict, spec: BlockSpec, prefix: str, attend=FULL_SEQUENCE
             / ``experts`` (MoE) where used.
         spec: the :class:`BlockSpec`.
         prefix: the variables' prefix (``layer_0/``, ``layers0/``).
-        attend: the causal self-attention (:mod:`meshtorch.layers.kv_cache`'s ``FullSequence``, ``Prefill`` or
-            ``Step``).
+        attend: the self-attention (:mod:`meshtorch.layers.kv_cache`'s causal ``FullSequence``, ``Prefill`` or
+            ``Step``; or an :class:`Attend`: masks as biases, T5's relative bias).
         train: build the dropout (``spec.dropout > 0``).
         moe: this layer's feed-forward is a Mixture-of-Experts layer (``spec.moe``); its load-balancing loss
             is appended to ``aux_losses``.
+        cross: the encoder-decoder attention over ``cross.memory`` (an :class:`Attend`; scopes
+            ``names.cross_norm`` / ``names.cross``), between the self-attention and the MLP (a T5 decoder block).
 
     Returns:
         A Tensor of ``x``'s shape and dtype.
@@ -154,10 +298,13 @@ def block(x: Tensor, d: dict, spec: BlockSpec, prefix: str, attend=FULL_SEQUENCE
     Raises:
         ValueError: ``moe=True`` with ``spec.moe`` None or without ``aux_losses``.
     """
-    n = spec.names
-    h = _attention(norm(x, d["d_model"], spec, f"{prefix}{n.attn_norm}"), d, spec, f"{prefix}{n.attn}", attend)
-    x = x + _dropout(h, spec, train)
-    h = norm(x, d["d_model"], spec, f"{prefix}{n.mlp_norm}")
+    n, dm = spec.names, d["d_model"]
+    x = x + _dropout(_attention(norm(x, dm, spec, f"{prefix}{n.attn_norm}"), d, spec, f"{prefix}{n.attn}", attend),
+                     spec, train)
+    if cross is not None:
+        h = norm(x, dm, spec, f"{prefix}{n.cross_norm}")
+        x = x + _dropout(_attention(h, d, spec, f"{prefix}{n.cross}", cross), spec, train)
+    h = norm(x, dm, spec, f"{prefix}{n.mlp_norm}")
     if moe:
         if spec.moe is None or aux_losses is None:
             raise ValueError(f"block {prefix!r}: moe=True needs BlockSpec.moe and an aux_losses list.")
@@ -191,8 +338,11 @@ def _projection(x: Tensor, new_dims: list, spec: BlockSpec, name: str, use_bias:
 
 
 def _attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> Tensor:
-    """Causal self-attention of ``h`` ``[..., d_model]``: q/k/v projections, rotary q/k (``spec.rope_theta``),
+    """Attention of ``h`` ``[..., d_model]``: q/k/v projections, rotary q/k (``spec.rope_theta``),
     multi-head or grouped-query attention through ``attend``, output projection."""
+    scale = spec.attn_scale if spec.attn_scale is not None else 1.0 / math.sqrt(d["d_kv"].size)
+    if spec.combined_heads or spec.relative is not None or isinstance(attend, Attend):
+        return _mtf_attention(h, d, spec, scope, attend, scale)
     kv = "kv_heads" if spec.grouped_query else "heads"
     q, k, v = (_projection(h, [d[heads], d["d_kv"]], spec, f"{scope}/{w}", spec.qkv_bias)
                for w, heads in (("q", "heads"), ("k", kv), ("v", kv)))
@@ -200,19 +350,58 @@ def _attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> Tenso
         q = attend.rotary(q, spec.rope_theta, name=f"{scope}/q_rope")
         k = attend.rotary(k, spec.rope_theta, name=f"{scope}/k_rope")
     kind = "gqa" if spec.grouped_query else "sdpa"
-    o = attend.attend(q, k, v, 1.0 / math.sqrt(d["d_kv"].size), name=f"{scope}/{kind}",
-                      kv_heads=kv if spec.grouped_query else None)
+    o = attend.attend(q, k, v, scale, name=f"{scope}/{kind}", kv_heads=kv if spec.grouped_query else None)
     return _projection(o, [d["d_model"]], spec, f"{scope}/o", spec.o_bias, reduced_dims=[d["heads"], d["d_kv"]])
+
+
+def _mtf_attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend: Attend, scale: float) -> Tensor:
+    """Mesh TF ``transformer``'s multi-head attention (``SelfAttention`` / ``EncDecAttention`` with
+    ``AttentionParams``; T5): the kernels ``{scope}/{q,k,v,o}`` (combined ``heads`` dim with
+    ``spec.combined_heads``) made first, q from ``h``, k and v from ``attend.source(h)``, the relative bias of
+    ``spec.relative`` (self-attention), attention through ``attend``, output projection to ``h``'s shape.
+
+    Raises:
+        ValueError: without an :class:`Attend`, or with rotary positions, grouped-query attention or biases
+            (not Mesh TF's T5 attention)."""
+    if not isinstance(attend, Attend) or spec.rope_theta is not None or spec.grouped_query or spec.qkv_bias \
+            or spec.o_bias:
+        raise ValueError(f"block {scope!r}: combined_heads / Attend attention is T5's: an Attend, no rotary, "
+                         "grouped-query attention or projection biases.")
+    heads, dkv, dm = d["heads"], d["d_kv"], d["d_model"]
+    split = [heads, dkv]
+    fused = [Dimension(heads.name, heads.size * dkv.size)] if spec.combined_heads else split
+    w = {}
+    for name in "qkvo":
+        shape = Shape(fused + [dm] if name == "o" else [dm] + fused)
+        reduced = shape.dims[:len(fused)] if name == "o" else [dm]
+        init = spec.init or VarianceScalingInitializer(reduced_dims=reduced, new_dims=list(shape - reduced))
+        w[name] = get_variable(h.mesh, f"{scope}/{name}{spec.names.attn_kernel}", shape, initializer=init,
+                               dtype=h.dtype)
+
+    def project(x: Tensor, name: str) -> Tensor:
+        y = einsum([x, w[name]], reduced_dims=[dm])
+        return replace_dimensions(y, y.shape.dims[-1], split) if spec.combined_heads else y
+
+    q = project(h, "q")
+    src = attend.source(h)
+    k, v = project(src, "k"), project(src, "v")
+    bias = attend.relative(q, k, heads, spec.relative) if spec.relative is not None and attend.memory is None \
+        else None
+    o = attend.attend(q, k, v, scale, name=f"{scope}/attention", bias=bias)
+    if spec.combined_heads:
+        o = replace_dimensions(transpose(o, o.shape - split + split), split, fused[0])
+    return einsum([o, w["o"]], output_shape=h.shape)
 
 
 def _mlp(h: Tensor, d: dict, spec: BlockSpec, scope: str) -> Tensor:
     """:func:`meshtorch.layers.feed_forward`: ``W_o act(W_i h)`` or gated ``W_o (act(W_g h) * W_i h)``."""
     act = activation_function(spec.activation)
+    up, gate = f"{scope}/{spec.names.mlp_in}", f"{scope}/{spec.names.mlp_gate}"
     if not spec.gated:
-        factors = [(f"{scope}/wi", act)]
+        factors = [(up, act)]
     elif spec.names.gate_first:
-        factors = [(f"{scope}/wi_gate", act), (f"{scope}/wi", None)]
+        factors = [(gate, act), (up, None)]
     else:
-        factors = [(f"{scope}/wi", None), (f"{scope}/wi_gate", act)]
+        factors = [(up, None), (gate, act)]
     return layers.feed_forward(h, d["d_ff"], factors, f"{scope}/wo", use_bias=spec.mlp_bias,
                                kernel_initializer=spec.init)

@@ -21,8 +21,7 @@ no loss.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -32,6 +31,7 @@ from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
+from meshtorch.models.blocks import Attend, BlockNames, BlockSpec, block, norm, relative_position_buckets
 from meshtorch.ops.binary import divide, equal, not_equal
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import gather, one_hot
@@ -97,37 +97,10 @@ class EncDecGraph:
         return Lowering(self.graph, {self.mesh: impl})
 
 
-def relative_position_buckets(query_length: int, memory_length: int, bidirectional: bool, num_buckets: int = 32,
-                              max_distance: int = 128) -> torch.Tensor:
-    """T5's bucket of every (query, memory) pair: int64 ``[query_length, memory_length]``.
-
-    With ``n = query - memory``: bidirectional, half the buckets are for ``n < 0`` (memory after the
-    query) and ``|n|`` is bucketed in the other half; unidirectional, ``n`` is clamped at 0. Of the
-    ``b`` buckets for ``|n|``, distances below ``b/2`` get their own bucket; larger ones share
-    logarithmically spaced buckets up to ``max_distance`` (Mesh TF
-    ``_relative_position_bucket``, T5 section 2.1).
-
-    Raises:
-        ValueError: if ``num_buckets`` is too small (< 2, or < 4 when bidirectional).
-    """
-    if num_buckets < (4 if bidirectional else 2):
-        raise ValueError(f"relative_position_buckets: num_buckets={num_buckets} is too small.")
-    q = torch.arange(query_length)[:, None]
-    m = torch.arange(memory_length)[None, :]
-    n = q - m
-    ret = torch.zeros_like(n)
-    nb = num_buckets
-    if bidirectional:
-        nb //= 2
-        ret = ret + (n < 0).long() * nb
-        n = n.abs()
-    else:
-        n = n.clamp(min=0)
-    max_exact = nb // 2
-    large = max_exact + (torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
-                         * (nb - max_exact)).long()
-    large = large.clamp(max=nb - 1)
-    return ret + torch.where(n < max_exact, n, large)
+#: the blocks' variable names (:class:`meshtorch.models.blocks.BlockNames`)
+_ENCODER = BlockNames("attention_norm", "attention", "", "ffn_norm", "ffn", gate_first=False)
+_DECODER = BlockNames("self_attention_norm", "self_attention", "", "ffn_norm", "ffn", gate_first=False,
+                      cross_norm="encdec_attention_norm", cross="encdec_attention")
 
 
 def _dims(c: EncDecConfig):
@@ -154,9 +127,10 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
     relative_attention_bias`` [relative_buckets, heads] (or ``.../pos_embedding`` [length, d_model]);
     ``encoder/layer_{i}/{attention,attention_norm,ffn,ffn_norm}/...``;
     ``decoder/layer_{i}/{self_attention,self_attention_norm,encdec_attention,encdec_attention_norm,ffn,
-    ffn_norm}/...``; ``{encoder,decoder}/final_norm/scale``; ``logits/kernel`` [d_model, vocab]. Attention
-    weights as :func:`meshtorch.layers.multihead_attention_layer`, feed-forward as
-    :func:`meshtorch.layers.dense_act_dense`.
+    ffn_norm}/...``; ``{encoder,decoder}/final_norm/scale``; ``logits/kernel`` [d_model, vocab]. Every block is
+    :func:`meshtorch.models.blocks.block` (attention kernels ``{q,k,v}`` [d_model, heads, d_kv], ``o``
+    [heads, d_kv, d_model]; feed-forward ``wi``, ``wo``; the attention biases through an
+    :class:`~meshtorch.models.blocks.Attend`).
 
     Args:
         config: the EncDecConfig.
@@ -173,7 +147,7 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
     targets = placeholder(mesh, "targets", [d["batch"], tgt_len], dtype=torch.int64)
     emb = get_variable(mesh, "embedding", [d["vocab"], d["d_model"]],
                            initializer=random_normal_initializer(0.0, 1.0))
-    scale = 1.0 / math.sqrt(c.d_kv)
+    spec = BlockSpec(_ENCODER, activation=c.activation, dropout=c.dropout)
 
     def drop(x):
         return dropout(x, rate=c.dropout) if train and c.dropout > 0 else x
@@ -185,41 +159,29 @@ def build_encdec(config: EncDecConfig, seed: int = 0, optimizer=None, train: boo
                                      initializer=random_normal_initializer(0.0, 0.02))
         return drop(x)
 
-    def attend(x, name, **kw):
-        return layers.multihead_attention_layer(x, d["heads"], d["d_kv"], "length", scale=scale, name=name, **kw)
-
-    def ffn(x, name):
-        return layers.dense_act_dense(x, d["d_ff"], activation=c.activation, name=name)
-
-    def norm(x, name):
-        return layers.rms_norm(x, d["d_model"], name=name)
-
     # padding mask on the memory positions: -1e9 where the input is padding
     mem_ids = rename_dimension(inputs, "length", "memory_length")
     pad_bias = cast(equal(mem_ids, c.pad_id), torch.float32) * -1e9
-    # ---- encoder
+    # ---- encoder: bidirectional self-attention (keys on ``length``, the bias on ``memory_length``)
     x = embed(inputs, in_len, "encoder")
     enc_bias = pad_bias
     if c.relative_attention:
         enc_bias = _relative_bias(c, mesh, d, c.input_length, c.input_length, True, "encoder") + pad_bias
+    attend = Attend([enc_bias], memory_length="length")
     for i in range(c.num_encoder_layers):
-        p = f"encoder/layer_{i}"
-        x = x + drop(attend(norm(x, f"{p}/attention_norm"), f"{p}/attention", bias=enc_bias))
-        x = x + drop(ffn(norm(x, f"{p}/ffn_norm"), f"{p}/ffn"))
-    memory = rename_dimension(drop(norm(x, "encoder/final_norm")), "length", "memory_length")
-    # ---- decoder
+        x = block(x, d, spec, f"encoder/layer_{i}/", attend, train=train)
+    memory = rename_dimension(drop(norm(x, d["d_model"], spec, "encoder/final_norm")), "length", "memory_length")
+    # ---- decoder: causal self-attention, then encoder-decoder attention over ``memory``
     dec_ids = shift(targets, 1, "length", wrap=False)  # start token = 0 (= pad_id in T5)
     x = embed(dec_ids, tgt_len, "decoder")
-    dec_bias = None
+    dec_bias = []
     if c.relative_attention:
-        dec_bias = _relative_bias(c, mesh, d, c.target_length, c.target_length, False, "decoder")
+        dec_bias = [_relative_bias(c, mesh, d, c.target_length, c.target_length, False, "decoder")]
+    attend, cross = Attend(dec_bias, causal=True, memory_length="length"), Attend([pad_bias], memory=memory)
+    spec = replace(spec, names=_DECODER)
     for i in range(c.num_decoder_layers):
-        p = f"decoder/layer_{i}"
-        x = x + drop(attend(norm(x, f"{p}/self_attention_norm"), f"{p}/self_attention", causal=True, bias=dec_bias))
-        x = x + drop(attend(norm(x, f"{p}/encdec_attention_norm"), f"{p}/encdec_attention", memory=memory,
-                            memory_length_dim="memory_length", bias=pad_bias))
-        x = x + drop(ffn(norm(x, f"{p}/ffn_norm"), f"{p}/ffn"))
-    x = drop(norm(x, "decoder/final_norm"))
+        x = block(x, d, spec, f"decoder/layer_{i}/", attend, train=train, cross=cross)
+    x = drop(norm(x, d["d_model"], spec, "decoder/final_norm"))
     logits = layers.dense(x, d["vocab"], use_bias=False, name="logits")
     if c.padded_vocab != c.vocab_size:
         mask = torch.zeros(c.padded_vocab)

@@ -62,8 +62,13 @@ class HFGraph:
     updates: list
     task_loss: Tensor | None = None
     aux_loss: Tensor | None = None
-    bitransformer: object | None = None  # T5: the mtf.transformer.Bitransformer
+    bitransformer: object | None = None  # T5 decode graphs: the mtf.transformer.Bitransformer
     decoded: Tensor | None = None  # T5 decode graphs: int32 [batch, decode length] greedy ids (logits, loss None)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """An encoder-decoder model (T5): its batches are ``inputs | targets`` pairs."""
+        return self.config.encoder_decoder
 
     def lowering(self, mesh_shape="", layout="", mesh_impl=None) -> Lowering:
         """Lower on ``mesh_impl`` (a backend or a MeshSpec) or on ``MeshSpec(mesh_shape, layout)`` simulated in

@@ -79,7 +79,7 @@ def batch_feeds(lowering, lm, batch: torch.Tensor) -> dict:
     and targets ``batch[:, 1:]``, only the rows (and columns) this process's slices hold; a T5 model's batch is
     :class:`~meshtorch.data.pairs.PairsDataset`'s ``[batch, 2 * length]``: inputs ``| targets``."""
     feeds, n = {}, batch.shape[1] // 2
-    halves = ((batch[:, :n], batch[:, n:]) if getattr(lm, "bitransformer", None) is not None
+    halves = ((batch[:, :n], batch[:, n:]) if getattr(lm, "encoder_decoder", False)
               else (batch[:, :-1], batch[:, 1:]))
     for t, full in zip((lm.inputs, lm.targets), halves, strict=True):
         rows = full[local_batch_indices(lowering, t)]
@@ -441,7 +441,7 @@ def _report(job: _Job, history: dict, start: int, peak: float, peak_what: str, s
     ids = None
     if cfg.sample and job.pipeline is not None:
         say("sample: not decoded by the stage executor; decode the checkpoint with meshtorch sample")
-    elif cfg.sample and getattr(job.lm, "bitransformer", None) is not None:
+    elif cfg.sample and getattr(job.lm, "encoder_decoder", False):
         say("sample: T5 runs are not decoded here (no input text); decode the checkpoint with meshtorch sample "
             "--prompt INPUT")
     elif cfg.sample:  # every process decodes (the logits fetch gathers full tensors); the main one prints

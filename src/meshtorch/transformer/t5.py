@@ -13,14 +13,13 @@ import functools
 
 import torch
 
-from meshtorch.autodiff import gradients
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh
 from meshtorch.models.hf import HFGraph
 from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.hf_t5 import build_t5
 from meshtorch.ops.elementwise import gelu
 from meshtorch.ops.variables import placeholder
-from meshtorch.optim.clip import clip_by_global_norm
 from meshtorch.transformer._bitransformer import Bitransformer
 from meshtorch.transformer._layer_stack import make_layer_stack
 from meshtorch.transformer._unitransformer import Unitransformer
@@ -68,11 +67,9 @@ def build_hf_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     """The graph of ``T5ForConditionalGeneration`` for an imported ``config`` (batch and length from
     :meth:`HFModelConfig.with_shape`; encoder and decoder both get ``length``).
 
-    ``inputs``: int32 encoder ids ``[batch, length]``; ``targets``: int32 decoder labels ``[batch, length]``
-    (the decoder reads them shifted right with 0, T5's ``decoder_start_token_id``); id 0 is padding in
-    both (masked, as Mesh TF and ``transformers`` with ``attention_mask = ids != 0`` do); ``logits``:
-    float32 ``[batch, length, vocab]``; ``loss``: the mean cross entropy over the non-padding targets
-    divided as Mesh TF does (by all target positions).
+    Without ``decode_length``: :func:`meshtorch.models.hf_t5.build_t5`, the training / scoring graph on the one block
+    builder (``inputs`` / ``targets`` int32 ``[batch, length]``, ``logits``, ``loss``, ``updates``); the variables
+    (names and shapes) are those of :func:`t5_bitransformer`, so its checkpoints decode here.
 
     With ``decode_length`` > 0 the graph decodes instead (Mesh TF ``Bitransformer.decode``, greedy):
     ``decoded`` int32 ``[batch, decode_length]``, the ids after the start token, 0 after the first EOS
@@ -84,6 +81,8 @@ def build_hf_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     temperature from the ``top_k`` most likely ids (-1: all), with the graph's ``seed``.
     """
     c = config
+    if not decode_length:
+        return build_t5(c, seed=seed, optimizer=optimizer, clip_norm=clip_norm)
     graph = Graph(seed=seed)
     mesh = Mesh(graph, "mesh")
     batch, length = Dimension("batch", c.batch_size), Dimension("length", c.length)
@@ -91,16 +90,6 @@ def build_hf_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     targets = placeholder(mesh, "targets", [batch, length], dtype=torch.int32)
     model = t5_bitransformer(c.vocab_size, c.d_model, c.num_heads, c.d_kv, c.d_ff, c.num_layers, c.num_decoder_layers,
                              c.relative_buckets, c.gated)
-    if decode_length:
-        decoded = model.decode(inputs, beam_size=beam_size, alpha=alpha, temperature=temperature,
-                               sampling_keep_top_k=top_k if temperature else -1, max_decode_length=decode_length)
-        return HFGraph(c, graph, mesh, inputs, targets, None, None, [], bitransformer=model, decoded=decoded)
-    logits, loss = model.call_simple(inputs, targets, compute_loss=True, mode="train" if optimizer else "eval")
-    updates = []
-    if optimizer is not None:
-        variables = graph.trainable_variables
-        grads = gradients([loss], variables)
-        if clip_norm:
-            grads, _ = clip_by_global_norm(grads, clip_norm)
-        updates = optimizer.apply_grads(grads, variables)
-    return HFGraph(c, graph, mesh, inputs, targets, logits, loss, updates, task_loss=loss, bitransformer=model)
+    decoded = model.decode(inputs, beam_size=beam_size, alpha=alpha, temperature=temperature,
+                           sampling_keep_top_k=top_k if temperature else -1, max_decode_length=decode_length)
+    return HFGraph(c, graph, mesh, inputs, targets, None, None, [], bitransformer=model, decoded=decoded)
