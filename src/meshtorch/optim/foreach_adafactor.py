@@ -53,6 +53,15 @@ def _sums(ts, dims):
     return [t.sum(d, keepdim=True) for t, d in zip(ts, dims, strict=True)]
 
 
+def _written_back(olds, news, flags):
+    """``news``, where ``flags`` marks a donated float32 contiguous input (compiled: the kernel computes out of
+    place), copied into that input's storage (a graph-input mutation inductor stores in place) and returned."""
+    if not any(flags):
+        return news
+    return [o.copy_(t) if f and o.dtype == _F32 and o.is_contiguous() else t
+            for o, t, f in zip(olds, news, flags, strict=True)]
+
+
 def _sq_sums(ts):
     return [torch.square(t).sum() for t in ts]
 
@@ -92,7 +101,7 @@ def _k_moments(*xs, nf: int, nu: int, i0s, i1s, n0s, n1s, aligns, eps1: float, c
         torch._foreach_mul_(new, decay)
         torch._foreach_add_(new, adds)
     else:
-        new = torch._foreach_add(torch._foreach_mul(olds, decay), adds)
+        new = _written_back(olds, torch._foreach_add(torch._foreach_mul(olds, decay), adds), flags)
     row_sum = _sums(new[:nf], [i1 - (i1 > i0) for i0, i1 in zip(i0s, i1s, strict=True)])
     x = torch._foreach_mul(gu, torch._foreach_rsqrt(new[2 * nf:])) if nu else []
     return _results([*new, *row_sum, *x, *(_sq_sums(x) if clip else [])])
@@ -148,7 +157,7 @@ def _k_apply(*xs, n: int, n_alls, n_ws, scaled, clip: float, eps2: float, beta1:
         return _results([*new_w, *new_m])
     if beta1:
         sub = torch._foreach_add(torch._foreach_mul(ms, beta1), torch._foreach_mul(sub, 1.0 - beta1))
-    return _results([*torch._foreach_sub(_f32(ws), sub), *(sub if beta1 else [])])
+    return _results(_written_back(ws + ms, [*torch._foreach_sub(_f32(ws), sub), *(sub if beta1 else [])], flags))
 
 
 def _moments_donates(*, nf: int, nu: int, **_):
