@@ -9,13 +9,13 @@ per-tensor ones, applied in the same order) and match ``test_optim.ref_adafactor
 
 import pytest
 import torch
-from test_optim import _check_update, _compare, _grads, _params, ref_adafactor
 
 import meshtorch as mtf
 from meshtorch.lowering.donate import donatable_inputs, donated_mask
 from meshtorch.optim.foreach_adafactor import ForeachAdafactorGroupUpdate
 from meshtorch.optim.fused_adafactor import FusedAdafactorUpdate
 from meshtorch.optim.in_backward import per_variable
+from test_optim import _check_update, _compare, _grads, _params, ref_adafactor
 
 SHAPES = {"wi": "d_model:128,d_ff:256", "q": "d_model:128,heads:4,d_kv:128", "scale": "d_model:128",
           "small": "d_ff:256,length:4"}

@@ -12,8 +12,8 @@ import torch
 
 import meshtorch as mtf
 from meshtorch.core.dims import convert_to_shape
-from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate
 from meshtorch.optim.foreach_adafactor import ForeachAdafactorGroupUpdate
+from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate
 from meshtorch.testing import rel_error
 
 LAYOUTS = [

@@ -39,8 +39,8 @@ from meshtorch.ops import elementwise as ew
 from meshtorch.ops.binary import maximum, minimum
 from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.reduce import reduce_mean
-from meshtorch.ops.variables import Assign, _as_variable, get_variable
-from meshtorch.optim.base import Optimizer, check_grad, scalar_tensor
+from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.optim.base import Optimizer, check_grad, grouped_pairs, scalar_tensor
 from meshtorch.optim.foreach_adafactor import ForeachAdafactorGroupUpdate
 from meshtorch.optim.fused_adafactor import FusedAdafactorUpdate
 
@@ -190,11 +190,7 @@ class AdafactorOptimizer(Optimizer):
         if (not self.fused or not self.multi_tensor or len(grads) != len(variables)
                 or type(self).apply_grad is not AdafactorOptimizer.apply_grad):
             return super().apply_grads(grads, variables)
-        groups: dict = {}
-        for g, v in zip(grads, variables, strict=True):
-            if g is not None:
-                var = _as_variable(v)
-                groups.setdefault(var.mesh, []).append((g, var))
+        groups = grouped_pairs(grads, variables)
         ops = []
         for mesh, pairs in groups.items():
             with mesh.graph.storage_scope():
