@@ -62,6 +62,20 @@ def _written_back(olds, news, flags):
             for o, t, f in zip(olds, news, flags, strict=True)]
 
 
+def _plus(fresh, other):
+    """``fresh + other`` written into ``fresh`` (new tensors of the kernel's own): one list of temporaries."""
+    torch._foreach_add_(fresh, other)
+    return fresh
+
+
+def _times(x, factors, in_place: bool):
+    """``x * factors`` (per tensor), in ``x`` if ``in_place`` (``x`` fresh in the kernel)."""
+    if in_place:
+        torch._foreach_mul_(x, factors)
+        return x
+    return torch._foreach_mul(x, factors)
+
+
 def _sq_sums(ts):
     return [torch.square(t).sum() for t in ts]
 
@@ -73,10 +87,12 @@ def _k_stats(*xs, nf: int, i0s, i1s, wdims, aligns, eps1: float):
     ``d0`` / ``d1`` and (the scaled variables) of ``w^2`` over ``wdims``, all keepdim."""
     wf, gf, wu = xs[:nf], xs[nf:2 * nf], xs[2 * nf:]
     gf = _f32([aligned(g, a) for g, a in zip(gf, aligns, strict=True)])
-    g2 = torch._foreach_add(torch._foreach_mul(gf, gf), eps1) if nf else []
+    g2 = _plus(torch._foreach_mul(gf, gf), eps1) if nf else []
+    sums = [*_sums(g2, i0s), *_sums(g2, i1s)]
+    del g2  # freed before the list of w^2: one full-size list of temporaries at a time
     ws = _f32([w for w, d in zip([*wf, *wu], wdims, strict=True) if d is not None])
     ws_sums = _sums(torch._foreach_mul(ws, ws), [d for d in wdims if d is not None]) if ws else []
-    return _results([*_sums(g2, i0s), *_sums(g2, i1s), *ws_sums])
+    return _results([*sums, *ws_sums])
 
 
 def _k_moments(*xs, nf: int, nu: int, i0s, i1s, n0s, n1s, aligns, eps1: float, clip: bool, donate=False):
@@ -92,8 +108,8 @@ def _k_moments(*xs, nf: int, nu: int, i0s, i1s, n0s, n1s, aligns, eps1: float, c
     mix = 1.0 - decay
     adds = [*(torch._foreach_div([s.squeeze(i) for s, i in zip(s0, i0s, strict=True)], list(n0s)) if nf else []),
             *(torch._foreach_div([s.squeeze(i) for s, i in zip(s1, i1s, strict=True)], list(n1s)) if nf else []),
-            *(torch._foreach_add(torch._foreach_mul(gu, gu), eps1) if nu else [])]
-    adds = torch._foreach_mul(adds, mix)
+            *(_plus(torch._foreach_mul(gu, gu), eps1) if nu else [])]
+    torch._foreach_mul_(adds, mix)  # fresh tensors: scaled in place (the same rounding)
     flags = tuple(donate) if isinstance(donate, tuple) else (bool(donate),) * k
     if any(flags) and not torch.compiler.is_compiling():  # in place, the same two roundings
         new = [t if d and t.dtype == _F32 and t.is_contiguous() else t.clone() for t, d in zip(olds, flags,
@@ -103,7 +119,9 @@ def _k_moments(*xs, nf: int, nu: int, i0s, i1s, n0s, n1s, aligns, eps1: float, c
     else:
         new = _written_back(olds, torch._foreach_add(torch._foreach_mul(olds, decay), adds), flags)
     row_sum = _sums(new[:nf], [i1 - (i1 > i0) for i0, i1 in zip(i0s, i1s, strict=True)])
-    x = torch._foreach_mul(gu, torch._foreach_rsqrt(new[2 * nf:])) if nu else []
+    x = torch._foreach_rsqrt(new[2 * nf:]) if nu else []
+    if nu:
+        torch._foreach_mul_(x, gu)  # rsqrt(v) g == g rsqrt(v)
     return _results([*new, *row_sum, *x, *(_sq_sums(x) if clip else [])])
 
 
@@ -114,8 +132,8 @@ def _k_x(*xs, nf: int, i0s, i1s, n1s, aligns, clip: bool):
     g = _f32([aligned(t, a) for t, a in zip(g, aligns, strict=True)])
     r = torch._foreach_rsqrt(torch._foreach_div(vr, torch._foreach_div(row_sum, list(n1s))))
     c = torch._foreach_rsqrt(vc)
-    x = torch._foreach_mul(torch._foreach_mul(g, [t.unsqueeze(i) for t, i in zip(r, i0s, strict=True)]),
-                           [t.unsqueeze(i) for t, i in zip(c, i1s, strict=True)])
+    x = torch._foreach_mul(g, [t.unsqueeze(i) for t, i in zip(r, i0s, strict=True)])
+    torch._foreach_mul_(x, [t.unsqueeze(i) for t, i in zip(c, i1s, strict=True)])  # one full-size list
     return _results([*x, *(_sq_sums(x) if clip else [])])
 
 
@@ -135,14 +153,14 @@ def _k_apply(*xs, n: int, n_alls, n_ws, scaled, clip: float, eps2: float, beta1:
         sq, rest = rest[:n], rest[n:]
         d = torch._foreach_clamp_min(torch._foreach_div(torch._foreach_sqrt(torch._foreach_div(sq, list(n_alls))),
                                                         clip), 1.0)
-        x = torch._foreach_div(x, d)
+        x = torch._foreach_div(x, d)  # fresh: scaled in place below
     if rest:
         s = torch._foreach_mul(torch._foreach_clamp_min(torch._foreach_sqrt(torch._foreach_div(
             rest, [n_ws[i] for i in range(n) if scaled[i]])), eps2), lr)
         it = iter(s)
-        sub = torch._foreach_mul(x, [next(it) if scaled[i] else lr for i in range(n)])
+        sub = _times(x, [next(it) if scaled[i] else lr for i in range(n)], in_place=bool(clip))
     else:
-        sub = torch._foreach_mul(x, lr)
+        sub = _times(x, lr, in_place=bool(clip))
     flags = tuple(donate) if isinstance(donate, tuple) else (bool(donate),) * (k * n)
     if any(flags) and not torch.compiler.is_compiling():  # in place, as torch's step; undonated ones on copies
         olds = ws + ms
@@ -156,7 +174,8 @@ def _k_apply(*xs, n: int, n_alls, n_ws, scaled, clip: float, eps2: float, beta1:
         torch._foreach_sub_(new_w, sub)
         return _results([*new_w, *new_m])
     if beta1:
-        sub = torch._foreach_add(torch._foreach_mul(ms, beta1), torch._foreach_mul(sub, 1.0 - beta1))
+        torch._foreach_mul_(sub, 1.0 - beta1)  # a fresh list
+        sub = _plus(torch._foreach_mul(ms, beta1), sub)
     return _results(_written_back(ws + ms, [*torch._foreach_sub(_f32(ws), sub), *(sub if beta1 else [])], flags))
 
 
