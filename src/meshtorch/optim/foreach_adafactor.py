@@ -266,6 +266,20 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
         def kept(i, dims):
             return [1 if j in dims else m for j, m in enumerate(local[i])]
 
+        def without(i, dim):
+            return [m for j, m in enumerate(local[i]) if j != dim]
+
+        def row_kept(i):
+            i0, i1 = self.factored[i]
+            return [1 if j == i1 else m for j, m in enumerate(local[i]) if j != i0]
+
+        def record(slots, shapes):
+            """The outputs' per-processor bytes, so the memory walk estimates none (a multi-output kernel's
+            output would be guessed as large as its largest input)."""
+            for s, shape in zip(slots, shapes, strict=True):
+                lw.slot_bytes.setdefault(s, slice_nbytes(shape, _F32))
+            return slots
+
         F = [i for i in range(n) if self.factored[i] is not None]
         U = [i for i in range(n) if self.factored[i] is None]
         S = [i for i in [*F, *U] if self.param_scale[i]]
@@ -278,6 +292,8 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
             _k_stats, nf=nf, i0s=i0s, i1s=i1s, wdims=tuple(wdims[i] if self.param_scale[i] else None for i in [*F, *U]),
             aligns=tuple(aligns[i] for i in F), eps1=self.eps1),
             *[w[i] for i in F], *[g[i] for i in F], *[w[i] for i in U], num_outputs=k1), k1)
+        record(out, [kept(i, [i0]) for i, i0 in zip(F, i0s, strict=True)]
+               + [kept(i, [i1]) for i, i1 in zip(F, i1s, strict=True)] + [kept(i, wdims[i]) for i in S])
         # the statistics of stage 1, each over the axes splitting the dims it sums
         s0 = reduce(out[:nf], F, lambda i: [self.factored[i][0]], lambda i: kept(i, [self.factored[i][0]]))
         s1 = reduce(out[nf:2 * nf], F, lambda i: [self.factored[i][1]], lambda i: kept(i, [self.factored[i][1]]))
@@ -290,15 +306,14 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
             aligns=tuple(aligns[i] for i in U), eps1=self.eps1, clip=clip),
             *[slot_vals[i][0] for i in F], *[slot_vals[i][1] for i in F], *[slot_vals[i][0] for i in U], *s0, *s1,
             *[g[i] for i in U], decay, num_outputs=k2), k2)
+        record(out, [without(i, i0) for i, i0 in zip(F, i0s, strict=True)]
+               + [without(i, i1) for i, i1 in zip(F, i1s, strict=True)] + [local[i] for i in U]
+               + [row_kept(i) for i in F] + [local[i] for i in U] + ([[]] * nu if clip else []))
         new_slots = {i: [a, b] for i, a, b in zip(F, out[:nf], out[nf:2 * nf], strict=True)}
         new_slots.update({i: [v] for i, v in zip(U, out[2 * nf:2 * nf + nu], strict=True)})
         new_vr, new_vc = out[:nf], out[nf:2 * nf]
         row_sum, out = out[2 * nf + nu:3 * nf + nu], out[3 * nf + nu:]
         x = dict(zip(U, out[:nu], strict=True))
-
-        def row_kept(i):
-            i0, i1 = self.factored[i]
-            return [1 if j == i1 else m for j, m in enumerate(local[i]) if j != i0]
         # stage 2's statistics: the row sums (factored), the update's sums of squares (unfactored)
         row_sum = reduce(row_sum, F, lambda i: [self.factored[i][1]], row_kept)
         xs = dict(zip(U, reduce(out[nu:], U, lambda i: range(len(local[i])), lambda i: []), strict=True)) \
@@ -310,11 +325,10 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
                 n1s=tuple(wt[i].shape.dims[i1].size for i, i1 in zip(F, i1s, strict=True)),
                 aligns=tuple(aligns[i] for i in F), clip=clip),
                 *[g[i] for i in F], *new_vr, *new_vc, *row_sum, num_outputs=k3), k3)
+            record(out, [local[i] for i in F] + ([[]] * nf if clip else []))
             x.update(zip(F, out[:nf], strict=True))
             if clip:
                 xs.update(zip(F, reduce(out[nf:], F, lambda i: range(len(local[i])), lambda i: []), strict=True))
-        for i in range(n):
-            lw.slot_bytes.setdefault(x[i], slice_nbytes(local[i], _F32))
         m = [slot_vals[i][-1] for i in range(n)] if self.beta1 else []
         k4 = 2 * n if self.beta1 else n
         out = _tuple(lw.slicewise(functools.partial(
@@ -322,6 +336,7 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
             scaled=tuple(self.param_scale), clip=self.clip or 0.0, eps2=self.eps2, beta1=self.beta1),
             *w, *m, *[x[i] for i in range(n)], *([xs[i] for i in range(n)] if clip else []),
             *[ws[i] for i in range(n) if self.param_scale[i]], lr, num_outputs=k4), k4)
+        record(out, local + (local if self.beta1 else []))
         new_w, new_m = out[:n], out[n:]
         for i, nm in enumerate(new_m):
             new_slots[i].append(nm)
