@@ -84,6 +84,22 @@ def adafactor_decay_rate_adam(beta2: float):
     return decay
 
 
+def _chunks(pairs, cap_bytes: int) -> list:
+    """``pairs`` (gradient, variable) cut in order into runs of at most ``cap_bytes`` of float32 variables (a
+    larger variable alone)."""
+    out, size = [], 0
+    for p in pairs:
+        b = 4 * p[1].shape.size
+        if out and out[-1] and size + b > cap_bytes:
+            out.append([])
+            size = 0
+        if not out:
+            out.append([])
+        out[-1].append(p)
+        size += b
+    return out
+
+
 class AdafactorOptimizer(Optimizer):
     """Adafactor with Mesh TF's defaults: ``AdafactorOptimizer()`` behaves like Mesh TF's.
 
@@ -119,6 +135,10 @@ class AdafactorOptimizer(Optimizer):
     #: fused: one multi-tensor update over every variable of a mesh (False: one update op per variable, which
     #: :func:`meshtorch.optim.in_backward.per_variable` sets so each update can run as its gradient is final)
     multi_tensor = True
+    #: the float32 bytes (full variables) of one multi-tensor update at most: a mesh's variables are updated in
+    #: groups of this size, in order (a variable larger than this alone), so the update's intermediates (the
+    #: update ``x`` of every variable of a group, held between its kernels) stay bounded as in a per-variable step
+    group_bytes = 256 * 2 ** 20
 
     def __init__(self, multiply_by_parameter_scale=True, learning_rate=None, decay_rate=None, beta1=0.0,
                  clipping_threshold=1.0, factored=True, epsilon1=1e-30, epsilon2=1e-3, min_dim_size_to_factor=128,
@@ -183,9 +203,10 @@ class AdafactorOptimizer(Optimizer):
         return updates
 
     def apply_grads(self, grads, variables):
-        """As :meth:`Optimizer.apply_grads`; fused: ONE multi-tensor update per mesh
-        (:class:`~meshtorch.optim.foreach_adafactor.ForeachAdafactorGroupUpdate`), then the assignments of each
-        variable as :meth:`apply_grad` makes them (the same slot names, equal values)."""
+        """As :meth:`Optimizer.apply_grads`; fused: one multi-tensor update per mesh and :attr:`group_bytes` of
+        variables (:class:`~meshtorch.optim.foreach_adafactor.ForeachAdafactorGroupUpdate`; one for every variable
+        of a model up to 64M parameters), then the assignments of each variable as :meth:`apply_grad` makes them
+        (the same slot names, equal values)."""
         grads, variables = list(grads), list(variables)
         if (not self.fused or not self.multi_tensor or len(grads) != len(variables)
                 or type(self).apply_grad is not AdafactorOptimizer.apply_grad):
@@ -196,23 +217,29 @@ class AdafactorOptimizer(Optimizer):
             with mesh.graph.storage_scope():
                 for g, var in pairs:
                     check_grad(g, var, "AdafactorOptimizer")
-                gs = [g if g.dtype == var.dtype else ew.cast(g, var.dtype) for g, var in pairs]
-                vs = [var for _, var in pairs]
-                slots = [self._slots(var) for var in vs]
                 decay = scalar_tensor(self.hyper(self.decay_rate, "decay_rate", mesh), mesh)
-                op = ForeachAdafactorGroupUpdate(
-                    [var.value for var in vs], gs, decay, scalar_tensor(self.lr(mesh), mesh), slots,
-                    factored_dims=[self.factored_dims(var.shape) for var in vs],
-                    param_scale=[self._param_scale(var) for var in vs], stacked=self.stacked_dim_names,
-                    beta1=self.beta1, clipping_threshold=self.clipping_threshold, epsilon1=self.epsilon1,
-                    epsilon2=self.epsilon2, name="adafactor_group")
-                n = len(vs)
-                new_slots = op.outputs[n:]
-                for i, (var, ss) in enumerate(zip(vs, slots, strict=True)):
-                    ops.extend(self._assigns(var, ss, op.outputs[i], new_slots[:len(ss)]))
-                    new_slots = new_slots[len(ss):]
+                lr = scalar_tensor(self.lr(mesh), mesh)
+                for chunk in _chunks(pairs, self.group_bytes):
+                    ops.extend(self._group_update(chunk, decay, lr))
             step = self.step_int(mesh)
             ops.append(Assign([step.operation], [step + 1], name="global_step_increment"))
+        return ops
+
+    def _group_update(self, pairs, decay, lr):
+        """One :class:`ForeachAdafactorGroupUpdate` of ``pairs`` (gradient, variable); the variables' assignments."""
+        gs = [g if g.dtype == var.dtype else ew.cast(g, var.dtype) for g, var in pairs]
+        vs = [var for _, var in pairs]
+        slots = [self._slots(var) for var in vs]
+        op = ForeachAdafactorGroupUpdate(
+            [var.value for var in vs], gs, decay, lr, slots,
+            factored_dims=[self.factored_dims(var.shape) for var in vs],
+            param_scale=[self._param_scale(var) for var in vs], stacked=self.stacked_dim_names, beta1=self.beta1,
+            clipping_threshold=self.clipping_threshold, epsilon1=self.epsilon1, epsilon2=self.epsilon2,
+            name="adafactor_group")
+        ops, new_slots = [], op.outputs[len(vs):]
+        for i, (var, ss) in enumerate(zip(vs, slots, strict=True)):
+            ops.extend(self._assigns(var, ss, op.outputs[i], new_slots[:len(ss)]))
+            new_slots = new_slots[len(ss):]
         return ops
 
     def apply_grad(self, grad, var):
