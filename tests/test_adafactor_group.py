@@ -126,3 +126,24 @@ def test_compiled_group_step_matches_reference():
     ref = ref_adafactor(params, grads, beta1=0.9)
     got = {n: lw.variable_value(n) for n in lw.variable_names}
     _compare(got, ref, list(ref), "compiled adafactor group", rtol=1e-5)
+
+
+def test_groups_of_at_most_group_bytes_in_order_with_the_same_values():
+    """``group_bytes``: the variables are cut in order into multi-tensor updates of at most that many float32
+    bytes (a larger variable alone); the values are those of one group (bitwise)."""
+    params = _params(shapes=SHAPES)
+    grads = _grads(params, 2)
+
+    def make(cap):
+        opt = mtf.optim.AdafactorOptimizer(beta1=0.9)
+        if cap is not None:
+            opt.group_bytes = cap
+        return opt
+    # float32 bytes: wi 128 KiB, q 256 KiB, scale 512 B, small 4 KiB: a 200 KiB cap gives [wi], [q], [scale, small]
+    one, _, g1, _ = _run(lambda: make(None), params, grads, "all:4", "d_model:all", None)
+    cut, _, g, _ = _run(lambda: make(200 * 2 ** 10), params, grads, "all:4", "d_model:all", None)
+    groups = [op for op in g.operations if isinstance(op, ForeachAdafactorGroupUpdate)]
+    assert [op.n for op in groups] == [1, 1, 2]
+    assert sum(isinstance(op, ForeachAdafactorGroupUpdate) for op in g1.operations) == 1
+    for n in one:
+        assert torch.equal(one[n], cut[n]), n
