@@ -119,9 +119,9 @@ class AdafactorOptimizer(Optimizer):
             without the parameter scale.
         fused: compute the update with four kernels and the all-reduces its statistics need instead of
             about twenty elementwise graph ops per variable; equal to float32 rounding (default True).
-            ``apply_grads`` builds ONE multi-tensor op per mesh
+            ``apply_grads`` builds one multi-tensor op per mesh and :attr:`group_bytes` of variables
             (:class:`~meshtorch.optim.foreach_adafactor.ForeachAdafactorGroupUpdate`: ``torch._foreach_*``
-            calls over every variable's slices); ``apply_grad`` (or :func:`~meshtorch.optim.in_backward.per_variable`)
+            calls over the group's slices); ``apply_grad`` (or :func:`~meshtorch.optim.in_backward.per_variable`)
             one :class:`~meshtorch.optim.fused_adafactor.FusedAdafactorUpdate` per variable.
 
     Shapes: ``grad`` has the variable's named shape. Slots: ``vr`` = var shape minus ``d0``,
