@@ -10,7 +10,12 @@ context 256; ``--layers`` blocks, ``--batch`` sequences), AdamW on both sides (m
 ``tests/test_step_kernels.py`` counts them), meshtorch vs ``torch`` (this file's ``BlockLM``) and ``torch_lm``
 (the test twin :class:`meshtorch.testing.torch_lm.TorchLM`), AdamW ``fused=True``; rows where the sides differ.
 
-Run: ``python benchmarks/profile_step.py [--layers 2] [--batch 1] [--steps 3] [--top 25] [--no-profile] [--counts]``
+``--optimizer adafactor``: Adafactor on every side (meshtorch: Mesh TF's defaults, one multi-tensor update;
+``torch.optim.Adafactor(foreach=True)`` for the ``torch`` sides); side ``meshtorch_per_variable``: one update op
+per variable (the per-variable ops, for a before/after of the multi-tensor step).
+
+Run: ``python benchmarks/profile_step.py [--layers 2] [--batch 1] [--steps 3] [--top 25] [--no-profile] [--counts]
+[--optimizer adamw|adafactor]``
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from scale_124m import BlockLM  # noqa: E402
 
 import meshtorch as mtf  # noqa: E402
 from meshtorch.models.transformer import build_lm, flops_per_token, preset  # noqa: E402
+from meshtorch.optim.in_backward import per_variable as one_op_per_variable  # noqa: E402
 
 
 def config(layers: int, batch: int, **kw):
@@ -57,12 +63,20 @@ def _dense_xent(logits, targets, vocab_dim, z_loss=0.0, name=None):
 _SPARSE_OR_SOFT = mtf.layers.softmax_cross_entropy_with_logits
 
 
-def meshtorch_step(cfg, dense_loss=False):
-    """``dense_loss``: build the one-hot loss of before ops/xent.py (the "before" of this benchmark)."""
+def make_optimizer(name: str, per_variable: bool = False):
+    """meshtorch's ``adamw`` (lr 1e-4, no weight decay) or ``adafactor`` (Mesh TF defaults); ``per_variable``: one
+    update op per variable (:func:`meshtorch.optim.in_backward.per_variable`) instead of one multi-tensor op."""
+    opt = mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0) if name == "adamw" else mtf.optim.AdafactorOptimizer()
+    return one_op_per_variable(opt) if per_variable else opt
+
+
+def meshtorch_step(cfg, dense_loss=False, optimizer="adamw", per_variable=False):
+    """``dense_loss``: build the one-hot loss of before ops/xent.py (the "before" of this benchmark);
+    ``optimizer``/``per_variable``: as :func:`make_optimizer`."""
     if dense_loss:
         mtf.layers.softmax_cross_entropy_with_logits = _dense_xent
     try:
-        lm = build_lm(cfg, seed=0, optimizer=mtf.optim.AdamWOptimizer(1e-4, weight_decay=0.0))
+        lm = build_lm(cfg, seed=0, optimizer=make_optimizer(optimizer, per_variable))
     finally:
         mtf.layers.softmax_cross_entropy_with_logits = _SPARSE_OR_SOFT
     lw = lm.lowering()
@@ -74,10 +88,15 @@ def meshtorch_step(cfg, dense_loss=False):
     return step
 
 
-def torch_step(cfg, optim="fused"):
+def torch_step(cfg, optim="fused", optimizer="adamw"):
+    """``optimizer`` ``adafactor``: ``torch.optim.Adafactor(foreach=True)`` (PyTorch's variant of the update, for
+    the kernel counts; its formulas differ from Mesh TF's) instead of AdamW (``optim``: fused or foreach)."""
     model = BlockLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
-                            **({"fused": True} if optim == "fused" else {"foreach": True}))
+    if optimizer == "adafactor":
+        opt = torch.optim.Adafactor(model.parameters(), foreach=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                **({"fused": True} if optim == "fused" else {"foreach": True}))
 
     def step(s):
         x, y = data(cfg, s)
@@ -177,16 +196,22 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--counts", action="store_true", help="print aten:: calls per step by op name and exit")
+    ap.add_argument("--optimizer", choices=["adamw", "adafactor"], default="adamw",
+                    help="the step's optimizer on every side (default adamw; adafactor: Mesh TF's defaults for "
+                         "meshtorch, torch.optim.Adafactor(foreach=True) for the torch side)")
     ap.add_argument("--sides", default=None,
                     help="default meshtorch,meshtorch_dense,torch (with --counts: meshtorch,torch,torch_lm); "
                          "meshtorch (sparse loss), meshtorch_dense (the one-hot loss of before), torch "
                          "(AdamW fused=True), torch_foreach (AdamW foreach=True), torch_lm (the test twin TorchLM, "
-                         "AdamW fused=True)")
+                         "AdamW fused=True), meshtorch_per_variable (one optimizer update op per variable)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = config(args.layers, args.batch)
-    make = {"meshtorch": lambda: meshtorch_step(cfg), "meshtorch_dense": lambda: meshtorch_step(cfg, True),
-            "torch": lambda: torch_step(cfg), "torch_foreach": lambda: torch_step(cfg, "foreach"),
+    o = args.optimizer
+    make = {"meshtorch": lambda: meshtorch_step(cfg, optimizer=o),
+            "meshtorch_dense": lambda: meshtorch_step(cfg, True, optimizer=o),
+            "meshtorch_per_variable": lambda: meshtorch_step(cfg, optimizer=o, per_variable=True),
+            "torch": lambda: torch_step(cfg, optimizer=o), "torch_foreach": lambda: torch_step(cfg, "foreach", o),
             "torch_lm": lambda: torch_lm_step(cfg)}
     if args.sides is None:
         args.sides = "meshtorch,torch,torch_lm" if args.counts else "meshtorch,meshtorch_dense,torch"

@@ -12,8 +12,8 @@ import torch
 
 import meshtorch as mtf
 from meshtorch.core.dims import convert_to_shape
+from meshtorch.optim.foreach_adafactor import ForeachAdafactorGroupUpdate
 from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate
-from meshtorch.optim.fused_adafactor import FusedAdafactorUpdate
 from meshtorch.testing import rel_error
 
 LAYOUTS = [
@@ -153,7 +153,7 @@ def test_adafactor_matches_reference(beta1, lr, steps, fused):
                 return mtf.optim.AdafactorOptimizer(), {}  # Mesh TF defaults, no arguments
             return mtf.optim.AdafactorOptimizer(learning_rate=lr, beta1=beta1, fused=fused), {}
         got, lw, g = run_optimizer(make, params, grads, mesh_shape, layout)
-        assert any(isinstance(op, FusedAdafactorUpdate) for op in g.operations) == fused
+        assert any(isinstance(op, ForeachAdafactorGroupUpdate) for op in g.operations) == fused
         where = f"adafactor beta1={beta1} lr={lr} steps={steps} {mesh_shape!r} {layout!r}"
         _compare(got, ref, list(params) + slot_names, where)
         _check_update(got, ref, params, where, steps)

@@ -40,7 +40,8 @@ from meshtorch.ops.binary import maximum, minimum
 from meshtorch.ops.initializers import zeros_initializer
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.variables import Assign, get_variable
-from meshtorch.optim.base import Optimizer, check_grad, scalar_tensor
+from meshtorch.optim.base import Optimizer, check_grad, grouped_pairs, scalar_tensor
+from meshtorch.optim.foreach_adafactor import ForeachAdafactorGroupUpdate
 from meshtorch.optim.fused_adafactor import FusedAdafactorUpdate
 
 __all__ = ["AdafactorOptimizer", "adafactor_decay_rate_pow", "adafactor_decay_rate_adam", "reduce_rms"]
@@ -83,6 +84,22 @@ def adafactor_decay_rate_adam(beta2: float):
     return decay
 
 
+def _chunks(pairs, cap_bytes: int) -> list:
+    """``pairs`` (gradient, variable) cut in order into runs of at most ``cap_bytes`` of float32 variables (a
+    larger variable alone)."""
+    out, size = [], 0
+    for p in pairs:
+        b = 4 * p[1].shape.size
+        if out and out[-1] and size + b > cap_bytes:
+            out.append([])
+            size = 0
+        if not out:
+            out.append([])
+        out[-1].append(p)
+        size += b
+    return out
+
+
 class AdafactorOptimizer(Optimizer):
     """Adafactor with Mesh TF's defaults: ``AdafactorOptimizer()`` behaves like Mesh TF's.
 
@@ -100,9 +117,12 @@ class AdafactorOptimizer(Optimizer):
             index of these dims (Mesh TF's stacked layers).
         exclude_from_parameter_scale: substrings; a variable whose name contains one is updated
             without the parameter scale.
-        fused: compute each variable's update with four kernels and the all-reduces its statistics
-            need (:class:`~meshtorch.optim.fused_adafactor.FusedAdafactorUpdate`) instead of about
-            twenty elementwise graph ops; equal to float32 rounding (default True).
+        fused: compute the update with four kernels and the all-reduces its statistics need instead of
+            about twenty elementwise graph ops per variable; equal to float32 rounding (default True).
+            ``apply_grads`` builds one multi-tensor op per mesh and :attr:`group_bytes` of variables
+            (:class:`~meshtorch.optim.foreach_adafactor.ForeachAdafactorGroupUpdate`: ``torch._foreach_*``
+            calls over the group's slices); ``apply_grad`` (or :func:`~meshtorch.optim.in_backward.per_variable`)
+            one :class:`~meshtorch.optim.fused_adafactor.FusedAdafactorUpdate` per variable.
 
     Shapes: ``grad`` has the variable's named shape. Slots: ``vr`` = var shape minus ``d0``,
     ``vc`` = var shape minus ``d1`` (factored), else ``v`` and (beta1) ``m`` of the var's shape; each
@@ -111,6 +131,14 @@ class AdafactorOptimizer(Optimizer):
     Raises:
         ValueError: if ``beta1`` is outside [0, 1) or a gradient's dims differ from its variable's.
     """
+
+    #: fused: one multi-tensor update over every variable of a mesh (False: one update op per variable, which
+    #: :func:`meshtorch.optim.in_backward.per_variable` sets so each update can run as its gradient is final)
+    multi_tensor = True
+    #: the float32 bytes (full variables) of one multi-tensor update at most: a mesh's variables are updated in
+    #: groups of this size, in order (a variable larger than this alone), so the update's intermediates (the
+    #: update ``x`` of every variable of a group, held between its kernels) stay bounded as in a per-variable step
+    group_bytes = 256 * 2 ** 20
 
     def __init__(self, multiply_by_parameter_scale=True, learning_rate=None, decay_rate=None, beta1=0.0,
                  clipping_threshold=1.0, factored=True, epsilon1=1e-30, epsilon2=1e-3, min_dim_size_to_factor=128,
@@ -152,6 +180,67 @@ class AdafactorOptimizer(Optimizer):
                 lr = lr * 0.05
             c["adafactor_lr"] = lr
         return c["adafactor_lr"]
+
+    def _slots(self, var):
+        """``var``'s second-moment slots (``[vr, vc]`` factored, else ``[v]``), then ``m`` if ``beta1``."""
+        def slot(suffix, shape):
+            return get_variable(var.mesh, f"{var.name}_slot_{suffix}", shape, initializer=zeros_initializer(),
+                                dtype=torch.float32, trainable=False)
+        fd = self.factored_dims(var.shape)
+        slots = [slot("vr", var.shape - fd[0]), slot("vc", var.shape - fd[1])] if fd else [slot("v", var.shape)]
+        return slots + ([slot("m", var.shape)] if self.beta1 else [])
+
+    def _param_scale(self, var) -> bool:
+        return self.multiply_by_parameter_scale and not any(s in var.name for s in self.exclude_from_parameter_scale)
+
+    def _assigns(self, var, slots, new_w, new_slots):
+        """The assignments of one variable's update, grouped as the graph-op path's."""
+        n_v = len(slots) - (1 if self.beta1 else 0)
+        updates = [Assign([s.operation for s in slots[:n_v]], new_slots[:n_v], name=f"{var.name}/adafactor_v")]
+        if self.beta1:
+            updates.append(Assign([slots[-1].operation], [new_slots[-1]], name=f"{var.name}/adafactor_m"))
+        updates.append(Assign([var], [new_w], name=f"{var.name}/adafactor_update"))
+        return updates
+
+    def apply_grads(self, grads, variables):
+        """As :meth:`Optimizer.apply_grads`; fused: one multi-tensor update per mesh and :attr:`group_bytes` of
+        variables (:class:`~meshtorch.optim.foreach_adafactor.ForeachAdafactorGroupUpdate`; one for every variable
+        of a model up to 64M parameters), then the assignments of each variable as :meth:`apply_grad` makes them
+        (the same slot names, equal values)."""
+        grads, variables = list(grads), list(variables)
+        if (not self.fused or not self.multi_tensor or len(grads) != len(variables)
+                or type(self).apply_grad is not AdafactorOptimizer.apply_grad):
+            return super().apply_grads(grads, variables)
+        groups = grouped_pairs(grads, variables)
+        ops = []
+        for mesh, pairs in groups.items():
+            with mesh.graph.storage_scope():
+                for g, var in pairs:
+                    check_grad(g, var, "AdafactorOptimizer")
+                decay = scalar_tensor(self.hyper(self.decay_rate, "decay_rate", mesh), mesh)
+                lr = scalar_tensor(self.lr(mesh), mesh)
+                for chunk in _chunks(pairs, self.group_bytes):
+                    ops.extend(self._group_update(chunk, decay, lr))
+            step = self.step_int(mesh)
+            ops.append(Assign([step.operation], [step + 1], name="global_step_increment"))
+        return ops
+
+    def _group_update(self, pairs, decay, lr):
+        """One :class:`ForeachAdafactorGroupUpdate` of ``pairs`` (gradient, variable); the variables' assignments."""
+        gs = [g if g.dtype == var.dtype else ew.cast(g, var.dtype) for g, var in pairs]
+        vs = [var for _, var in pairs]
+        slots = [self._slots(var) for var in vs]
+        op = ForeachAdafactorGroupUpdate(
+            [var.value for var in vs], gs, decay, lr, slots,
+            factored_dims=[self.factored_dims(var.shape) for var in vs],
+            param_scale=[self._param_scale(var) for var in vs], stacked=self.stacked_dim_names, beta1=self.beta1,
+            clipping_threshold=self.clipping_threshold, epsilon1=self.epsilon1, epsilon2=self.epsilon2,
+            name="adafactor_group")
+        ops, new_slots = [], op.outputs[len(vs):]
+        for i, (var, ss) in enumerate(zip(vs, slots, strict=True)):
+            ops.extend(self._assigns(var, ss, op.outputs[i], new_slots[:len(ss)]))
+            new_slots = new_slots[len(ss):]
+        return ops
 
     def apply_grad(self, grad, var):
         check_grad(grad, var, "AdafactorOptimizer")
@@ -206,19 +295,11 @@ class AdafactorOptimizer(Optimizer):
         """The same update as one :class:`FusedAdafactorUpdate` op; Assigns grouped as the graph-op path's."""
         mesh = var.mesh
         fd = self.factored_dims(var.shape)
-        slots = [slot("vr", var.shape - fd[0]), slot("vc", var.shape - fd[1])] if fd else [slot("v", var.shape)]
-        if self.beta1:
-            slots.append(slot("m", var.shape))
-        param_scale = self.multiply_by_parameter_scale and not any(
-            s in var.name for s in self.exclude_from_parameter_scale)
+        slots = self._slots(var)
         op = FusedAdafactorUpdate(var.value, grad, scalar_tensor(decay, mesh), scalar_tensor(lr, mesh), slots,
                                   factored_dims=fd, stacked=self.stacked_dim_names, beta1=self.beta1,
                                   clipping_threshold=self.clipping_threshold, epsilon1=self.epsilon1,
-                                  epsilon2=self.epsilon2, param_scale=param_scale, name=f"{var.name}/fused_adafactor")
+                                  epsilon2=self.epsilon2, param_scale=self._param_scale(var),
+                                  name=f"{var.name}/fused_adafactor")
         new_w, *new_slots = op.outputs
-        n_v = 2 if fd else 1
-        updates = [Assign([s.operation for s in slots[:n_v]], new_slots[:n_v], name=f"{var.name}/adafactor_v")]
-        if self.beta1:
-            updates.append(Assign([slots[-1].operation], [new_slots[-1]], name=f"{var.name}/adafactor_m"))
-        updates.append(Assign([var], [new_w], name=f"{var.name}/adafactor_update"))
-        return updates
+        return self._assigns(var, slots, new_w, new_slots)

@@ -25,8 +25,8 @@ import torch
 from meshtorch.core.graph import Tensor
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
-from meshtorch.ops.variables import Assign, _as_variable, get_variable
-from meshtorch.optim.base import Optimizer, check_grad
+from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.optim.base import Optimizer, check_grad, grouped_pairs
 from meshtorch.optim.fused import FusedAdamGroupUpdate, FusedAdamUpdate, fused_adam_available
 
 __all__ = ["AdamOptimizer", "AdamWOptimizer"]
@@ -133,11 +133,7 @@ class AdamOptimizer(Optimizer):
                 raise ValueError(f"{type(self).__name__}: skipping overflowed steps (fp16 loss scaling) needs the "
                                  "fused multi-tensor update (fused=None or True, torch >= 2.4).")
             return super().apply_grads(grads, variables)
-        groups: dict = {}
-        for g, v in zip(grads, variables, strict=True):
-            if g is not None:
-                var = _as_variable(v)
-                groups.setdefault(var.mesh, []).append((g, var))
+        groups = grouped_pairs(grads, variables)
         ops = []
         for mesh, pairs in groups.items():
             with mesh.graph.storage_scope():

@@ -208,6 +208,17 @@ class Optimizer:
         raise NotImplementedError
 
 
+def grouped_pairs(grads, variables, by_dtype: bool = False) -> dict:
+    """The ``(gradient, Variable)`` pairs with a gradient, grouped by mesh (``by_dtype``: by ``(mesh, dtype)``),
+    in order: one group per multi-tensor update (as PyTorch's foreach/fused steps group by device and dtype)."""
+    groups: dict = {}
+    for g, v in zip(grads, variables, strict=True):
+        if g is not None:
+            var = _as_variable(v)
+            groups.setdefault((var.mesh, var.dtype) if by_dtype else var.mesh, []).append((g, var))
+    return groups
+
+
 def check_grad(grad: Tensor, var: Variable, who: str):
     """Raise a ShapeError-like ValueError naming the variable if ``grad``'s dims differ from ``var``'s."""
     if set(grad.shape.dimension_names) != set(var.shape.dimension_names) or grad.shape.size != var.shape.size:

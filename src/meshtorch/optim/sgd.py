@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from meshtorch.ops import elementwise as ew
 from meshtorch.ops.initializers import zeros_initializer
-from meshtorch.ops.variables import Assign, _as_variable, get_variable
-from meshtorch.optim.base import Optimizer, check_grad
+from meshtorch.ops.variables import Assign, get_variable
+from meshtorch.optim.base import Optimizer, check_grad, grouped_pairs
 from meshtorch.optim.foreach_sgd import ForeachSgdGroupUpdate
 
 __all__ = ["Optimizer", "SgdOptimizer", "MomentumOptimizer", "MeshTFMomentumOptimizer"]
@@ -18,11 +18,7 @@ __all__ = ["Optimizer", "SgdOptimizer", "MomentumOptimizer", "MeshTFMomentumOpti
 def _grouped_updates(opt, grads, variables, momentum: float | None, fold: bool, slot_name):
     """One :class:`ForeachSgdGroupUpdate` per (mesh, dtype) group of the variables with a gradient, one
     assignment per variable, one step increment per mesh: ``apply_grads`` as multi-tensor steps."""
-    groups: dict = {}
-    for g, v in zip(grads, variables, strict=True):
-        if g is not None:
-            var = _as_variable(v)
-            groups.setdefault((var.mesh, var.dtype), []).append((g, var))
+    groups = grouped_pairs(grads, variables, by_dtype=True)
     ops, meshes = [], []
     for (mesh, _), pairs in groups.items():
         with mesh.graph.storage_scope():
