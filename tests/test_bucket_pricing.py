@@ -46,3 +46,17 @@ def test_placement_latency_is_charged_per_collective_it_runs():
         rep = _report(rules, "placement")
         assert sum(priced_calls(rep).values()) == calls[rules] == rep.counters.count(), rules
         assert estimate_time(rep, LATENCY_ONLY)["comm_s"] == pytest.approx(calls[rules] * LATENCY, rel=1e-6)
+
+
+def test_planned_buckets_follow_the_lowering_default_rule():
+    """The planned schedule takes a default Lowering's buckets (``default_buckets``): DDP's 25 MiB and 1 MiB first
+    bucket, and none when gradients are summed in bfloat16 (then every gradient sum is its own call)."""
+    from meshtorch.ops.precision import PrecisionPolicy
+    from meshtorch.runtime.plan_lm import training_lm
+
+    for policy, buckets in ((None, (25 * 2 ** 20, 2 ** 20)), (PrecisionPolicy.named("bf16", "bfloat16"), (0, 0))):
+        lm = training_lm(preset("tiny", **SHAPE), precision=policy)
+        program = plan(lm.graph, [lm.loss] + lm.updates, mtf.MeshSpec("all:2", "batch:all"), backend_options("gloo"))
+        assert (program.options.bucket_bytes, program.options.first_bucket_bytes) == buckets
+        rep = memory_report(program)
+        assert (sum(priced_calls(rep).values()) < rep.counters.count()) == bool(buckets[0])
