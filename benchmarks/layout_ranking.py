@@ -28,11 +28,11 @@ each call, and the spread of the ranks' arrival times (the synchronisation wait)
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -41,12 +41,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host import describe  # noqa: E402
 
 import meshtorch as mtf  # noqa: E402
+from meshtorch.lowering.stages import plan  # noqa: E402
 from meshtorch.models.transformer import build_lm, preset  # noqa: E402
 from meshtorch.planning import memory_report  # noqa: E402
-from meshtorch.planning.cost import estimate_time  # noqa: E402
+from meshtorch.planning.cost import estimate_time, priced_calls  # noqa: E402
 from meshtorch.runtime.autolayout import choose_layout, default_layout_for, time_steps  # noqa: E402
 from meshtorch.runtime.calibrate import calibrate  # noqa: E402
-from meshtorch.runtime.plan_lm import plan_lm  # noqa: E402
+from meshtorch.runtime.plan_lm import backend_options, plan_lm  # noqa: E402
 
 
 def _cfg(name: str, mesh: str, layout: str, batch: int | None):
@@ -54,12 +55,12 @@ def _cfg(name: str, mesh: str, layout: str, batch: int | None):
     return preset(name, vocab_size=256, vocab_multiple=spec.axis_size_for("vocab"), batch_size=batch)
 
 
-def layouts_of(name: str, mesh: str, batch: int | None, cost) -> list[str]:
+def layouts_of(name: str, mesh: str, batch: int | None, cost, backend: str = "placement") -> list[str]:
     """Every legal layout of the preset on ``mesh`` that ``--layout auto``'s search ranks (one of each set equal
     up to swapping equal-size axes; the greedy refinement's layouts with several dims on one axis included),
     in the cost model's order, and train's default layout for the mesh if the search did not rank it."""
     ranked = plan_lm(lambda m: preset(name, vocab_size=256, vocab_multiple=m, batch_size=batch), mesh, search=True,
-                     cost=cost, print_fn=lambda *a: None, pipelines=False)
+                     cost=cost, print_fn=lambda *a: None, pipelines=False, options=backend_options(backend))
     out = [lay for lay, _ in ranked]
     default = default_layout_for(mesh)
     if _find(default, out) is None:
@@ -72,19 +73,11 @@ def _find(rules: str, layouts: list[str]) -> str | None:
     return next((lay for lay in layouts if mtf.LayoutRules(lay) == mtf.LayoutRules(rules)), None)
 
 
-def predict(name: str, mesh: str, rules: str, batch: int | None, cost) -> dict:
+def report_of(name: str, mesh: str, rules: str, batch: int | None, backend: str):
+    """The planned report of one AdamW step of the preset under ``rules``, with the schedule ``backend`` runs
+    (:func:`~meshtorch.runtime.plan_lm.backend_options`: gloo's gradient buckets, one process per processor)."""
     lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
-    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec(mesh, rules)}, materialize=False)
-    return estimate_time(memory_report(lw, [lm.loss] + lm.updates), cost)
-
-
-def planned_calls(name: str, mesh: str, rules: str, batch: int | None) -> int:
-    """Collective calls over more than one processor that the plan of one step counts (before gradient buckets)."""
-    lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
-    lw = mtf.Lowering(lm.graph, {lm.mesh: mtf.MeshSpec(mesh, rules)}, materialize=False)
-    rep = memory_report(lw, [lm.loss] + lm.updates)
-    sizes = rep.mesh_axis_sizes
-    return sum(n for c, n in rep.counters.records.items() if math.prod(sizes.get(a, 1) for a in c.mesh_axes) > 1)
+    return memory_report(plan(lm.graph, [lm.loss] + lm.updates, mtf.MeshSpec(mesh, rules), backend_options(backend)))
 
 
 def measure_placement(name, mesh, rules, batch, steps, warmup) -> float:
@@ -181,6 +174,15 @@ def kendall_tau(a, b) -> float:
     return float(kendalltau(a, b).statistic)
 
 
+def ranking_quality(pred: dict, meas: dict, layouts: list[str]) -> tuple[float, float, float, str]:
+    """(Kendall tau, top-1 regret, median |predicted / measured - 1|, the predicted best) of ``pred`` against
+    ``meas`` (seconds per layout)."""
+    p, m = [pred[r] for r in layouts], [meas[r] for r in layouts]
+    best = min(layouts, key=lambda r: pred[r])
+    return (kendall_tau(p, m), meas[best] / min(m) - 1,
+            statistics.median(abs(a / b - 1) for a, b in zip(p, m, strict=True)), best)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="gloo", choices=["placement", "gloo"])
@@ -208,7 +210,7 @@ def main():
     cal = calibrate(args.backend, args.threads, force=args.calibrate)
     print(cal.summary())
     cost = cal.cost_model()
-    layouts = layouts_of(args.preset, mesh, args.batch_size, cost)[: args.max_layouts]
+    layouts = layouts_of(args.preset, mesh, args.batch_size, cost, args.backend)[: args.max_layouts]
     default = _find(default_layout_for(mesh), layouts) or default_layout_for(mesh)
     if default not in layouts:
         layouts.append(default)
@@ -233,7 +235,11 @@ def main():
     print(f"{len(layouts)} legal layouts of the {args.preset!r} LM on mesh {mesh!r} ({args.backend}, "
           f"{args.threads} thread(s) per process); {args.rounds} interleaved rounds of {args.warmup} + "
           f"{args.steps} steps")
-    pred = {r: predict(args.preset, mesh, r, args.batch_size, cost)["total_s"] for r in layouts}
+    reports = {r: report_of(args.preset, mesh, r, args.batch_size, args.backend) for r in layouts}
+    pred = {r: estimate_time(rep, cost)["total_s"] for r, rep in reports.items()}
+    # the model before issue 36: each planned collective pays the latency (29 calls for batch:all's gradient sums)
+    pred_per_sum = {r: estimate_time(replace(rep, collective_calls=None), cost)["total_s"]
+                    for r, rep in reports.items()}
     runs: dict = {r: [] for r in layouts}
     for _ in range(args.rounds):
         if args.backend == "placement":
@@ -256,22 +262,25 @@ def main():
                                                                 args.steps, args.warmup, args.threads),
                        nprocs=mtf.MeshSpec(mesh).size, timeout_s=3600,
                        extra_path=[os.path.dirname(os.path.abspath(__file__))]).check()
-        breakdown(job.results, layouts, {r: planned_calls(args.preset, mesh, r, args.batch_size) for r in layouts})
-    print(f"{'layout':<52} {'predicted ms':>12} {'measured ms':>12} {'pred/meas':>9}  spread")
+        breakdown(job.results, layouts, {r: sum(priced_calls(reports[r]).values()) for r in layouts})
+    print(f"{'layout':<52} {'predicted ms':>12} {'measured ms':>12} {'pred/meas':>9}  {'spread':<13} "
+          f"{'calls':>5} {'per-sum ms':>10}")
     for r in sorted(layouts, key=lambda r: meas[r]):
+        calls = f"{sum(priced_calls(reports[r]).values())}/{reports[r].counters.count()}"
         print(f"{r or '(replicated)':<52} {pred[r] * 1e3:12.1f} {meas[r] * 1e3:12.1f} {pred[r] / meas[r]:9.2f}  "
-              f"{min(runs[r]) * 1e3:.1f}-{max(runs[r]) * 1e3:.1f}")
-    p, m = [pred[r] for r in layouts], [meas[r] for r in layouts]
-    best_pred = min(layouts, key=lambda r: pred[r])
-    regret = meas[best_pred] / min(m) - 1
-    err = statistics.median(abs(a / b - 1) for a, b in zip(p, m, strict=True))
+              f"{f'{min(runs[r]) * 1e3:.1f}-{max(runs[r]) * 1e3:.1f}':<13} {calls:>5} {pred_per_sum[r] * 1e3:10.1f}")
+    tau, regret, err, best_pred = ranking_quality(pred, meas, layouts)
+    tau0, regret0, err0, best0 = ranking_quality(pred_per_sum, meas, layouts)
+    print(f"same measured times, latency per planned collective (calls/collectives above: the model before "
+          f"pricing per bucket call): Kendall tau {tau0:.3f}; top-1 regret {100 * regret0:.1f}% (predicted best "
+          f"{best0 or '(replicated)'!r}); median |predicted/measured - 1| {100 * err0:.1f}%")
     if auto is not None:
         fastest = min(layouts, key=lambda r: meas[r])
         print(f"--layout auto chose {auto!r}: measured {meas[auto] * 1e3:.1f} ms = {meas[auto] / meas[fastest]:.3f}x "
               f"the fastest ({fastest!r}, {meas[fastest] * 1e3:.1f} ms), {meas[auto] / meas[default]:.3f}x the default "
               f"layout ({default!r}, {meas[default] * 1e3:.1f} ms); choosing took {t_auto:.1f} s = "
               f"{100 * t_auto / (600 * meas[default]):.1f}% of 600 default steps ({600 * meas[default]:.0f} s)")
-    print(f"Kendall tau {kendall_tau(p, m):.3f}; top-1 regret {100 * regret:.1f}% (predicted best "
+    print(f"Kendall tau {tau:.3f}; top-1 regret {100 * regret:.1f}% (predicted best "
           f"{best_pred or '(replicated)'!r}); median |predicted/measured - 1| {100 * err:.1f}%; "
           f"{time.perf_counter() - t0:.0f} s")
 

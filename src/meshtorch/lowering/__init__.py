@@ -26,13 +26,12 @@ import torch
 from meshtorch.core.graph import Graph, Mesh, Operation, Tensor
 from meshtorch.core.layout import TensorLayout
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.counters import Collective, Counters
 from meshtorch.lowering.planner import Planner
 from meshtorch.lowering.program import Program, Step, SubProgram, program_str, select_steps
-from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
 from meshtorch.lowering.session import Session, bind, check_compile_backend
 from meshtorch.lowering.stages import PlanOptions, fetch_keys, plan
+from meshtorch.lowering.stages import default_buckets as default_bucket_rule
 from meshtorch.lowering.variables import VariableStore
 from meshtorch.mesh.base import MeshImpl
 from meshtorch.mesh.factory import placement_mesh_impl
@@ -52,13 +51,6 @@ def _backend(x) -> MeshImpl:
     if isinstance(x, MeshSpec):
         return placement_mesh_impl(x)
     raise TypeError(f"Lowering: expected a MeshImpl or a MeshSpec per mesh, got {type(x).__name__}.")
-
-
-def _reduces_low_precision(graph: Graph, program: Program) -> bool:
-    """Does ``program`` all-reduce a tensor of ``graph`` whose dtype is narrower than 32 bits?"""
-    reduced = {st.collective.tensor for st in program.steps
-               if st.collective is not None and kind_of(st.collective.kind)[0].fp32_default_buckets}
-    return any(t.name in reduced and t.dtype.itemsize < 4 for op in graph.operations for t in op.outputs)
 
 
 class _VariablesByOp(MutableMapping):
@@ -151,13 +143,13 @@ class Lowering:
         self.planner = Planner(graph, {m: i.spec for m, i in impls_by_mesh.items()})
         self.program = self.planner.program
         self._mesh_to_impl = impls_by_mesh
-        if default_buckets and bucket_bytes and _reduces_low_precision(graph, self.program):
-            bucket_bytes = 0
+        first_bucket_bytes = 0
+        if default_buckets:
+            bucket_bytes, first_bucket_bytes = default_bucket_rule(graph, self.program, bucket_bytes)
         impls = {m.name: i for m, i in impls_by_mesh.items()}
         self.store = VariableStore(self.program, impls, initialize=False)
         if materialize:
             self.store.initialize(lazy=init == "lazy")
-        first_bucket_bytes = FIRST_BUCKET_BYTES if default_buckets and bucket_bytes > FIRST_BUCKET_BYTES else 0
         self.session = Session(self.program, impls, self.store, mode, bucket_bytes, first_bucket_bytes,
                                compile_backend)
         self.variables = _VariablesByOp(self.store, self.planner.variable_ops)

@@ -13,15 +13,37 @@ follow the same split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshtorch.core.graph import Graph, Operation, Tensor
 from meshtorch.core.mesh_spec import MeshSpec, convert_to_mesh_spec
+from meshtorch.lowering.collectives import kind_of
 from meshtorch.lowering.planner import Planner
 from meshtorch.lowering.plans import Plan, Processes, fetch_plan
 from meshtorch.lowering.program import Program
+from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
 
-__all__ = ["PlanOptions", "fetch_keys", "plan", "schedule"]
+__all__ = ["PlanOptions", "default_buckets", "fetch_keys", "plan", "schedule"]
+
+
+def _reduces_low_precision(graph: Graph, program: Program) -> bool:
+    """Does ``program`` all-reduce a tensor of ``graph`` whose dtype is narrower than 32 bits?"""
+    reduced = {st.collective.tensor for st in program.steps
+               if st.collective is not None and kind_of(st.collective.kind)[0].fp32_default_buckets}
+    return any(t.name in reduced and t.dtype.itemsize < 4 for op in graph.operations for t in op.outputs)
+
+
+def default_buckets(graph: Graph, program: Program, bucket_bytes: int) -> tuple[int, int]:
+    """``(bucket_bytes, first_bucket_bytes)`` of a :class:`~meshtorch.Lowering` told no ``bucket_bytes`` on meshes
+    whose implementations' largest ``default_bucket_bytes`` is ``bucket_bytes`` (25 MiB on
+    :class:`~meshtorch.SpmdMeshImpl`, 0 on the placement mesh): that size with DistributedDataParallel's 1 MiB first
+    bucket (:data:`~meshtorch.lowering.schedule.FIRST_BUCKET_BYTES`, when smaller), or no buckets (0, 0) when
+    ``program`` all-reduces a 16-bit tensor (a flat bucket makes gloo add its elements in another order, which
+    bfloat16 rounding shows). The one rule both the executor and the planner's priced schedule
+    (:attr:`PlanOptions.mesh_default`) follow."""
+    if bucket_bytes and _reduces_low_precision(graph, program):
+        return 0, 0
+    return bucket_bytes, FIRST_BUCKET_BYTES if bucket_bytes > FIRST_BUCKET_BYTES else 0
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,10 @@ class PlanOptions:
         local: processors one process holds: None (default) all of them, one process simulating the mesh
             (a placement mesh); 1 one process per processor (SPMD). In-place updates need 1 (see
             :mod:`meshtorch.lowering.donate`), so memory estimates differ.
+        mesh_default: ``bucket_bytes`` is a mesh implementation's ``default_bucket_bytes`` and the buckets are
+            those a :class:`~meshtorch.Lowering` told no ``bucket_bytes`` makes of them: :func:`plan` replaces
+            both byte counts with :func:`default_buckets` of the planned program (a 1 MiB first bucket; none
+            when a 16-bit tensor is all-reduced).
 
     Raises:
         ValueError: a negative byte count or a ``local`` other than None or 1, naming the field.
@@ -43,6 +69,7 @@ class PlanOptions:
     bucket_bytes: int = 0
     first_bucket_bytes: int = 0
     local: int | None = None
+    mesh_default: bool = False
 
     def __post_init__(self):
         for name in ("bucket_bytes", "first_bucket_bytes"):
@@ -124,7 +151,11 @@ def plan(graph: Graph, fetches, spec: MeshSpec | dict, options: PlanOptions | No
     planner = Planner(graph, _mesh_to_spec(graph, spec), check_first=True)
     program = planner.program
     program.fetches = fetch_keys(planner, fetches)
-    program.options = options or PlanOptions()
+    opts = options or PlanOptions()
+    if opts.mesh_default:  # the buckets an executor on the mesh makes by default (the Lowering's rule)
+        b, first = default_buckets(graph, program, opts.bucket_bytes)
+        opts = replace(opts, bucket_bytes=b, first_bucket_bytes=first, mesh_default=False)
+    program.options = opts
     program.specs = {m.name: s for m, s in planner.mesh_to_spec.items()}
     program.op_axes = op_mesh_axes(planner, graph.operations)
     program.pipeline = getattr(graph, "pipeline_schedule", None)

@@ -35,6 +35,11 @@ class CostModel:
     collective-permute  ``b`` (a shift)
     ==================  =====================
 
+    The latency is paid once per call the executor makes: the SPMD mesh sums a data-parallel step's gradients
+    in buckets (:mod:`meshtorch.lowering.schedule`, one call of several values each), so
+    :func:`estimate_time` charges the wire bytes per collective and the latency per call
+    (:attr:`MemoryReport.collective_calls`).
+
     Defaults (order of magnitude of one data-centre GPU with NVLink-class links): ``flop_rate``
     1e14 FLOP/s, ``bandwidth`` 1e11 B/s, ``latency`` 1e-5 s per collective.
     :meth:`cpu` gives a multi-core CPU with a 10 GB/s interconnect (1e11, 1e10, 5e-5).
@@ -107,13 +112,29 @@ class CostModel:
         Raises:
             ValueError: ``kind`` is no declared collective (:mod:`meshtorch.lowering.collectives`).
         """
-        wire_bytes = kind_of(kind)[0].wire_bytes
         if group <= 1:
+            kind_of(kind)  # an undeclared kind is refused even over one processor
             return 0.0
-        for k, alpha, per_byte in self.collectives:
-            if k == kind:
-                return alpha + wire_bytes(nbytes, group) * per_byte
-        return self.latency + wire_bytes(nbytes, group) / self.bandwidth
+        return self.kind_latency(kind) + self.wire_time(kind, nbytes, group)
+
+    def kind_latency(self, kind: str) -> float:
+        """Seconds one call of ``kind`` costs whatever it moves (alpha): the measured latency of that kind, else
+        ``latency``. Paid once per process-group call, so a bucket of several values pays it once."""
+        return next((alpha for k, alpha, _ in self.collectives if k == kind), self.latency)
+
+    def wire_time(self, kind: str, nbytes: int, group: int) -> float:
+        """Seconds to move what each of ``group`` processors sends in a collective of ``kind`` where each holds
+        ``nbytes`` (the kind's declared ``wire_bytes``, linear in ``nbytes``, so a bucket's equals the sum over
+        its members) over the kind's measured bandwidth, else ``bandwidth``; 0 for ``group`` <= 1.
+
+        Raises:
+            ValueError: ``kind`` is no declared collective (:mod:`meshtorch.lowering.collectives`).
+        """
+        if group <= 1:
+            kind_of(kind)  # an undeclared kind is refused even over one processor
+            return 0.0
+        per_byte = next((b for k, _, b in self.collectives if k == kind), None)
+        return _wire(kind, nbytes, group) * (1.0 / self.bandwidth if per_byte is None else per_byte)
 
     def times_paid(self, group: int, num_processors: int) -> int:
         """How many times one collective over ``group`` processors is paid in a step: once on an SPMD mesh,
@@ -132,9 +153,12 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
 
     SPMD (``cost.serial`` False): one processor's einsum FLOPs over the FLOP rate, plus its kernel calls
     times ``kernel_overhead``, plus the bytes its slicewise steps read and write over ``memory_bandwidth``, plus
-    each collective once. Placement (``serial``): the work of every processor
-    one after another (:attr:`MemoryReport.flops_serial`), plus each collective once per processor group (the
-    groups of a mesh axis run one after another in one process).
+    each collective's wire time once and each collective *call*'s latency once: the calls the scheduled run
+    makes (:meth:`MemoryReport.calls`), so the gradient sums of a data-parallel step that an SPMD mesh issues in
+    two buckets pay the latency twice, not once per gradient (the bytes are the same). Placement (``serial``):
+    the work of every processor one after another (:attr:`MemoryReport.flops_serial`), plus each collective once
+    per processor group (the groups of a mesh axis run one after another in one process); the placement mesh
+    makes no buckets, so one call per collective.
     """
     cost = cost or CostModel()
     if cost.serial:
@@ -146,11 +170,27 @@ def estimate_time(report: MemoryReport, cost: CostModel | None = None) -> dict:
     compute = flops / cost.flop_rate + calls * cost.kernel_overhead
     if cost.memory_bandwidth:
         compute += moved / cost.memory_bandwidth
+
     comm = 0.0
     for c, n in report.counters.records.items():
-        group = math.prod(report.mesh_axis_sizes.get(a, 1) for a in c.mesh_axes)
-        comm += n * cost.times_paid(group, report.num_processors) * cost.collective_time(c, group)
+        group = _group(report, c.mesh_axes)
+        comm += n * cost.times_paid(group, report.num_processors) * cost.wire_time(c.kind, c.bytes_per_processor, group)
+    for (kind, axes), n in priced_calls(report).items():
+        group = _group(report, axes)
+        comm += n * cost.times_paid(group, report.num_processors) * cost.kind_latency(kind)
     return {"compute_s": compute, "comm_s": comm, "total_s": compute + comm}
+
+
+def _group(report: MemoryReport, mesh_axes) -> int:
+    return math.prod(report.mesh_axis_sizes.get(a, 1) for a in mesh_axes)
+
+
+def priced_calls(report: MemoryReport) -> dict[tuple[str, tuple[str, ...]], int]:
+    """``{(kind, mesh axes): calls}`` whose latency :func:`estimate_time` charges for one step of ``report``: the
+    collective calls the scheduled run makes (:meth:`MemoryReport.calls`; a gradient bucket is one call) over
+    groups of more than one processor (a group of one moves nothing). A placement mesh (``serial``) pays each
+    once per processor group on top (:meth:`CostModel.times_paid`)."""
+    return {k: n for k, n in report.calls().items() if _group(report, k[1]) > 1}
 
 
 def transform_time(transforms: Sequence[Transform], cost: CostModel | None = None,

@@ -64,6 +64,10 @@ class MemoryReport:
         flops_per_processor: einsum FLOPs one processor executes: each einsum's FLOPs divided by
             the sizes of the mesh axes that split it (replicated work counts on every processor).
         counters: the planned :class:`~meshtorch.lowering.counters.Counters` (every collective).
+        collective_calls: ``{(kind, mesh axes): calls}``: the collective calls the scheduled run makes, a bucket
+            step (:mod:`meshtorch.lowering.schedule`, the gradient buckets of an SPMD mesh) one call of its
+            members' kind (:func:`collective_calls`); None (a report built by hand): one call per planned
+            collective of ``counters``. The cost model charges each call's latency once.
         mesh_axis_sizes: ``{mesh axis name: size}``, for the cost model.
         layout: the layout rules, as text (for reports).
         storage: the storage rules, as text ("" when variables are stored in the compute layout).
@@ -98,6 +102,7 @@ class MemoryReport:
     flops_per_processor: int
     counters: Counters
     mesh_axis_sizes: dict[str, int] = field(default_factory=dict)
+    collective_calls: dict[tuple[str, tuple[str, ...]], int] | None = None
     layout: str = ""
     estimated_time: dict | None = None
     gradient_bytes: int = 0
@@ -148,6 +153,13 @@ class MemoryReport:
             out[(c.kind, tuple(c.mesh_axes))][1] += c.bytes_per_processor * n
         return {k: (v[0], v[1]) for k, v in sorted(out.items())}
 
+    def calls(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """``{(kind, mesh axes): calls}`` of one run: :attr:`collective_calls`, or one call per planned collective
+        of :attr:`counters` when that is None."""
+        if self.collective_calls is not None:
+            return dict(self.collective_calls)
+        return {k: n for k, (n, _) in self.communication().items()}
+
     def summary(self) -> str:
         """A readable table of the report."""
         n = self.num_processors
@@ -169,8 +181,10 @@ class MemoryReport:
             lines.append("communication per step: none (everything local)")
         else:
             total = sum(b for _, b in comm.values())
-            lines.append(f"communication per step: {sum(c for c, _ in comm.values())} collectives, "
-                         f"{_human(total)} per processor")
+            count = sum(c for c, _ in comm.values())
+            calls = sum(self.calls().values())
+            in_calls = f" in {calls} calls (buckets)" if calls != count else ""
+            lines.append(f"communication per step: {count} collectives{in_calls}, {_human(total)} per processor")
             lines.append(f"  {'collective':<16}{'mesh axes':<16}{'count':>7}{'bytes/processor':>18}")
             for (kind, axes), (count, b) in comm.items():
                 lines.append(f"  {kind:<16}{','.join(axes):<16}{count:>7}{_human(b):>18}")
@@ -292,6 +306,20 @@ def _walk(steps, all_frees, size, records, live: int = 0) -> tuple[int, int, int
     return peak, peak_i, largest
 
 
+def collective_calls(steps) -> dict[tuple[str, tuple[str, ...]], int]:
+    """``{(kind, mesh axes): calls}`` of scheduled ``steps`` (a :class:`~meshtorch.lowering.plans.Plan`'s, after
+    the scheduling passes of :mod:`meshtorch.lowering.schedule` that the executor runs too): each collective step
+    is one call, a bucket step one call of its members' kind (the mesh implementation's bucket method moves
+    them as one flat buffer per dtype: one call for a bucket of one dtype). Steps inside a loop body count zero
+    times, as the counters do."""
+    calls: dict = defaultdict(int)
+    for st in steps:
+        if st.planned:
+            c = st.planned[0]
+            calls[(c.kind, tuple(c.mesh_axes))] += 1
+    return dict(calls)
+
+
 def _split_factor(spec, axes) -> int:
     """Product of the sizes of mesh ``axes`` (those splitting any input or output of an op: an einsum splits
     its computation over each of them; operands split differently are all-gathered first)."""
@@ -374,7 +402,7 @@ def _report(program: Program, prog, specs: dict, op_axes: dict, pipeline) -> Mem
         non_trainable_bytes=other, constant_bytes=constants, peak_activation_bytes=peak,
         peak_step=(peak_i, peak_op), largest_slot_bytes=largest, estimated_slots=size.estimated,
         einsum_flops=prog.counters.einsum_flops, flops_per_processor=local_flops,
-        counters=counters, mesh_axis_sizes=dict(size.axis_sizes),
+        counters=counters, mesh_axis_sizes=dict(size.axis_sizes), collective_calls=collective_calls(prog.steps),
         layout="; ".join(str(i.layout_rules) for i in impls if str(i.layout_rules)),
         gradient_bytes=gradient_bytes, storage="; ".join(str(i.storage_rules) for i in impls if str(i.storage_rules)),
         kernel_steps=kernel_steps, kernel_calls_serial=kernel_steps * serial, kernel_bytes=kernel_bytes,

@@ -17,7 +17,7 @@ from meshtorch.core.errors import LayoutError
 from meshtorch.core.graph import Mesh
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering.counters import _human
-from meshtorch.lowering.stages import plan
+from meshtorch.lowering.stages import PlanOptions, plan
 from meshtorch.planning.cost import CostModel, estimate_time
 from meshtorch.planning.memory import MemoryReport, memory_report
 
@@ -140,7 +140,7 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
                    memory_limit_bytes: int | None = None, fetches_fn: Callable | None = None,
                    cost: CostModel | None = None, max_candidates: int = 256,
                    refine: int | None = None, storage_rules: Sequence[str] | None = None,
-                   storage_top: int = 4) -> list[tuple[str, MemoryReport]]:
+                   storage_top: int = 4, options: PlanOptions | None = None) -> list[tuple[str, MemoryReport]]:
     """Rank layout rules for a model on a mesh by estimated step time (best first).
 
     Args:
@@ -168,6 +168,9 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
             can be brought under it by sharding its variables. Default None: variables are
             stored in their compute layout (no storage rules), as before.
         storage_top: how many compute layouts (by time, and by activation memory) get the storage candidates.
+        options: the schedule each candidate is planned with (:class:`~meshtorch.lowering.stages.PlanOptions`;
+            default None: the placement mesh's, one process, no buckets); an SPMD backend's (its gradient
+            buckets) makes :func:`estimate_time` charge the latency per bucket call the executor makes.
 
     Returns:
         ``[(layout rules, MemoryReport)]`` of every legal layout tried that fits the limit (the
@@ -216,7 +219,7 @@ def search_layouts(build_fn: Callable, mesh_shape, candidate_rules: Sequence[str
                 scored[key] = None if rep is None else replace(rep, layout=rules, storage=storage)
                 return scored[key]
             try:
-                program = plan(graph, fetches, {mesh: MeshSpec(mesh_shape, rules, storage=storage)})
+                program = plan(graph, fetches, {mesh: MeshSpec(mesh_shape, rules, storage=storage)}, options)
             except LayoutError:
                 scored[key] = None
                 return None

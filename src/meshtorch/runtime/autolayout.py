@@ -36,7 +36,7 @@ from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.search import layout_key
 from meshtorch.runtime.calibrate import _host_key, cache_path, calibrate
-from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, pipeline_fields, plan_lm, why_line
+from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, backend_options, pipeline_fields, plan_lm, why_line
 
 WARMUP_STEPS = 1  # excluded: the first step builds the executor's program and allocates the optimizer state
 TIMED_STEPS = 3  # median of these
@@ -134,7 +134,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     try:
         ranked = plan_lm(config, mesh_shape, search=True, storage=storage, memory_limit=memory_limit, cost=cost,
                          print_fn=lambda *a: None, microbatches=microbatches, precision=precision,
-                         pipelines=microbatches is not None and microbatches > 1)
+                         pipelines=microbatches is not None and microbatches > 1, options=backend_options(backend))
     except SystemExit as e:
         raise UsageError(f"--layout auto: {e}") from None
     if not ranked:
@@ -158,7 +158,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
                  f"measured 0 candidates:")
         print_fn(hit["table"])
         return _result(hit["layout"], hit["storage"], hit["remat"], print_fn)
-    cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, print_fn, precision)
+    cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, print_fn, precision,
+                        backend_options(backend))
     band = trust_band(cost)
     chosen_ones = select(cands, candidates, band)
     t0 = time.perf_counter()
@@ -308,7 +309,7 @@ def _result(layout: str, storage: str, remat: str | None, print_fn) -> tuple[str
 
 
 def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, print_fn,
-                precision=None) -> list[Candidate]:
+                precision=None, options=None) -> list[Candidate]:
     """Every layout of ``ranked`` as a :class:`Candidate`, best first, with the mesh's default layout marked
     (ranked, or predicted apart and appended; left out with a line saying why when it does not fit
     ``memory_limit`` or is illegal for the model)."""
@@ -323,7 +324,7 @@ def _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, print_f
     if mine is None:
         try:
             rep = plan_lm(config, mesh_shape, default, storage=dstore, cost=cost, print_fn=lambda *a: None,
-                          precision=precision)[0][1]
+                          precision=precision, options=options)[0][1]
         except SystemExit:
             print_fn(f"--layout auto: the default layout {default!r} is illegal for this model; not measured.")
             return out

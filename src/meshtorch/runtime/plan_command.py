@@ -17,9 +17,7 @@ import torch
 from meshtorch.core.errors import LayoutError, ShapeError, UsageError
 from meshtorch.core.layout import LayoutRules, check_rules_strict
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.lowering.schedule import FIRST_BUCKET_BYTES
-from meshtorch.lowering.stages import PlanOptions, plan
-from meshtorch.mesh.spmd import SpmdMeshImpl
+from meshtorch.lowering.stages import plan
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.planning.cost import CostModel, estimate_time
@@ -27,20 +25,17 @@ from meshtorch.planning.memory import memory_report
 from meshtorch.planning.pipeline import schedule_flag
 from meshtorch.runtime import pipeline_train
 from meshtorch.runtime.optimizers import make_optimizer
-from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, parse_bytes, pipeline_fields, plan_lm, training_lm, why_line
+from meshtorch.runtime.plan_lm import (
+    DEFAULT_LAYOUT,
+    backend_options,
+    parse_bytes,
+    pipeline_fields,
+    plan_lm,
+    training_lm,
+    why_line,
+)
 
 __all__ = ["backend_options", "check_args", "hardware_cost_model", "main_plan", "your_layout_line"]
-
-
-def backend_options(backend: str) -> PlanOptions | None:
-    """The schedule ``--backend`` runs: ``placement`` (None: one process holds every processor, no buckets, as
-    ``meshtorch train`` without torchrun); ``gloo``/``nccl``: one process per processor (in-place updates, as
-    :mod:`meshtorch.lowering.donate` plans them) with the SPMD mesh's default gradient buckets (a
-    :class:`~meshtorch.Lowering`'s on :class:`~meshtorch.mesh.spmd.SpmdMeshImpl`: 25 MiB, a 1 MiB first)."""
-    if backend == "placement":
-        return None
-    b = SpmdMeshImpl.default_bucket_bytes
-    return PlanOptions(bucket_bytes=b, first_bucket_bytes=FIRST_BUCKET_BYTES if b > FIRST_BUCKET_BYTES else 0, local=1)
 
 
 def _config(args, vocab_multiple: int, layout: str | None = None):

@@ -17,6 +17,8 @@ from meshtorch.core.errors import LayoutError
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering.counters import _human
+from meshtorch.lowering.stages import PlanOptions
+from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.accumulate import build_training_graph
@@ -41,6 +43,17 @@ def training_lm(cfg, optimizer=None, accumulate: int = 1, precision=None):
     name) the model is built with."""
     opt = optimizer() if optimizer is not None else AdamWOptimizer(1e-3)
     return build_training_graph(build_lm, cfg, opt, accumulate, precision=precision)[0]
+
+
+def backend_options(backend: str) -> PlanOptions | None:
+    """The schedule ``--backend`` runs: ``placement`` (None: one process holds every processor, no buckets, as
+    ``meshtorch train`` without torchrun); ``gloo``/``nccl``: one process per processor (in-place updates, as
+    :mod:`meshtorch.lowering.donate` plans them) with the gradient buckets a default
+    :class:`~meshtorch.Lowering` makes on :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` (25 MiB, a 1 MiB first; none
+    for 16-bit reductions: :func:`~meshtorch.lowering.stages.default_buckets`, resolved when planned)."""
+    if backend == "placement":
+        return None
+    return PlanOptions(bucket_bytes=SpmdMeshImpl.default_bucket_bytes, local=1, mesh_default=True)
 
 
 def parse_bytes(text: str) -> int:
@@ -166,7 +179,10 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
             measured, which the header says).
         options: the :class:`~meshtorch.lowering.stages.PlanOptions` of the report of one layout and of the
             ``memory_limit`` fit (``meshtorch plan --backend gloo``: one process per processor, in-place
-            updates, the SPMD mesh's gradient buckets); default the placement mesh's. Not used by ``search``.
+            updates, the SPMD mesh's gradient buckets, :func:`backend_options`); default the placement mesh's.
+            ``search`` plans the non-pipelined candidates with it too, so their collectives are priced per call
+            the executor makes (a gradient bucket once); pipelined candidates are planned as the placement
+            mesh runs them.
 
     Returns:
         ``[(layout, MemoryReport)]`` (one entry without ``search``; ``report.storage`` holds the storage rules,
@@ -246,7 +262,7 @@ def plan_lm(config, mesh_shape: str, layout: str = DEFAULT_LAYOUT, storage: str 
         try:
             plain = search_layouts(lambda lm_r=lm_r: lm_r, mesh_shape, memory_limit_bytes=memory_limit,
                                    fetches_fn=lambda m, lm_r=lm_r: [lm_r.loss] + lm_r.updates, cost=cost,
-                                   storage_rules=storage_rules)
+                                   storage_rules=storage_rules, options=options)
         except ValueError as e:
             plain, failure = [], e
         if plain or piped:  # a pipeline that fits needs no heavier remat
