@@ -77,3 +77,46 @@ def test_beam_search_equals_transformers(saved, family):
                             attention_mask=torch.ones_like(prompt))[0, PROMPT:].tolist()
     model, lw = hf.load(path, mtf.PlacementMeshImpl("data:2;model:2", MP), batch_size=4, length=LENGTH)
     assert beam_search(lw, model, prompt[0], beam_size=4, max_new_tokens=16) == want
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
+def test_step_head_copy_follows_every_weight_change(saved, family):
+    """The step reads the head from a contiguous ``[d_model, vocab]`` copy (``Step.weight``); after each way the
+    weights change (a new copy from the training lowering; a variable replaced in the decoder, as a restore
+    does; a slice written in place, as a training update does) the copy equals the head's transpose and the
+    step's logits equal ``transformers``' for the changed weights."""
+    import copy
+
+    from meshtorch.runtime.generate import CachedDecoder
+
+    ref0, path = saved[family]
+    head = "embed" if family == "gpt2" else "lm_head"
+    model, lw = hf.load(path, mtf.PlacementMeshImpl("data:2;model:2", MP), batch_size=2, length=16)
+    ids = F.token_batch(2, 8, seed=3)
+    buf = torch.zeros(2, 16, dtype=torch.int64)
+    buf[:, :6] = ids[:, :6]
+
+    def check(dec, factor):
+        ref = copy.deepcopy(ref0)
+        with torch.no_grad():
+            ref.get_output_embeddings().weight.mul_(factor)
+            want = ref(ids).logits
+        dec.prefill(buf)
+        got = dec.step(ids[:, 6], 6)[:, : F.VOCAB]
+        assert (got - want[:, 6]).abs().max() <= 1e-5 * float(want.abs().max())
+        w = dec.lowering.variable_value(head)
+        assert torch.equal(dec.lowering.variable_value("lm_head_proj/decode_kernel"), w.t())
+
+    dec = CachedDecoder.of(lw, model)
+    check(dec, 1.0)
+    slices = dec.lowering.store.impl(head).local_slices(dec.lowering.store.values[head])
+    copies = dec.lowering.store.values["lm_head_proj/decode_kernel"]
+    assert all(t.is_contiguous() for t in dec.lowering.store.impl(head).local_slices(copies))
+    for t in {id(t): t for t in slices}.values():  # in place, as a training step's commit writes
+        t.mul_(2.0)
+    check(dec, 2.0)
+    dec.lowering.set_variable_value(head, lw.variable_value(head) * 3.0)  # replaced, as a restore does
+    check(dec, 3.0)
+    lw.set_variable_value(head, lw.variable_value(head) * 0.5)  # the training lowering's weights changed
+    assert CachedDecoder.of(lw, model) is dec
+    check(dec, 0.5)

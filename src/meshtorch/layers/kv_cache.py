@@ -29,11 +29,11 @@ from meshtorch.layers.attention import attention, grouped_query_attention
 from meshtorch.ops.binary import greater
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import gather, one_hot
-from meshtorch.ops.reshape import rename_dimension, reshape
+from meshtorch.ops.reshape import rename_dimension, reshape, transpose
 from meshtorch.ops.rotary import rotary, rotary_cos_sin
 from meshtorch.ops.sequence import mtf_range
 from meshtorch.ops.shape import concat, split, where
-from meshtorch.ops.variables import assign, get_variable, import_tensor
+from meshtorch.ops.variables import Variable, assign, get_variable, import_tensor
 
 __all__ = ["FullSequence", "Prefill", "Step", "MEMORY", "ReplayVariables", "reorder_rows"]
 
@@ -54,6 +54,11 @@ class FullSequence:
     def rotary(self, x: Tensor, theta: float, name: str) -> Tensor:
         """Rotary positions 0 .. length - 1 (:func:`meshtorch.ops.rotary.rotary`)."""
         return rotary(x, self.length, self.key, theta=theta, name=name)
+
+    def weight(self, w: Tensor, shape, name: str) -> Tensor:
+        """The weight ``w`` for a matmul that reads it fastest with its dims in ``shape``'s order: here ``w``
+        itself (a whole window's matmuls are matrix products; :meth:`Step.weight` keeps a copy)."""
+        return w
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, name: str, heads: str = "heads",
                kv_heads: str | None = None) -> Tensor:
@@ -121,6 +126,8 @@ class Step(FullSequence):
         super().__init__(prefill.length, key)
         self.caches, self.position = prefill.caches, position
         self.assigns: list = []
+        self.refresh: list = []  # the derived weights' writes (:meth:`weight`)
+        self.derived: dict[str, str] = {}  # derived weight variable name -> its source's name
         self._next = 0
         self._rotations: dict = {}
         mem = self.caches.memory
@@ -143,6 +150,23 @@ class Step(FullSequence):
         lo, hi = split(x, self.key, 2, name=f"{name}/halves")
         half = concat([hi * -1.0, lo], self.key, name=f"{name}/rotate_half")
         return x * cos_p + half * sin_p
+
+    def weight(self, w: Tensor, shape, name: str) -> Tensor:
+        """``w`` (a variable's value ``[dims...]``) as a new non-trainable variable ``name`` with its dims in
+        ``shape``'s order, contiguous (:func:`~meshtorch.ops.reshape.transpose` with ``copy``), for the step's
+        matrix-vector products: one token's matmul streams the whole weight, and BLAS reads a ``[d_model, vocab]``
+        operand faster than the strided transposed view of a tied ``[vocab, d_model]`` embedding (about 1.5x
+        on one CPU thread). Its value is written by :attr:`refresh` (run after every weight copy:
+        :class:`meshtorch.runtime.generate.CachedDecoder`); :attr:`derived` maps its name to ``w``'s variable."""
+        shape = convert_to_shape(shape)
+        src = w.operation
+        while not isinstance(src, Variable) and src.inputs:  # through a mixed-precision cast to the variable
+            src = src.inputs[0].operation
+        var = get_variable(w.mesh, name, shape, dtype=w.dtype, initializer=0.0, trainable=False)
+        self.refresh.append(assign(var, transpose(w, shape, name=f"{name}/transpose", copy=True),
+                                   name=f"{name}/refresh"))
+        self.derived[var.operation.name] = src.name
+        return var
 
     def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
         if self._next >= len(self.caches.pairs):
@@ -198,6 +222,8 @@ class ReplayVariables:
         return t
 
     def replay(self, getter, mesh, full_name, shape, **kw):
+        if not kw.get("trainable", True):  # a variable of the second pass only (Step.weight's copies)
+            return getter(mesh, full_name, shape, **kw)
         if self._i >= len(self.got):
             raise ShapeError(f"ReplayVariables: variable {full_name!r} is call {self._i + 1}; the first pass made "
                              f"{len(self.got)}.")
