@@ -55,9 +55,13 @@ class FullSequence:
         """Rotary positions 0 .. length - 1 (:func:`meshtorch.ops.rotary.rotary`)."""
         return rotary(x, self.length, self.key, theta=theta, name=name)
 
+    #: the pass keeps copies of weights in the layout its matmuls read fastest (:meth:`Step.derive`); here not:
+    #: a whole window's matmuls are matrix-matrix products, and training must read the weights themselves
+    derives = False
+
     def weight(self, w: Tensor, shape, name: str) -> Tensor:
         """The weight ``w`` for a matmul that reads it fastest with its dims in ``shape``'s order: here ``w``
-        itself (a whole window's matmuls are matrix products; :meth:`Step.weight` keeps a copy)."""
+        itself (:meth:`Step.weight` keeps a copy)."""
         return w
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, name: str, heads: str = "heads",
@@ -127,7 +131,7 @@ class Step(FullSequence):
         self.caches, self.position = prefill.caches, position
         self.assigns: list = []
         self.refresh: list = []  # the derived weights' writes (:meth:`weight`)
-        self.derived: dict[str, str] = {}  # derived weight variable name -> its source's name
+        self.derived: dict[str, list] = {}  # derived weight variable name -> its sources' names
         self._next = 0
         self._rotations: dict = {}
         mem = self.caches.memory
@@ -151,21 +155,24 @@ class Step(FullSequence):
         half = concat([hi * -1.0, lo], self.key, name=f"{name}/rotate_half")
         return x * cos_p + half * sin_p
 
+    derives = True
+
     def weight(self, w: Tensor, shape, name: str) -> Tensor:
-        """``w`` (a variable's value ``[dims...]``) as a new non-trainable variable ``name`` with its dims in
-        ``shape``'s order, contiguous (:func:`~meshtorch.ops.reshape.transpose` with ``copy``), for the step's
-        matrix-vector products: one token's matmul streams the whole weight, and BLAS reads a ``[d_model, vocab]``
-        operand faster than the strided transposed view of a tied ``[vocab, d_model]`` embedding (about 1.5x
-        on one CPU thread). Its value is written by :attr:`refresh` (run after every weight copy:
-        :class:`meshtorch.runtime.generate.CachedDecoder`); :attr:`derived` maps its name to ``w``'s variable."""
-        shape = convert_to_shape(shape)
-        src = w.operation
-        while not isinstance(src, Variable) and src.inputs:  # through a mixed-precision cast to the variable
-            src = src.inputs[0].operation
-        var = get_variable(w.mesh, name, shape, dtype=w.dtype, initializer=0.0, trainable=False)
-        self.refresh.append(assign(var, transpose(w, shape, name=f"{name}/transpose", copy=True),
-                                   name=f"{name}/refresh"))
-        self.derived[var.operation.name] = src.name
+        """``w`` (a variable's value) with its dims in ``shape``'s order, kept contiguous in a variable ``name``
+        (:meth:`derive` of :func:`~meshtorch.ops.reshape.transpose` with ``copy``): one token's matmul streams
+        the whole weight, and BLAS reads a ``[d_model, vocab]`` operand faster than the strided transposed view
+        of a tied ``[vocab, d_model]`` embedding (about 1.5x on one CPU thread)."""
+        return self.derive(transpose(w, convert_to_shape(shape), name=f"{name}/transpose", copy=True), name)
+
+    def derive(self, value: Tensor, name: str) -> Tensor:
+        """``value`` (a function of weights, e.g. q/k/v kernels stacked for one matmul) kept in a new
+        non-trainable variable ``name`` of its shape and dtype, which the step reads instead of computing it.
+        :attr:`refresh` holds the write of ``value`` into it (run after every change of the weights:
+        :class:`meshtorch.runtime.generate.CachedDecoder`); :attr:`derived` maps ``name`` to the names of the
+        variables ``value`` is computed from."""
+        var = get_variable(value.mesh, name, value.shape, dtype=value.dtype, initializer=0.0, trainable=False)
+        self.refresh.append(assign(var, value, name=f"{name}/refresh"))
+        self.derived[var.operation.name] = _variables_of(value)
         return var
 
     def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
@@ -188,6 +195,20 @@ class Step(FullSequence):
         o = attention(reshape(q, grouped, name=f"{name}/q_group"), new[0], new[1], MEMORY, self.key, scale=scale,
                       bias=bias, name=name)
         return reshape(o, Shape([d for d in q.shape]), name=f"{name}/heads")
+
+
+def _variables_of(t: Tensor) -> list[str]:
+    """The names of the variables ``t`` is computed from (sorted)."""
+    seen, todo, out = set(), [t.operation], set()
+    while todo:
+        op = todo.pop()
+        if id(op) in seen:
+            continue
+        seen.add(id(op))
+        if isinstance(op, Variable):
+            out.add(op.name)
+        todo.extend(x.operation for x in op.inputs)
+    return sorted(out)
 
 
 def reorder_rows(prefill: Prefill, src: Tensor, batch: str = "batch") -> list:

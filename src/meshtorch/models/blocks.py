@@ -29,13 +29,15 @@ import math
 from dataclasses import dataclass
 
 from meshtorch import layers
-from meshtorch.core.dims import Shape
+from meshtorch.core.dims import Dimension, Shape
 from meshtorch.core.graph import Tensor
 from meshtorch.layers.feedforward import activation_function
 from meshtorch.layers.kv_cache import FullSequence
+from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast
-from meshtorch.ops.initializers import Initializer, VarianceScalingInitializer
+from meshtorch.ops.initializers import Initializer, VarianceScalingInitializer, zeros_initializer
 from meshtorch.ops.random import dropout as dropout_op
+from meshtorch.ops.shape import stack, unstack
 from meshtorch.ops.variables import get_variable
 
 __all__ = ["BlockNames", "MoEOptions", "BlockSpec", "block", "norm", "FULL_SEQUENCE", "NATIVE_NAMES", "HF_NAMES"]
@@ -176,15 +178,20 @@ def _dropout(x: Tensor, spec: BlockSpec, train: bool) -> Tensor:
     return dropout_op(x, rate=spec.dropout)
 
 
+def _kernel(x: Tensor, new_dims: list, spec: BlockSpec, name: str, reduced: list) -> Tensor:
+    """The projection kernel variable ``{name}{spec.names.attn_kernel}`` ``[reduced + new_dims]``, in ``x``'s dtype."""
+    init = spec.init if spec.init is not None else VarianceScalingInitializer(reduced_dims=reduced, new_dims=new_dims)
+    w = get_variable(x.mesh, f"{name}{spec.names.attn_kernel}", Shape(reduced + new_dims), initializer=init,
+                     dtype=x.dtype)
+    return w if w.dtype == x.dtype else cast(w, x.dtype)
+
+
 def _projection(x: Tensor, new_dims: list, spec: BlockSpec, name: str, use_bias: bool,
                 reduced_dims: list | None = None) -> Tensor:
     """:func:`meshtorch.layers.dense` whose kernel is the variable ``{name}{spec.names.attn_kernel}``
     ``[reduced_dims + new_dims]`` (bias ``{name}/bias`` ``[new_dims]``)."""
     reduced = reduced_dims if reduced_dims is not None else [x.shape[-1]]
-    init = spec.init if spec.init is not None else VarianceScalingInitializer(reduced_dims=reduced, new_dims=new_dims)
-    w = get_variable(x.mesh, f"{name}{spec.names.attn_kernel}", Shape(reduced + new_dims), initializer=init,
-                     dtype=x.dtype)
-    w = w if w.dtype == x.dtype else cast(w, x.dtype)
+    w = _kernel(x, new_dims, spec, name, reduced)
     # the ops' scope: the kernel's own name when the kernel is ``{name}/kernel``, else ``{name}_proj``
     return layers.dense(x, new_dims, reduced_dims, use_bias=use_bias, kernel_weights=w,
                         name=name if spec.names.attn_kernel else f"{name}_proj")
@@ -194,8 +201,11 @@ def _attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> Tenso
     """Causal self-attention of ``h`` ``[..., d_model]``: q/k/v projections, rotary q/k (``spec.rope_theta``),
     multi-head or grouped-query attention through ``attend``, output projection."""
     kv = "kv_heads" if spec.grouped_query else "heads"
-    q, k, v = (_projection(h, [d[heads], d["d_kv"]], spec, f"{scope}/{w}", spec.qkv_bias)
-               for w, heads in (("q", "heads"), ("k", kv), ("v", kv)))
+    if attend.derives and not spec.grouped_query:
+        q, k, v = _fused_qkv(h, d, spec, scope, attend)
+    else:
+        q, k, v = (_projection(h, [d[heads], d["d_kv"]], spec, f"{scope}/{w}", spec.qkv_bias)
+                   for w, heads in (("q", "heads"), ("k", kv), ("v", kv)))
     if spec.rope_theta is not None:
         q = attend.rotary(q, spec.rope_theta, name=f"{scope}/q_rope")
         k = attend.rotary(k, spec.rope_theta, name=f"{scope}/k_rope")
@@ -203,6 +213,26 @@ def _attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> Tenso
     o = attend.attend(q, k, v, 1.0 / math.sqrt(d["d_kv"].size), name=f"{scope}/{kind}",
                       kv_heads=kv if spec.grouped_query else None)
     return _projection(o, [d["d_model"]], spec, f"{scope}/o", spec.o_bias, reduced_dims=[d["heads"], d["d_kv"]])
+
+
+def _fused_qkv(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> list:
+    """q, k, v ``[..., heads, d_kv]`` of a decoding step by one matmul (``transformers``' GPT-2 ``c_attn``): the
+    three kernels (and biases) stacked on a ``qkv`` dim in a copy the step keeps (``attend.derive``). The
+    variables are asked for in :func:`_projection`'s order (kernel then bias, q, k, v), so a pass that replays
+    another's variables (:class:`meshtorch.layers.kv_cache.ReplayVariables`) hands out the same ones."""
+    new, reduced, qkv = [d["heads"], d["d_kv"]], [d["d_model"]], Dimension("qkv", 3)
+    kernels, biases = [], []
+    for w in "qkv":
+        kernels.append(_kernel(h, new, spec, f"{scope}/{w}", reduced))
+        if spec.qkv_bias:
+            biases.append(get_variable(h.mesh, f"{scope}/{w}/bias", Shape(new), initializer=zeros_initializer(),
+                                       dtype=h.dtype))
+    kernel = attend.derive(stack(kernels, qkv.name, axis=1, name=f"{scope}/qkv/stack"), f"{scope}/qkv/decode_kernel")
+    y = einsum([h, kernel], output_shape=(h.shape - [d["d_model"].name]) + [qkv] + new, name=f"{scope}/qkv/einsum")
+    if biases:
+        y = y + attend.derive(stack(biases, qkv.name, axis=0, name=f"{scope}/qkv/bias_stack"),
+                              f"{scope}/qkv/decode_bias")
+    return unstack(y, qkv.name, name=f"{scope}/qkv/unstack")
 
 
 def _mlp(h: Tensor, d: dict, spec: BlockSpec, scope: str) -> Tensor:

@@ -45,7 +45,7 @@ class DecoderGraph:
         cache_names: the cache variables' names (not in checkpoints).
         reorder_src: int64 ``[beam_src]`` placeholder (``beam_src`` of the batch's size); ``reorder_writes``: the
             cache writes making row ``b`` the old row ``reorder_src[b]`` (beam search).
-        derived: ``{name: source variable name}`` of the step's derived weights
+        derived: ``{name: [source variable names]}`` of the step's derived weights
             (:meth:`~meshtorch.layers.kv_cache.Step.weight`: copies of weights in the order its matmuls read
             fastest; not in checkpoints); ``refresh_writes``: the writes that recompute them from their sources,
             to run after every change of the weights.
@@ -81,7 +81,7 @@ def build_decoder(config, forward: Callable, seed: int = 0) -> DecoderGraph:
         forward: ``forward(mesh, ids, position, attn) -> logits``: the model on ``ids`` (``[batch, length]`` with
             ``position`` None, or ``[batch]`` at the int32 scalar ``position``), calling ``attn.rotary`` /
             ``attn.attend`` (or passing ``attn`` as ``attend`` to the layers) for its self-attention, and
-            ``attn.weight`` for a weight the step should read in another dim order.
+            ``attn.weight`` / ``attn.derive`` for weights the step should read in another form.
         seed: graph seed (initial values before weights are copied in).
     """
     graph = Graph(seed=seed)

@@ -75,7 +75,7 @@ class CachedDecoder:
         """``(slice, version counter)`` of every local slice of the derived weights' sources."""
         store = self.lowering.store
         out = []
-        for name in sorted(set(self.graph.derived.values())):
+        for name in sorted({n for names in self.graph.derived.values() for n in names}):
             v = store.values[name]
             out += [(None, 0)] if v is None else [(t, t._version) for t in store.impl(name).local_slices(v)]
         return out
