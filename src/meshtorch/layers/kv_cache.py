@@ -8,10 +8,12 @@ per sequence at a ``position`` (an int32 scalar fed at each run), writes that po
 attends over the cache with the later positions masked. A layer's caches are non-trainable variables
 ``{layer}/k_cache`` and ``{layer}/v_cache`` of shape ``[batch..., heads, memory_length, d_kv]`` (``kv_heads``
 for grouped-query attention): laid out by the same rules as the activations (``batch:data`` splits their
-batch, ``heads:model`` their heads: tensor-parallel decoding), and never in a checkpoint. The write is a
-select at ``position`` (:func:`meshtorch.ops.shape.where`, exact), kept by an ``assign`` at the end of
-the run (variables are read as of the run's start, :mod:`meshtorch.lowering`): one run of the step costs
-one position of the model's matmuls plus attention over ``memory_length`` cached positions.
+batch, ``heads:model`` their heads: tensor-parallel decoding), and never in a checkpoint. The write is an
+``index_copy_`` at ``position`` (:class:`CacheWriteOperation`), kept by an ``assign`` (variables are read as of
+the run's start, :mod:`meshtorch.lowering`; the plan lets the write go straight into the cache's storage): one run
+of the step costs one position of the model's matmuls plus attention over ``memory_length`` cached positions.
+The step reads some weights from copies in the form its matrix-vector products read fastest (:meth:`Step.derive`:
+a tied head as ``[d_model, vocab]``, q/k/v kernels stacked for one matmul), refreshed whenever the weights change.
 
 The model's attention code calls a :class:`FullSequence` (training: causal attention, rotary over
 ``length``), :class:`Prefill` or :class:`Step` object for its rotary positions and its attention, so one
@@ -20,19 +22,21 @@ block definition serves training and both decoding programs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.dims import Dimension, Shape, convert_to_shape
 from meshtorch.core.errors import ShapeError
-from meshtorch.core.graph import Tensor
+from meshtorch.core.graph import Operation, Tensor
 from meshtorch.layers.attention import attention, grouped_query_attention
 from meshtorch.ops.binary import greater
 from meshtorch.ops.elementwise import cast
-from meshtorch.ops.indexing import gather, one_hot
+from meshtorch.ops.indexing import gather
 from meshtorch.ops.reshape import rename_dimension, reshape, transpose
 from meshtorch.ops.rotary import rotary, rotary_cos_sin
 from meshtorch.ops.sequence import mtf_range
-from meshtorch.ops.shape import concat, split, where
+from meshtorch.ops.shape import concat, split
 from meshtorch.ops.variables import Variable, assign, get_variable, import_tensor
 
 __all__ = ["FullSequence", "Prefill", "Step", "MEMORY", "ReplayVariables", "reorder_rows"]
@@ -137,7 +141,6 @@ class Step(FullSequence):
         mem = self.caches.memory
         later = greater(mtf_range(position.mesh, mem, dtype=position.dtype), position)
         self._bias = cast(later, torch.float32) * -1e9  # [memory_length]: the positions not yet written
-        self._hot = cast(one_hot(position, mem, dtype=torch.int32), torch.bool)
 
     def rotary(self, x: Tensor, theta: float, name: str) -> Tensor:
         """``x`` ``[..., key]`` rotated by ``position`` as :func:`meshtorch.ops.rotary.rotary` rotates position
@@ -183,7 +186,7 @@ class Step(FullSequence):
         self._next += 1
         new = []
         for t, var, what in ((k, k_var, "k"), (v, v_var, "v")):
-            full = where(self._hot, t, var, output_shape=var.shape, name=f"{name}/{what}_write_value")
+            full = CacheWriteOperation(var, t, self.position, name=f"{name}/{what}_write_value").outputs[0]
             self.assigns.append(assign(var, full, name=f"{name}/{what}_write"))
             new.append(full)
         bias = cast(self._bias, q.dtype) if q.dtype != torch.float32 else self._bias
@@ -195,6 +198,52 @@ class Step(FullSequence):
         o = attention(reshape(q, grouped, name=f"{name}/q_group"), new[0], new[1], MEMORY, self.key, scale=scale,
                       bias=bias, name=name)
         return reshape(o, Shape([d for d in q.shape]), name=f"{name}/heads")
+
+
+def _k_cache_write(cache: torch.Tensor, new: torch.Tensor, position: torch.Tensor, *, dim: int, perm,
+                   donate: bool = False) -> torch.Tensor:
+    """``cache`` with index ``position`` of ``dim`` set to ``new`` (``cache``'s dims but ``dim``, in the order
+    ``perm`` of its own): written into ``cache`` when the plan donates it (no later reader of the old value),
+    else into a copy."""
+    out = cache if donate and not torch.compiler.is_compiling() else cache.clone()
+    new = new if perm is None else new.permute(perm)
+    return out.index_copy_(dim, position.reshape(1).long(), new.unsqueeze(dim).to(out.dtype))
+
+
+_k_cache_write.donates = (0,)  # the cache may be written in place (meshtorch.lowering.donate)
+_k_cache_write.fresh_outputs = True  # without donate=True the output is a new tensor
+
+
+class CacheWriteOperation(Operation):
+    """A cache ``[..., memory_length, ...]`` with position ``position`` (int32 scalar) of ``memory_length`` set to
+    ``new`` (the cache's other dims): gpt-fast's ``index_copy_`` into a static cache, in place in the cache
+    variable's storage when the plan allows (:mod:`meshtorch.lowering.donate`: the step's assign is the cache's
+    only writer and this op its only reader), so a step copies one position, not the whole cache (a select of
+    the whole cache, :func:`meshtorch.ops.shape.where`, then its copy into the variable, cost ~0.5 ms per layer at
+    the GPT-2-small shape). ``memory_length`` is kept whole (a layout splitting it gathers it first).
+
+    Raises:
+        ShapeError: naming the op, if ``new``'s dims are not the cache's dims but ``memory_length``.
+    """
+
+    unsplittable_dims = (MEMORY,)
+
+    def __init__(self, cache: Tensor, new: Tensor, position: Tensor, name=None):
+        super().__init__([cache, new, position], name=name or "cache_write")
+        rest = [d for d in cache.shape if d.name != MEMORY]
+        if sorted(d.name for d in new.shape) != sorted(d.name for d in rest) or any(
+                new.shape.get_dim_by_name(d.name).size != d.size for d in rest):
+            raise ShapeError(f"cache write {self.name!r}: new value {new.shape} must have the cache's dims "
+                             f"{Shape(rest)} (the cache {cache.shape} without {MEMORY!r}).")
+        self.outputs = [Tensor(self, cache.shape, cache.dtype)]
+
+    def lower(self, lw):
+        cache, new, position = self.inputs
+        rest = [d.name for d in cache.shape if d.name != MEMORY]
+        perm = tuple(new.shape.dimension_names.index(n) for n in rest)
+        f = functools.partial(_k_cache_write, dim=cache.shape.dimension_names.index(MEMORY),
+                              perm=None if perm == tuple(range(len(perm))) else perm)
+        lw.set(self.outputs[0], lw.slicewise(f, lw.get(cache), lw.get(new), lw.get(position)))
 
 
 def _variables_of(t: Tensor) -> list[str]:
