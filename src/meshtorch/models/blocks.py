@@ -11,7 +11,8 @@ pre-LN residual stack; Mesh TF ``transformer``'s pre-norm layers). What differs 
   positions are added to the embeddings by the model; T5's relative bias is :mod:`meshtorch.transformer`'s);
 * attention: multi-head, or grouped-query (Ainslie et al. 2023: keys and values on ``kv_heads``), q/k/v and output
   projections with or without biases, causal, scale ``1/sqrt(d_kv)``, through a
-  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding);
+  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding; a
+  ``Step`` of a multi-head block projects q, k and v by one matmul on a stacked copy of their kernels);
 * MLP: :func:`meshtorch.layers.feed_forward` with an activation of
   :func:`meshtorch.layers.feedforward.activation_function` (``relu``, ``gelu``, ``gelu_tanh``, ``silu``), plain or
   gated (ReLU / GELU MLP; SwiGLU, GEGLU: Shazeer 2020), with or without biases; or a Mixture-of-Experts layer

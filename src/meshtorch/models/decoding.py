@@ -46,7 +46,7 @@ class DecoderGraph:
         reorder_src: int64 ``[beam_src]`` placeholder (``beam_src`` of the batch's size); ``reorder_writes``: the
             cache writes making row ``b`` the old row ``reorder_src[b]`` (beam search).
         derived: ``{name: [source variable names]}`` of the step's derived weights
-            (:meth:`~meshtorch.layers.kv_cache.Step.weight`: copies of weights in the order its matmuls read
+            (:meth:`~meshtorch.layers.kv_cache.Step.derive`: copies of weights in the form its matmuls read
             fastest; not in checkpoints); ``refresh_writes``: the writes that recompute them from their sources,
             to run after every change of the weights.
     """

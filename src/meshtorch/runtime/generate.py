@@ -39,7 +39,9 @@ class CachedDecoder:
 
     Built once per (lm, mesh implementation) and kept on ``lm``; :meth:`load` copies the weights again (they
     may have been trained since). It holds its own copy of the weights (laid out as ``lowering`` lays out its
-    own) and the caches, ``2 x layers x batch x heads x length x d_kv`` values.
+    own), the caches, ``2 x layers x batch x heads x length x d_kv`` values, and the step's derived weights
+    (:attr:`DecoderGraph.derived`: a Hugging Face head as ``[d_model, vocab]``, multi-head blocks' q/k/v kernels
+    stacked; ~240 MB float32 at the GPT-2-small shape), which :meth:`refresh` keeps equal to their sources.
     """
 
     def __init__(self, lowering, lm, graph):
