@@ -141,6 +141,7 @@ class Step(FullSequence):
         mem = self.caches.memory
         later = greater(mtf_range(position.mesh, mem, dtype=position.dtype), position)
         self._bias = cast(later, torch.float32) * -1e9  # [memory_length]: the positions not yet written
+        self._index = cast(position, torch.int64)  # index_copy_'s index dtype: cast once per step, not per write
 
     def rotary(self, x: Tensor, theta: float, name: str) -> Tensor:
         """``x`` ``[..., key]`` rotated by ``position`` as :func:`meshtorch.ops.rotary.rotary` rotates position
@@ -186,17 +187,24 @@ class Step(FullSequence):
         self._next += 1
         new = []
         for t, var, what in ((k, k_var, "k"), (v, v_var, "v")):
-            full = CacheWriteOperation(var, t, self.position, name=f"{name}/{what}_write_value").outputs[0]
+            full = CacheWriteOperation(var, t, self._index, name=f"{name}/{what}_write_value").outputs[0]
             self.assigns.append(assign(var, full, name=f"{name}/{what}_write"))
             new.append(full)
         bias = cast(self._bias, q.dtype) if q.dtype != torch.float32 else self._bias
+        # the queries get a length dim, so attention runs as the fused op (F.scaled_dot_product_attention, one
+        # kernel per slice) with the bias as its mask: one query (multi-head), or a group's queries, which share
+        # their keys and values (grouped-query)
         if kv_heads is None:
-            return attention(q, new[0], new[1], MEMORY, self.key, scale=scale, bias=bias, name=name)
-        h, g = q.shape.get_dim_by_name(heads), k.shape.get_dim_by_name(kv_heads)
-        i = q.shape.dims.index(h)
-        grouped = Shape(q.shape.dims[:i] + [g, Dimension("kv_group", h.size // g.size)] + q.shape.dims[i + 1:])
-        o = attention(reshape(q, grouped, name=f"{name}/q_group"), new[0], new[1], MEMORY, self.key, scale=scale,
-                      bias=bias, name=name)
+            i = q.shape.dims.index(q.shape.get_dim_by_name(self.key))
+            length = Dimension("step_length", 1)
+            queries = Shape(q.shape.dims[:i] + [length] + q.shape.dims[i:])
+        else:
+            h, g = q.shape.get_dim_by_name(heads), k.shape.get_dim_by_name(kv_heads)
+            i = q.shape.dims.index(h)
+            length = Dimension("kv_group", h.size // g.size)
+            queries = Shape(q.shape.dims[:i] + [g, length] + q.shape.dims[i + 1:])
+        o = attention(reshape(q, queries, name=f"{name}/queries"), new[0], new[1], MEMORY, self.key,
+                      length_dim=length.name, scale=scale, bias=bias, name=name)
         return reshape(o, Shape([d for d in q.shape]), name=f"{name}/heads")
 
 
@@ -207,7 +215,7 @@ def _k_cache_write(cache: torch.Tensor, new: torch.Tensor, position: torch.Tenso
     else into a copy."""
     out = cache if donate and not torch.compiler.is_compiling() else cache.clone()
     new = new if perm is None else new.permute(perm)
-    return out.index_copy_(dim, position.reshape(1).long(), new.unsqueeze(dim).to(out.dtype))
+    return out.index_copy_(dim, position.reshape(1), new.unsqueeze(dim).to(out.dtype))
 
 
 _k_cache_write.donates = (0,)  # the cache may be written in place (meshtorch.lowering.donate)
@@ -215,7 +223,7 @@ _k_cache_write.fresh_outputs = True  # without donate=True the output is a new t
 
 
 class CacheWriteOperation(Operation):
-    """A cache ``[..., memory_length, ...]`` with position ``position`` (int32 scalar) of ``memory_length`` set to
+    """A cache ``[..., memory_length, ...]`` with position ``position`` (int64 scalar) of ``memory_length`` set to
     ``new`` (the cache's other dims): gpt-fast's ``index_copy_`` into a static cache, in place in the cache
     variable's storage when the plan allows (:mod:`meshtorch.lowering.donate`: the step's assign is the cache's
     only writer and this op its only reader), so a step copies one position, not the whole cache (a select of
