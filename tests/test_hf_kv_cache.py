@@ -77,3 +77,65 @@ def test_beam_search_equals_transformers(saved, family):
                             attention_mask=torch.ones_like(prompt))[0, PROMPT:].tolist()
     model, lw = hf.load(path, mtf.PlacementMeshImpl("data:2;model:2", MP), batch_size=4, length=LENGTH)
     assert beam_search(lw, model, prompt[0], beam_size=4, max_new_tokens=16) == want
+
+
+def _scale_q_and_head(model, family, factor):
+    """``transformers`` ``model`` with its head and layer 0's query kernel times ``factor`` (in place)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(factor)
+        if family == "gpt2":
+            model.transformer.h[0].attn.c_attn.weight[:, : F.D].mul_(factor)
+        else:
+            model.model.layers[0].self_attn.q_proj.weight.mul_(factor)
+    return model
+
+
+@pytest.mark.parametrize("family", F.FAMILIES)
+def test_step_weight_copies_follow_every_weight_change(saved, family):
+    """The step reads the head from a contiguous ``[d_model, vocab]`` copy and (multi-head) the q/k/v kernels from
+    one stacked copy (``Step.weight`` / ``Step.derive``); after each way the weights change (a new copy from the
+    training lowering; a variable replaced in the decoder, as a restore does; a slice written in place, as a
+    training update does) the copies equal their sources and the step's logits equal ``transformers``' for the
+    changed weights."""
+    import copy
+
+    from meshtorch.runtime.generate import CachedDecoder
+
+    ref0, path = saved[family]
+    q = "layers0/attn/q/kernel"
+    model, lw = hf.load(path, mtf.PlacementMeshImpl("data:2;model:2", MP), batch_size=2, length=16)
+    head = "embed" if model.config.tied else "lm_head"
+    fused = model.config.num_kv_heads == model.config.num_heads  # multi-head: q, k, v from one matmul
+    ids = F.token_batch(2, 8, seed=3)
+    buf = torch.zeros(2, 16, dtype=torch.int64)
+    buf[:, :6] = ids[:, :6]
+
+    def check(dec, factor):
+        with torch.no_grad():
+            want = _scale_q_and_head(copy.deepcopy(ref0), family, factor)(ids).logits
+        dec.prefill(buf)
+        got = dec.step(ids[:, 6], 6)[:, : F.VOCAB]
+        assert (got - want[:, 6]).abs().max() <= 1e-5 * float(want.abs().max())
+        value = dec.lowering.variable_value
+        assert torch.equal(value("lm_head_proj/decode_kernel"), value(head).t())
+        if fused:
+            kernels = [value(f"layers0/attn/{w}/kernel") for w in "qkv"]
+            assert torch.equal(value("layers0/attn/qkv/decode_kernel"), torch.stack(kernels, 1))
+        else:
+            assert "layers0/attn/qkv/decode_kernel" not in dec.lowering.variable_names
+
+    dec = CachedDecoder.of(lw, model)
+    check(dec, 1.0)
+    store = dec.lowering.store
+    assert all(t.is_contiguous() for n in dec.graph.derived for t in store.impl(n).local_slices(store.values[n]))
+    for name in (head, q):  # in place, as a training step's commit writes
+        for t in {id(t): t for t in store.impl(name).local_slices(store.values[name])}.values():
+            t.mul_(2.0)
+    check(dec, 2.0)
+    for name in (head, q):  # replaced, as a restore does
+        dec.lowering.set_variable_value(name, lw.variable_value(name) * 3.0)
+    check(dec, 3.0)
+    for name in (head, q):  # the training lowering's weights changed: the next decoding copies them
+        lw.set_variable_value(name, lw.variable_value(name) * 0.5)
+    assert CachedDecoder.of(lw, model) is dec
+    check(dec, 0.5)

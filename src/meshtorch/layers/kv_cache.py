@@ -8,10 +8,12 @@ per sequence at a ``position`` (an int32 scalar fed at each run), writes that po
 attends over the cache with the later positions masked. A layer's caches are non-trainable variables
 ``{layer}/k_cache`` and ``{layer}/v_cache`` of shape ``[batch..., heads, memory_length, d_kv]`` (``kv_heads``
 for grouped-query attention): laid out by the same rules as the activations (``batch:data`` splits their
-batch, ``heads:model`` their heads: tensor-parallel decoding), and never in a checkpoint. The write is a
-select at ``position`` (:func:`meshtorch.ops.shape.where`, exact), kept by an ``assign`` at the end of
-the run (variables are read as of the run's start, :mod:`meshtorch.lowering`): one run of the step costs
-one position of the model's matmuls plus attention over ``memory_length`` cached positions.
+batch, ``heads:model`` their heads: tensor-parallel decoding), and never in a checkpoint. The write is an
+``index_copy_`` at ``position`` (:class:`CacheWriteOperation`), kept by an ``assign`` (variables are read as of
+the run's start, :mod:`meshtorch.lowering`; the plan lets the write go straight into the cache's storage): one run
+of the step costs one position of the model's matmuls plus attention over ``memory_length`` cached positions.
+The step reads some weights from copies in the form its matrix-vector products read fastest (:meth:`Step.derive`:
+a tied head as ``[d_model, vocab]``, q/k/v kernels stacked for one matmul), refreshed whenever the weights change.
 
 The model's attention code calls a :class:`FullSequence` (training: causal attention, rotary over
 ``length``), :class:`Prefill` or :class:`Step` object for its rotary positions and its attention, so one
@@ -20,20 +22,22 @@ block definition serves training and both decoding programs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch.core.dims import Dimension, Shape, convert_to_shape
 from meshtorch.core.errors import ShapeError
-from meshtorch.core.graph import Tensor
+from meshtorch.core.graph import Operation, Tensor
 from meshtorch.layers.attention import attention, grouped_query_attention
 from meshtorch.ops.binary import greater
 from meshtorch.ops.elementwise import cast
-from meshtorch.ops.indexing import gather, one_hot
-from meshtorch.ops.reshape import rename_dimension, reshape
+from meshtorch.ops.indexing import gather
+from meshtorch.ops.reshape import rename_dimension, reshape, transpose
 from meshtorch.ops.rotary import rotary, rotary_cos_sin
 from meshtorch.ops.sequence import mtf_range
-from meshtorch.ops.shape import concat, split, where
-from meshtorch.ops.variables import assign, get_variable, import_tensor
+from meshtorch.ops.shape import concat, split
+from meshtorch.ops.variables import Variable, assign, get_variable, import_tensor
 
 __all__ = ["FullSequence", "Prefill", "Step", "MEMORY", "ReplayVariables", "reorder_rows"]
 
@@ -54,6 +58,15 @@ class FullSequence:
     def rotary(self, x: Tensor, theta: float, name: str) -> Tensor:
         """Rotary positions 0 .. length - 1 (:func:`meshtorch.ops.rotary.rotary`)."""
         return rotary(x, self.length, self.key, theta=theta, name=name)
+
+    #: the pass keeps copies of weights in the layout its matmuls read fastest (:meth:`Step.derive`); here not:
+    #: a whole window's matmuls are matrix-matrix products, and training must read the weights themselves
+    derives = False
+
+    def weight(self, w: Tensor, shape, name: str) -> Tensor:
+        """The weight ``w`` for a matmul that reads it fastest with its dims in ``shape``'s order: here ``w``
+        itself (:meth:`Step.weight` keeps a copy)."""
+        return w
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, name: str, heads: str = "heads",
                kv_heads: str | None = None) -> Tensor:
@@ -121,12 +134,14 @@ class Step(FullSequence):
         super().__init__(prefill.length, key)
         self.caches, self.position = prefill.caches, position
         self.assigns: list = []
+        self.refresh: list = []  # the derived weights' writes (:meth:`weight`)
+        self.derived: dict[str, list] = {}  # derived weight variable name -> its sources' names
         self._next = 0
         self._rotations: dict = {}
         mem = self.caches.memory
         later = greater(mtf_range(position.mesh, mem, dtype=position.dtype), position)
         self._bias = cast(later, torch.float32) * -1e9  # [memory_length]: the positions not yet written
-        self._hot = cast(one_hot(position, mem, dtype=torch.int32), torch.bool)
+        self._index = cast(position, torch.int64)  # index_copy_'s index dtype: cast once per step, not per write
 
     def rotary(self, x: Tensor, theta: float, name: str) -> Tensor:
         """``x`` ``[..., key]`` rotated by ``position`` as :func:`meshtorch.ops.rotary.rotary` rotates position
@@ -144,6 +159,26 @@ class Step(FullSequence):
         half = concat([hi * -1.0, lo], self.key, name=f"{name}/rotate_half")
         return x * cos_p + half * sin_p
 
+    derives = True
+
+    def weight(self, w: Tensor, shape, name: str) -> Tensor:
+        """``w`` (a variable's value) with its dims in ``shape``'s order, kept contiguous in a variable ``name``
+        (:meth:`derive` of :func:`~meshtorch.ops.reshape.transpose` with ``copy``): one token's matmul streams
+        the whole weight, and BLAS reads a ``[d_model, vocab]`` operand faster than the strided transposed view
+        of a tied ``[vocab, d_model]`` embedding (about 1.5x on one CPU thread)."""
+        return self.derive(transpose(w, convert_to_shape(shape), name=f"{name}/transpose", copy=True), name)
+
+    def derive(self, value: Tensor, name: str) -> Tensor:
+        """``value`` (a function of weights, e.g. q/k/v kernels stacked for one matmul) kept in a new
+        non-trainable variable ``name`` of its shape and dtype, which the step reads instead of computing it.
+        :attr:`refresh` holds the write of ``value`` into it (run after every change of the weights:
+        :class:`meshtorch.runtime.generate.CachedDecoder`); :attr:`derived` maps ``name`` to the names of the
+        variables ``value`` is computed from."""
+        var = get_variable(value.mesh, name, value.shape, dtype=value.dtype, initializer=0.0, trainable=False)
+        self.refresh.append(assign(var, value, name=f"{name}/refresh"))
+        self.derived[var.operation.name] = _variables_of(value)
+        return var
+
     def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
         if self._next >= len(self.caches.pairs):
             raise ShapeError(f"Step: attention {name!r} is call {self._next + 1}, but the prefill made only "
@@ -152,18 +187,85 @@ class Step(FullSequence):
         self._next += 1
         new = []
         for t, var, what in ((k, k_var, "k"), (v, v_var, "v")):
-            full = where(self._hot, t, var, output_shape=var.shape, name=f"{name}/{what}_write_value")
+            full = CacheWriteOperation(var, t, self._index, name=f"{name}/{what}_write_value").outputs[0]
             self.assigns.append(assign(var, full, name=f"{name}/{what}_write"))
             new.append(full)
         bias = cast(self._bias, q.dtype) if q.dtype != torch.float32 else self._bias
+        # the queries get a length dim, so attention runs as the fused op (F.scaled_dot_product_attention, one
+        # kernel per slice) with the bias as its mask: one query (multi-head), or a group's queries, which share
+        # their keys and values (grouped-query)
         if kv_heads is None:
-            return attention(q, new[0], new[1], MEMORY, self.key, scale=scale, bias=bias, name=name)
-        h, g = q.shape.get_dim_by_name(heads), k.shape.get_dim_by_name(kv_heads)
-        i = q.shape.dims.index(h)
-        grouped = Shape(q.shape.dims[:i] + [g, Dimension("kv_group", h.size // g.size)] + q.shape.dims[i + 1:])
-        o = attention(reshape(q, grouped, name=f"{name}/q_group"), new[0], new[1], MEMORY, self.key, scale=scale,
-                      bias=bias, name=name)
+            i = q.shape.dims.index(q.shape.get_dim_by_name(self.key))
+            length = Dimension("step_length", 1)
+            queries = Shape(q.shape.dims[:i] + [length] + q.shape.dims[i:])
+        else:
+            h, g = q.shape.get_dim_by_name(heads), k.shape.get_dim_by_name(kv_heads)
+            i = q.shape.dims.index(h)
+            length = Dimension("kv_group", h.size // g.size)
+            queries = Shape(q.shape.dims[:i] + [g, length] + q.shape.dims[i + 1:])
+        o = attention(reshape(q, queries, name=f"{name}/queries"), new[0], new[1], MEMORY, self.key,
+                      length_dim=length.name, scale=scale, bias=bias, name=name)
         return reshape(o, Shape([d for d in q.shape]), name=f"{name}/heads")
+
+
+def _k_cache_write(cache: torch.Tensor, new: torch.Tensor, position: torch.Tensor, *, dim: int, perm,
+                   donate: bool = False) -> torch.Tensor:
+    """``cache`` with index ``position`` of ``dim`` set to ``new`` (``cache``'s dims but ``dim``, in the order
+    ``perm`` of its own): written into ``cache`` when the plan donates it (no later reader of the old value),
+    else into a copy."""
+    out = cache if donate and not torch.compiler.is_compiling() else cache.clone()
+    new = new if perm is None else new.permute(perm)
+    return out.index_copy_(dim, position.reshape(1), new.unsqueeze(dim).to(out.dtype))
+
+
+_k_cache_write.donates = (0,)  # the cache may be written in place (meshtorch.lowering.donate)
+_k_cache_write.fresh_outputs = True  # without donate=True the output is a new tensor
+
+
+class CacheWriteOperation(Operation):
+    """A cache ``[..., memory_length, ...]`` with position ``position`` (int64 scalar) of ``memory_length`` set to
+    ``new`` (the cache's other dims): gpt-fast's ``index_copy_`` into a static cache, in place in the cache
+    variable's storage when the plan allows (:mod:`meshtorch.lowering.donate`: the step's assign is the cache's
+    only writer and this op its only reader), so a step copies one position, not the whole cache (a select of
+    the whole cache, :func:`meshtorch.ops.shape.where`, then its copy into the variable, cost ~0.5 ms per layer at
+    the GPT-2-small shape). ``memory_length`` is kept whole (a layout splitting it gathers it first).
+
+    Raises:
+        ShapeError: naming the op, if ``new``'s dims are not the cache's dims but ``memory_length``.
+    """
+
+    unsplittable_dims = (MEMORY,)
+
+    def __init__(self, cache: Tensor, new: Tensor, position: Tensor, name=None):
+        super().__init__([cache, new, position], name=name or "cache_write")
+        rest = [d for d in cache.shape if d.name != MEMORY]
+        if sorted(d.name for d in new.shape) != sorted(d.name for d in rest) or any(
+                new.shape.get_dim_by_name(d.name).size != d.size for d in rest):
+            raise ShapeError(f"cache write {self.name!r}: new value {new.shape} must have the cache's dims "
+                             f"{Shape(rest)} (the cache {cache.shape} without {MEMORY!r}).")
+        self.outputs = [Tensor(self, cache.shape, cache.dtype)]
+
+    def lower(self, lw):
+        cache, new, position = self.inputs
+        rest = [d.name for d in cache.shape if d.name != MEMORY]
+        perm = tuple(new.shape.dimension_names.index(n) for n in rest)
+        f = functools.partial(_k_cache_write, dim=cache.shape.dimension_names.index(MEMORY),
+                              perm=None if perm == tuple(range(len(perm))) else perm)
+        lw.set(self.outputs[0], lw.slicewise(f, lw.get(cache), lw.get(new), lw.get(position)))
+
+
+def _variables_of(t: Tensor) -> list[str]:
+    """The names of the variables ``t`` is computed from (sorted)."""
+    seen, todo, out = set(), [t.operation], set()
+    while todo:
+        op = todo.pop()
+        if id(op) in seen:
+            continue
+        seen.add(id(op))
+        if isinstance(op, Variable):
+            out.add(op.name)
+        todo.extend(x.operation for x in op.inputs)
+    return sorted(out)
 
 
 def reorder_rows(prefill: Prefill, src: Tensor, batch: str = "batch") -> list:
@@ -198,6 +300,8 @@ class ReplayVariables:
         return t
 
     def replay(self, getter, mesh, full_name, shape, **kw):
+        if not kw.get("trainable", True):  # a variable of the second pass only (Step.weight's copies)
+            return getter(mesh, full_name, shape, **kw)
         if self._i >= len(self.got):
             raise ShapeError(f"ReplayVariables: variable {full_name!r} is call {self._i + 1}; the first pass made "
                              f"{len(self.got)}.")

@@ -14,7 +14,8 @@ pre-LN residual stack; Mesh TF ``transformer``'s pre-norm layers). What differs 
   model);
 * attention: multi-head, or grouped-query (Ainslie et al. 2023: keys and values on ``kv_heads``), q/k/v and output
   projections with or without biases, scale ``1/sqrt(d_kv)`` or ``attn_scale``, causal through a
-  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding), or
+  :mod:`meshtorch.layers.kv_cache` ``FullSequence`` / ``Prefill`` / ``Step`` (training or KV-cache decoding; a
+  ``Step`` of a multi-head block projects q, k and v by one matmul on a stacked copy of their kernels), or
   with masks as biases through an :class:`Attend` (T5, :mod:`meshtorch.models.encdec`: bidirectional encoders,
   and the encoder-decoder attention of a decoder block, its ``cross`` sublayer); Mesh TF's combined-heads kernels
   (``combined_heads``, T5's checkpoints);
@@ -46,10 +47,10 @@ from meshtorch.ops.activations import logical_not
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import gather
-from meshtorch.ops.initializers import Initializer, VarianceScalingInitializer
+from meshtorch.ops.initializers import Initializer, VarianceScalingInitializer, zeros_initializer
 from meshtorch.ops.random import dropout as dropout_op
 from meshtorch.ops.reshape import rename_dimension, replace_dimensions, transpose
-from meshtorch.ops.shape import add_n
+from meshtorch.ops.shape import add_n, stack, unstack
 from meshtorch.ops.variables import get_variable, import_tensor
 
 __all__ = ["BlockNames", "MoEOptions", "RelativeBias", "BlockSpec", "Attend", "block", "norm", "mask_bias",
@@ -227,6 +228,8 @@ class Attend:
             Mesh TF's, leave it False).
     """
 
+    derives = False  # no per-step weight copies (those are meshtorch.layers.kv_cache.Step's)
+
     def __init__(self, masks: list, memory: Tensor | None = None, bidirectional: bool = True, causal: bool = False,
                  length: str = "length", memory_length: str = "memory_length", key: str = "d_kv"):
         self.masks, self.memory, self.bidirectional, self.causal = list(masks), memory, bidirectional, causal
@@ -323,15 +326,20 @@ def _dropout(x: Tensor, spec: BlockSpec, train: bool) -> Tensor:
     return dropout_op(x, rate=spec.dropout)
 
 
+def _kernel(x: Tensor, new_dims: list, spec: BlockSpec, name: str, reduced: list) -> Tensor:
+    """The projection kernel variable ``{name}{spec.names.attn_kernel}`` ``[reduced + new_dims]``, in ``x``'s dtype."""
+    init = spec.init if spec.init is not None else VarianceScalingInitializer(reduced_dims=reduced, new_dims=new_dims)
+    w = get_variable(x.mesh, f"{name}{spec.names.attn_kernel}", Shape(reduced + new_dims), initializer=init,
+                     dtype=x.dtype)
+    return w if w.dtype == x.dtype else cast(w, x.dtype)
+
+
 def _projection(x: Tensor, new_dims: list, spec: BlockSpec, name: str, use_bias: bool,
                 reduced_dims: list | None = None) -> Tensor:
     """:func:`meshtorch.layers.dense` whose kernel is the variable ``{name}{spec.names.attn_kernel}``
     ``[reduced_dims + new_dims]`` (bias ``{name}/bias`` ``[new_dims]``)."""
     reduced = reduced_dims if reduced_dims is not None else [x.shape[-1]]
-    init = spec.init if spec.init is not None else VarianceScalingInitializer(reduced_dims=reduced, new_dims=new_dims)
-    w = get_variable(x.mesh, f"{name}{spec.names.attn_kernel}", Shape(reduced + new_dims), initializer=init,
-                     dtype=x.dtype)
-    w = w if w.dtype == x.dtype else cast(w, x.dtype)
+    w = _kernel(x, new_dims, spec, name, reduced)
     # the ops' scope: the kernel's own name when the kernel is ``{name}/kernel``, else ``{name}_proj``
     return layers.dense(x, new_dims, reduced_dims, use_bias=use_bias, kernel_weights=w,
                         name=name if spec.names.attn_kernel else f"{name}_proj")
@@ -344,8 +352,11 @@ def _attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> Tenso
     if spec.combined_heads or spec.relative is not None or isinstance(attend, Attend):
         return _mtf_attention(h, d, spec, scope, attend, scale)
     kv = "kv_heads" if spec.grouped_query else "heads"
-    q, k, v = (_projection(h, [d[heads], d["d_kv"]], spec, f"{scope}/{w}", spec.qkv_bias)
-               for w, heads in (("q", "heads"), ("k", kv), ("v", kv)))
+    if attend.derives and not spec.grouped_query:
+        q, k, v = _fused_qkv(h, d, spec, scope, attend)
+    else:
+        q, k, v = (_projection(h, [d[heads], d["d_kv"]], spec, f"{scope}/{w}", spec.qkv_bias)
+                   for w, heads in (("q", "heads"), ("k", kv), ("v", kv)))
     if spec.rope_theta is not None:
         q = attend.rotary(q, spec.rope_theta, name=f"{scope}/q_rope")
         k = attend.rotary(k, spec.rope_theta, name=f"{scope}/k_rope")
@@ -391,6 +402,26 @@ def _mtf_attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend: Atte
     if spec.combined_heads:
         o = replace_dimensions(transpose(o, o.shape - split + split), split, fused[0])
     return einsum([o, w["o"]], output_shape=h.shape)
+
+
+def _fused_qkv(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend) -> list:
+    """q, k, v ``[..., heads, d_kv]`` of a decoding step by one matmul (``transformers``' GPT-2 ``c_attn``): the
+    three kernels (and biases) stacked on a ``qkv`` dim in a copy the step keeps (``attend.derive``). The
+    variables are asked for in :func:`_projection`'s order (kernel then bias, q, k, v), so a pass that replays
+    another's variables (:class:`meshtorch.layers.kv_cache.ReplayVariables`) hands out the same ones."""
+    new, reduced, qkv = [d["heads"], d["d_kv"]], [d["d_model"]], Dimension("qkv", 3)
+    kernels, biases = [], []
+    for w in "qkv":
+        kernels.append(_kernel(h, new, spec, f"{scope}/{w}", reduced))
+        if spec.qkv_bias:
+            biases.append(get_variable(h.mesh, f"{scope}/{w}/bias", Shape(new), initializer=zeros_initializer(),
+                                       dtype=h.dtype))
+    kernel = attend.derive(stack(kernels, qkv.name, axis=1, name=f"{scope}/qkv/stack"), f"{scope}/qkv/decode_kernel")
+    y = einsum([h, kernel], output_shape=(h.shape - [d["d_model"].name]) + [qkv] + new, name=f"{scope}/qkv/einsum")
+    if biases:
+        y = y + attend.derive(stack(biases, qkv.name, axis=0, name=f"{scope}/qkv/bias_stack"),
+                              f"{scope}/qkv/decode_bias")
+    return unstack(y, qkv.name, name=f"{scope}/qkv/unstack")
 
 
 def _mlp(h: Tensor, d: dict, spec: BlockSpec, scope: str) -> Tensor:

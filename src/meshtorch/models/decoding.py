@@ -45,6 +45,10 @@ class DecoderGraph:
         cache_names: the cache variables' names (not in checkpoints).
         reorder_src: int64 ``[beam_src]`` placeholder (``beam_src`` of the batch's size); ``reorder_writes``: the
             cache writes making row ``b`` the old row ``reorder_src[b]`` (beam search).
+        derived: ``{name: [source variable names]}`` of the step's derived weights
+            (:meth:`~meshtorch.layers.kv_cache.Step.derive`: copies of weights in the form its matmuls read
+            fastest; not in checkpoints); ``refresh_writes``: the writes that recompute them from their sources,
+            to run after every change of the weights.
     """
 
     config: object
@@ -60,6 +64,8 @@ class DecoderGraph:
     cache_names: list
     reorder_src: Tensor
     reorder_writes: list
+    derived: dict
+    refresh_writes: list
 
     def lowering(self, mesh_impl, init: str = "lazy", mode: str = "codegen") -> Lowering:
         """Lower on ``mesh_impl`` (a MeshImpl or MeshSpec); ``init="lazy"``: variables a copy or restore sets
@@ -74,7 +80,8 @@ def build_decoder(config, forward: Callable, seed: int = 0) -> DecoderGraph:
         config: the model config (``batch_size``, ``length``; kept on the result).
         forward: ``forward(mesh, ids, position, attn) -> logits``: the model on ``ids`` (``[batch, length]`` with
             ``position`` None, or ``[batch]`` at the int32 scalar ``position``), calling ``attn.rotary`` /
-            ``attn.attend`` (or passing ``attn`` as ``attend`` to the layers) for its self-attention.
+            ``attn.attend`` (or passing ``attn`` as ``attend`` to the layers) for its self-attention, and
+            ``attn.weight`` / ``attn.derive`` for weights the step should read in another form.
         seed: graph seed (initial values before weights are copied in).
     """
     graph = Graph(seed=seed)
@@ -93,7 +100,7 @@ def build_decoder(config, forward: Callable, seed: int = 0) -> DecoderGraph:
     names = [v.operation.name for pair in first.caches.pairs for v in pair]
     src = placeholder(mesh, "reorder_src", [Dimension("beam_src", config.batch_size)], dtype=torch.int64)
     return DecoderGraph(config, graph, mesh, prefill_ids, prefill_logits, first.assigns, step_ids, position,
-                        step_logits, step.assigns, names, src, reorder_rows(first, src))
+                        step_logits, step.assigns, names, src, reorder_rows(first, src), step.derived, step.refresh)
 
 
 def build_lm_decoder(config: LMConfig, seed: int = 0) -> DecoderGraph:

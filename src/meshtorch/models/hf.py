@@ -143,6 +143,8 @@ def _forward(c: HFModelConfig, d: dict, mesh: Mesh, ids: Tensor, position, attn)
         x = _remat(c, x, d, i, attn)
     x = _norm(c, x, d, "final_norm")
     head = emb if c.tied else get_variable(mesh, "lm_head", [d["vocab"], d["d_model"]], initializer=_INIT)
+    # a decoding step reads the head as a contiguous [d_model, vocab] copy (a matrix-vector product)
+    head = attn.weight(head, [d["d_model"], d["vocab"]], "lm_head_proj/decode_kernel")
     logits = layers.embedding_logits(x, head, d["d_model"], output_shape=out, name="lm_head_proj")
     if c.padded_vocab != c.vocab_size:  # padded classes never win: -1e9 added (no gradient), as the native LM
         mask = torch.zeros(c.padded_vocab)

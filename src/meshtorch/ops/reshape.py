@@ -41,6 +41,13 @@ def _k_permute(t, *, perm):
     return t.permute(perm)
 
 
+def _k_permute_copy(t, *, perm):
+    return t.permute(perm).contiguous()
+
+
+_k_permute_copy.fresh_outputs = True  # a new tensor (meshtorch.lowering.donate)
+
+
 def _cumprods(shape: Shape) -> list[int]:
     out, c = [], 1
     for d in shape:
@@ -193,8 +200,9 @@ class TransposeOperation(Operation):
 
     partial_sums = "first"  # a permutation: a partial sum stays partial
 
-    def __init__(self, x: Tensor, new_shape: Shape, name=None):
+    def __init__(self, x: Tensor, new_shape: Shape, name=None, copy: bool = False):
         super().__init__([x], name=name or "transpose")
+        self.copy = copy
         if sorted(new_shape.dims) != sorted(x.shape.dims):
             raise ShapeError(f"transpose {self.name!r}: {new_shape} is not a permutation of the dims of {x.name!r} "
                              f"{x.shape}.")
@@ -204,23 +212,26 @@ class TransposeOperation(Operation):
     def lower(self, lw):
         (slot,), pending = lw.inputs(self)
         perm = self.perm
-        lw.set(self.outputs[0], lw.slicewise(functools.partial(_k_permute, perm=tuple(perm)), slot), pending)
+        kernel = _k_permute_copy if self.copy else _k_permute
+        lw.set(self.outputs[0], lw.slicewise(functools.partial(kernel, perm=tuple(perm)), slot), pending)
 
     def gradient(self, grad_ys):
         dy = grad_ys[0]
         return [None if dy is None else transpose(dy, self.inputs[0].shape, name=f"{self.name}_grad")]
 
 
-def transpose(x: Tensor, new_shape, name=None) -> Tensor:
+def transpose(x: Tensor, new_shape, name=None, copy: bool = False) -> Tensor:
     """``x`` with its dims permuted to ``new_shape``'s order (Mesh TF ``mtf.transpose``).
 
     A local permute under every layout (a dim keeps its split); no communication. Mesh TF builds
     it as a one-operand einsum; here it is its own op so that it adds no einsum FLOPs to the counters.
+    ``copy``: each slice is a new contiguous tensor in the new order (``permute().contiguous()``), not a
+    strided view; e.g. a weight kept in the order a matmul reads fastest.
 
     Raises:
         ShapeError: naming ``x``, if ``new_shape`` is not a permutation of its dims.
     """
     new_shape = convert_to_shape(new_shape)
-    if new_shape == x.shape and name is None:
+    if new_shape == x.shape and name is None and not copy:
         return x
-    return TransposeOperation(x, new_shape, name).outputs[0]
+    return TransposeOperation(x, new_shape, name, copy).outputs[0]

@@ -39,13 +39,16 @@ class CachedDecoder:
 
     Built once per (lm, mesh implementation) and kept on ``lm``; :meth:`load` copies the weights again (they
     may have been trained since). It holds its own copy of the weights (laid out as ``lowering`` lays out its
-    own) and the caches, ``2 x layers x batch x heads x length x d_kv`` values.
+    own), the caches, ``2 x layers x batch x heads x length x d_kv`` values, and the step's derived weights
+    (:attr:`DecoderGraph.derived`: a Hugging Face head as ``[d_model, vocab]``, multi-head blocks' q/k/v kernels
+    stacked; ~240 MB float32 at the GPT-2-small shape), which :meth:`refresh` keeps equal to their sources.
     """
 
     def __init__(self, lowering, lm, graph):
         self.graph = graph
         self.impl = lowering.mesh_to_impl[lm.mesh]
         self.lowering = graph.lowering(self.impl, mode=lowering.session.mode)
+        self._refreshed = None  # the derived weights' sources as last refreshed from (:meth:`refresh`)
 
     @classmethod
     def of(cls, lowering, lm):
@@ -62,11 +65,36 @@ class CachedDecoder:
         return dec
 
     def load(self, lowering):
-        """Copy every weight of the decoder graph from ``lowering`` (full tensors, by variable name)."""
-        caches = set(self.graph.cache_names)
+        """Copy every weight of the decoder graph from ``lowering`` (full tensors, by variable name), then
+        :meth:`refresh` the derived weights."""
+        skip = set(self.graph.cache_names) | set(self.graph.derived)
         for name in self.lowering.variable_names:
-            if name not in caches:
+            if name not in skip:
                 self.lowering.set_variable_value(name, lowering.variable_value(name))
+        self.refresh()
+
+    def _sources(self) -> list:
+        """``(slice, version counter)`` of every local slice of the derived weights' sources."""
+        store = self.lowering.store
+        out = []
+        for name in sorted({n for names in self.graph.derived.values() for n in names}):
+            v = store.values[name]
+            out += [(None, 0)] if v is None else [(t, t._version) for t in store.impl(name).local_slices(v)]
+        return out
+
+    def refresh(self, force: bool = True):
+        """Recompute the step's derived weights (:attr:`DecoderGraph.derived`: e.g. the contiguous
+        ``[d_model, vocab]`` copy of a tied head) from the decoder's weights. ``force=False``: only if a
+        source was replaced or written in place since the last refresh (the step checks this before every
+        run, so a derived weight never lags behind its source, however the weights were set)."""
+        if not self.graph.refresh_writes:
+            return
+        now = self._sources()
+        if not force and self._refreshed is not None and len(now) == len(self._refreshed) and all(
+                a is b and u == w for (a, u), (b, w) in zip(now, self._refreshed, strict=True)):
+            return
+        self.lowering.run(self.graph.refresh_writes)
+        self._refreshed = now
 
     def prefill(self, buf: torch.Tensor) -> torch.Tensor:
         """Run ``buf`` ``[batch, length]`` (the caches now hold its keys and values); its logits (float32)."""
@@ -84,6 +112,7 @@ class CachedDecoder:
         if not 0 <= position < g.config.length:
             raise ValueError(f"CachedDecoder.step: position {position} is outside the cache's 0.."
                              f"{g.config.length - 1}; past the context, prefill the slid window instead.")
+        self.refresh(force=False)
         feeds = {g.step_ids: ids, g.position: torch.tensor(position, dtype=torch.int32)}
         return self.lowering.run([g.step_logits] + g.step_writes, feeds=feeds)[0].float()
 
