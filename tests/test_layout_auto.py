@@ -1,9 +1,11 @@
 """``meshtorch train --layout auto`` (issues 23, 36): the chosen layout is legal, fits --memory-limit per the
-planner, is the fastest measured of the measured candidates (the default layout always among them) and is what
-runs; a second run reads the choice from the cache; ``--trace-collectives`` reports the collectives that ran."""
+planner, is the default layout unless the fastest other measured candidate beats it beyond the noise of the steps
+(the default always measured) and is what runs; a second run reads the choice from the cache;
+``--trace-collectives`` reports the collectives that ran."""
 
 import itertools
 import json
+import math
 import os
 import statistics
 
@@ -141,13 +143,13 @@ def _same_layout(a, b, storage_a="", storage_b=""):
 
 
 def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, capsys, monkeypatch):
-    """The decision is the least median of each candidate's timed steps (as recorded by the fake): here the 3rd
+    """The challenger is the least median of each candidate's timed steps (as recorded by the fake): here the 3rd
     measured has it, while the least first step (the 4th's), the least single step (the 5th's) and the least mean
-    (the 2nd's) point elsewhere; train runs it, and the default layout was measured (first) also with
-    --auto-candidates 1."""
+    (the 2nd's) point elsewhere; it replaces the default (2 s a step: far slower than the noise), train runs it,
+    and the default layout was measured (first) also with --auto-candidates 1."""
     from meshtorch.runtime import autolayout
     from meshtorch.runtime.train_config import DEFAULT_LAYOUT
-    steps = [[0.50, 0.50, 0.50], [0.38, 0.38, 0.38], [0.60, 0.35, 0.35], [0.29, 0.45, 0.44], [0.36, 0.10, 0.80]]
+    steps = [[2.0, 2.0, 2.0], [0.38, 0.38, 0.38], [0.60, 0.35, 0.35], [0.29, 0.45, 0.44], [0.36, 0.10, 0.80]]
     timer = _FakeTimer(steps)
     monkeypatch.setattr(autolayout, "prepare_candidate", timer)
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
@@ -159,6 +161,7 @@ def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, cap
     assert fastest is timer.calls[2]  # and not the least first, single or mean step:
     assert {min(range(5), key=lambda i: f(steps[i])) for f in (lambda s: s[0], min, statistics.mean)} == {1, 3, 4}
     assert _chosen(out) == (fastest.layout, fastest.storage)
+    assert "default replaced: " in out and "beyond the margin" in out
     assert "predicted ms" in out and "measured ms" in out and "range ms" in out and "chosen" in out
     timer2 = _FakeTimer([0.3, 0.1])  # with 1 candidate the default layout is measured as well
     monkeypatch.setattr(autolayout, "prepare_candidate", timer2)
@@ -181,6 +184,73 @@ def test_layout_auto_races_candidates_within_the_noise_on_for_more_steps(calibra
     assert all(len(t) == 3 for t in timer.steps[2:]), [len(t) for t in timer.steps]
     fastest = min(range(len(timer.calls)), key=lambda i: statistics.median(timer.steps[i]))
     assert fastest == 0 and _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
+
+
+def _margin(default_times, other_times):
+    """The gain a challenger needs, computed independently with NumPy: the larger of 5% and either one's
+    interquartile range (linear-interpolated percentiles) over its median."""
+    import numpy as np
+    return max(0.05, *((np.percentile(t, 75) - np.percentile(t, 25)) / np.median(t) for t in (default_times,
+                                                                                                 other_times)))
+
+
+def test_decide_keeps_the_default_unless_a_candidate_is_faster_beyond_the_noise():
+    """:func:`autolayout.decide` on given step times: the default is replaced only when the least median of the
+    others is below the default's by the margin (the larger of 5% and either one's relative interquartile range);
+    ties and gains within the noise keep it, whatever the order; without a default the least median wins."""
+    from meshtorch.runtime.autolayout import Candidate, decide
+
+    def cand(name, times, default=False):
+        return Candidate(name, "", None, False, 1.0, 0, default=default, times=tuple(times))
+    noisy, close = [1.0, 0.9, 1.1], [0.97, 0.97, 0.97]  # 3% faster, the default's steps spread 10%
+    assert 1 - statistics.median(close) / statistics.median(noisy) < _margin(noisy, close) == pytest.approx(0.1)
+    for order in ([cand("c", close), cand("d", noisy, True)], [cand("d", noisy, True), cand("c", close)]):
+        got = decide(order)
+        assert order[got.index].default and got.reason.startswith("default kept") and "margin 10.0%" in got.reason
+        assert got.undecided  # faster, within the noise: more steps could decide
+    tight, fast = [1.0, 1.01, 0.99], [0.70, 0.71, 0.69]  # 30% faster, tight
+    got = decide([cand("d", tight, True), cand("x", [0.9] * 3), cand("c", fast)])
+    assert got.index == 2 and got.reason.startswith("default replaced") and not got.undecided
+    assert 0.30 > _margin(tight, fast)
+    for ties in ([0.5] * 3, [0.49] * 3):  # a tie, and 2% faster with no spread at all: within the 5% minimum
+        got = decide([cand("c", ties), cand("d", [0.5] * 3, True)])
+        assert got.index == 1 and "default kept" in got.reason
+    wide = [0.6, 0.9, 1.3]  # 10% faster by the median, but its own steps spread 39%
+    assert 0.1 < _margin([1.0] * 3, wide)
+    assert decide([cand("d", [1.0] * 3, True), cand("c", wide)]).index == 0
+    assert decide([cand("a", [0.5] * 3), cand("b", [0.49] * 3)]).index == 1  # no default measured
+    assert decide([cand("d", [1.0] * 3, True), cand("c", [0.2, math.inf, math.inf])]).index == 0  # gave up
+
+
+def test_layout_auto_keeps_the_default_against_a_gain_within_the_noise(calibration, capsys, monkeypatch):
+    """Through train: a candidate 3% faster than the default, whose steps spread 10%, does not replace it; both
+    race on for the extra rounds (the default too), and the table says why the default was kept."""
+    from meshtorch.runtime import autolayout
+    timer = _FakeTimer([[1.0, 0.9, 1.1], 0.97], rest=3.0)
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert len(timer.steps[0]) == len(timer.steps[1]) == 3 + autolayout.RACE_ROUNDS
+    assert 1 - statistics.median(timer.steps[1]) / statistics.median(timer.steps[0]) < _margin(*timer.steps[:2])
+    assert _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
+    assert "default kept: " in out and "within the margin 10.0%" in out
+
+
+def test_layout_auto_races_the_default_and_a_challenger_within_the_margin(calibration, capsys, monkeypatch):
+    """After 3 timed steps the challenger (0.85 s) has the lesser median and is faster than every step of the
+    default (0.90, 0.92, 1.20 s), but within the margin (the default's spread): both run the extra rounds, the
+    default's later steps take 0.80 s, and the default is kept (the least median of 3 steps would have taken the
+    challenger)."""
+    from meshtorch.runtime import autolayout
+    timer = _FakeTimer([[0.90, 0.92, 1.20, 0.80, 0.80, 0.80, 0.80], 0.85], rest=3.0)
+    monkeypatch.setattr(autolayout, "prepare_candidate", timer)
+    assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    first3 = [timer.steps[0][:3], timer.steps[1][:3]]
+    assert min(first3[0]) > statistics.median(first3[1]) > statistics.median(first3[0]) * (1 - _margin(*first3))
+    assert len(timer.steps[0]) == len(timer.steps[1]) > 3
+    assert statistics.median(timer.steps[0]) < statistics.median(timer.steps[1])
+    assert _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
 
 
 def _band_calibration(cal, spread):
@@ -305,6 +375,24 @@ def test_layout_auto_under_torchrun_every_rank_chooses_the_slowest_ranks_fastest
     assert first0[1] == first1[1] and len(first0[1]) >= 3  # the same candidates, in the same order
     assert first0[0] == first1[0] == first0[1][2]
     assert again0 == again1 == (first0[0], [])
+
+
+def test_layout_auto_ranks_decide_on_the_slowest_ranks_steps_alike(tmp_path):
+    """2 gloo ranks: on rank 0 alone the challenger is 30% faster with tight steps (it would replace the
+    default), on rank 1 its steps spread (the default would be kept); the rule runs on the slowest rank's steps,
+    so both ranks keep the default, and say the same reason."""
+    from meshtorch.runtime.autolayout import Candidate, decide
+    from meshtorch.testing.spmd import run_spmd
+    times = [[1.0, 0.7], [1.0, [0.7, 0.95, 0.95]]]
+    res = run_spmd("_autolayout_jobs:decide_alike", (str(tmp_path), times), nprocs=2, timeout_s=300,
+                   extra_path=[os.path.dirname(os.path.abspath(__file__))]).check().results
+    (lay0, calls0, steps0, said0), (lay1, calls1, steps1, said1) = res
+    assert calls0 == calls1 and lay0 == lay1 == calls0[0]  # the default: measured first
+    own = [decide([Candidate(lay, "", None, False, 1.0, 0, default=i == 0, times=tuple(t))
+                   for i, (lay, t) in enumerate(zip(calls, steps, strict=True))]).index
+           for calls, steps in ((calls0, steps0), (calls1, steps1))]
+    assert own == [1, 0]  # each rank's own steps alone would decide differently
+    assert [ln for ln in said0 if "default kept" in ln] == [ln for ln in said1 if "default kept" in ln] != []
 
 
 def test_layout_auto_interleaves_candidates_so_a_load_burst_hits_all_alike(calibration, capsys, monkeypatch):

@@ -84,9 +84,9 @@ def add_train_subcommand(subparsers) -> None:
                         "processor per process")
     p.add_argument("--layout", default=None,
                    help="layout rules tensor_dim:mesh_axis;... (each must name a model dimension and a mesh axis), or "
-                        "auto: the fastest measured of the layouts the calibrated cost model ranks best on this "
-                        "machine (meshtorch plan --calibrate; see --auto-candidates; both cached), within "
-                        "--memory-limit. "
+                        "auto: the default layout unless one of those the calibrated cost model ranks best on "
+                        "this machine (meshtorch plan --calibrate; see --auto-candidates; both cached), within "
+                        "--memory-limit, measures faster beyond the noise of its steps (at least 5%%). "
                         "Default: "
                         f'"{DEFAULT_LAYOUT}" (under torchrun without --mesh: "{DATA_PARALLEL_LAYOUT}")')
     p.add_argument("--memory-limit", default=None,
@@ -95,7 +95,8 @@ def add_train_subcommand(subparsers) -> None:
     p.add_argument("--auto-candidates", type=int, default=3,
                    help="with --layout auto: at least how many of the cost model's best layouts to train a few steps "
                         "each (with the default layout and every layout predicted within the ranking's trust band, "
-                        "up to 20%% of a 600-step default run) before training with the fastest measured; the choice "
+                        "up to 20%% of a 600-step default run) before training with the default unless one is faster "
+                        "beyond the noise; the choice "
                         "is cached, so the next run of the same job measures nothing; 0: take the cost model's first "
                         "unmeasured")
     p.add_argument("--device", default=None,

@@ -2,7 +2,9 @@
 (and, with ``--storage auto``, storage rules) within a memory limit; train's default layout, the best
 ``--auto-candidates`` and every layout predicted within the ranking's trust band of the best are then trained
 for a few steps each on the real mesh and backend (within a budget of 20% of a 600-step default run), and the
-run trains with the fastest measured. The choice is cached, so a second run of the same job measures nothing.
+run trains with the default layout unless the fastest measured beats it beyond the noise of the steps (a
+margin of at least 5%, :func:`decide`), so ``--layout auto`` does not trade the default for a layout that only a
+few noisy steps put ahead. The choice is cached, so a second run of the same job measures nothing.
 
 Mesh TF shipped a cost model over layouts (``auto_mtf``); measuring the model's best candidates on the machine
 before committing to one is what cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``) and Inductor's
@@ -44,6 +46,7 @@ GIVE_UP = 3.0  # one process: a candidate whose first timed step takes this many
 BUDGET_SHARE, BUDGET_STEPS = 0.2, 600  # measuring may cost 20% of a 600-step run of the default layout
 RACE_ROUNDS = 4  # at most this many more steps for the candidates whose steps overlap the best median
 MODEL_ERROR = 0.25  # the least trust band: the cost model's median error against measured steps (docs/planning.md)
+MIN_GAIN = 0.05  # a candidate replaces the default only if its median is this much (or the steps' spread) faster
 
 
 @dataclass
@@ -95,12 +98,14 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     default's measured step) before each candidate starts (:func:`_measure`). Each is trained for
     ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch on the real mesh (:func:`prepare_candidate`),
     the later timed steps in interleaved rounds (so a load that comes and goes on the host hits all alike; one
-    candidate after another under ``memory_limit``, so only one is held at a time); the one of the least median
-    timed step wins (:func:`pick`). Under torchrun (``world`` > 1) every rank measures the same candidates in the
-    same order, the budget is checked on the slowest rank's seconds and the slowest rank's steps count (an
-    all-reduce max), so all ranks choose alike. The table printed gives each candidate's predicted and median
-    measured step, the range of its timed steps and the choice. The choice is cached (:func:`cache_file`) and
-    read back by the next run of the same job, which then measures nothing.
+    candidate after another under ``memory_limit``, so only one is held at a time); the default layout is kept
+    unless the least median timed step of the others is below the default's by the margin (the larger of
+    ``MIN_GAIN`` and either one's relative interquartile range of its steps, :func:`decide`). Under torchrun
+    (``world`` > 1) every rank measures the same candidates in the same order, the budget is checked on the
+    slowest rank's seconds and the slowest rank's steps count (an all-reduce max), so all ranks choose alike.
+    The table printed gives each candidate's predicted and median measured step, the range of its timed steps,
+    the choice and why the default was kept or replaced (the gain and the margin). The choice is cached
+    (:func:`cache_file`) and read back by the next run of the same job, which then measures nothing.
 
     Args:
         config: ``fn(vocab_multiple) -> LMConfig`` (the vocab is padded for whichever mesh axis splits it).
@@ -176,8 +181,9 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     flat, at = _max_over_ranks([t for c in measured for t in c.times], world), 0  # the slowest rank's steps
     for c in measured:
         c.times, at = tuple(flat[at:at + len(c.times)]), at + len(c.times)
-    chosen = pick(measured)
-    table = _table(measured, chosen_ones[len(measured):], chosen)
+    decision = decide(measured)
+    chosen = decision.index
+    table = _table(measured, chosen_ones[len(measured):], chosen) + f"\n  {decision.reason}"
     print_fn(f"{head}; measured {len(measured)} of them ({_why(chosen_ones, measured, candidates, band)}; "
              f"{WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each, up to {RACE_ROUNDS} more for those within "
              f"the noise of the best, median"
@@ -242,7 +248,9 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
     is built (one held at a time, under ``--memory-limit``). Then, for up to ``RACE_ROUNDS`` more interleaved
     rounds while the budget lasts, the held candidates whose fastest step is within the best median (the slowest
     rank's steps) race on: their difference is within the noise of the steps so far, and more steps make the
-    medians surer. Sets each measured candidate's ``times``; returns the measured ones (a prefix of ``cands``)."""
+    medians surer; while the challenger is faster than the default but within :func:`decide`'s margin, the
+    default and the challenger both race on. Sets each measured candidate's ``times``; returns the measured ones
+    (a prefix of ``cands``)."""
     held, done, budget, scale, spent = [], [], math.inf, 1.0, 0.0
     for c in cands:
         if len(done) >= 2:
@@ -271,13 +279,17 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
             c.times += (step(),)
     for _ in range(RACE_ROUNDS):  # the close ones race on while the budget lasts: more steps, a surer median
         agreed = _max_over_ranks([t for c, _ in held for t in c.times], world)
-        meds, at = [], 0
+        seen, at = [], 0  # the slowest rank's steps: every rank decides alike
         for c, _ in held:
-            meds.append((statistics.median(agreed[at:at + len(c.times)]), min(agreed[at:at + len(c.times)])))
+            seen.append(replace(c, times=tuple(agreed[at:at + len(c.times)])))
             at += len(c.times)
+        meds = [(statistics.median(c.times), min(c.times)) for c in seen]
         best = min((m for m, _ in meds), default=math.inf)
-        race = [(c, step) for (c, step), (_, low) in zip(held, meds, strict=True) if low <= best]
-        cost = sum(m for (m, low) in meds if low <= best)  # the slowest rank's: every rank decides alike
+        now = decide(seen) if seen else None
+        both = {i for i in (now.index, now.challenger) if i is not None} if now and now.undecided else set()
+        race = [i for i, (_, low) in enumerate(meds) if low <= best or i in both]
+        cost = sum(meds[i][0] for i in race)
+        race = [held[i] for i in race]
         if len(race) < 2 or _max_over_ranks([spent], world)[0] + cost > budget:
             break
         for c, step in race:
@@ -287,12 +299,70 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
     return done
 
 
-def pick(cands: list[Candidate]) -> int:
-    """The index of the candidate to train with: the least median of its timed steps (the warm-up excluded;
-    a candidate that left the race has inf steps); ties go to the default layout, then to the cost model's
-    order (``cands``' order)."""
-    return min(range(len(cands)), key=lambda i: (statistics.median(cands[i].times or (math.inf,)),
-                                                 not cands[i].default, i))
+def step_spread(times) -> float:
+    """The spread of timed steps ``times`` (seconds) relative to their median: the interquartile range (the
+    inclusive quartiles of :func:`statistics.quantiles`; with 3 steps half their min-max range) over the median;
+    0 for fewer than 2 steps, inf when a step is not finite (a candidate that left the race)."""
+    if not times or not all(math.isfinite(t) for t in times):
+        return math.inf
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    med = statistics.median(times)
+    return (q3 - q1) / med if med > 0 else math.inf
+
+
+@dataclass
+class Decision:
+    """:func:`decide`'s answer: ``index`` (into the candidates) of the one to train with, ``challenger`` (the
+    index of the least median other than the default; None when none), ``gain`` (relative: 1 - the challenger's
+    median over the default's), ``margin`` (the gain it needed) and ``reason`` (one line, printed in the table)."""
+
+    index: int
+    challenger: int | None
+    gain: float
+    margin: float
+    reason: str
+
+    @property
+    def undecided(self) -> bool:
+        """The challenger's median is below the default's, but not by the margin: more steps could decide."""
+        return self.challenger is not None and 0 < self.gain < self.margin
+
+
+def decide(cands: list[Candidate]) -> Decision:
+    """Which measured candidate to train with: the default layout, unless the challenger (the least median of
+    the others' timed steps; ties to the cost model's order, ``cands``' order) is faster beyond the noise: its
+    median at least ``margin`` below the default's, ``margin`` the larger of ``MIN_GAIN`` and the spread of either
+    one's steps (:func:`step_spread`). Ties and gains within the noise keep the default. With no default among
+    ``cands`` (it did not fit ``--memory-limit``) the least median wins. Under torchrun ``cands``' times are the
+    slowest rank's (an all-reduce max), so every rank decides alike."""
+    med = [statistics.median(c.times or (math.inf,)) for c in cands]
+    d = next((i for i, c in enumerate(cands) if c.default), None)
+    others = [i for i in range(len(cands)) if i != d]
+    ch = min(others, key=lambda i: (med[i], i)) if others else None
+    if d is None:
+        return Decision(ch, ch, 0.0, 0.0, "no default layout measured: the least median")
+    if ch is None:
+        return Decision(d, None, 0.0, 0.0, "only the default layout measured")
+    name = cands[ch].layout or "(replicated)"
+    if not math.isfinite(med[ch]):
+        return Decision(d, ch, 0.0, math.inf, "default kept: no other candidate finished its steps")
+    if not math.isfinite(med[d]):
+        return Decision(ch, ch, 1.0, 0.0, f"default replaced: {name}; the default did not finish its steps")
+    sd, sc = step_spread(cands[d].times), step_spread(cands[ch].times)
+    margin = max(MIN_GAIN, sd, sc)
+    gain = 1 - med[ch] / med[d] if med[d] > 0 else 0.0
+    why = (f"{name} {100 * gain:.1f}% faster (median) than the default layout, "
+           f"{'beyond' if gain >= margin else 'within'} the margin {100 * margin:.1f}% (the larger of "
+           f"{100 * MIN_GAIN:.0f}% and the steps' spread, interquartile range / median: the default's "
+           f"{100 * sd:.1f}%, {name}'s {100 * sc:.1f}%)")
+    if gain >= margin:
+        return Decision(ch, ch, gain, margin, f"default replaced: {why}")
+    if gain <= 0:
+        why = (f"{name}, the fastest other, is not faster (median {med[ch] * 1e3:.1f} vs the default's "
+               f"{med[d] * 1e3:.1f} ms)")
+    return Decision(d, ch, gain, margin, f"default kept: {why}")
 
 
 def _why(chosen: list[Candidate], measured: list[Candidate], k: int, band: float) -> str:
@@ -386,7 +456,7 @@ def time_steps(lm, lowering, steps: int, warmup: int = 0, seed: int = 0) -> list
 
 def _table(measured: list[Candidate], unmeasured: list[Candidate], chosen: int) -> str:
     """The measured candidates (predicted, median and range of the timed steps, which was chosen) and those
-    selected but left unmeasured when the budget was spent."""
+    selected but left unmeasured when the budget was spent (:func:`choose_layout` adds :func:`decide`'s reason)."""
     lines = [f"  {'layout':<48} {'storage':<16}{'predicted ms':>13}{'measured ms':>12}{'range ms':>16}  "]
     for i, c in enumerate(measured + unmeasured):
         med = c.measured_s
@@ -408,7 +478,8 @@ def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, micr
     return {"model": config(1).to_dict(), "mesh": mesh_shape, "storage": storage, "memory_limit": memory_limit,
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
-            "steps": [WARMUP_STEPS, TIMED_STEPS, BUDGET_SHARE, BUDGET_STEPS, MODEL_ERROR],
+            "steps": [WARMUP_STEPS, TIMED_STEPS, BUDGET_SHARE, BUDGET_STEPS, MODEL_ERROR, RACE_ROUNDS],
+            "rule": ["default unless faster beyond the steps' spread", MIN_GAIN],
             "precision": [policy.name, str(policy.reduce_dtype)]}
 
 

@@ -431,9 +431,10 @@ class TrainConfig:
                              f"{length} tokens (--length); give a shorter prompt or a longer --length.")
 
     def _choose_layout(self) -> TrainConfig:
-        """``--layout auto`` / ``--storage auto``: the config with the fastest measured of the layouts (and
-        storage rules) the calibrated cost model ranks best for this model and mesh within ``--memory-limit``
-        (the best ``--auto-candidates`` and the default layout, :func:`meshtorch.runtime.autolayout.choose_layout`);
+        """``--layout auto`` / ``--storage auto``: the config with the default layout unless one measures faster
+        beyond the noise among the layouts (and storage rules) the calibrated cost model ranks best for this model
+        and mesh within ``--memory-limit`` (the best ``--auto-candidates`` and the default layout,
+        :func:`meshtorch.runtime.autolayout.choose_layout`);
         under torchrun the calibration must be cached (every rank reads the same file, so all rank alike).
 
         Raises:
