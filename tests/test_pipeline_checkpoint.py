@@ -58,30 +58,30 @@ def _check(flat_vals, piped_vals):
         assert torch.equal(v, expect), n
 
 
-def test_per_layer_checkpoint_restores_into_the_pipeline_layout(tmp_path):
+def _cross(tmp_path, write_pipelined, write_impl, read_impl):
+    """Random values saved from one LM on ``write_impl``, restored into the other on ``read_impl``: the
+    checkpoint's every variable used, every variable as expected, the same loss."""
     flat, piped = _lm(False), _lm(True)
-    flw = flat.lowering("model:2", "heads:model;d_ff:model")
-    _randomize(flw, 1)
-    save(flw, str(tmp_path), 3)
-    plw = piped.lowering(mesh_impl=mtf.MeshSpec("pipe:2,data:2", "stage:pipe;d_ff:data", storage="heads:data"))
-    meta = restore(plw, str(tmp_path))
-    assert meta["unused"] == []
-    flat_vals = {n: flw.variable_value(n) for n in flw.variable_names}
-    _check(flat_vals, {n: plw.variable_value(n) for n in plw.variable_names})
+    src, dst = (piped, flat) if write_pipelined else (flat, piped)
+    slw = src.lowering(mesh_impl=write_impl)
+    _randomize(slw, 1 + write_pipelined)
+    save(slw, str(tmp_path), 3)
+    dlw = dst.lowering(mesh_impl=read_impl)
+    assert restore(dlw, str(tmp_path))["unused"] == []
+    flw, plw = (dlw, slw) if write_pipelined else (slw, dlw)
+    values = [{n: lw.variable_value(n) for n in lw.variable_names} for lw in (flw, plw)]
+    _check(*values)
     assert abs(_loss(piped, plw) - _loss(flat, flw)) <= 1e-6
+
+
+def test_per_layer_checkpoint_restores_into_the_pipeline_layout(tmp_path):
+    _cross(tmp_path, False, mtf.MeshSpec("model:2", "heads:model;d_ff:model"),
+           mtf.MeshSpec("pipe:2,data:2", "stage:pipe;d_ff:data", storage="heads:data"))
 
 
 def test_pipeline_layout_checkpoint_restores_per_layer(tmp_path):
-    flat, piped = _lm(False), _lm(True)
-    plw = piped.lowering(mesh_impl=mtf.MeshSpec("pipe:2,data:2", "stage:pipe;batch:data", storage="d_kv:data"))
-    _randomize(plw, 2)
-    save(plw, str(tmp_path), 3)
-    flw = flat.lowering("model:2", "heads:model")
-    meta = restore(flw, str(tmp_path))
-    assert meta["unused"] == []
-    flat_vals = {n: flw.variable_value(n) for n in flw.variable_names}
-    _check(flat_vals, {n: plw.variable_value(n) for n in plw.variable_names})
-    assert abs(_loss(piped, plw) - _loss(flat, flw)) <= 1e-6
+    _cross(tmp_path, True, mtf.MeshSpec("pipe:2,data:2", "stage:pipe;batch:data", storage="d_kv:data"),
+           mtf.MeshSpec("model:2", "heads:model"))
 
 
 def test_missing_layer_is_named(tmp_path):
