@@ -227,7 +227,8 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     logits keep their names. Checkpoints cross: an unpipelined (or stage executor's) checkpoint restores into a
     pipelined model and the reverse, row ``[s, r]`` from ``layer_{r S + s}`` (``graph.stacked_names``, a
     :class:`~meshtorch.core.pipeline.StackedNames`; optimizer slots too). The batch is cut into ``microbatches``
-    (rows m, M + m, ... form microbatch m), so dropout masks differ from the unpipelined model's; without dropout the losses and gradients are the same.
+    (rows m, M + m, ... form microbatch m), so dropout masks differ from the unpipelined model's; without dropout
+    the losses and gradients are the same.
 
     Args:
         config: the LMConfig.
