@@ -9,6 +9,7 @@ run's losses (1e-6)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from meshtorch.core.errors import CheckpointError
 from meshtorch.models.transformer import build_lm, preset
 from meshtorch.runtime.train import main_train
 from meshtorch.runtime.train_config import TrainConfig
+from meshtorch.testing.spmd import run_spmd
 
 CFG = preset("tiny", vocab_size=16, d_model=16, num_heads=2, d_kv=8, d_ff=32, length=8, batch_size=8, num_layers=4)
 S, R = 2, 2  # 4 layers: stage s runs layers s and 2 + s
@@ -116,3 +118,13 @@ def test_resume_across_the_pipeline_layout(tmp_path, reference, first, then):
     losses = _train(tmp_path, "run", 3, resume=True, **then)
     assert len(losses) == 3
     assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-6, (losses, reference)
+
+
+def test_executor_checkpoint_resumes_under_the_gpipe_layout_on_2_gloo_ranks(tmp_path, reference):
+    """Under torchrun: the stage executor's checkpoint (each rank its stage's per-layer slices) resumed by the GPipe
+    layout on the same 2 ranks (each rank reads its stage's rows)."""
+    res = run_spmd("_spmd_pipeline:gpipe_resume_worker", args=(str(tmp_path), FLAGS), nprocs=2, timeout_s=300,
+                   extra_path=[os.path.dirname(os.path.abspath(__file__))]).check().results
+    for losses in res:
+        assert len(losses) == 3
+        assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-6, (losses, reference)
