@@ -125,3 +125,18 @@ def memory_worker(cfg_kw, cases):
         dist.barrier()
         out.append(live.peak)
     return out
+
+
+def gpipe_resume_worker(root, flags):
+    """``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` for 2 steps in this rank (one file per rank), then
+    the run resumed under the GPipe layout (``--mesh pipe:2 --layout stage:pipe``, stacked variables) for a third:
+    the resumed run's losses."""
+    from meshtorch.runtime.train import main_train
+    from meshtorch.runtime.train_config import TrainConfig
+
+    losses = None
+    for steps, schedule, resume in ((2, "1f1b", False), (3, None, True)):
+        res = main_train(TrainConfig(**flags, steps=steps, runs_dir=root, run_name="gloo", mesh="pipe:2",
+                                     layout="stage:pipe", microbatches=2, pipeline_schedule=schedule, resume=resume))
+        losses = res["history"]["loss"]
+    return losses

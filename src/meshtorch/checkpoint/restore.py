@@ -20,6 +20,7 @@ from meshtorch.checkpoint.format import (
     latest_checkpoint,
     load_manifest,
 )
+from meshtorch.checkpoint.stacked import mapped_entry, read_region
 from meshtorch.core.errors import CheckpointError
 
 __all__ = ["restore"]
@@ -58,7 +59,11 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
     is overwritten. ``lowering.run_count`` is restored when both the Lowering and the checkpoint
     have one; a different graph seed gives a warning (random ops would draw other numbers). A variable the
     checkpoint lacks is looked up under its older name when the graph has a ``legacy_names`` dict ``{name: name
-    in older checkpoints}`` (:func:`meshtorch.models.hf_legacy.legacy_names`; slots by prefix).
+    in older checkpoints}`` (:func:`meshtorch.models.hf_legacy.legacy_names`; slots by prefix). A graph with a
+    ``stacked_names`` (:class:`~meshtorch.core.pipeline.StackedNames`) reads a pipeline layout's stacked variable
+    ``stack/{kind}`` ``[stage, (repeat,) ...]`` from a checkpoint's per-layer ``layer_{i}/{kind}`` (row ``[s, r]``
+    from layer ``r S + s``) and a layer's variable from a saved stack, slots included
+    (:func:`meshtorch.checkpoint.stacked.mapped_entry`), bitwise.
 
     Returns:
         metadata dict: ``path, step, extra, rng, meshes, meshtorch_version, missing, unused``
@@ -75,6 +80,7 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
     files = m.get("files", {})
     plan, missing = [], []
     legacy = getattr(lowering.graph, "legacy_names", None) or {}
+    stacking = getattr(lowering.graph, "stacked_names", None)
     used = set()
     for var, out, impl, layout in _var_table(lowering):
         entry = saved.get(var.name)
@@ -83,6 +89,11 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
             entry = saved.get(old) if old is not None else None
             if entry is not None:
                 used.add(old)
+        if entry is None and stacking is not None:  # saved under the other (un)pipelined naming
+            mapped = mapped_entry(var.name, out.shape, saved, stacking, ckpt)
+            if mapped is not None:
+                entry = mapped[0]
+                used.update(mapped[1])
         if entry is None:
             missing.append(var.name)
             continue
@@ -179,7 +190,7 @@ def _assemble(reader, p, var, out, impl, layout, entry, order, cache) -> torch.T
         lo, hi = ov
         src = tuple(slice(x - int(rb), y - int(rb)) for x, y, rb in zip(lo, hi, r["begin"], strict=True))
         dst = tuple(slice(x - b, y - b) for x, y, (b, _) in zip(lo, hi, box, strict=True))
-        res[dst] = reader.read(r["file"], r["key"], var.name, src, r["size"], out.dtype)
+        res[dst] = read_region(reader, r, var.name, src, out.dtype)
         covered += _volume([y - x for x, y in zip(lo, hi, strict=True)])
     if covered != _volume(sizes):
         raise CheckpointError(f"restore: variable {var.name!r}: the checkpoint's regions cover {covered} of the "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PipelineSchedule", "resolve_pipeline_fields"]
+__all__ = ["LM_STACKED_NAMES", "PipelineSchedule", "StackedNames", "resolve_pipeline_fields"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class PipelineSchedule:
 
     def layer(self, stage: int, repeat: int) -> int:
         """Index of the (unpipelined) layer that ``stage`` runs in ``repeat``: ``repeat * S + stage``."""
-        return repeat * self.stages + stage
+        return StackedNames.index(stage, repeat, self.stages)
 
     def table(self) -> list[list[int | None]]:
         """The schedule: one row per iteration, one entry per stage, the microbatch index or None (a bubble)."""
@@ -93,3 +93,55 @@ def resolve_pipeline_fields(stage_axis_size: int, stages: int | None, microbatch
     if repeats is None:
         repeats = num_layers // stages if num_layers and num_layers % stages == 0 else 1
     return {"pipeline_stages": stages, "microbatches": microbatches or stages, "pipeline_repeats": repeats}
+
+
+@dataclass(frozen=True)
+class StackedNames:
+    """How a pipelined layer stack's variables are named against the unpipelined layers' (pure metadata).
+
+    Unpipelined, layer ``i`` has variables ``{layer_format.format(i)}/{kind}`` (``layer_3/attention/q``); pipelined
+    (:func:`meshtorch.layers.pipeline.pipeline`), one variable ``{prefix}/{kind}`` of shape ``[stage, (repeat,)
+    kind's shape...]`` holds them all, row ``[s, r]`` being layer ``r * S + s`` (:meth:`PipelineSchedule.layer`).
+    An optimizer slot named after its variable (``{var}/adam_m``, ``{var}_slot_v``) follows it. A graph whose
+    ``stacked_names`` attribute is one of these restores checkpoints written under the other naming
+    (:func:`meshtorch.checkpoint.restore`)."""
+
+    prefix: str = "stack"
+    layer_format: str = "layer_{}"
+    stage_dim: str = "stage"
+    repeat_dim: str = "repeat"
+
+    def layer_name(self, i: int) -> str:
+        """The name of unpipelined layer ``i`` (``layer_{i}``)."""
+        return self.layer_format.format(i)
+
+    def unstacked(self, name: str, index: int) -> str | None:
+        """Layer ``index``'s name of the stacked variable (or slot) ``name``, or None if ``name`` is not stacked."""
+        if not name.startswith(self.prefix + "/"):
+            return None
+        return self.layer_name(index) + name[len(self.prefix):]
+
+    def stacked(self, name: str) -> tuple[int, str] | None:
+        """``(layer index, stacked name)`` of the per-layer variable (or slot) ``name``, or None if it is not one."""
+        head, sep, rest = name.partition("/")
+        if not sep:
+            return None
+        before, _, after = self.layer_format.partition("{}")
+        digits = head[len(before):len(head) - len(after)] if head.startswith(before) and head.endswith(after) else ""
+        if not digits.isdigit() or self.layer_name(int(digits)) != head:
+            return None
+        return int(digits), f"{self.prefix}/{rest}"
+
+    @staticmethod
+    def position(index: int, stages: int) -> tuple[int, int]:
+        """``(stage, repeat)`` of layer ``index`` in an ``stages``-stage stack: ``(index mod S, index div S)``."""
+        return index % stages, index // stages
+
+    @staticmethod
+    def index(stage: int, repeat: int, stages: int) -> int:
+        """The layer at ``(stage, repeat)``: ``repeat * S + stage``."""
+        return repeat * stages + stage
+
+
+#: the native LM's naming (``models.transformer.build_lm``, ``models.lm_stages``)
+LM_STACKED_NAMES = StackedNames()

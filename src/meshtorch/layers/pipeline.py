@@ -24,7 +24,7 @@ from meshtorch.autodiff import recompute_grad
 from meshtorch.core.dims import Dimension, Shape, convert_to_shape
 from meshtorch.core.errors import ShapeError
 from meshtorch.core.graph import Tensor
-from meshtorch.core.pipeline import PipelineSchedule
+from meshtorch.core.pipeline import PipelineSchedule, StackedNames
 from meshtorch.core.scopes import scoped_variable_name, variable_scope
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.initializers import Initializer, convert_initializer
@@ -107,7 +107,8 @@ class StackedVariables:
                         raise ShapeError(f"pipeline: variable {kind!r} {shape} already has dimension {d.name!r}.")
                 if self.layer_names is not None:  # row [s, r] starts as layer r * S + s would
                     S, R = self.stage.size, (self.repeat.size if self.repeat is not None else 1)
-                    keys = tuple(f"{self.layer_names(r * S + s)}/{kind}" for s in range(S) for r in range(R))
+                    keys = tuple(f"{self.layer_names(StackedNames.index(s, r, S))}/{kind}" for s in range(S)
+                                 for r in range(R))
                     kwargs["initializer"] = StackedInitializer(kwargs.get("initializer"), tuple(d.size for d in lead),
                                                                keys)
                 self.variables[kind] = getter(mesh, f"{self.variable_prefix}/{kind}", Shape(lead + shape.dims),

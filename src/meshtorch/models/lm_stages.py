@@ -26,6 +26,7 @@ import torch
 from meshtorch.autodiff import gradients
 from meshtorch.core.graph import Graph, Mesh
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.core.pipeline import LM_STACKED_NAMES
 from meshtorch.layers import dense, softmax_cross_entropy_with_logits
 from meshtorch.lowering import Lowering
 from meshtorch.models.transformer import LMConfig, _block, _embeddings, _norm, dims
@@ -109,6 +110,7 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
             out.append(None)
             continue
         graph = Graph(seed=seed)
+        graph.stacked_names = LM_STACKED_NAMES  # a pipeline layout's (stacked) checkpoint restores too
         mesh = Mesh(graph, "mesh")
         if v == 0:
             inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)

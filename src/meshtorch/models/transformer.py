@@ -26,7 +26,7 @@ from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch.core.dims import Dimension, Shape
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.core.pipeline import PipelineSchedule
+from meshtorch.core.pipeline import LM_STACKED_NAMES, PipelineSchedule
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
 from meshtorch.models.blocks import FULL_SEQUENCE, NATIVE_NAMES, BlockSpec, MoEOptions, block, norm
@@ -224,9 +224,11 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     when ``pipeline_repeats`` R > 1) for each ``layer_{i}/{kind}`` above (``stack/attention/q``
     [stage, d_model, heads, d_kv], ``stack/ffn/wi/kernel``, ``stack/attention_norm/scale``, ...): row ``[s, r]``
     is layer ``r * S + s`` and starts from exactly that layer's initial values. Embeddings, final norm and
-    logits keep their names. An unpipelined checkpoint does not load into a pipelined model (other names and
-    shapes), nor the reverse. The batch is cut into ``microbatches`` (rows m, M + m, ... form microbatch m), so
-    dropout masks differ from the unpipelined model's; without dropout the losses and gradients are the same.
+    logits keep their names. Checkpoints cross: an unpipelined (or stage executor's) checkpoint restores into a
+    pipelined model and the reverse, row ``[s, r]`` from ``layer_{r S + s}`` (``graph.stacked_names``, a
+    :class:`~meshtorch.core.pipeline.StackedNames`; optimizer slots too). The batch is cut into ``microbatches``
+    (rows m, M + m, ... form microbatch m), so dropout masks differ from the unpipelined model's; without dropout
+    the losses and gradients are the same.
 
     Args:
         config: the LMConfig.
@@ -259,6 +261,7 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
     aux_losses = []
     d = dims(c)
     graph = Graph(seed=seed)
+    graph.stacked_names = LM_STACKED_NAMES  # checkpoints of the other (un)pipelined naming restore too
     mesh = Mesh(graph, "mesh")
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
@@ -304,7 +307,8 @@ def _pipelined_blocks(c, d, x, train):
     xs = reshape(x, micro, name="pipeline/microbatch")
     ys = layers.pipeline(lambda h, name: _block(c, d, h, name, train, []), xs, sched,
                          remat=c.pipeline_remat, remat_keep=keeps_matmuls if c.remat == "selective" else None,
-                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0, layer_names=lambda i: f"layer_{i}")
+                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0,
+                         variable_prefix=LM_STACKED_NAMES.prefix, layer_names=LM_STACKED_NAMES.layer_name)
     return reshape(ys, x.shape, name="pipeline/unbatch")
 
 

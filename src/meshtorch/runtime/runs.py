@@ -33,7 +33,10 @@ RUN_MANIFEST = "run.json"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: model config fields that may differ on resume (they follow the layout, not the model)
-_LAYOUT_FIELDS = {"vocab_multiple"}
+#: the pipeline fields: a checkpoint of the pipeline layout (stacked variables) and one of an unpipelined run or the
+#: stage executor (per-layer variables) restore into each other (meshtorch.checkpoint.stacked)
+_PIPELINE_FIELDS = ("pipeline_stages", "microbatches", "pipeline_repeats", "pipeline_remat")
+_LAYOUT_FIELDS = {"vocab_multiple", *_PIPELINE_FIELDS, "pipeline_poison_bubbles"}
 #: the ``meshtorch train`` flag of each model config field (for error messages)
 _FLAG = {"num_layers": "--layers", "d_model": "--d-model", "num_heads": "--heads", "d_kv": "--d-kv", "d_ff": "--d-ff",
          "length": "--length", "batch_size": "--batch-size", "dropout": "--dropout", "activation": "--activation",
@@ -197,7 +200,8 @@ def resume_mismatch(saved: dict, record: dict) -> tuple[str, str] | None:
     """The first difference between a checkpoint's ``extra`` and this run's :func:`run_record` that forbids
     resuming: ``(kind, message)`` with kind ``"config"`` or ``"data"``, or None when they agree.
 
-    Model config fields (but ``vocab_multiple``, which follows the layout) and the tokenizer must be equal;
+    Model config fields (but ``vocab_multiple``, which follows the layout, and the pipeline fields: stacked and
+    per-layer checkpoints restore into each other) and the tokenizer must be equal;
     a checkpoint written before fingerprints were recorded is not checked for data.
     """
     old_cfg, new_cfg = saved.get("config") or {}, record["config"]
@@ -220,11 +224,15 @@ def resume_mismatch(saved: dict, record: dict) -> tuple[str, str] | None:
 
 def resume_changes(saved: dict, record: dict) -> str:
     """What changed between a checkpoint's run and this resuming run among what may change (mesh, layout,
-    storage, number of processes), as ``"; mesh 'data:4' -> 'data:2', processes 4 -> 2"`` ('' if nothing did)."""
+    storage, number of processes, pipeline fields), as ``"; mesh 'data:4' -> 'data:2', processes 4 -> 2"`` ('' if
+    nothing did)."""
     changed = [f"{k} {saved.get(k)!r} -> {record.get(k)!r}" if k != "processes" else
                f"processes {saved.get(k)} -> {record.get(k)}"
                for k in ("mesh", "layout", "storage", "processes")
                if k in saved and (saved.get(k) or "") != (record.get(k) or "")]
+    old_cfg, new_cfg = saved.get("config") or {}, record.get("config") or {}
+    changed += [f"{k} {old_cfg[k]} -> {new_cfg[k]}" for k in _PIPELINE_FIELDS
+                if k in old_cfg and k in new_cfg and old_cfg[k] != new_cfg[k]]
     return "; " + ", ".join(changed) if changed else ""
 
 
