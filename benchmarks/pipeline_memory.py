@@ -46,7 +46,7 @@ def _holders(ex, programs) -> dict:
     put(tree_leaves([p.lowering.store.values for p in programs if p is not None]), "variables")
     put(tree_leaves(ex.run.grads), "gradients")
     put(tree_leaves([ex.acts, ex.grads_in, ex.saved]), "in_flight")
-    put([v for _, v in ex.pending], "sends")
+    put([v for _, v in ex.pending.values()], "sends")
     return out
 
 
