@@ -131,7 +131,7 @@ def test_sends_are_freed_at_the_first_action_that_proves_them_received(name, S, 
         return to if to is not None and to.stage % S != a.stage % S else None
 
     preds = {}
-    for r, acts in enumerate(t.order):
+    for acts in t.order:
         for k, a in enumerate(acts):
             preds.setdefault(a, set()).update([acts[k - 1]] if k else [])
             if receiving(a) is not None:
