@@ -28,6 +28,7 @@ from pipeline_vs_torch import LR, MIB, batches, config, executor_memory  # noqa:
 from rss import peak_rss_bytes, reset_peak, rss_bytes  # noqa: E402
 
 PARTS = ("variables", "gradients", "in_flight", "sends", "other")
+PLAN_PARTS = ("variables", "gradients", "stash", "sends_held", "transient")
 
 
 def _holders(ex, programs) -> dict:
@@ -46,7 +47,7 @@ def _holders(ex, programs) -> dict:
     put(tree_leaves([p.lowering.store.values for p in programs if p is not None]), "variables")
     put(tree_leaves(ex.run.grads), "gradients")
     put(tree_leaves([ex.acts, ex.grads_in, ex.saved]), "in_flight")
-    put([v for _, v in ex.pending], "sends")
+    put([v for _, v in ex.pending.values()], "sends")
     return out
 
 
@@ -136,7 +137,7 @@ def main(argv=None):
         print(f"\n{sched} (MiB per rank)")
         for d, p in zip(res, planned, strict=True):
             parts = " ".join(f"{k} {d['parts'].get(k, 0) / MIB:.2f}" for k in PARTS)
-            plan = " ".join(f"{k} {p[k] / MIB:.2f}" for k in ("variables", "gradients", "stash", "transient"))
+            plan = " ".join(f"{k} {p[k] / MIB:.2f}" for k in PLAN_PARTS)
             print(f"  rank {d['rank']}: RSS growth {d['growth'] / MIB:.2f} (build {d['build'] / MIB:.2f}); live "
                   f"tensor peak {d['live_peak'] / MIB:.2f} in the {d['phase']} ({parts}); planner "
                   f"{p['total'] / MIB:.2f} ({plan}, in flight {p['in_flight']}); live / planner "

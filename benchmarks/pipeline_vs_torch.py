@@ -516,11 +516,13 @@ def main(argv=None):
     for run in [r for r in runs if r in EXEC_RUNS]:
         planned = executor_memory(cfg, S, M, SCHEDULE_OF[run], torch_local_stages(run, args.virtual_stages))
         got, plan, p0 = med[run + "_rss"], [p["total"] / MIB for p in planned], planned[0]
+        held = " ".join(f"{p['sends_held'] / MIB:.2f}" for p in planned)
         print(f"\n{run} per-rank memory (MiB): planner (meshtorch.runtime.pipeline_exec.rank_memory) "
               f"{' '.join(f'{p:.1f}' for p in plan)}; measured peak RSS growth {' '.join(f'{g:.1f}' for g in got)}; "
               f"measured / planner {' '.join(f'{g / p:.2f}' for g, p in zip(got, plan, strict=True))}; planner "
               f"parts of rank 0: variables {p0['variables'] / MIB:.1f}, gradients {p0['gradients'] / MIB:.1f}, "
-              f"stash {p0['stash'] / MIB:.1f} x {p0['in_flight']} in flight, sends {p0['sends'] / MIB:.1f}, transient "
+              f"stash {p0['stash'] / MIB:.1f} x {p0['in_flight']} in flight, sends {p0['sends'] / MIB:.1f} (held at "
+              f"the peak per rank {held}), transient "
               f"{p0['transient'] / MIB:.1f}; peak at {', '.join(p['peak_at'] for p in planned)}")
 
 

@@ -74,8 +74,9 @@ def test_planned_rank_memory_is_the_live_tensor_peak_of_a_gloo_step():
     rank, AdamW) per schedule; the bytes of live tensors at the peak of its step, counted op by op
     (:class:`meshtorch.testing.live_tensors.LiveTensorBytes`, independent of the planner: what the ops actually
     allocated and what is still referenced), is ``rank_memory``'s total to within -1% / +3% (measured 2026-11-28:
-    +0.2% to +2.2%; what the plan leaves out: the intermediates of composite ops such as einsum's reshaped operand
-    copies, scalars). Leaving out a part (the held sends, a microbatch's stash, the first gradient sums) fails."""
+    +0.2% to +2.3%; what the plan leaves out: the intermediates of composite ops such as einsum's reshaped operand
+    copies, scalars). Leaving out a part (the held sends, a microbatch's stash, the first gradient sums) fails, and
+    so does planning the sends freed where the executor holds them to the step's end, or the reverse."""
     res = run_spmd("_spmd_pipeline:memory_worker", args=(CFG, CASES), nprocs=2, timeout_s=300,
                    extra_path=[TESTS_DIR]).check().results
     for i, (name, S_, M_, R) in enumerate(CASES):

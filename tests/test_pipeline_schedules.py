@@ -116,6 +116,42 @@ def test_timed_table_bubble_in_flight_and_sends(name, S, M, R):
     assert all(dst == (src + 1) % S if a.kind == "F" else dst == (src - 1) % S for _, src, dst, a in sends)
 
 
+@pytest.mark.parametrize("name,S,M,R", CASES)
+def test_sends_are_freed_at_the_first_action_that_proves_them_received(name, S, M, R):
+    """``send_waits`` against a reachability walk of the step's happens-before graph (each rank's order, and an
+    edge from each action that sends to another rank to the action that receives it): a rank frees a send at
+    its first action whose ancestors include the send's receiving action, and only there (so its ``wait`` never
+    waits on a receive not yet posted: no deadlock where gloo completes a send only once the receiver posts)."""
+    t = build_schedule(name, S, M, R)
+    V = S * R
+
+    def receiving(a):  # the executor's messages: F(v) -> F(v+1), B/I(v) -> B/I(v-1), between different ranks
+        to = (Action(a.stage + 1, "F", a.microbatch) if a.kind == "F" and a.stage < V - 1 else
+              Action(a.stage - 1, a.kind, a.microbatch) if a.kind in ("B", "I") and a.stage > 0 else None)
+        return to if to is not None and to.stage % S != a.stage % S else None
+
+    preds = {}
+    for acts in t.order:
+        for k, a in enumerate(acts):
+            preds.setdefault(a, set()).update([acts[k - 1]] if k else [])
+            if receiving(a) is not None:
+                preds.setdefault(receiving(a), set()).add(a)
+    ancestors: dict = {}
+    for row in t.timed:  # in time order: every predecessor's ancestors are known first
+        for a in row:
+            if a is not None:
+                ancestors[a] = set().union(*([{p} | ancestors[p] for p in preds[a]] or [set()]))
+    freed = 0
+    for r, acts in enumerate(t.order):
+        waiting = []
+        for k, a in enumerate(acts):
+            due = [s for s in waiting if receiving(s) in ancestors[a]]
+            assert list(t.send_waits[r][k]) == due, (r, str(a))
+            freed += len(due)
+            waiting = [s for s in waiting if s not in due] + ([a] if receiving(a) is not None else [])
+    assert freed > 0
+
+
 def test_one_f_one_b_keeps_fewer_microbatches_than_gpipe():
     g, o = build_schedule("gpipe", 4, 8), build_schedule("1f1b", 4, 8)
     assert max(o.in_flight()) == 4 < max(g.in_flight()) == 8

@@ -247,6 +247,56 @@ class ScheduleTable:
                     out.append((t, r, self.rank_of(a.stage - 1), a))
         return out
 
+    def receiver(self, a: Action) -> Action | None:
+        """The action that receives what ``a`` sends to another rank (the next virtual stage's ``F`` of a
+        forward's output, the previous one's ``B``/``I`` of an input gradient), or None when ``a`` sends nothing
+        to another rank (the last stage's ``F``, stage 0's or a ``W``, a neighbour on the same rank)."""
+        r, V = self.rank_of(a.stage), self.virtual_stages
+        if a.kind == "F" and a.stage < V - 1:
+            to = Action(a.stage + 1, "F", a.microbatch)
+        elif a.kind in ("B", "I") and a.stage > 0:
+            to = Action(a.stage - 1, a.kind, a.microbatch)
+        else:
+            return None
+        return to if self.rank_of(to.stage) != r else None
+
+    @cached_property
+    def send_waits(self) -> tuple[tuple[tuple[Action, ...], ...], ...]:
+        """``send_waits[r][k]``: the earlier actions of rank ``r`` whose sends it can wait for (and free) once
+        action ``order[r][k]`` has received its input from another rank, because that input proves the sends
+        were received: the message was sent after its sender had (transitively, through the messages and each
+        rank's order) run the sends' receiving actions. Waiting there never blocks on a receive not yet posted,
+        so it adds no deadlock even where the transport only completes a send once the receiver posts it (gloo's
+        TCP pairs). Computed with vector clocks over :attr:`timed` (Lamport 1978 / Mattern 1989): per rank the
+        last action index of every rank known to have finished; a sent transfer whose receiving action's index is
+        known finished is released. Sends never proven received are waited for at the step's end."""
+        S = self.stages
+        index = [{a: k for k, a in enumerate(o)} for o in self.order]
+        clock = [[-1] * S for _ in range(S)]
+        after: dict[Action, list[int]] = {}  # action -> its rank's clock once it finished
+        pending: list[list[Action]] = [[] for _ in range(S)]
+        out = [[()] * len(o) for o in self.order]
+        for row in self.timed:
+            for r, a in enumerate(row):
+                if a is None:
+                    continue
+                k = index[r][a]
+                for d in self._deps(a):
+                    if self.rank_of(d.stage) != r:
+                        clock[r] = [max(x, y) for x, y in zip(clock[r], after[d], strict=True)]
+                clock[r][r] = k
+                known = []
+                for s in pending[r]:
+                    to = self.receiver(s)
+                    if clock[r][self.rank_of(to.stage)] >= index[self.rank_of(to.stage)][to]:
+                        known.append(s)
+                out[r][k] = tuple(known)
+                pending[r] = [s for s in pending[r] if s not in known]
+                if self.receiver(a) is not None:
+                    pending[r].append(a)
+                after[a] = list(clock[r])
+        return tuple(tuple(o) for o in out)
+
     def markdown(self) -> str:
         """The table in Markdown: one row per step, one column per rank, the action (``"2F0"``) or ``-``."""
         head = "| step | " + " | ".join(f"rank {r}" for r in range(self.stages)) + " |"

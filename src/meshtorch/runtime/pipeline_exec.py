@@ -198,19 +198,21 @@ def rank_memory(table: ScheduleTable, programs: list) -> list[dict]:
     of its stages); ``gradients`` (the weight gradients summed over the microbatches, from the stage's first
     gradient action on); per microbatch in flight its ``stash`` (the stage input, the activations its forward
     stashes, zero-bubble also the activation gradients its ``I`` stashes and the output gradient it keeps for its
-    ``W``; the most of the rank's stages), held from its ``F`` to its last gradient action; the ``sends``: every
-    activation and input gradient sent to another rank is held until the step's last wait (``isend``); and the
-    running action's ``transient`` (its run's peak of live values, its received output gradient, and at a
+    ``W``; the most of the rank's stages), held from its ``F`` to its last gradient action; the sends: every
+    activation and input gradient sent to another rank (its ``isend`` buffer), from its action until the action
+    whose receive proves it received (:attr:`~meshtorch.core.schedules.ScheduleTable.send_waits`, where
+    :func:`run_rank` waits for and frees it; the others until the step's end); and the running action's
+    ``transient`` (its run's peak of live values, its received output gradient, and at a
     stage's first gradient action the copy its fetched weight gradients are summed into); after the step, the
     optimizer's run. ``total`` is the largest sum over that walk, reached at ``peak_at`` (``"F3 on stage 0"``,
-    ``"optimizer"``); ``in_flight`` is the table's peak of microbatches in flight, ``sends`` the bytes sent by
-    the step's end, ``transient`` the largest action transient.
+    ``"optimizer"``); ``in_flight`` is the table's peak of microbatches in flight, ``sends`` the bytes sent in the
+    step, ``sends_held`` the bytes of sends held at the peak, ``transient`` the largest action transient.
     ``programs``: every virtual stage's (:func:`~meshtorch.models.lm_stages.stage_programs`)."""
     zb = table.name == "zero-bubble"
-    V = table.virtual_stages
     out = []
     for r, peak in enumerate(table.in_flight()):
-        row = dict(variables=0, gradients=0, stash=0, transient=0, sends=0, in_flight=peak, total=0, peak_at="")
+        row = dict(variables=0, gradients=0, stash=0, transient=0, sends=0, sends_held=0, in_flight=peak, total=0,
+                   peak_at="")
         mine = programs[r::table.stages]
         grads = {p.stage: sum(_nbytes(t) for t in p.weight_grads.values()) for p in mine}
         costs = {(p.stage, k): _action_memory(p, k) for p in mine for k in {a.kind for a in table.order[r]}}
@@ -223,17 +225,20 @@ def rank_memory(table: ScheduleTable, programs: list) -> list[dict]:
             row["variables"] += memory_report(p.lowering, list(p.updates) or [p.output]).variable_bytes
         row["gradients"] = sum(grads.values())
 
+        held, summed, sent = {}, set(), {}  # (stage, microbatch) -> bytes; stages with gradient sums; sends held
+
         def bump(now: int, where: str) -> None:
             if now > row["total"]:
-                row["total"], row["peak_at"] = now, where
+                row["total"], row["peak_at"], row["sends_held"] = now, where, sum(sent.values())
 
-        held, summed, sent = {}, set(), 0  # (stage, microbatch) -> bytes; stages with gradient sums; bytes sent
-        for a in table.order[r]:
+        for a, waits in zip(table.order[r], table.send_waits[r], strict=True):
             p, v = programs[a.stage], a.stage
             transient, fetched, double = costs[(v, a.kind)]
             received = _nbytes(p.output_grad) if a.kind in ("B", "I") and p.output_grad is not None else 0
             row["transient"] = max(row["transient"], transient - double)
-            base = row["variables"] + sum(grads[s] for s in summed) + sum(held.values()) + sent
+            for s in waits:  # freed after the action's receive, before its compute
+                sent.pop(s)
+            base = row["variables"] + sum(grads[s] for s in summed) + sum(held.values()) + sum(sent.values())
             where = f"{a.kind}{a.microbatch} on stage {v}"
             bump(base + transient - double, where)
             weights = a.kind in ("B", "W")
@@ -243,30 +248,41 @@ def rank_memory(table: ScheduleTable, programs: list) -> list[dict]:
             sizes = p.lowering.program.slot_bytes
             if a.kind == "F":
                 held[(v, a.microbatch)] = _nbytes(p.inputs) + sum(sizes.get(s, 0) for s in p.saved)
-                sent += _nbytes(p.output) if v < V - 1 and table.rank_of(v + 1) != r else 0
-            elif a.kind in ("B", "I"):
-                sent += _nbytes(p.input_grad) if p.input_grad is not None and table.rank_of(v - 1) != r else 0
+            if table.receiver(a) is not None:
+                sent[a] = _nbytes(p.output if a.kind == "F" else p.input_grad)
+                row["sends"] += sent[a]
             if a.kind == "I":
                 held[(v, a.microbatch)] += received + sum(sizes.get(s, 0) for s in p.saved_grads)
             if weights:
                 held.pop((v, a.microbatch), None)
+        sent.clear()  # run_rank's last wait
         for p in mine:  # apply_updates: its gradient feeds are the sums counted above
             if p.updates:
                 feeds = sum(_nbytes(t) for t in p.grad_feeds.values())
                 bump(row["variables"] + row["gradients"]
                      + memory_report(p.lowering, list(p.updates)).peak_activation_bytes - feeds, "optimizer")
-        row["sends"] = sent
         out.append(row)
     return out
 
 
 class _DistExecutor(_Executor):
     """One rank of a ``torch.distributed`` group (gloo): transfers to other ranks are ``isend`` / ``recv`` with
-    the tag of (stage, microbatch, direction), so messages match whatever order the ranks post them in."""
+    the tag of (stage, microbatch, direction), so messages match whatever order the ranks post them in. A send's
+    buffer is waited for and freed as soon as a receive proves it was received
+    (:attr:`~meshtorch.core.schedules.ScheduleTable.send_waits`: right after the receiving action's ``recv``,
+    before its compute), the others at the step's end; gloo completes a send only once the receiver has posted
+    its ``recv``, so an earlier ``wait`` could block on a rank that waits for this one."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        self.pending: list = []
+        r = dist.get_rank()
+        self.waits = dict(zip(self.table.order[r], self.table.send_waits[r], strict=True))
+        self.pending: dict = {}  # sending action -> (isend work, its buffer)
+        self.now = None  # the running action
+
+    def execute(self, a, r):
+        self.now = a
+        super().execute(a, r)
 
     def send(self, store, key, value, src, dst, tag):
         if src == dst:
@@ -274,7 +290,7 @@ class _DistExecutor(_Executor):
             return
         value = value.contiguous()
         self.record(value, src)
-        self.pending.append((dist.isend(value, dst, tag=tag), value))
+        self.pending[self.now] = (dist.isend(value, dst, tag=tag), value)
 
     def receive(self, store, key, src, dst, tag, like):
         if key in store or src == dst:
@@ -282,14 +298,20 @@ class _DistExecutor(_Executor):
         buf = torch.empty([d.size for d in like.shape], dtype=like.dtype)
         t0 = time.perf_counter()
         dist.recv(buf, src, tag=tag)
+        self._wait([self.pending.pop(s) for s in self.waits[self.now]])
         self.run.wait_s += time.perf_counter() - t0
         store[key] = buf
         return buf
 
+    @staticmethod
+    def _wait(sends: list) -> None:
+        for work, _ in sends:
+            work.wait()
+
     def result(self):
         t0 = time.perf_counter()
-        for work, _ in self.pending:
-            work.wait()
+        self._wait(list(self.pending.values()))
+        self.pending.clear()
         self.run.wait_s += time.perf_counter() - t0
         return super().result()
 
