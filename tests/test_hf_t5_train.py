@@ -13,8 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import _hf_fixtures as F  # noqa: E402
-from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.checkpoint import latest_checkpoint  # noqa: E402
+from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshtorch.testing import rel_error  # noqa: E402
 from meshtorch.testing.spmd import run_spmd  # noqa: E402
@@ -194,6 +194,11 @@ def test_t5_resume_continues_as_uninterrupted(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["train", "--resume", "--checkpoint-dir", b, *flags]) == 0
     out = capsys.readouterr().out
+    no_data = [f for f in flags if f != data and f != "--data"]
+    assert main(["train", "--resume", "--checkpoint-dir", b, *no_data]) == 2  # the run's pairs file is named
+    err = capsys.readouterr().err
+    assert "--resume of the T5 run" in err and f"needs --data: give its 'input<TAB>target' file(s) again ({data}" \
+        in err and len(err.strip().splitlines()) == 1, err
     whole, parts = (json.load(open(f"{d}/ckpt-6/manifest.json"))["extra"]["history"] for d in (a, b))
     assert len(whole["loss"]) == 6 and whole["val_step"] == [3, 6]
     assert parts["loss"] == whole["loss"] and parts["val_loss"] == whole["val_loss"], (parts, whole)  # bitwise
