@@ -46,16 +46,19 @@ def _one(path: str, ids, out_dir: str):
     return {"read": counter[0], "held": held, "total": total, "logits": logits, "written": written}
 
 
-def t5_train_worker(argv):
-    """``meshtorch train`` with ``argv`` (a T5 fine-tuning run) on a gloo rank: (train losses, validation losses,
-    what this rank printed on stdout and stderr)."""
+def t5_train_worker(*argvs):
+    """``meshtorch train`` with each of ``argvs`` in turn (a T5 fine-tuning run, then e.g. its ``--resume``) on a
+    gloo rank: per run (train losses, validation losses, what this rank printed on stdout and stderr)."""
     import contextlib
     import io
 
     from meshtorch.cli import build_parser
 
-    buf = io.StringIO()
-    args = build_parser().parse_args(argv)
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        h = args.func(args)["history"]
-    return h["loss"], h["val_loss"], buf.getvalue()
+    out = []
+    for argv in argvs:
+        buf = io.StringIO()
+        args = build_parser().parse_args(argv)
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            h = args.func(args)["history"]
+        out.append((h["loss"], h["val_loss"], buf.getvalue()))
+    return out

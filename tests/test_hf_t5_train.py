@@ -138,21 +138,25 @@ def test_t5_train_says_where_its_sample_is(tmp_path, capsys):
     assert "T5 runs are not decoded here" in out.out + out.err and "meshtorch sample" in out.out + out.err
 
 
-def _train_argv(path, data, ck, *extra):
+def _train_argv(path, data, ck, *extra, steps=STEPS):
     return ["train", "--init-from", path, "--data", data, "--batch-size", str(B), "--length", str(L), "--steps",
-            str(STEPS), "--lr", str(LR), "--schedule", "constant", "--optimizer", "adamw", "--checkpoint-dir", ck,
+            str(steps), "--lr", str(LR), "--schedule", "constant", "--optimizer", "adamw", "--checkpoint-dir", ck,
             "--plot", "", "--sample", "0", "--eval-every", "100", *extra]
 
 
 def test_t5_train_four_gloo_ranks_equal_placement(tmp_path, capsys):
     """T5 fine-tuning on 4 gloo ranks (one process per processor, ``data:2,model:2``, FSDP storage
-    ``d_model:data``): each rank's losses equal the placement run's (one process, same flags) and
-    ``transformers`` + AdamW's to 1e-5; only rank 0 prints; the checkpoint the ranks wrote decodes on one
-    process as ``transformers.generate`` of the torch-trained model."""
+    ``d_model:data``), run for 2 steps and continued with ``--resume`` to 4 in the same processes: each rank's
+    losses equal the placement run's (one process, same flags, 4 steps at once) and ``transformers`` + AdamW's
+    to 1e-5; only rank 0 prints; the checkpoint the ranks wrote decodes on one process as
+    ``transformers.generate`` of the torch-trained model."""
     path, data = _setup(tmp_path)
     flags = ("--mesh", MESH, "--layout", LAYOUT, "--storage", "d_model:data")
-    run = run_spmd("_hf_spmd:t5_train_worker", args=(_train_argv(path, data, str(tmp_path / "spmd"), *flags),),
-                   nprocs=4, timeout_s=150, extra_path=[TESTS_DIR]).check()
+    ck = str(tmp_path / "spmd")
+    first = _train_argv(path, data, ck, *flags, steps=STEPS // 2)
+    resume = ["train", "--resume", *_train_argv(path, data, ck, *flags)[3:]]  # without --init-from
+    run = run_spmd("_hf_spmd:t5_train_worker", args=(first, resume), nprocs=4, timeout_s=150,
+                   extra_path=[TESTS_DIR]).check()
     args = build_parser().parse_args(_train_argv(path, data, str(tmp_path / "placement"), *flags))
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
@@ -164,11 +168,15 @@ def test_t5_train_four_gloo_ranks_equal_placement(tmp_path, capsys):
     ref, theirs = _reference(path)
     assert len(h["loss"]) == STEPS and len(h["val_loss"]) == 1
     assert rel_error(torch.tensor(h["loss"]), torch.tensor(theirs)) <= 1e-5, (h["loss"], theirs)
-    for rank, (losses, val, out) in enumerate(run.results):
+    for rank, (_, (losses, val, out)) in enumerate(run.results):
+        assert len(losses) == STEPS and len(val) == 2, (rank, losses, val)  # steps 1-2 restored, 3-4 trained
         assert rel_error(torch.tensor(losses), torch.tensor(h["loss"])) <= 1e-5, (rank, losses, h["loss"])
-        assert rel_error(torch.tensor(val), torch.tensor(h["val_loss"])) <= 1e-5, (rank, val, h["val_loss"])
+        assert rel_error(torch.tensor(val[-1:]), torch.tensor(h["val_loss"])) <= 1e-5, (rank, val, h["val_loss"])
+        assert ("resumed from" in out) == (rank == 0) and (out.strip() == "") == (rank > 0), (rank, out)
+    for rank, ((losses, _val, out), _) in enumerate(run.results):
+        assert len(losses) == STEPS // 2, rank
         assert ("validation:" in out) == (rank == 0) and (out.strip() == "") == (rank > 0), (rank, out)
-    assert _sample(str(tmp_path / "spmd")) == [_generate(ref, path)]
+    assert _sample(ck) == [_generate(ref, path)]
 
 
 def _resume_pairs(n=10, seed=3):
