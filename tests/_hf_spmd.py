@@ -1,4 +1,5 @@
-"""Run inside the 4 gloo processes of tests/test_hf_spmd.py: import a Hugging Face directory onto
+"""Run inside the 4 gloo processes of tests/test_hf_spmd.py (and of tests/test_hf_t5_train.py: T5 fine-tuning,
+:func:`t5_train_worker`): import a Hugging Face directory onto
 SpmdMeshImpl (FSDP storage layout), count the elements each rank reads from the safetensors files,
 compute logits, and export back to a Hugging Face directory."""
 
@@ -43,3 +44,21 @@ def _one(path: str, ids, out_dir: str):
     logits = lw.run(model.logits, feeds={model.inputs: ids, model.targets: ids}).clone()
     written = hf.export(lw, model, out_dir)
     return {"read": counter[0], "held": held, "total": total, "logits": logits, "written": written}
+
+
+def t5_train_worker(*argvs):
+    """``meshtorch train`` with each of ``argvs`` in turn (a T5 fine-tuning run, then e.g. its ``--resume``) on a
+    gloo rank: per run (train losses, validation losses, what this rank printed on stdout and stderr)."""
+    import contextlib
+    import io
+
+    from meshtorch.cli import build_parser
+
+    out = []
+    for argv in argvs:
+        buf = io.StringIO()
+        args = build_parser().parse_args(argv)
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            h = args.func(args)["history"]
+        out.append((h["loss"], h["val_loss"], buf.getvalue()))
+    return out

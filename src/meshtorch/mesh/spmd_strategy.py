@@ -48,6 +48,7 @@ _is_compiling = torch.compiler.is_compiling
 _OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}
 # torch >= 2.5 names; the older ones warn about deprecation from 2.6 on
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
@@ -63,7 +64,7 @@ def _send_recv(ops) -> None:
 #: terms; whether it takes ``group=``). :func:`issue` refuses any other function.
 CALLED: dict[Callable, tuple[str, bool]] = {
     dist.all_reduce: ("allreduce", True), _all_gather: ("allgather", True),
-    dist.reduce_scatter_tensor: ("reduce_scatter", True), dist.all_to_all_single: ("alltoall", True),
+    _reduce_scatter: ("reduce_scatter", True), dist.all_to_all_single: ("alltoall", True),
     dist.broadcast: ("broadcast", True), _send_recv: ("collective_permute", False),
     funcol.all_reduce: ("allreduce", True), _funcol_all_gather: ("allgather", True),
     _funcol_reduce_scatter: ("reduce_scatter", True), funcol.all_to_all_single: ("alltoall", True),
@@ -251,7 +252,7 @@ class EagerCollectives(Collectives):
 
     def reduce_scatter(self, rows, n, group, parts=None):
         out = torch.empty((rows.shape[0] // n, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        work = issue(dist.reduce_scatter_tensor, group, rows, out, rows, op=dist.ReduceOp.SUM,
+        work = issue(_reduce_scatter, group, rows, out, rows, op=dist.ReduceOp.SUM,
                      async_op=self.asynchronous, parts=parts)
         return work, out
 

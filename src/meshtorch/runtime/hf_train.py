@@ -97,8 +97,8 @@ def t5_pairs(cfg):
     or None when ``cfg`` is not ``--init-from`` a T5 directory (nor the resume of a T5 run).
 
     Raises:
-        UsageError: a T5 run without ``--data`` or with a flag T5 training does not support. CheckpointError:
-            the directory's config.json. DataError: the pairs file.
+        UsageError: a T5 run (or its ``--resume``, naming the run's files) without ``--data``, or with a flag T5
+            training does not support. CheckpointError: the directory's config.json. DataError: the pairs file.
     """
     if not cfg.init_from:
         return None
@@ -107,6 +107,10 @@ def t5_pairs(cfg):
          else hf.read_config(cfg.init_from))
     if not c.encoder_decoder:
         return None
+    if not cfg.data and saved:  # --resume: name the files the run trained on (run.json's data_files)
+        files = (saved.get("data_files") or {}).get("files") or []
+        raise UsageError(f"--resume of the T5 run {saved.get('run')!r} needs --data: give its 'input<TAB>target' "
+                         f"file(s) again ({' '.join(files) if isinstance(files, list) else files}, in its run.json).")
     if not cfg.data:
         raise UsageError("--init-from a T5 directory needs --data FILE of 'input<TAB>target' lines "
                          "(docs/huggingface.md).")
