@@ -66,7 +66,7 @@ def spmd_bucket_worker(steps: int, bucket_bytes: int):
 def spmd_compiled_worker(steps: int, mesh_shape: str, layout: str, storage: str, bucket_bytes: int,
                          backend: str = "inductor"):
     """Inside a gloo rank: the MLP compiled (``mode="compile"``, ``torch.compile`` backend ``backend``): losses,
-    variables, step kinds and dynamo's graph-break reasons and number of graphs compiled."""
+    variables, step kinds, dynamo's graph-break reasons and number of graphs compiled, and whether inductor ran."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -78,7 +78,7 @@ def spmd_compiled_worker(steps: int, mesh_shape: str, layout: str, storage: str,
     losses = [lw.run([loss] + updates, feeds={x: batch(s)})[0] for s in range(steps)]
     kinds = [st.kind for st in lw.plan([loss] + updates).steps]
     return (losses, {n: lw.variable_value(n) for n in ("w1", "w2")}, kinds, dict(counters["graph_break"]),
-            counters["stats"]["unique_graphs"])
+            counters["stats"]["unique_graphs"], bool(counters["inductor"]))
 
 
 class HalfValues(mtf.Initializer):

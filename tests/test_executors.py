@@ -71,8 +71,9 @@ def test_compiled_spmd_program_is_one_graph_with_functional_collectives(bucket_b
     job = run_spmd("_program_data:spmd_compiled_worker",
                    args=(3, mesh_shape, layout, storage, bucket_bytes, "aot_eager"),
                    nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
-    for losses, values, kinds, breaks, graphs in job.results:
+    for losses, values, kinds, breaks, graphs, inductor in job.results:
         assert breaks == {} and graphs == 1, (breaks, graphs)
+        assert not inductor  # the backend asked for is the one torch.compile used
         assert {"allgather", "reduce_scatter", "allreduce"} <= {k.removesuffix("_bucket") for k in kinds}
         assert any(k.endswith("_bucket") for k in kinds) == bool(bucket_bytes), kinds
         assert all(rel_error(a, w[0]) <= 1e-5 for a, w in zip(losses, want, strict=True))

@@ -33,6 +33,7 @@ SHARED = [
      "--device", "cpu", "--seed", "1", "--threads", "1", "--peak-tflops", "1", "--clip-norm", "0.5",
      "--remat", "selective", "--temperature", "0"],
     ["--optimizer", "adafactor", "--schedule", "rsqrt", "--bucket-mb", "1", "--async-collectives", "--remat", "block",
+     "--compile-backend", "aot_eager",  # accepted everywhere; used only with --compile (test_init_from_compiled_...)
      "--eval-every", "1", "--weight-decay", "0.1", "--top-k", "5", "--mesh", "data:4", "--layout", "batch:data"],
 ]
 
