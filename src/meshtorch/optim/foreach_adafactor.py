@@ -48,9 +48,49 @@ def _f32(ts):
     return [t if t.dtype == _F32 else t.to(_F32) for t in ts]
 
 
+_SCALARS: dict = {}
+
+
+def _scalar(x: float, like: torch.Tensor | None):
+    """``x`` as the float operand of a multi-tensor call on a list of ``like``'s device: on the CPU (eager) a
+    cached 0-dim float32 tensor, else the Python float.
+
+    PyTorch's CPU multi-tensor fallback calls the per-tensor op per element and wraps a Python scalar into a
+    tensor each time (``to``, ``_to_copy``, ``empty_strided``, ``copy_``: 4 aten calls per element); a 0-dim
+    float32 operand is the float32 value a float32 kernel rounds the scalar to, so the results are the same bits.
+    On CUDA the scalar-list overloads are one fused launch (and under ``torch.compile`` constants), so the floats
+    stay."""
+    if like is None or like.device.type != "cpu" or torch.compiler.is_compiling():
+        return x
+    key = float(x)
+    t = _SCALARS.get(key)
+    if t is None:
+        t = _SCALARS[key] = torch.full((), key, dtype=_F32)
+    return t
+
+
+def _scalars(xs, like: torch.Tensor | None) -> list:
+    """:func:`_scalar` of each of ``xs`` (one per list element)."""
+    return [_scalar(x, like) for x in xs]
+
+
+def _first(ts):
+    return ts[0] if len(ts) else None
+
+
 def _sums(ts, dims):
     """``t.sum(d, keepdim=True)`` per tensor (``d``: an int or a tuple of dims per tensor)."""
     return [t.sum(d, keepdim=True) for t, d in zip(ts, dims, strict=True)]
+
+
+def _drop(t, i: int):
+    """``t.squeeze(i)`` as one ``view`` (``squeeze`` is two aten calls; the same tensor)."""
+    return t.view(t.shape[:i] + t.shape[i + 1:])
+
+
+def _insert(t, i: int):
+    """``t.unsqueeze(i)`` as one ``view`` (``t`` contiguous: a fresh kernel result)."""
+    return t.view(t.shape[:i] + (1,) + t.shape[i:])
 
 
 def _written_back(olds, news, flags):
@@ -63,8 +103,10 @@ def _written_back(olds, news, flags):
 
 
 def _plus(fresh, other):
-    """``fresh + other`` written into ``fresh`` (new tensors of the kernel's own): one list of temporaries."""
-    torch._foreach_add_(fresh, other)
+    """``fresh + other`` written into ``fresh`` (new tensors of the kernel's own): one list of temporaries.
+    A 0-dim tensor ``other`` goes in as a list (the CPU fallback of the one-tensor overload reads it back with
+    ``item()`` and wraps it per element)."""
+    torch._foreach_add_(fresh, [other] * len(fresh) if isinstance(other, torch.Tensor) else other)
     return fresh
 
 
@@ -77,7 +119,9 @@ def _times(x, factors, in_place: bool):
 
 
 def _sq_sums(ts):
-    return [torch.square(t).sum() for t in ts]
+    """The sum of ``t^2`` of each tensor, keepdim (all dims of size 1): ``t * t`` is ``square(t)`` (one aten call
+    for three), and the full sum with ``keepdim`` one call fewer than ``sum()``; the same bits."""
+    return [torch.mul(t, t).sum(tuple(range(t.dim())), keepdim=True) for t in ts]
 
 
 def _k_stats(*xs, nf: int, i0s, i1s, wdims, aligns, eps1: float):
@@ -87,7 +131,7 @@ def _k_stats(*xs, nf: int, i0s, i1s, wdims, aligns, eps1: float):
     ``d0`` / ``d1`` and (the scaled variables) of ``w^2`` over ``wdims``, all keepdim."""
     wf, gf, wu = xs[:nf], xs[nf:2 * nf], xs[2 * nf:]
     gf = _f32([aligned(g, a) for g, a in zip(gf, aligns, strict=True)])
-    g2 = _plus(torch._foreach_mul(gf, gf), eps1) if nf else []
+    g2 = _plus(torch._foreach_mul(gf, gf), _scalar(eps1, _first(gf))) if nf else []
     sums = [*_sums(g2, i0s), *_sums(g2, i1s)]
     del g2  # freed before the list of w^2: one full-size list of temporaries at a time
     ws = _f32([w for w, d in zip([*wf, *wu], wdims, strict=True) if d is not None])
@@ -105,10 +149,14 @@ def _k_moments(*xs, nf: int, nu: int, i0s, i1s, n0s, n1s, aligns, eps1: float, c
     olds, s0, s1 = list(xs[:k]), xs[k:k + nf], xs[k + nf:k + 2 * nf]
     gu = _f32([aligned(g, a) for g, a in zip(xs[k + 2 * nf:-1], aligns, strict=True)])
     decay = xs[-1]
-    mix = 1.0 - decay
-    adds = [*(torch._foreach_div([s.squeeze(i) for s, i in zip(s0, i0s, strict=True)], list(n0s)) if nf else []),
-            *(torch._foreach_div([s.squeeze(i) for s, i in zip(s1, i1s, strict=True)], list(n1s)) if nf else []),
-            *(_plus(torch._foreach_mul(gu, gu), eps1) if nu else [])]
+    one = _scalar(1.0, decay)
+    mix = torch.sub(one, decay) if isinstance(one, torch.Tensor) else 1.0 - decay  # rsub: 6 aten calls
+    like = _first(olds)
+    adds = [*(torch._foreach_div([_drop(s, i) for s, i in zip(s0, i0s, strict=True)], _scalars(n0s, like))
+              if nf else []),
+            *(torch._foreach_div([_drop(s, i) for s, i in zip(s1, i1s, strict=True)], _scalars(n1s, like))
+              if nf else []),
+            *(_plus(torch._foreach_mul(gu, gu), _scalar(eps1, like)) if nu else [])]
     torch._foreach_mul_(adds, mix)  # fresh tensors: scaled in place (the same rounding)
     flags = tuple(donate) if isinstance(donate, tuple) else (bool(donate),) * k
     if any(flags) and not torch.compiler.is_compiling():  # in place, the same two roundings
@@ -130,10 +178,10 @@ def _k_x(*xs, nf: int, i0s, i1s, n1s, aligns, clip: bool):
     sums of ``x^2``: ``x = g rsqrt(vr / (row_sum / n1)) rsqrt(vc)``, the factors unsqueezed to ``g``'s dims."""
     g, vr, vc, row_sum = (list(xs[k * nf:(k + 1) * nf]) for k in range(4))
     g = _f32([aligned(t, a) for t, a in zip(g, aligns, strict=True)])
-    r = torch._foreach_rsqrt(torch._foreach_div(vr, torch._foreach_div(row_sum, list(n1s))))
+    r = torch._foreach_rsqrt(torch._foreach_div(vr, torch._foreach_div(row_sum, _scalars(n1s, _first(vr)))))
     c = torch._foreach_rsqrt(vc)
-    x = torch._foreach_mul(g, [t.unsqueeze(i) for t, i in zip(r, i0s, strict=True)])
-    torch._foreach_mul_(x, [t.unsqueeze(i) for t, i in zip(c, i1s, strict=True)])  # one full-size list
+    x = torch._foreach_mul(g, [_insert(t, i) for t, i in zip(r, i0s, strict=True)])
+    torch._foreach_mul_(x, [_insert(t, i) for t, i in zip(c, i1s, strict=True)])  # one full-size list
     return _results([*x, *(_sq_sums(x) if clip else [])])
 
 
@@ -149,14 +197,15 @@ def _k_apply(*xs, n: int, n_alls, n_ws, scaled, clip: float, eps2: float, beta1:
     x = list(xs[k * n:(k + 1) * n])
     rest = list(xs[(k + 1) * n:])
     lr = rest.pop()
+    like = ws[0]
     if clip:
         sq, rest = rest[:n], rest[n:]
-        d = torch._foreach_clamp_min(torch._foreach_div(torch._foreach_sqrt(torch._foreach_div(sq, list(n_alls))),
-                                                        clip), 1.0)
+        d = torch._foreach_clamp_min(torch._foreach_div(torch._foreach_sqrt(torch._foreach_div(
+            sq, _scalars(n_alls, like))), _scalar(clip, like)), 1.0)
         x = torch._foreach_div(x, d)  # fresh: scaled in place below
     if rest:
         s = torch._foreach_mul(torch._foreach_clamp_min(torch._foreach_sqrt(torch._foreach_div(
-            rest, [n_ws[i] for i in range(n) if scaled[i]])), eps2), lr)
+            rest, _scalars([n_ws[i] for i in range(n) if scaled[i]], like))), eps2), lr)
         it = iter(s)
         sub = _times(x, [next(it) if scaled[i] else lr for i in range(n)], in_place=bool(clip))
     else:
@@ -164,18 +213,18 @@ def _k_apply(*xs, n: int, n_alls, n_ws, scaled, clip: float, eps2: float, beta1:
     flags = tuple(donate) if isinstance(donate, tuple) else (bool(donate),) * (k * n)
     if any(flags) and not torch.compiler.is_compiling():  # in place, as torch's step; undonated ones on copies
         olds = ws + ms
-        new = [t if d and t.dtype == _F32 and t.is_contiguous() else t.to(_F32, copy=True)
+        new = [t if d and t.dtype == _F32 and t.is_contiguous() else t.clone() if t.dtype == _F32 else t.to(_F32)
                for t, d in zip(olds, flags, strict=True)]
         new_w, new_m = new[:n], new[n:]
         if beta1:
-            torch._foreach_mul_(new_m, beta1)
-            torch._foreach_add_(new_m, torch._foreach_mul(sub, 1.0 - beta1))
+            torch._foreach_mul_(new_m, _scalar(beta1, like))
+            torch._foreach_add_(new_m, torch._foreach_mul(sub, _scalar(1.0 - beta1, like)))
             sub = new_m
         torch._foreach_sub_(new_w, sub)
         return _results([*new_w, *new_m])
     if beta1:
-        torch._foreach_mul_(sub, 1.0 - beta1)  # a fresh list
-        sub = _plus(torch._foreach_mul(ms, beta1), sub)
+        torch._foreach_mul_(sub, _scalar(1.0 - beta1, like))  # a fresh list
+        sub = _plus(torch._foreach_mul(ms, _scalar(beta1, like)), sub)
     return _results(_written_back(ws + ms, [*torch._foreach_sub(_f32(ws), sub), *(sub if beta1 else [])], flags))
 
 
@@ -269,6 +318,9 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
         def without(i, dim):
             return [m for j, m in enumerate(local[i]) if j != dim]
 
+        def ones(i):  # the shape of a full sum kept with keepdim
+            return [1] * len(local[i])
+
         def row_kept(i):
             i0, i1 = self.factored[i]
             return [1 if j == i1 else m for j, m in enumerate(local[i]) if j != i0]
@@ -308,7 +360,7 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
             *[g[i] for i in U], decay, num_outputs=k2), k2)
         record(out, [without(i, i0) for i, i0 in zip(F, i0s, strict=True)]
                + [without(i, i1) for i, i1 in zip(F, i1s, strict=True)] + [local[i] for i in U]
-               + [row_kept(i) for i in F] + [local[i] for i in U] + ([[]] * nu if clip else []))
+               + [row_kept(i) for i in F] + [local[i] for i in U] + ([ones(i) for i in U] if clip else []))
         new_slots = {i: [a, b] for i, a, b in zip(F, out[:nf], out[nf:2 * nf], strict=True)}
         new_slots.update({i: [v] for i, v in zip(U, out[2 * nf:2 * nf + nu], strict=True)})
         new_vr, new_vc = out[:nf], out[nf:2 * nf]
@@ -316,7 +368,7 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
         x = dict(zip(U, out[:nu], strict=True))
         # stage 2's statistics: the row sums (factored), the update's sums of squares (unfactored)
         row_sum = reduce(row_sum, F, lambda i: [self.factored[i][1]], row_kept)
-        xs = dict(zip(U, reduce(out[nu:], U, lambda i: range(len(local[i])), lambda i: []), strict=True)) \
+        xs = dict(zip(U, reduce(out[nu:], U, lambda i: range(len(local[i])), ones), strict=True)) \
             if clip else {}
         if nf:
             k3 = nf * (2 if clip else 1)
@@ -325,10 +377,10 @@ class ForeachAdafactorGroupUpdate(UpdateOperation):
                 n1s=tuple(wt[i].shape.dims[i1].size for i, i1 in zip(F, i1s, strict=True)),
                 aligns=tuple(aligns[i] for i in F), clip=clip),
                 *[g[i] for i in F], *new_vr, *new_vc, *row_sum, num_outputs=k3), k3)
-            record(out, [local[i] for i in F] + ([[]] * nf if clip else []))
+            record(out, [local[i] for i in F] + ([ones(i) for i in F] if clip else []))
             x.update(zip(F, out[:nf], strict=True))
             if clip:
-                xs.update(zip(F, reduce(out[nf:], F, lambda i: range(len(local[i])), lambda i: []), strict=True))
+                xs.update(zip(F, reduce(out[nf:], F, lambda i: range(len(local[i])), ones), strict=True))
         m = [slot_vals[i][-1] for i in range(n)] if self.beta1 else []
         k4 = 2 * n if self.beta1 else n
         out = _tuple(lw.slicewise(functools.partial(
