@@ -211,14 +211,23 @@ TWINS = {  # meshtorch optimizer, the plain PyTorch optimizer on the same model,
                    lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0, fused=True), 1.0),
     "momentum_clip": (lambda: mtf.optim.MomentumOptimizer(0.1, 0.9),
                       lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True), 1.0),
+    # Mesh TF's Adafactor (at this size every variable unfactored: dims under 128) vs PyTorch's variant
+    # (factors every matrix), and factoring the matrices too (dims of at least 16), both multi-tensor
+    "adafactor": (lambda: mtf.optim.AdafactorOptimizer(), lambda ps: torch.optim.Adafactor(ps, foreach=True), None),
+    "adafactor_factored": (lambda: mtf.optim.AdafactorOptimizer(min_dim_size_to_factor=16),
+                           lambda ps: torch.optim.Adafactor(ps, foreach=True), None),
 }
+#: per twin, where not ``ATEN_FACTOR``: Adafactor measured 0.72 and 0.85 (torch 2.13 CPU); with the multi-tensor
+#: calls' Python-float factors of before (wrapped per list element) 0.91 and 1.15
+ATEN_FACTORS = {"adafactor": 0.80, "adafactor_factored": 0.92}
 
 
 @pytest.mark.parametrize("name", list(TWINS))
 def test_aten_calls_per_step_at_most_the_plain_pytorch_twins(name):
     """The tiny preset's training step (one process) makes at most ``ATEN_FACTOR`` x the ``aten::`` calls of the
     same model in plain PyTorch (:class:`~meshtorch.testing.torch_lm.TorchLM`; ``torch.optim.AdamW(fused=True)``
-    or ``SGD(momentum, foreach=True)``, ``clip_grad_norm_(foreach=True)``), both counted here: one multi-tensor
+    or ``SGD(momentum, foreach=True)``, ``clip_grad_norm_(foreach=True)``; Adafactor against
+    ``torch.optim.Adafactor(foreach=True)``, PyTorch's variant of the algorithm), both counted here: one multi-tensor
     optimizer call and one clipping multiply per processor, no reshape/permute/cast round trips PyTorch's step
     does not make: in particular no more ``aten::reshape`` calls than PyTorch's step (the einsum kernel views its
     contiguous operands and the mm/bmm result)."""
@@ -244,6 +253,7 @@ def test_aten_calls_per_step_at_most_the_plain_pytorch_twins(name):
         return loss.item()
     theirs = _aten_calls(torch_step)
     total, total_theirs = sum(ours.values()), sum(theirs.values())
-    assert total <= total_theirs * ATEN_FACTOR, f"meshtorch's step: {total} aten calls, plain PyTorch's {total_theirs}"
+    assert total <= total_theirs * ATEN_FACTORS.get(name, ATEN_FACTOR), \
+        f"meshtorch's step: {total} aten calls, plain PyTorch's {total_theirs}"
     reshapes, reshapes_theirs = ours.get("aten::reshape", 0), theirs.get("aten::reshape", 0)
     assert reshapes <= reshapes_theirs, f"meshtorch's step: {reshapes} aten::reshape calls, PyTorch's {reshapes_theirs}"
