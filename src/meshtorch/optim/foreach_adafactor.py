@@ -21,7 +21,9 @@ stage's statistics over the same mesh axes as one collective call, not one per v
 
 Per element the stages use the per-variable op's operations in the same order with the same operands, so on the
 CPU (whose multi-tensor kernels call the per-tensor ones) the values are bitwise equal to it. On CUDA the
-``_foreach`` fast path uses its own kernels (equal to float32 rounding).
+``_foreach`` fast path uses its own kernels (equal to float32 rounding). On the CPU the float factors go in as
+cached 0-dim float32 tensors (:func:`_scalar`), squares as ``t * t`` and squeezes as views: per element the same
+operations, fewer aten calls (PyTorch's CPU fallback wraps a Python scalar once per list element).
 
 Source: Shazeer & Stern 2018 (Adafactor); Mesh TF ``AdafactorOptimizer``; PyTorch ``torch.optim.Adafactor``
 (``_multi_tensor_adafactor``).
