@@ -43,7 +43,7 @@ from meshtorch.ops.reshape import rename_dimension
 from meshtorch.ops.sequence import mtf_range, shift
 from meshtorch.ops.variables import get_variable, placeholder
 
-__all__ = ["t5_block_specs", "build_t5", "t5_dims", "t5_stack", "t5_encode", "t5_decode_logits", "causal_mask"]
+__all__ = ["t5_block_specs", "build_t5", "t5_graph", "t5_stack", "t5_encode", "t5_decode_logits", "causal_mask"]
 
 MAX_DISTANCE = 128  # T5's relative_attention_max_distance
 
@@ -77,11 +77,22 @@ def t5_stack(x: Tensor, d: dict, spec: BlockSpec, stack: str, n: int, seq: Tenso
     return x if seq is None else x * cast(not_equal(seq, 0), torch.float32)
 
 
-def t5_dims(c: HFModelConfig) -> dict[str, Dimension]:
-    """T5's Dimensions by name (``batch``, ``length`` from ``with_shape``; ``heads`` of ``num_heads``)."""
-    return {n: Dimension(n, s) for n, s in (("batch", c.batch_size), ("length", c.length), ("d_model", c.d_model),
-                                            ("heads", c.num_heads), ("d_kv", c.d_kv), ("d_ff", c.d_ff),
-                                            ("vocab", c.vocab_size))}
+def t5_graph(c: HFModelConfig, who: str, seed: int) -> tuple[dict[str, Dimension], Graph, Mesh]:
+    """T5's Dimensions by name (``batch``, ``length`` from ``with_shape``; ``heads`` of ``num_heads``), a new Graph
+    (``seed``) and its Mesh ``mesh``, for the builder ``who``.
+
+    Raises:
+        ValueError: naming ``who``, if ``c.length`` is 0 (call ``with_shape`` first) or ``c`` is not an
+            encoder-decoder."""
+    if c.length < 1:
+        raise ValueError(f"{who}: config.length is 0; call config.with_shape(batch_size, length) first.")
+    if not c.encoder_decoder:
+        raise ValueError(f"{who}: {c.family!r} is not an encoder-decoder family; build it with build_hf_lm.")
+    d = {n: Dimension(n, s) for n, s in (("batch", c.batch_size), ("length", c.length), ("d_model", c.d_model),
+                                         ("heads", c.num_heads), ("d_kv", c.d_kv), ("d_ff", c.d_ff),
+                                         ("vocab", c.vocab_size))}
+    graph = Graph(seed=seed)
+    return d, graph, Mesh(graph, "mesh")
 
 
 def _memory(t: Tensor) -> Tensor:
@@ -139,13 +150,7 @@ def build_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: fl
         ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not an encoder-decoder.
     """
     c = config
-    if c.length < 1:
-        raise ValueError("build_t5: config.length is 0; call config.with_shape(batch_size, length) first.")
-    if not c.encoder_decoder:
-        raise ValueError(f"build_t5: {c.family!r} is not an encoder-decoder family; build it with build_hf_lm.")
-    d = t5_dims(c)
-    graph = Graph(seed=seed)
-    mesh = Mesh(graph, "mesh")
+    d, graph, mesh = t5_graph(c, "build_t5", seed)
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int32)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int32)
     dec_seq = minimum(targets, 1)  # sequence ids: 1 a token, 0 padding

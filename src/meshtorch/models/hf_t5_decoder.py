@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch
 
 from meshtorch.core.dims import Dimension
-from meshtorch.core.graph import Graph, Mesh, Tensor
+from meshtorch.core.graph import Tensor
 from meshtorch.core.scopes import variable_scope
 from meshtorch.layers.kv_cache import MEMORY, Prefill, ReplayVariables, Step, reorder_rows
 from meshtorch.models.blocks import Attend, RelativeBias, mask_bias, relative_position_buckets
 from meshtorch.models.decoding import DecoderGraph
 from meshtorch.models.hf_config import HFModelConfig
-from meshtorch.models.hf_t5 import causal_mask, t5_decode_logits, t5_dims, t5_encode
+from meshtorch.models.hf_t5 import causal_mask, t5_decode_logits, t5_encode, t5_graph
 from meshtorch.ops.binary import not_equal
 from meshtorch.ops.indexing import gather
 from meshtorch.ops.variables import assign, get_variable, import_tensor, placeholder
@@ -111,13 +111,7 @@ def build_t5_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
         ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not an encoder-decoder.
     """
     c = config
-    if c.length < 1:
-        raise ValueError("build_t5_decoder: config.length is 0; call config.with_shape(batch_size, length) first.")
-    if not c.encoder_decoder:
-        raise ValueError(f"build_t5_decoder: {c.family!r} is not an encoder-decoder; use build_hf_decoder.")
-    d = t5_dims(c)
-    graph = Graph(seed=seed)
-    mesh = Mesh(graph, "mesh")
+    d, graph, mesh = t5_graph(c, "build_t5_decoder", seed)
     batch, length = d["batch"], d["length"]
     encoder_ids = placeholder(mesh, "encoder_ids", [batch, length], dtype=torch.int64)
     prefill_ids = placeholder(mesh, "prefill_ids", [batch, length], dtype=torch.int64)
