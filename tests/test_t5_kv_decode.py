@@ -90,6 +90,22 @@ def test_step_work_is_one_position_whatever_the_position(saved):
     assert step == 2 * B * weights + attention
     prefill = dec.lowering.plan_counters([g.prefill_logits] + g.prefill_writes).einsum_flops
     assert prefill > L * step  # the window and the encoder, once per sequence
+    with pytest.raises(ValueError, match="needs encoder_ids"):
+        sample(lw, model, [0], max_new_tokens=4)
+    with pytest.raises(ValueError, match="exceed T5's window of 16"):
+        sample(lw, model, [0], max_new_tokens=16, encoder_ids=[5, 6])
+    with pytest.raises(ValueError, match="KV cache only"):
+        sample(lw, model, [0], max_new_tokens=4, encoder_ids=[5, 6], use_cache=False)
+
+
+def test_no_cache_is_refused_for_t5_from_the_command_line(saved, capsys):
+    from meshtorch.cli import main
+
+    _, path = saved
+    F.bpe_tokenizer(f"{path}/tokenizer.json", F.text())
+    assert main(["sample", "--checkpoint-dir", path, "--prompt", "the cat", "--no-cache"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--no-cache: T5 decodes with the KV cache only" in err and len(err.splitlines()) == 1, err
 
 
 def test_beam_search_4_beams_equals_transformers(tmp_path):
