@@ -108,10 +108,11 @@ def test_no_cache_is_refused_for_t5_from_the_command_line(saved, capsys):
     assert "--no-cache: T5 decodes with the KV cache only" in err and len(err.splitlines()) == 1, err
 
 
-def test_beam_search_4_beams_equals_transformers(tmp_path):
-    """Beam search through the caches (4 beams, each beam's self-attention and encoder-decoder caches following its
-    parent) equals ``generate(num_beams=4, length_penalty=0)``, on a model whose EOS logit is 0 (no beam ends early:
-    :func:`meshtorch.runtime.generate.beam_search` has no EOS handling), under 1 processor and ``heads:model``."""
+def test_beam_search_and_seeded_sampling_equal_transformers(tmp_path):
+    """Under 1 processor and ``heads:model``: seeded top-k sampling equals the same host draws (one seeded generator)
+    on ``transformers``' logits; beam search through the caches (4 beams, each beam's self-attention and
+    encoder-decoder caches following its parent) equals ``generate(num_beams=4, length_penalty=0)``, on a model whose
+    EOS logit is 0 (no beam ends early: :func:`meshtorch.runtime.generate.beam_search` has no EOS handling)."""
     ref = F.make_t5(seed=3)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -125,7 +126,18 @@ def test_beam_search_4_beams_equals_transformers(tmp_path):
         want = ref.generate(x, max_new_tokens=NEW, num_beams=4, do_sample=False, length_penalty=0.0,
                             decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
                             attention_mask=torch.ones_like(x))[:, 1:].tolist()
+    # seeded top-k sampling: the host loop's draws (torch.multinomial, one seeded generator) on transformers' logits
+    gen, seq = torch.Generator().manual_seed(3), torch.zeros(2, 1, dtype=torch.int64)
+    with torch.no_grad():
+        for _ in range(NEW):
+            logits = ref(input_ids=x, decoder_input_ids=seq).logits[:, -1]
+            logits = logits.masked_fill(logits < logits.topk(5, -1).values[:, -1:], float("-inf"))
+            seq = torch.cat([seq, torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)], 1)
+    sampled = seq[:, 1:].tolist()
+    assert sampled != want and len({i for r in sampled for i in r}) > 8, sampled
     for mesh, layout in LAYOUTS[:2]:
         model, lw = hf.load(path, mtf.PlacementMeshImpl(mesh, layout), batch_size=4, length=NEW + 1)
         got = [beam_search(lw, model, [0], beam_size=4, max_new_tokens=NEW, encoder_ids=row) for row in x]
         assert got == want, (mesh, got, want)
+        got = sample(lw, model, [0], NEW, temperature=1.0, top_k=5, seed=3, num_samples=2, encoder_ids=x)
+        assert got == sampled, (mesh, got, sampled)
