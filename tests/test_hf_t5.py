@@ -1,7 +1,7 @@
-"""T5 v1.1 (``T5ForConditionalGeneration``: gated-gelu, untied head, shared relative attention bias) imported into
-``mtf.transformer.Bitransformer`` as Mesh TF built it, against ``transformers``: logits under several layouts,
-bitwise export round trip, AdamW fine-tuning, greedy decoding with a decoder start token, beam search (4 beams) on a
-peaked model."""
+"""T5 v1.1 (``T5ForConditionalGeneration``: gated-gelu, untied head, shared relative attention bias) imported onto
+the block builder (Mesh TF's T5 graph), against ``transformers``: logits under several layouts, bitwise export round
+trip, AdamW fine-tuning, ``meshtorch sample`` (greedy and 4-beam, through the KV-cache decoder) on a peaked model.
+Greedy tokens, step logits and beam search of the KV-cache decoder itself: ``tests/test_t5_kv_decode.py``."""
 
 from __future__ import annotations
 
@@ -76,21 +76,6 @@ def test_t5_adamw_finetuning_matches_torch(saved):
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
 
 
-def test_t5_greedy_decoding_equals_generate(saved):
-    ref, path = saved
-    x = F.t5_batch(B, L, seed=5)
-    n = 12
-    with torch.no_grad():
-        gen = ref.generate(x, max_new_tokens=n, do_sample=False, decoder_start_token_id=0, eos_token_id=1,
-                           pad_token_id=0, attention_mask=torch.ones_like(x))[:, 1:]
-    want = torch.zeros(B, n, dtype=torch.int64)
-    want[:, : gen.shape[1]] = gen
-    model, lw = hf.load(path, _impl("model:2", "heads:model;d_ff:model;vocab:model", ""), batch_size=B, length=L,
-                        decode_length=n)
-    got = lw.run(model.decoded, feeds={model.inputs: x})
-    assert torch.equal(got.to(torch.int64), want), (got, want)
-
-
 def _peaked_t5(path, seed=3, q=4.0, head=4.0, cross=1.0, eos=True):
     """The T5 fixture with the q projections scaled by ``q``, lm_head by ``head`` (peaked attention and output
     distribution) and the encoder-decoder attention's output by ``cross`` (> 1: the decoded ids follow the
@@ -142,26 +127,6 @@ def test_t5_sample_from_the_command_line_equals_generate(tmp_path, capsys):
     assert main(["train", "--init-from", path, "--data", str(data), "--plot", ""]) == 2
     err = capsys.readouterr().err
     assert "a T5 pair is one line 'input<TAB>target'" in err and len(err.strip().splitlines()) == 1, err
-
-
-@pytest.mark.parametrize("mesh,layout", [("", ""), ("model:2", "heads:model;d_ff:model;vocab:model")])
-def test_t5_beam_search_equals_generate_num_beams_4(tmp_path, mesh, layout):
-    """Mesh TF's beam search (4 beams, no length penalty) on a model whose attention and output distribution are
-    peaked (:func:`_peaked_t5`, so the beams' scores differ and a wrong weight map moves them) equals
-    ``generate(num_beams=4, length_penalty=0)``. (On the unscaled model a row whose best hypothesis is an
-    immediate EOS differs: Mesh TF finishes it at once, ``transformers`` keeps a longer one.)"""
-    from meshtorch.transformer.t5 import build_hf_t5
-
-    ref, path = _peaked_t5(tmp_path)
-    x, n = F.t5_batch(2, L, seed=5), 12
-    with torch.no_grad():
-        want = ref.generate(x, max_new_tokens=n, num_beams=4, do_sample=False, length_penalty=0.0,
-                            decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
-                            attention_mask=torch.ones_like(x))[:, 1:]
-    model = build_hf_t5(hf.read_config(path).with_shape(2, L), decode_length=n, beam_size=4, alpha=0.0)
-    lw = hf.lower_loaded(model, _impl(mesh, layout, ""), path)
-    got = lw.run(model.decoded, feeds={model.inputs: x}).to(torch.int64)
-    assert want.shape == got.shape and torch.equal(got, want), (got, want)
 
 
 def test_t5_refusals(saved, tmp_path):

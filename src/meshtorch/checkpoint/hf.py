@@ -45,8 +45,8 @@ from meshtorch.models.hf_families import (
     tied_keys,
     zero_biases,
 )
+from meshtorch.models.hf_t5 import build_t5
 from meshtorch.ops.precision import PrecisionPolicy
-from meshtorch.transformer.t5 import build_hf_t5
 
 __all__ = ["read_config", "load", "load_hf_weights", "lower_loaded", "export", "check_files", "build"]
 
@@ -56,27 +56,24 @@ INDEX = "model.safetensors.index.json"
 
 
 def build(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None,
-          decode_length: int = 0, precision: PrecisionPolicy | str | None = None) -> HFGraph:
-    """The graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (the decoder-only families) or
-    :func:`~meshtorch.transformer.t5.build_hf_t5` (T5; ``decode_length`` > 0: its greedy decoding graph).
+          precision: PrecisionPolicy | str | None = None) -> HFGraph:
+    """The training graph of an imported model: :func:`~meshtorch.models.hf.build_hf_lm` (the decoder-only families)
+    or :func:`~meshtorch.models.hf_t5.build_t5` (T5); every family decodes with
+    :func:`meshtorch.runtime.generate.sample` (a KV-cache decoder graph over the same variables).
     ``precision``: a :class:`~meshtorch.ops.precision.PrecisionPolicy` or its name (None: float32); the
     imported weights stay float32 masters under bf16 (decoder-only families).
 
     Raises:
-        ValueError: ``decode_length`` for a decoder-only family (decode those with
-            :func:`meshtorch.runtime.generate.sample`); a bf16 policy for T5.
+        ValueError: a bf16 policy for T5.
     """
     policy = PrecisionPolicy.of(precision)
     if policy.mixed:
         if config.encoder_decoder:
             raise ValueError(f"hf.build: precision {policy.name} is for decoder-only models; T5 runs in float32.")
         with policy.scope():
-            return build(config, seed, optimizer, clip_norm, decode_length)
+            return build(config, seed, optimizer, clip_norm)
     if config.encoder_decoder:
-        return build_hf_t5(config, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
-    if decode_length:
-        raise ValueError(f"hf.build: decode_length is for T5; decode a {config.family} model with "
-                         "meshtorch.runtime.generate.sample.")
+        return build_t5(config, seed=seed, optimizer=optimizer, clip_norm=clip_norm)
     return build_hf_lm(config, seed=seed, optimizer=optimizer, clip_norm=clip_norm)
 
 
@@ -319,7 +316,7 @@ def _check_zero_biases(files: _Files, c: HFModelConfig) -> None:
 
 
 def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None = None, mesh_shape: str = "",
-         layout: str = "", optimizer=None, clip_norm: float | None = None, seed: int = 0, decode_length: int = 0):
+         layout: str = "", optimizer=None, clip_norm: float | None = None, seed: int = 0):
     """Import a Hugging Face GPT-2 / Llama / Qwen2 / Mistral / T5 v1.1 directory onto a mesh: ``(HFGraph, Lowering)``.
 
     Args:
@@ -329,7 +326,6 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
         batch_size, length: the graph's ``batch`` and ``length`` (default length: the model's positions,
             capped at 1024).
         optimizer, clip_norm: for fine-tuning (see :func:`~meshtorch.models.hf.build_hf_lm`).
-        decode_length: T5 only: build the greedy decoding graph (see :func:`build`).
 
     The config and every tensor header are checked before the graph is built or anything allocated. The
     imported variables get no initial values: each processor's slice is read straight into place (the
@@ -342,7 +338,7 @@ def load(path: str, mesh_impl=None, *, batch_size: int = 1, length: int | None =
     cfg = read_config(path)
     check_files(path, cfg)
     cfg = cfg.with_shape(batch_size, length or min(cfg.max_positions, 1024))
-    model = build(cfg, seed=seed, optimizer=optimizer, clip_norm=clip_norm, decode_length=decode_length)
+    model = build(cfg, seed=seed, optimizer=optimizer, clip_norm=clip_norm)
     impl = mesh_impl if mesh_impl is not None else placement_mesh_impl(mesh_shape, layout)
     return model, lower_loaded(model, impl, path)
 

@@ -33,7 +33,7 @@ def add_sample_subcommand(subparsers) -> None:
                    help="cpu, cuda (the mesh's processors spread over the visible GPUs) or cuda:<index> (default: cpu)")
     p.add_argument("--no-cache", action="store_true",
                    help="decode without the KV cache: one full forward pass over the context per new token (the "
-                        "recompute path; the same tokens, slower)")
+                        "recompute path; the same tokens, slower; refused for T5, which decodes with the cache only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_sample)
 

@@ -105,19 +105,29 @@ class Prefill(FullSequence):
         self.caches = _Caches(memory_length)
         self.assigns: list = []
 
-    def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
+    def write(self, k: Tensor, v: Tensor, name: str) -> None:
+        """Write ``k`` and ``v`` (``[..., length or memory_length, key]``, all positions) into new cache variables
+        ``{name}/k_cache`` / ``{name}/v_cache`` (the next pair of :attr:`caches`; their writes go to
+        :attr:`assigns`).
+
+        Raises:
+            ShapeError: naming the keys, if their sequence dim is not of the cache's size."""
         mem = self.caches.memory
-        if k.shape.get_dim_by_name(self.length).size != mem.size:
-            raise ShapeError(f"Prefill: keys {k.name!r} {k.shape} must have {self.length!r} of the cache's size "
-                             f"{mem.size}.")
+        length = self.length if self.length in k.shape.dimension_names else MEMORY
+        if length not in k.shape.dimension_names or k.shape.get_dim_by_name(length).size != mem.size:
+            raise ShapeError(f"Prefill: keys {k.name!r} {k.shape} must have {self.length!r} or {MEMORY!r} of the "
+                             f"cache's size {mem.size}.")
         pair = []
         for t, what in ((k, "k"), (v, "v")):
-            shape = _cache_shape(t, self.length, self.key, mem)
-            var = get_variable(t.mesh, f"{name}/{what}_cache", shape, dtype=t.dtype, initializer=0.0,
-                               trainable=False)
-            self.assigns.append(assign(var, rename_dimension(t, self.length, MEMORY), name=f"{name}/{what}_write"))
+            t = rename_dimension(t, length, MEMORY) if length != MEMORY else t
+            var = get_variable(t.mesh, f"{name}/{what}_cache", _cache_shape(t, MEMORY, self.key, mem), dtype=t.dtype,
+                               initializer=0.0, trainable=False)
+            self.assigns.append(assign(var, t, name=f"{name}/{what}_write"))
             pair.append(var)
         self.caches.pairs.append(tuple(pair))
+
+    def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
+        self.write(k, v, name)
         return super().attend(q, k, v, scale, name, heads, kv_heads)
 
 
@@ -179,7 +189,10 @@ class Step(FullSequence):
         self.derived[var.operation.name] = _variables_of(value)
         return var
 
-    def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None):
+    def attend(self, q, k, v, scale, name, heads="heads", kv_heads=None, bias: Tensor | None = None):
+        """Write ``k``/``v`` at ``position`` into the next layer's caches; attention of ``q`` over them, positions
+        after ``position`` masked; ``bias`` (e.g. T5's relative position bias ``[heads, memory_length]``) added to
+        the logits."""
         if self._next >= len(self.caches.pairs):
             raise ShapeError(f"Step: attention {name!r} is call {self._next + 1}, but the prefill made only "
                              f"{len(self.caches.pairs)} cache pairs; build the step with the prefill's layers.")
@@ -190,7 +203,8 @@ class Step(FullSequence):
             full = CacheWriteOperation(var, t, self._index, name=f"{name}/{what}_write_value").outputs[0]
             self.assigns.append(assign(var, full, name=f"{name}/{what}_write"))
             new.append(full)
-        bias = cast(self._bias, q.dtype) if q.dtype != torch.float32 else self._bias
+        mask = cast(self._bias, q.dtype) if q.dtype != torch.float32 else self._bias
+        bias = mask if bias is None else mask + bias
         # the queries get a length dim, so attention runs as the fused op (F.scaled_dot_product_attention, one
         # kernel per slice) with the bias as its mask: one query (multi-head), or a group's queries, which share
         # their keys and values (grouped-query)
@@ -268,11 +282,12 @@ def _variables_of(t: Tensor) -> list[str]:
     return sorted(out)
 
 
-def reorder_rows(prefill: Prefill, src: Tensor, batch: str = "batch") -> list:
-    """Cache writes that make row ``b`` of every cache the old row ``src[b]`` (beam search: each beam takes its
-    parent's keys and values). ``src``: int64 ``[beam_src]`` with ``beam_src`` of the ``batch`` dim's size."""
+def reorder_rows(prefill: Prefill, src: Tensor, batch: str = "batch", more=()) -> list:
+    """Cache writes that make row ``b`` of every cache (``prefill``'s, and the variables ``more``) the old row
+    ``src[b]`` (beam search: each beam takes its parent's keys and values). ``src``: int64 ``[beam_src]`` with
+    ``beam_src`` of the ``batch`` dim's size."""
     out = []
-    for pair in prefill.caches.pairs:
+    for pair in list(prefill.caches.pairs) + [(var,) for var in more]:
         for var in pair:
             rows = gather(var, src, batch, name=f"{var.operation.name}/reorder_rows")
             out.append(assign(var, rename_dimension(rows, src.shape[0].name, batch),

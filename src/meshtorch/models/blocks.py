@@ -242,21 +242,38 @@ class Attend:
             return self.memory if self.memory is not None else h
         return rename_dimension(h, self.length, self.memory_length)
 
+    @property
+    def cross(self) -> bool:
+        """Encoder-decoder attention (keys and values of a memory; no relative bias)."""
+        return self.memory is not None
+
+    def keys_values(self, h: Tensor, project, name: str) -> tuple[Tensor, Tensor]:
+        """The keys and values of the attention ``name`` whose queries come from ``h``: ``project(source(h), "k")``
+        and ``"v"`` (a KV-cache pass writes them to, or reads them from, its caches instead)."""
+        src = self.source(h)
+        return project(src, "k"), project(src, "v")
+
     def relative(self, q: Tensor, k: Tensor, heads: Dimension, r: RelativeBias) -> Tensor:
-        """``r``'s bias ``[heads, length, memory_length]``: its table gathered at the buckets of the pairs.
+        """``r``'s bias ``[heads, length, memory_length]``: its table gathered at the buckets of the pairs
+        (:meth:`bucket_ids`)."""
+        buckets = Dimension("buckets", r.num_buckets)
+        table = get_variable(q.mesh, r.table, Shape([heads, buckets]), dtype=q.dtype)
+        return gather(table, self.bucket_ids(q, k, r), buckets)
+
+    def bucket_ids(self, q: Tensor, k: Tensor, r: RelativeBias) -> Tensor:
+        """int64 ``[length, memory_length]``: the relative-position bucket of each query-key pair
+        (:func:`relative_position_buckets`; one table per stack, shared by its blocks).
 
         Raises:
             ValueError: if ``memory_length`` is ``length`` (the pairs need two dims)."""
         if self.memory_length == self.length:
             raise ValueError(f"Attend: a relative bias needs keys on a dim other than {self.length!r}.")
         lq, lm = q.shape.get_dim_by_name(self.length), k.shape.get_dim_by_name(self.memory_length)
-        buckets = Dimension("buckets", r.num_buckets)
-        table = get_variable(q.mesh, r.table, Shape([heads, buckets]), dtype=q.dtype)
         key = (lq, lm, r.num_buckets, r.max_distance)
-        if key not in self._buckets:  # one bucket table per stack, shared by its blocks
+        if key not in self._buckets:
             ids = relative_position_buckets(lq.size, lm.size, self.bidirectional, r.num_buckets, r.max_distance)
             self._buckets[key] = import_tensor(q.mesh, ids, [lq, lm], name=f"{r.table}_buckets")
-        return gather(table, self._buckets[key], buckets)
+        return self._buckets[key]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, name: str, bias: Tensor | None = None) -> Tensor:
         """``softmax(q k^T * scale + masks + bias) v`` (:func:`meshtorch.layers.attention.attention`, float32
@@ -394,10 +411,8 @@ def _mtf_attention(h: Tensor, d: dict, spec: BlockSpec, scope: str, attend: Atte
         return replace_dimensions(y, y.shape.dims[-1], split) if spec.combined_heads else y
 
     q = project(h, "q")
-    src = attend.source(h)
-    k, v = project(src, "k"), project(src, "v")
-    bias = attend.relative(q, k, heads, spec.relative) if spec.relative is not None and attend.memory is None \
-        else None
+    k, v = attend.keys_values(h, project, scope)
+    bias = attend.relative(q, k, heads, spec.relative) if spec.relative is not None and not attend.cross else None
     o = attend.attend(q, k, v, scale, name=f"{scope}/attention", bias=bias)
     if spec.combined_heads:
         o = replace_dimensions(transpose(o, o.shape - split + split), split, fused[0])

@@ -49,6 +49,8 @@ class DecoderGraph:
             (:meth:`~meshtorch.layers.kv_cache.Step.derive`: copies of weights in the form its matmuls read
             fastest; not in checkpoints); ``refresh_writes``: the writes that recompute them from their sources,
             to run after every change of the weights.
+        encoder_ids: an encoder-decoder's (T5's) int64 ``[batch, length]`` encoder input placeholder, fed with
+            ``prefill_ids`` (:func:`meshtorch.models.hf_t5_decoder.build_t5_decoder`); None for a decoder-only model.
     """
 
     config: object
@@ -66,6 +68,7 @@ class DecoderGraph:
     reorder_writes: list
     derived: dict
     refresh_writes: list
+    encoder_ids: Tensor | None = None
 
     def lowering(self, mesh_impl, init: str = "lazy", mode: str = "codegen") -> Lowering:
         """Lower on ``mesh_impl`` (a MeshImpl or MeshSpec); ``init="lazy"``: variables a copy or restore sets

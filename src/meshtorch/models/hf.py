@@ -62,8 +62,6 @@ class HFGraph:
     updates: list
     task_loss: Tensor | None = None
     aux_loss: Tensor | None = None
-    bitransformer: object | None = None  # T5 decode graphs: the mtf.transformer.Bitransformer
-    decoded: Tensor | None = None  # T5 decode graphs: int32 [batch, decode length] greedy ids (logits, loss None)
 
     @property
     def encoder_decoder(self) -> bool:

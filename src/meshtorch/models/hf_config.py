@@ -186,8 +186,9 @@ def hf_dim_sizes(c: HFModelConfig) -> dict[str, int]:
 
 def t5_tensor_map(c: HFModelConfig) -> list[HFTensor]:
     """T5: Mesh TF's variable names (:func:`meshtorch.models.hf_t5.build_t5`, the same as
-    :func:`meshtorch.transformer.t5.t5_bitransformer`'s, which decodes; ``heads`` is the combined
-    ``heads x d_kv`` dim of the projections, and the number of heads in ``relative_attention_bias``)."""
+    :func:`meshtorch.transformer.t5.t5_bitransformer`'s and :func:`meshtorch.models.hf_t5_decoder.build_t5_decoder`'s;
+    ``heads`` is the combined ``heads x d_kv`` dim of the projections, and the number of heads in
+    ``relative_attention_bias``)."""
     hk, D, F = c.num_heads * c.d_kv, c.d_model, c.d_ff
     out = [HFTensor("shared/embedding", "shared.weight", (c.vocab_size, D), (("vocab",), ("d_model",)))]
     ffs = ("wi_0", "wi_1") if c.gated else ("wi",)

@@ -2,7 +2,8 @@
 is :func:`meshtorch.models.blocks.block` with T5's :class:`~meshtorch.models.blocks.BlockSpec` (:func:`t5_block_specs`).
 
 The model is Mesh TF's T5 (``transformer.Bitransformer`` of two ``Unitransformer`` stacks, as
-:func:`meshtorch.transformer.t5.t5_bitransformer` builds it for decoding): pre-norm RMS norms (no mean subtraction, no
+:func:`meshtorch.transformer.t5.t5_bitransformer` builds it; decoded with a KV cache by
+:func:`meshtorch.models.hf_t5_decoder.build_t5_decoder`): pre-norm RMS norms (no mean subtraction, no
 bias, eps 1e-6); attention logits not scaled (T5 folds ``1/sqrt(d_kv)`` into the query's initialisation); a relative
 position bias per stack (:class:`~meshtorch.models.blocks.RelativeBias`: made in the first block, shared by the
 others; bidirectional buckets in the encoder, causal in the decoder); encoder-decoder attention in the decoder blocks;
@@ -42,7 +43,7 @@ from meshtorch.ops.reshape import rename_dimension
 from meshtorch.ops.sequence import mtf_range, shift
 from meshtorch.ops.variables import get_variable, placeholder
 
-__all__ = ["t5_block_specs", "build_t5"]
+__all__ = ["t5_block_specs", "build_t5", "t5_graph", "t5_stack", "t5_encode", "t5_decode_logits", "causal_mask"]
 
 MAX_DISTANCE = 128  # T5's relative_attention_max_distance
 
@@ -66,13 +67,64 @@ def t5_block_specs(c: HFModelConfig) -> tuple[BlockSpec, BlockSpec]:
                  for stack in ("encoder", "decoder"))
 
 
-def _stack(x: Tensor, d: dict, spec: BlockSpec, stack: str, n: int, seq: Tensor, attend: Attend,
-           cross: Attend | None = None) -> Tensor:
+def t5_stack(x: Tensor, d: dict, spec: BlockSpec, stack: str, n: int, seq: Tensor | None, attend: Attend,
+             cross: Attend | None = None) -> Tensor:
     """``n`` blocks of ``spec`` under ``{stack}/block_{i:03d}/``, the final RMS norm ``{stack}/rms_norm``; positions of
-    sequence id 0 (padding) zeroed at the output (Mesh TF)."""
+    sequence id 0 (padding) zeroed at the output (Mesh TF; ``seq`` None: none zeroed, a decoder's own tokens)."""
     for i in range(n):
         x = block(x, d, spec, f"{stack}/block_{i:03d}/", attend, cross=cross)
-    return norm(x, d["d_model"], spec, f"{stack}/rms_norm") * cast(not_equal(seq, 0), torch.float32)
+    x = norm(x, d["d_model"], spec, f"{stack}/rms_norm")
+    return x if seq is None else x * cast(not_equal(seq, 0), torch.float32)
+
+
+def t5_graph(c: HFModelConfig, who: str, seed: int) -> tuple[dict[str, Dimension], Graph, Mesh]:
+    """T5's Dimensions by name (``batch``, ``length`` from ``with_shape``; ``heads`` of ``num_heads``), a new Graph
+    (``seed``) and its Mesh ``mesh``, for the builder ``who``.
+
+    Raises:
+        ValueError: naming ``who``, if ``c.length`` is 0 (call ``with_shape`` first) or ``c`` is not an
+            encoder-decoder."""
+    if c.length < 1:
+        raise ValueError(f"{who}: config.length is 0; call config.with_shape(batch_size, length) first.")
+    if not c.encoder_decoder:
+        raise ValueError(f"{who}: {c.family!r} is not an encoder-decoder family; build it with build_hf_lm.")
+    d = {n: Dimension(n, s) for n, s in (("batch", c.batch_size), ("length", c.length), ("d_model", c.d_model),
+                                         ("heads", c.num_heads), ("d_kv", c.d_kv), ("d_ff", c.d_ff),
+                                         ("vocab", c.vocab_size))}
+    graph = Graph(seed=seed)
+    return d, graph, Mesh(graph, "mesh")
+
+
+def _memory(t: Tensor) -> Tensor:
+    return rename_dimension(t, "length", "memory_length")
+
+
+def t5_encode(c: HFModelConfig, d: dict, emb: Tensor, inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """The encoder stack of ``inputs`` (ids ``[batch, length]``, 0 padding): ``(output [batch, memory_length,
+    d_model], sequence ids [batch, memory_length])`` (1 a token, 0 padding), the encoder-decoder attention's memory."""
+    enc_spec, _ = t5_block_specs(c)
+    enc_seq = minimum(inputs, 1)  # sequence ids: 1 a token, 0 padding
+    enc_self = Attend([_same_sequence(enc_seq, _memory(enc_seq))], bidirectional=True)
+    x = t5_stack(layers.embedding_lookup(emb, inputs, d["vocab"]), d, enc_spec, "encoder", c.num_layers, enc_seq,
+                 enc_self)
+    return _memory(x), _memory(enc_seq)
+
+
+def t5_decode_logits(c: HFModelConfig, d: dict, ids: Tensor, seq: Tensor | None, attend: Attend,
+                     cross: Attend) -> Tensor:
+    """The decoder stack and head on decoder input ids ``ids`` (``[batch, length]``, or ``[batch]`` in a decoding
+    step): logits ``[batch, (length,) vocab]``; ``seq``: the sequence ids whose 0 zeroes the stack's output."""
+    _, dec_spec = t5_block_specs(c)
+    emb = get_variable(ids.mesh, "shared/embedding", [d["vocab"], d["d_model"]])
+    x = t5_stack(layers.embedding_lookup(emb, ids, d["vocab"]), d, dec_spec, "decoder", c.num_decoder_layers, seq,
+                 attend, cross)
+    return layers.dense(x, d["vocab"], reduced_dims=[d["d_model"]], use_bias=False, name="decoder/logits")
+
+
+def causal_mask(mesh: Mesh, length: Dimension) -> Tensor:
+    """``-1e9`` where a key (``memory_length``) is after the query (``length``)."""
+    pos = mtf_range(mesh, length, dtype=torch.int32)
+    return mask_bias(greater_equal(pos, _memory(pos)))
 
 
 def _same_sequence(seq: Tensor, memory_seq: Tensor) -> Tensor:
@@ -98,38 +150,19 @@ def build_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: fl
         ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not an encoder-decoder.
     """
     c = config
-    if c.length < 1:
-        raise ValueError("build_t5: config.length is 0; call config.with_shape(batch_size, length) first.")
-    if not c.encoder_decoder:
-        raise ValueError(f"build_t5: {c.family!r} is not an encoder-decoder family; build it with build_hf_lm.")
-    d = {n: Dimension(n, s) for n, s in (("batch", c.batch_size), ("length", c.length), ("d_model", c.d_model),
-                                         ("heads", c.num_heads), ("d_kv", c.d_kv), ("d_ff", c.d_ff),
-                                         ("vocab", c.vocab_size))}
-    graph = Graph(seed=seed)
-    mesh = Mesh(graph, "mesh")
+    d, graph, mesh = t5_graph(c, "build_t5", seed)
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int32)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int32)
-    enc_spec, dec_spec = t5_block_specs(c)
-    enc_seq, dec_seq = minimum(inputs, 1), minimum(targets, 1)  # sequence ids: 1 a token, 0 padding
+    dec_seq = minimum(targets, 1)  # sequence ids: 1 a token, 0 padding
     emb = get_variable(mesh, "shared/embedding", [d["vocab"], d["d_model"]])
-
-    def memory(t: Tensor) -> Tensor:
-        return rename_dimension(t, "length", "memory_length")
-
-    enc_self = Attend([_same_sequence(enc_seq, memory(enc_seq))], bidirectional=True)
-    x = _stack(layers.embedding_lookup(emb, inputs, d["vocab"]), d, enc_spec, "encoder", c.num_layers, enc_seq,
-               enc_self)
-    enc_out, enc_seq_mem = memory(x), memory(enc_seq)
+    enc_out, enc_seq_mem = t5_encode(c, d, emb, inputs)
     # decoder inputs: the targets shifted right, 0 at each sequence's first position (Mesh TF autoregressive_inputs)
     first = equal(dec_seq, shift(dec_seq, 1, "length", wrap=False))
     dec_in = abs_op(shift(targets, 1, "length", wrap=False)) * cast(first, targets.dtype)
-    pos = mtf_range(mesh, d["length"], dtype=torch.int32)
-    dec_self = Attend([mask_bias(greater_equal(pos, memory(pos))), _same_sequence(dec_seq, memory(dec_seq))],
+    dec_self = Attend([causal_mask(mesh, d["length"]), _same_sequence(dec_seq, _memory(dec_seq))],
                       bidirectional=False)
     cross = Attend([_same_sequence(dec_seq, enc_seq_mem)], memory=enc_out)
-    x = _stack(layers.embedding_lookup(emb, dec_in, d["vocab"]), d, dec_spec, "decoder", c.num_decoder_layers,
-               dec_seq, dec_self, cross)
-    logits = layers.dense(x, d["vocab"], reduced_dims=[d["d_model"]], use_bias=False, name="decoder/logits")
+    logits = t5_decode_logits(c, d, dec_in, dec_seq, dec_self, cross)
     hot = one_hot(maximum(targets, 0), d["vocab"], dtype=torch.float32)
     xent = layers.softmax_cross_entropy_with_logits(logits, hot, d["vocab"])
     weights = cast(greater(targets, 0), torch.float32)

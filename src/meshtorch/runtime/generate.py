@@ -4,9 +4,12 @@
 (:func:`decoder_graph`: the model's prefill and one-token step programs, on the same mesh and layout as the
 given lowering, with its weights copied in) runs the prompt once, then one position per new token; its
 caches are laid out by the layout rules (``heads:model`` splits them). ``use_cache=False`` (and the
-configurations without a cached decoder: pipelined or MoE native LMs, T5) runs the whole fixed-shape graph
+configurations without a cached decoder: pipelined or MoE native LMs) runs the whole fixed-shape graph
 once per token instead (each token then costs a full forward pass over ``length`` positions). Beam search
 decodes through the same cache, each beam's cache rows following its parent (one reorder run per token).
+T5 (an encoder-decoder, :func:`meshtorch.models.hf_t5_decoder.build_t5_decoder`) decodes through the same loop and
+cache only: ``encoder_ids`` are the encoder's input (run once, in the prefill, with the encoder-decoder keys and
+values), the prompt is the decoder's start (``[decoder_start_token_id]``).
 
 Logits are fetched as full tensors and the choice is made on the host with a seeded ``torch.Generator``, so
 for a given seed the tokens are the same under every mesh and layout, with or without the cache (the
@@ -20,17 +23,18 @@ import torch
 from meshtorch.models.decoding import build_lm_decoder
 from meshtorch.models.hf import build_hf_decoder
 from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.hf_t5_decoder import build_t5_decoder
 from meshtorch.models.transformer import LMConfig
 
 
 def decoder_graph(lm):
-    """The KV-cache decoder graph for ``lm``'s config (an ``LMGraph`` or a decoder-only ``HFGraph``), or None
-    where there is none (pipelined or MoE native LMs, T5)."""
+    """The KV-cache decoder graph for ``lm``'s config (an ``LMGraph`` or an ``HFGraph``, T5 included), or None
+    where there is none (pipelined or MoE native LMs)."""
     c = lm.config
     if isinstance(c, LMConfig) and not c.pipelined and not any(c.is_moe_layer(i) for i in range(c.num_layers)):
         return build_lm_decoder(c)
-    if isinstance(c, HFModelConfig) and not c.encoder_decoder:
-        return build_hf_decoder(c)
+    if isinstance(c, HFModelConfig):
+        return build_t5_decoder(c) if c.encoder_decoder else build_hf_decoder(c)
     return None
 
 
@@ -96,10 +100,18 @@ class CachedDecoder:
         self.lowering.run(self.graph.refresh_writes)
         self._refreshed = now
 
-    def prefill(self, buf: torch.Tensor) -> torch.Tensor:
-        """Run ``buf`` ``[batch, length]`` (the caches now hold its keys and values); its logits (float32)."""
+    def prefill(self, buf: torch.Tensor, encoder_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``buf`` ``[batch, length]`` (the caches now hold its keys and values; an encoder-decoder's encoder
+        runs on ``encoder_ids`` ``[batch, length]``, its keys and values cached too); its logits (float32).
+
+        Raises:
+            ValueError: ``encoder_ids`` missing for an encoder-decoder, or given for a decoder-only model."""
         g = self.graph
-        return self.lowering.run([g.prefill_logits] + g.prefill_writes, feeds={g.prefill_ids: buf})[0].float()
+        if (g.encoder_ids is None) != (encoder_ids is None):
+            raise ValueError("CachedDecoder.prefill: encoder_ids are the input of an encoder-decoder (T5) and only "
+                             "of one.")
+        feeds = {g.prefill_ids: buf} | ({} if encoder_ids is None else {g.encoder_ids: encoder_ids})
+        return self.lowering.run([g.prefill_logits] + g.prefill_writes, feeds=feeds)[0].float()
 
     def step(self, ids: torch.Tensor, position: int) -> torch.Tensor:
         """Run the tokens ``ids`` ``[batch]`` at ``position`` (written into the caches); next-token logits
@@ -126,8 +138,10 @@ class _NextLogits:
     """Next-token logits ``[batch, vocab]`` (float32, padding stripped) for the token buffer, with the cache
     (a prefill for the prompt, or past the context for each slid window; else one step) or without."""
 
-    def __init__(self, lowering, lm, use_cache: bool):
-        self.lowering, self.lm = lowering, lm
+    def __init__(self, lowering, lm, use_cache: bool, encoder_ids: torch.Tensor | None = None):
+        self.lowering, self.lm, self.encoder_ids = lowering, lm, encoder_ids
+        if encoder_ids is not None and not use_cache:
+            raise ValueError("generate: an encoder-decoder (T5) decodes with the KV cache only (use_cache=True).")
         self.dec = CachedDecoder.of(lowering, lm) if use_cache else None
         self.fresh = True  # the caches do not hold the window yet
 
@@ -137,7 +151,7 @@ class _NextLogits:
             return _next_logits(self.lowering, self.lm, buf, t)
         if self.fresh or slid:
             self.fresh = False
-            return self.dec.prefill(buf)[:, t - 1, :vocab]
+            return self.dec.prefill(buf, self.encoder_ids)[:, t - 1, :vocab]
         return self.dec.step(buf[:, t - 1], t - 1)[:, :vocab]
 
 
@@ -160,6 +174,32 @@ def _prepare(lm, prompt_ids, rows: int):
     return buf, len(prompt)
 
 
+def _encoder_feed(lm, encoder_ids, rows: int, prompt_len: int, max_new_tokens: int) -> torch.Tensor | None:
+    """An encoder-decoder's encoder input ``[batch, length]`` (``encoder_ids``: ``[rows, n]``, or 1-D for every row;
+    n <= length; padded with 0), or None for a decoder-only model.
+
+    Raises:
+        ValueError: naming the argument: ``encoder_ids`` missing (T5), given (decoder-only), of other rows or longer
+            than the graph's length; or a T5 decode past the decoder's window (no sliding: relative positions)."""
+    c = lm.config
+    if not getattr(c, "encoder_decoder", False):
+        if encoder_ids is not None:
+            raise ValueError("generate: encoder_ids are for an encoder-decoder model (T5); this model has no encoder.")
+        return None
+    if encoder_ids is None:
+        raise ValueError("generate: an encoder-decoder model (T5) needs encoder_ids (the encoder's input).")
+    x = torch.as_tensor(encoder_ids, dtype=torch.int64)
+    x = x[None].expand(rows, -1) if x.dim() == 1 else x
+    if x.dim() != 2 or x.shape[0] != rows or not 0 < x.shape[1] <= c.length:
+        raise ValueError(f"generate: encoder_ids {tuple(x.shape)} must be [{rows} rows, 1..{c.length} ids].")
+    if prompt_len + max_new_tokens > c.length:
+        raise ValueError(f"generate: {prompt_len} + {max_new_tokens} decoder positions exceed T5's window of "
+                         f"{c.length}; build the graph with length >= {prompt_len + max_new_tokens}.")
+    out = torch.zeros(c.batch_size, c.length, dtype=torch.int64)
+    out[:rows, :x.shape[1]] = x
+    return out
+
+
 def _slide(buf: torch.Tensor, t: int) -> int:
     """Make room for the token at position ``t``: past the context, drop the oldest token (sliding window)."""
     if t < buf.shape[1]:
@@ -169,7 +209,8 @@ def _slide(buf: torch.Tensor, t: int) -> int:
 
 
 def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
-           seed: int = 0, num_samples: int = 1, progress=None, eos_ids=(), use_cache: bool = True) -> list[list[int]]:
+           seed: int = 0, num_samples: int = 1, progress=None, eos_ids=(), use_cache: bool = True,
+           encoder_ids=None) -> list[list[int]]:
     """Sample continuations of ``prompt_ids``; ``temperature=0`` is greedy decoding. A sample ends at its first
     token in ``eos_ids`` (kept, as ``transformers.generate`` keeps it); decoding stops when every sample ended.
 
@@ -187,12 +228,16 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
             ``max_new_tokens`` tokens.
         use_cache: decode with the KV cache (:class:`CachedDecoder`) where ``lm`` has one; False: one
             full-graph run per token.
+        encoder_ids: an encoder-decoder's (T5's) encoder input, int ``[num_samples, n]`` (one row per sample) or 1-D
+            (every sample), ``n <= length``, 0 padding; ``prompt_ids`` is then the decoder's start
+            (``[decoder_start_token_id]``) and the decoder's window holds it and ``max_new_tokens``.
 
     Returns:
         ``num_samples`` lists of generated token ids (prompt excluded).
     """
     buf, t = _prepare(lm, prompt_ids, num_samples)
-    next_logits = _NextLogits(lowering, lm, use_cache)
+    enc = _encoder_feed(lm, encoder_ids, num_samples, t, max_new_tokens)
+    next_logits = _NextLogits(lowering, lm, use_cache, enc)
     gen = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(num_samples)]
     eos, done = {int(e) for e in eos_ids}, [False] * num_samples
@@ -222,17 +267,19 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
 
 
 def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32,
-                length_penalty: float = 0.0, progress=None, use_cache: bool = True) -> list[int]:
+                length_penalty: float = 0.0, progress=None, use_cache: bool = True, encoder_ids=None) -> list[int]:
     """Beam search (Graves 2012; Mesh TF ``beam_search`` without EOS handling): the best sequence.
 
     Past the model's context the window slides (as :func:`sample`); ``progress`` is called per token.
 
     Beams are rows of the graph's batch. Scores are summed log-probabilities divided by
     ``len**length_penalty`` when ranking the final beams. With the cache (``use_cache``, as :func:`sample`)
-    each beam's cache rows follow its parent (:meth:`CachedDecoder.reorder`).
+    each beam's cache rows follow its parent (:meth:`CachedDecoder.reorder`). ``encoder_ids``: a T5's encoder
+    input (1-D, :func:`sample`'s), the same for every beam.
     """
     buf, t = _prepare(lm, prompt_ids, beam_size)
-    next_logits = _NextLogits(lowering, lm, use_cache)
+    enc = _encoder_feed(lm, encoder_ids, beam_size, t, max_new_tokens)
+    next_logits = _NextLogits(lowering, lm, use_cache, enc)
     scores = torch.full((beam_size,), float("-inf"))
     scores[0] = 0.0  # all beams start equal: expand only the first
     hist = torch.zeros(beam_size, 0, dtype=torch.int64)

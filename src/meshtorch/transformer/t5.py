@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from meshtorch.core.dims import Dimension
-from meshtorch.core.graph import Graph, Mesh
-from meshtorch.models.hf import HFGraph
-from meshtorch.models.hf_config import HFModelConfig
-from meshtorch.models.hf_t5 import build_t5
 from meshtorch.ops.elementwise import gelu
-from meshtorch.ops.variables import placeholder
 from meshtorch.transformer._bitransformer import Bitransformer
 from meshtorch.transformer._layer_stack import make_layer_stack
 from meshtorch.transformer._unitransformer import Unitransformer
 from meshtorch.transformer.transformer_layers import DenseReluDense, EncDecAttention, SelfAttention
 
-__all__ = ["t5_bitransformer", "build_hf_t5"]
+__all__ = ["t5_bitransformer"]
 
 
 def t5_bitransformer(vocab_size: int, d_model: int, num_heads: int, d_kv: int, d_ff: int, num_layers: int,
@@ -59,37 +51,3 @@ def t5_bitransformer(vocab_size: int, d_model: int, num_heads: int, d_kv: int, d
     decoder = Unitransformer(layer_stack=make_layer_stack([sa, ed, ff], num_layers=num_decoder_layers or num_layers),
                              output_vocab_size=vocab_size, autoregressive=True, name="decoder", **common)
     return Bitransformer(encoder, decoder, shared_embedding=True)
-
-
-def build_hf_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: float | None = None,
-                decode_length: int = 0, beam_size: int = 1, alpha: float = 0.6, temperature: float = 0.0,
-                top_k: int = -1) -> HFGraph:
-    """The graph of ``T5ForConditionalGeneration`` for an imported ``config`` (batch and length from
-    :meth:`HFModelConfig.with_shape`; encoder and decoder both get ``length``).
-
-    Without ``decode_length``: :func:`meshtorch.models.hf_t5.build_t5`, the training / scoring graph on the one block
-    builder (``inputs`` / ``targets`` int32 ``[batch, length]``, ``logits``, ``loss``, ``updates``); the variables
-    (names and shapes) are those of :func:`t5_bitransformer`, so its checkpoints decode here.
-
-    With ``decode_length`` > 0 the graph decodes instead (Mesh TF ``Bitransformer.decode``, greedy):
-    ``decoded`` int32 ``[batch, decode_length]``, the ids after the start token, 0 after the first EOS
-    (id 1) as ``generate(do_sample=False)`` pads; ``logits`` and ``loss`` are None. ``beam_size`` > 1: Mesh TF's
-    beam search instead (``Unitransformer.beam_search``, the best beam; it decodes up to 1.5 x the longest input +
-    10 ids, within ``decode_length``); hypotheses are ranked by summed log-probability divided by
-    ``((5 + len) / 6) ** alpha`` (GNMT's length penalty; ``alpha=0``: unnormalised, as ``transformers``'
-    ``generate(num_beams=..., length_penalty=0)``). ``temperature`` > 0 (``beam_size`` 1): sampling at that
-    temperature from the ``top_k`` most likely ids (-1: all), with the graph's ``seed``.
-    """
-    c = config
-    if not decode_length:
-        return build_t5(c, seed=seed, optimizer=optimizer, clip_norm=clip_norm)
-    graph = Graph(seed=seed)
-    mesh = Mesh(graph, "mesh")
-    batch, length = Dimension("batch", c.batch_size), Dimension("length", c.length)
-    inputs = placeholder(mesh, "inputs", [batch, length], dtype=torch.int32)
-    targets = placeholder(mesh, "targets", [batch, length], dtype=torch.int32)
-    model = t5_bitransformer(c.vocab_size, c.d_model, c.num_heads, c.d_kv, c.d_ff, c.num_layers, c.num_decoder_layers,
-                             c.relative_buckets, c.gated)
-    decoded = model.decode(inputs, beam_size=beam_size, alpha=alpha, temperature=temperature,
-                           sampling_keep_top_k=top_k if temperature else -1, max_decode_length=decode_length)
-    return HFGraph(c, graph, mesh, inputs, targets, None, None, [], bitransformer=model, decoded=decoded)
