@@ -20,10 +20,16 @@ Printed per case, medians over the timed steps (after one warm-up step per case 
   unit-time bubble (``T_F = T_I = T_W``: ``(S-1)/(3 R M+S-1)``). With equal stages the first two hold for any
   backward / forward cost ratio (``tests/test_pipeline_trace.py`` checks 2x and 3x); the zero-bubble one only when
   ``F``, ``I`` and ``W`` cost the same;
-* ``table@measured``: :meth:`~meshtorch.core.schedules.ScheduleTable.weighted` with each (virtual stage, kind) at
+* ``table@medians``: :meth:`~meshtorch.core.schedules.ScheduleTable.weighted` with each (virtual stage, kind) at
   its measured median compute time (:func:`~meshtorch.runtime.pipeline_trace.predicted_bubble`): what the table
-  predicts for the stages' real costs (imbalance, ``B``/``F`` ratio) with free transfers: the honest reference;
-* the measured mean ``F``/``B``/``I``/``W`` times and the blocked share.
+  predicts for the stages' real costs (imbalance, ``B``/``F`` ratio) with free transfers;
+* ``table@measured``: the same per step with each action at its own measured compute time in that step
+  (:func:`~meshtorch.runtime.pipeline_trace.action_times`; the jitter of a loaded host included): the honest
+  reference, what is left between it and the measured bubble being the transfers' latency, the ranks' start
+  skew and the time a rank takes to wake from a finished ``recv``;
+* ``blocked``: the share of the step the ranks spent blocked in ``recv`` and send waits (mean over ranks);
+  ``latency``: the part of it after the message's ``isend`` was posted (:func:`latency_share`: transfer and
+  wake-up, which the table does not price); the measured mean ``F``/``B``/``I``/``W`` compute times.
 
 With S ranks on fewer than S free cores the ranks share cores: a rank blocked in ``recv`` (gloo polls) or one
 whose neighbour computes on the same core slows down, so the bubble is not the schedule's alone.
@@ -49,6 +55,7 @@ from pipeline_vs_torch import batches, config  # noqa: E402
 from meshtorch.core.schedules import build_schedule  # noqa: E402
 from meshtorch.runtime.pipeline_trace import (  # noqa: E402
     action_costs,
+    action_times,
     predicted_bubble,
     step_bubbles,
     write_chrome_trace,
@@ -97,6 +104,30 @@ def worker(cases: list, cfg_kw: dict, steps: int, rounds: int) -> list:
     return out
 
 
+def latency_share(table, ranks: list) -> float:
+    """The share of the step (mean over ranks) each rank spent in ``recv`` after the message's ``isend`` had been
+    posted: ``recv end - max(recv start, the producing action's send end)`` summed over its receives, over the
+    window of :func:`~meshtorch.runtime.pipeline_trace.step_bubbles`: the transfer and the receiver's wake-up,
+    which the table (transfers free) does not count."""
+    producer = {table.receiver(a): a for row in table.order for a in row if table.receiver(a) is not None}
+    sent, recvs = {}, []
+    for evs in ranks:
+        inner = []
+        for name, cat, t0, t1 in evs:
+            if cat == "action":
+                for n, c, s0, s1 in inner:
+                    if c == "send":
+                        sent[name] = s1
+                    elif c == "recv":
+                        recvs.append((name, s0, s1))
+                inner = []
+            else:
+                inner.append((name, cat, t0, t1))
+    names = {str(a): a for row in table.order for a in row}
+    late = sum(t1 - max(t0, sent[str(producer[names[n]])]) for n, t0, t1 in recvs)
+    return late / len(ranks) / step_bubbles(ranks)[0]["window_ns"]
+
+
 def _spread(xs: list) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
@@ -129,8 +160,8 @@ def main(argv=None):
           f"{args.steps} timed steps", flush=True)
     res = run_spmd("pipeline_bubble:worker", args=(cases, cfg_kw, args.steps, args.rounds), nprocs=S,
                    timeout_s=1800, dist_timeout_s=600, extra_path=[HERE]).check().results
-    print(f"\n{'schedule':>17} {'M':>2} {'R':>2} {'formula':>8} {'table@measured':>15} {'measured (min-max)':>20} "
-          f"{'blocked':>8}  per-action ms F/B/I/W")
+    print(f"\n{'schedule':>17} {'M':>2} {'R':>2} {'formula':>8} {'table@medians':>14} {'table@measured':>20} "
+          f"{'measured (min-max)':>20} {'blocked':>8} {'latency':>8}  per-action ms F/B/I/W")
     for i, (name, M, R) in enumerate(cases):
         table = build_schedule(name, S, M, R)
         steps, last = [], None
@@ -140,15 +171,17 @@ def main(argv=None):
                 steps += last
         bub = [statistics.mean(b["bubble"] for b in step_bubbles(s)) for s in steps]
         blocked = [statistics.mean(b["blocked"] for b in step_bubbles(s)) for s in steps]
+        late = [latency_share(table, s) for s in steps]
         costs = action_costs(table, steps)  # median compute seconds per (virtual stage, kind)
-        pred = [predicted_bubble(table, action_costs(table, [s])) for s in steps]
+        pred = [predicted_bubble(table, action_times(table, s)) for s in steps]  # each step's own durations
+        pred_med = predicted_bubble(table, costs)
         kinds = {}
         for (_, kind), sec in costs.items():
             kinds.setdefault(kind, []).append(sec * 1e3)
         ms = "/".join(f"{statistics.mean(kinds[k]):.1f}" if k in kinds else "-" for k in "FBIW")
         f, med = formula(name, S, M, R), statistics.median(bub)
-        print(f"{name:>17} {M:>2} {R:>2} {f:>8.3f} {_spread(pred):>15} {_spread(bub):>20} "
-              f"{statistics.median(blocked):>8.3f}  {ms}; measured / formula {med / f:.2f}, / table@measured "
+        print(f"{name:>17} {M:>2} {R:>2} {f:>8.3f} {pred_med:>14.3f} {_spread(pred):>20} {_spread(bub):>20} "
+              f"{statistics.median(blocked):>8.3f} {statistics.median(late):>8.3f}  {ms}; measured / formula {med / f:.2f}, / table@measured "
               f"{med / statistics.median(pred):.2f}", flush=True)
         if args.trace_dir:
             os.makedirs(args.trace_dir, exist_ok=True)

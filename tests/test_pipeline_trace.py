@@ -14,7 +14,13 @@ import pytest
 
 from meshtorch.cli import main as cli_main
 from meshtorch.core.schedules import build_schedule
-from meshtorch.runtime.pipeline_trace import action_costs, chrome_trace, predicted_bubble, step_bubbles
+from meshtorch.runtime.pipeline_trace import (
+    action_costs,
+    action_times,
+    chrome_trace,
+    predicted_bubble,
+    step_bubbles,
+)
 
 CASES = [(name, S, M, R) for S in (2, 4) for M in (4, 8)
          for name, R in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("zero-bubble", 2))]
@@ -61,6 +67,9 @@ def test_bubble_of_a_timeline_and_of_the_table_is_the_formula(name, S, M, R):
     costs = action_costs(table, [ranks, ranks])
     assert set(costs.values()) == {1e-6}
     assert predicted_bubble(table, costs) == pytest.approx(_formula(name, S, M, R), abs=1e-12)
+    times = action_times(table, ranks)
+    assert set(times) == {a for row in table.order for a in row} and set(times.values()) == {1e-6}
+    assert predicted_bubble(table, times) == pytest.approx(_formula(name, S, M, R), abs=1e-12)
     if name != "zero-bubble":
         for back in (2.0, 3.0):
             ratio = {(a.stage, a.kind): {"F": 1.0, "B": back, "I": back / 2, "W": back / 2}[a.kind]

@@ -17,9 +17,11 @@ common clock (nanoseconds since an origin taken right after a barrier), become
   blocked in receives and send waits inside them. Its mean over the ranks is what the table's idle slots
   predict (:meth:`~meshtorch.core.schedules.ScheduleTable.bubble_fraction`: ``(S-1)/(M+S-1)`` for GPipe and
   1F1B, ``(S-1)/(R M+S-1)`` interleaved).
-* :func:`action_costs` and :func:`predicted_bubble`: the same table timed by the measured compute time of each
-  (virtual stage, kind) (:meth:`~meshtorch.core.schedules.ScheduleTable.weighted`), the reference that holds
-  whatever the backward / forward cost ratio and the stages' imbalance (the closed formulas assume equal stages).
+* :func:`action_times`, :func:`action_costs` and :func:`predicted_bubble`: the same table timed by the measured
+  compute time of each action of a step, or the median of each (virtual stage, kind)
+  (:meth:`~meshtorch.core.schedules.ScheduleTable.weighted`), the reference that holds whatever the backward /
+  forward cost ratio, the stages' imbalance and the actions' jitter (the closed formulas assume equal stages and
+  constant costs).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import statistics
 
 from meshtorch.core.schedules import ScheduleTable
 
-__all__ = ["BLOCKED", "action_costs", "chrome_trace", "predicted_bubble", "rank_costs", "step_bubbles",
+__all__ = ["BLOCKED", "action_costs", "action_times", "chrome_trace", "predicted_bubble", "rank_costs", "step_bubbles",
            "write_chrome_trace"]
 
 #: the event categories that are time a rank spends blocked (not computing)
@@ -70,28 +72,38 @@ def step_bubbles(ranks: list) -> list[dict]:
     return out
 
 
-def action_costs(table: ScheduleTable, steps: list) -> dict:
-    """``{(virtual stage, kind): median compute seconds}`` of the actions of ``steps`` (each a list of every
-    rank's events of one step), compute = the action's time less its blocked time.
+def action_times(table: ScheduleTable, ranks: list) -> dict:
+    """``{action: compute seconds}`` of one step (``ranks[r]``: rank ``r``'s events), compute = the action's time
+    less its blocked time.
 
     Raises:
         ValueError: a rank's actions are not its row of ``table`` (``table.order[r]``), named."""
+    out = {}
+    for r, evs in enumerate(ranks):
+        acts = rank_costs(evs)
+        if [n for n, *_ in acts] != [str(a) for a in table.order[r]]:
+            raise ValueError(f"pipeline trace: rank {r} ran {[n for n, *_ in acts]}, not its row of the "
+                             f"{table.name} table {[str(a) for a in table.order[r]]}.")
+        for a, (_, t0, t1, b) in zip(table.order[r], acts, strict=True):
+            out[a] = (t1 - t0 - b) / 1e9
+    return out
+
+
+def action_costs(table: ScheduleTable, steps: list) -> dict:
+    """``{(virtual stage, kind): median compute seconds}`` over the actions of ``steps`` (each a list of every
+    rank's events of one step; :func:`action_times`, which raises ValueError for a rank out of its row)."""
     seen: dict = {}
     for ranks in steps:
-        for r, evs in enumerate(ranks):
-            acts = rank_costs(evs)
-            if [n for n, *_ in acts] != [str(a) for a in table.order[r]]:
-                raise ValueError(f"pipeline trace: rank {r} ran {[n for n, *_ in acts]}, not its row of the "
-                                 f"{table.name} table {[str(a) for a in table.order[r]]}.")
-            for a, (_, t0, t1, b) in zip(table.order[r], acts, strict=True):
-                seen.setdefault((a.stage, a.kind), []).append((t1 - t0 - b) / 1e9)
+        for a, sec in action_times(table, ranks).items():
+            seen.setdefault((a.stage, a.kind), []).append(sec)
     return {k: statistics.median(v) for k, v in seen.items()}
 
 
 def predicted_bubble(table: ScheduleTable, costs: dict) -> float:
-    """The bubble fraction of ``table`` with each action taking its ``costs[(virtual stage, kind)]`` seconds
-    (:func:`action_costs`; :meth:`~meshtorch.core.schedules.ScheduleTable.weighted`, transfers taking no time)."""
-    return table.weighted(lambda a: costs[(a.stage, a.kind)])[1]
+    """The bubble fraction of ``table`` with each action taking ``costs[action]`` seconds (:func:`action_times`:
+    one step's own durations) or else ``costs[(virtual stage, kind)]`` (:func:`action_costs`)
+    (:meth:`~meshtorch.core.schedules.ScheduleTable.weighted`, transfers taking no time)."""
+    return table.weighted(lambda a: costs[a] if a in costs else costs[(a.stage, a.kind)])[1]
 
 
 def chrome_trace(steps: list, name: str = "") -> dict:
