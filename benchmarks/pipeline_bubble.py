@@ -115,7 +115,7 @@ def latency_share(table, ranks: list) -> float:
         inner = []
         for name, cat, t0, t1 in evs:
             if cat == "action":
-                for n, c, s0, s1 in inner:
+                for _, c, s0, s1 in inner:
                     if c == "send":
                         sent[name] = s1
                     elif c == "recv":
@@ -181,8 +181,8 @@ def main(argv=None):
         ms = "/".join(f"{statistics.mean(kinds[k]):.1f}" if k in kinds else "-" for k in "FBIW")
         f, med = formula(name, S, M, R), statistics.median(bub)
         print(f"{name:>17} {M:>2} {R:>2} {f:>8.3f} {pred_med:>14.3f} {_spread(pred):>20} {_spread(bub):>20} "
-              f"{statistics.median(blocked):>8.3f} {statistics.median(late):>8.3f}  {ms}; measured / formula {med / f:.2f}, / table@measured "
-              f"{med / statistics.median(pred):.2f}", flush=True)
+              f"{statistics.median(blocked):>8.3f} {statistics.median(late):>8.3f}  {ms}; measured / formula "
+              f"{med / f:.2f}, / table@measured {med / statistics.median(pred):.2f}", flush=True)
         if args.trace_dir:
             os.makedirs(args.trace_dir, exist_ok=True)
             write_chrome_trace(os.path.join(args.trace_dir, f"{name}-S{S}-M{M}-R{R}.json"), last, name)
