@@ -52,7 +52,10 @@ def schedule_worker(cases, train=None):
     ranks for both). Per ``(schedule, S, M, R)`` case (``S`` = the processes): this rank's run of the stage executor
     (:func:`meshtorch.runtime.pipeline_exec.run_rank`) on ``test_pipeline_executor``'s model and batch: loss (last
     stage's rank, else None), {variable: gradient} of its stages, its sends (the flight recorder's "send" records),
-    peak stash and actions (as text)."""
+    peak stash, actions (as text) and its timeline (:attr:`~meshtorch.runtime.pipeline_exec.ScheduleRun.events`,
+    nanoseconds since a barrier)."""
+    import time
+
     import torch.distributed as dist
 
     import test_pipeline_executor as E
@@ -65,19 +68,23 @@ def schedule_worker(cases, train=None):
     for name, S, M, R in cases:
         programs = stage_programs(E._cfg(S * R), S, M, R, E.MESH, E.LAYOUT, E.STORAGE, rank=dist.get_rank())
         flight_recorder().sink = records = []
+        dist.barrier()
+        origin = time.perf_counter_ns()
         try:
             run = run_rank(build_schedule(name, S, M, R), programs, *E._batch())
         finally:
             flight_recorder().sink = None
         r = dist.get_rank()
         sends = sum(rec.kind == SEND for rec in records)
-        out.append((run.loss, run.grads, sends, run.peak_stash[r], [str(a) for a in run.actions[r]]))
+        events = [(n, c, t0 - origin, t1 - origin) for n, c, t0, t1 in run.events[r]]
+        out.append((run.loss, run.grads, sends, run.peak_stash[r], [str(a) for a in run.actions[r]], events))
     return out if train is None else {"cases": out, "train": train_worker(*train)}
 
 
 def train_worker(root, flags):
     """``meshtorch train --pipeline-schedule 1f1b --mesh pipe:2`` for 2 steps in this rank (one process per pipeline
-    rank), then the run resumed from its checkpoint by ``--pipeline-schedule zero-bubble`` for a third: per run its
+    rank; ``--pipeline-trace ROOT/trace.json``), then the run resumed from its checkpoint by ``--pipeline-schedule
+    zero-bubble`` for a third: per run its
     losses, {variable: value} of this rank's stages (``res["lowering"]``: the stages' variables) and validation
     losses."""
     import torch.distributed as dist
@@ -88,8 +95,10 @@ def train_worker(root, flags):
     assert dist.get_world_size() == 2
     out = []
     for steps, name, resume in ((2, "1f1b", False), (3, "zero-bubble", True)):
+        trace = f"{root}/trace.json" if not resume else ""  # --pipeline-trace: written by rank 0
         res = main_train(TrainConfig(**flags, layers=2, steps=steps, runs_dir=root, run_name="gloo", mesh="pipe:2",
-                                     layout="stage:pipe", microbatches=4, pipeline_schedule=name, resume=resume))
+                                     layout="stage:pipe", microbatches=4, pipeline_schedule=name, resume=resume,
+                                     pipeline_trace=trace))
         lw = res["lowering"]
         out.append((res["history"]["loss"], {n: lw.variable_value(n) for n in lw.variable_names},
                     res["history"]["val_loss"]))

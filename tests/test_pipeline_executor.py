@@ -7,6 +7,7 @@ against the table's."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
@@ -75,6 +76,8 @@ def test_schedule_order_gives_the_unpipelined_loss_and_gradients(name, S, M, R, 
         assert (run.grads[n] - g).abs().max().item() <= 1e-6, n
     # each rank ran its actions in the table's order, held the table's stashes, and sent what the table sends
     assert run.actions == [list(o) for o in table.order]
+    assert [[n for n, c, *_ in evs if c == "action"] for evs in run.events] == [[str(a) for a in o]
+                                                                                 for o in table.order]
     assert run.peak_stash == table.in_flight()
     sends = [rec for rec in records if rec.kind == SEND]
     assert len(sends) == len(table.sends()) == 2 * M * (S * R - 1)
@@ -196,6 +199,24 @@ def test_gloo_ranks_run_their_rows_and_give_the_unpipelined_gradients(S, cases, 
         assert sum(x[2] for x in per_rank) == len(table.sends())
         assert [x[3] for x in per_rank] == table.in_flight()
         assert [x[4] for x in per_rank] == [[str(a) for a in o] for o in table.order]
+        _check_timeline(table, [x[5] for x in per_rank])
+
+
+def _check_timeline(table, ranks):
+    """The gloo ranks' timelines of one step (nanoseconds since a barrier): one action event per table action in
+    the rank's order (``action_costs`` checks), rank 1's first action blocked in a receive from rank 0 inside
+    it; per rank the measured bubble in [blocked share, 1); a valid Chrome trace of it."""
+    from meshtorch.runtime.pipeline_trace import action_costs, chrome_trace, step_bubbles
+
+    assert set(action_costs(table, [ranks])) == {(a.stage, a.kind) for o in table.order for a in o}
+    first = next(e for e in ranks[1] if e[1] == "action")
+    recv = ranks[1][0]
+    assert recv[:2] == ("recv from rank 0", "recv") and first[2] <= recv[2] <= recv[3] <= first[3]
+    for b in step_bubbles(ranks):
+        assert b["blocked"] <= b["bubble"] + 1e-9 and 0 <= b["bubble"] < 1
+    ev = json.loads(json.dumps(chrome_trace([ranks])))["traceEvents"]
+    for r, row in enumerate(table.order):
+        assert [e["name"] for e in ev if e.get("cat") == "action" and e["pid"] == r] == [str(a) for a in row]
 
 
 def _check_gloo_training(T, tmp_path, per_rank):
@@ -213,6 +234,14 @@ def _check_gloo_training(T, tmp_path, per_rank):
             got.update(r[k][1])
             T._same((r[k][0], ref[1], r[k][2]), ref)
         T._same((ref[0], got, ref[2]), ref)
+    # --pipeline-trace of the 1F1B run (2 steps): rank 0 wrote both ranks' timelines, one step slice each
+    table = build_schedule("1f1b", 2, 4)
+    ev = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for r, row in enumerate(table.order):
+        mine = sorted((e for e in ev if e["ph"] == "X" and e["pid"] == r), key=lambda e: e["ts"])
+        assert [e["name"] for e in mine if e["cat"] == "step"] == ["step 0", "step 1"]
+        assert [e["name"] for e in mine if e["cat"] == "action"] == [str(a) for a in row] * 2
+        assert all(0 <= e["args"]["blocked"] <= e["args"]["bubble"] < 1 for e in mine if e["cat"] == "step")
     ckpt = tmp_path / "gloo" / "ckpt" / "ckpt-2"
     files = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
     assert len(files) == 2, files

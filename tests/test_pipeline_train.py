@@ -8,6 +8,7 @@ ranks of ``tests/test_pipeline_executor.py``'s gloo test."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from meshtorch.cli import main as cli_main
+from meshtorch.core.schedules import build_schedule
 from meshtorch.runtime.train import main_train
 from meshtorch.runtime.train_config import TrainConfig
 
@@ -59,8 +61,17 @@ def root(tmp_path_factory):
 
 @pytest.mark.parametrize("name,layers,repeats", [("interleaved-1f1b", 4, 2), ("zero-bubble", 2, 1)])
 def test_schedule_trains_as_the_unpipelined_model(root, name, layers, repeats):
-    got = train(root, name, layers, pipeline_schedule=name, pipeline_repeats=repeats, **PIPE)
+    """And ``--pipeline-trace`` in one process: per rank a ``step`` slice per step holding the rank's row of the
+    table (``meshtorch.runtime.pipeline_trace``)."""
+    trace = root / f"{name}-trace.json"
+    got = train(root, name, layers, pipeline_schedule=name, pipeline_repeats=repeats, pipeline_trace=str(trace),
+                **PIPE)
     _same(got, _reference(root, layers))
+    ev = json.loads(trace.read_text())["traceEvents"]
+    for r, row in enumerate(build_schedule(name, 2, PIPE["microbatches"], repeats).order):
+        mine = sorted((e for e in ev if e["ph"] == "X" and e["pid"] == r), key=lambda e: e["ts"])
+        assert [e["name"] for e in mine if e["cat"] == "step"] == ["step 0", "step 1"]
+        assert [e["name"] for e in mine if e["cat"] == "action"] == [str(a) for a in row] * 2
 
 
 def test_gpipe_layout_gives_the_same_losses(root):

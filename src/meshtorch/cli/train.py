@@ -76,6 +76,12 @@ def add_train_subcommand(subparsers) -> None:
                    help="pipeline schedule: gpipe runs the pipeline layout's fill-drain program; 1f1b, "
                         "interleaved-1f1b and zero-bubble run one program per stage in the schedule's order (the "
                         "stage executor; under torchrun one process per pipeline rank; docs/pipeline.md)")
+    p.add_argument("--pipeline-trace", default="", metavar="FILE",
+                   help="with --pipeline-schedule 1f1b, interleaved-1f1b or zero-bubble: write every training "
+                        "step's per-rank timeline (one slice per action, e.g. 1F3, and its receives, sends and "
+                        "waits) as a Chrome / Perfetto trace JSON to FILE (open it in ui.perfetto.dev or "
+                        "chrome://tracing; under torchrun rank 0 writes every rank's) and print the measured "
+                        "bubble fraction per rank beside the schedule table's (docs/pipeline.md)")
     p.add_argument("--mesh", default=None,
                    help='mesh shape axis:size,... with positive integer sizes, e.g. "data:2,model:2"; "" = 1 '
                         f'processor. Default: "{DEFAULT_MESH}" in one process (simulated); under torchrun with '

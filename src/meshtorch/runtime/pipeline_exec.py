@@ -38,13 +38,18 @@ class ScheduleRun:
     """What :func:`run_schedule` / :func:`run_rank` return: ``loss`` (mean over the microbatches; :func:`run_rank`:
     None except on the last stage's rank), ``grads`` (by variable name, of that mean; :func:`run_rank`: this
     rank's variables), ``actions`` per rank in the order run, ``peak_stash`` per rank (the most stage inputs it
-    held at once), ``wait_s`` (:func:`run_rank`: seconds waiting for receives and the last sends)."""
+    held at once), ``wait_s`` (:func:`run_rank`: seconds waiting for receives and the last sends), ``events`` per
+    rank: its timeline, ``(name, category, start_ns, end_ns)`` in ``time.perf_counter_ns`` nanoseconds, one
+    ``"action"`` per action run (named as torch's ``"1F3"``) and, inside them, :func:`run_rank`'s ``"recv"`` (blocked
+    in ``recv``), ``"send"`` (posting the ``isend``) and ``"wait"`` (blocked waiting for sends), and the step's last
+    ``"wait"`` (:mod:`meshtorch.runtime.pipeline_trace` reads them)."""
 
     loss: float | None
     grads: dict
     actions: list = field(default_factory=list)
     peak_stash: list = field(default_factory=list)
     wait_s: float = 0.0
+    events: list = field(default_factory=list)
 
 
 class _Executor:
@@ -61,7 +66,7 @@ class _Executor:
         self.grads_in: dict = {}  # (v, m) -> gradient of stage v's output for microbatch m
         self.saved: dict = {}  # (v, m) -> the laid-out activations stage v's forward stashed for its gradients
         self.stash: list[set] = [set() for _ in range(S)]
-        self.run = ScheduleRun(0.0, {}, [[] for _ in range(S)], [0] * S)
+        self.run = ScheduleRun(0.0, {}, [[] for _ in range(S)], [0] * S, events=[[] for _ in range(S)])
 
     def record(self, value: torch.Tensor, src: int) -> None:
         rec = flight_recorder().record(SEND, (self.axis,), (value.numel() * value.element_size(),), value.dtype,
@@ -83,7 +88,12 @@ class _Executor:
 
     def execute(self, a, r: int) -> None:
         """Rank ``r`` runs action ``a``: its stage program's forward, input-gradient and/or weight-gradient
-        fetches on microbatch ``a.microbatch``."""
+        fetches on microbatch ``a.microbatch``; its start and end go to rank ``r``'s ``events``."""
+        t0 = time.perf_counter_ns()
+        self._compute(a, r)
+        self.run.events[r].append((str(a), "action", t0, time.perf_counter_ns()))
+
+    def _compute(self, a, r: int) -> None:
         p, v, m, M, V, t = self.programs[a.stage], a.stage, a.microbatch, self.M, self.V, self.table
         tag = 2 * (v * M + m)  # even: the activation entering stage v; odd: the gradient leaving stage v's output
         x = self.ids[m] if v == 0 else self.receive(self.acts, (v, m), t.rank_of(v - 1), r, tag, p.inputs)
@@ -288,31 +298,39 @@ class _DistExecutor(_Executor):
         if src == dst:
             store[key] = value
             return
+        t0 = time.perf_counter_ns()
         value = value.contiguous()
         self.record(value, src)
         self.pending[self.now] = (dist.isend(value, dst, tag=tag), value)
+        self.run.events[src].append((f"send to rank {dst}", "send", t0, time.perf_counter_ns()))
 
     def receive(self, store, key, src, dst, tag, like):
         if key in store or src == dst:
             return super().receive(store, key, src, dst, tag, like)
         buf = torch.empty([d.size for d in like.shape], dtype=like.dtype)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         dist.recv(buf, src, tag=tag)
-        self._wait([self.pending.pop(s) for s in self.waits[self.now]])
-        self.run.wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter_ns()
+        self.run.events[dst].append((f"recv from rank {src}", "recv", t0, t1))
+        self._wait([self.pending.pop(s) for s in self.waits[self.now]], dst)
+        self.run.wait_s += (time.perf_counter_ns() - t0) / 1e9
         store[key] = buf
         return buf
 
-    @staticmethod
-    def _wait(sends: list) -> None:
+    def _wait(self, sends: list, r: int) -> None:
+        if not sends:
+            return
+        t0 = time.perf_counter_ns()
         for work, _ in sends:
             work.wait()
+        t1 = time.perf_counter_ns()
+        self.run.events[r].append((f"wait {len(sends)} send(s)", "wait", t0, t1))
 
     def result(self):
-        t0 = time.perf_counter()
-        self._wait(list(self.pending.values()))
+        t0 = time.perf_counter_ns()
+        self._wait(list(self.pending.values()), dist.get_rank())
         self.pending.clear()
-        self.run.wait_s += time.perf_counter() - t0
+        self.run.wait_s += (time.perf_counter_ns() - t0) / 1e9
         return super().result()
 
 

@@ -21,6 +21,8 @@ whichever schedule wrote it, and ``meshtorch sample`` decodes it.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,7 @@ from meshtorch.models.lm_stages import stage_programs
 from meshtorch.runtime.optimizers import make_optimizer
 from meshtorch.runtime.pipeline_exec import action_flops, apply_updates, run_forward, run_rank, run_schedule
 from meshtorch.runtime.pipeline_state import StageVariables
+from meshtorch.runtime.pipeline_trace import action_costs, predicted_bubble, step_bubbles, write_chrome_trace
 
 __all__ = ["EXECUTED", "PipelineTrainer", "check_flags", "inner_mesh", "plan_line", "unpipelined"]
 
@@ -125,6 +128,11 @@ class PipelineTrainer:
                                        mode=cfg.executor, compile_backend=cfg.compile_backend)
         #: this process's stage variables as one lowering, for save / restore (the unpipelined LM's names)
         self.state = StageVariables(self.programs, rank, dist.get_world_size() if self.distributed else 1)
+        #: ``--pipeline-trace``: per step, every rank's events (this process's ranks') since :attr:`origin`
+        self.trace: list | None = [] if cfg.pipeline_trace else None
+        if self.trace is not None and self.distributed:
+            dist.barrier()  # the ranks' clocks start together (one host: the same monotonic clock anyway)
+        self.origin = time.perf_counter_ns()
 
     def describe(self) -> str:
         """One line: the schedule, its table's bubble and in-flight microbatches, the mesh inside a stage."""
@@ -141,6 +149,9 @@ class PipelineTrainer:
         without ``--clip-norm``), on every rank."""
         ids, targets = batch[:, :-1], batch[:, 1:]
         run = (run_rank if self.distributed else run_schedule)(self.table, self.programs, ids, targets, self.axis)
+        if self.trace is not None:
+            self.trace.append([[(n, c, t0 - self.origin, t1 - self.origin) for n, c, t0, t1 in evs]
+                               for evs in run.events])
         norm = apply_updates(self.programs, run.grads, self.cfg.clip_norm or None, self.distributed)
         loss = torch.tensor(float("nan") if run.loss is None else run.loss, dtype=torch.float64)
         if self.distributed:
@@ -162,6 +173,35 @@ class PipelineTrainer:
         if self.distributed:
             dist.broadcast(out, self.table.rank_of(self.table.virtual_stages - 1))
         return out.item()
+
+    def write_trace(self, path: str) -> str:
+        """Write the recorded steps' Chrome / Perfetto trace to ``path``
+        (:func:`~meshtorch.runtime.pipeline_trace.write_chrome_trace`; under torchrun every rank sends its
+        timeline to rank 0, which writes; every rank must call this) and return one line: where, and the
+        measured bubble fraction per rank (median over the steps after the first) beside the table's (unit
+        actions) and the table timed by the measured actions (:func:`~meshtorch.runtime.pipeline_trace.
+        predicted_bubble`). In one process the ranks run one after another, so no bubble is measured."""
+        steps = self.trace or []
+        if self.distributed:
+            parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(steps, parts, dst=0)
+            if dist.get_rank() != 0:
+                return ""
+            steps = [[parts[r][k][r] for r in range(len(parts))] for k in range(len(steps))]
+        t = self.table
+        write_chrome_trace(path, steps, t.name)
+        line = (f"pipeline trace: {path} ({len(steps)} steps x {t.stages} ranks of {t.name}; open it in "
+                "https://ui.perfetto.dev or chrome://tracing)")
+        if not steps:
+            return line
+        if not self.distributed:
+            return line + ("; one process runs the ranks one after another, so it shows each rank's order, not "
+                           "a bubble (run one process per rank under torchrun to measure it)")
+        timed = steps[1:] or steps  # the first step warms up
+        measured = [statistics.median(step_bubbles(s)[r]["bubble"] for s in timed) for r in range(t.stages)]
+        return (line + f"; measured bubble fraction per rank {' '.join(f'{b:.3f}' for b in measured)} (mean "
+                f"{statistics.mean(measured):.3f}); the table predicts {t.bubble_fraction():.3f} with unit actions, "
+                f"{predicted_bubble(t, action_costs(t, timed)):.3f} with the measured action times")
 
     def after_restore(self) -> None:
         """After :func:`meshtorch.checkpoint.restore` into :attr:`state`: ``global_step`` into every stage (under

@@ -148,6 +148,8 @@ def main_train(args) -> dict:
     _build_model(job)
     peak, peak_what = _peak_flops(job)
     history, start, peak, saved, wall, comp = _train_loop(job, resuming, peak, tqdm)
+    if job.pipeline is not None and cfg.pipeline_trace:  # every rank: rank 0 gathers and writes
+        job.say(job.pipeline.write_trace(cfg.pipeline_trace))
     return _report(job, history, start, peak, peak_what, saved, wall, comp)
 
 

@@ -78,6 +78,7 @@ class TrainConfig:
     microbatches: int | None = None
     pipeline_repeats: int | None = None
     pipeline_schedule: str | None = None  # --pipeline-schedule: gpipe = the layout; others: runtime.pipeline_train
+    pipeline_trace: str = ""  # --pipeline-trace FILE: the stage executor's Chrome trace (runtime.pipeline_trace)
     # mesh and layout
     # None: default_mesh_layout's (under torchrun without either flag: data:<world> and batch:data)
     mesh: str | None = None
@@ -204,6 +205,11 @@ class TrainConfig:
         data = checks.input_files("--data", cfg.data)
         cfg = cfg.replace(data=None if data is None else tuple(data))
         runs.check_paths(paths, resuming=cfg.resuming)
+        if cfg.pipeline_trace and cfg.pipeline_schedule not in pipeline_train.EXECUTED:
+            raise UsageError(f"--pipeline-trace needs the stage executor: --pipeline-schedule "
+                             f"{'|'.join(pipeline_train.EXECUTED)} (got {cfg.pipeline_schedule or 'none'}; gpipe "
+                             "runs the pipeline layout's one program, which has no per-action timeline).")
+        checks.writable_file("--pipeline-trace", cfg.pipeline_trace)
         if cfg.log_dir:
             checks.writable_dir("--log-dir", cfg.log_dir)
             optional_module("tensorboard", "meshtorch train --log-dir")
