@@ -25,11 +25,11 @@ from meshtorch.models.transformer import LMConfig
 
 def decoder_graph(lm):
     """The KV-cache decoder graph for ``lm``'s config (an ``LMGraph`` or a decoder-only ``HFGraph``), or None
-    where there is none (pipelined or MoE native LMs, T5)."""
+    where there is none (pipelined models, MoE native LMs, T5)."""
     c = lm.config
     if isinstance(c, LMConfig) and not c.pipelined and not any(c.is_moe_layer(i) for i in range(c.num_layers)):
         return build_lm_decoder(c)
-    if isinstance(c, HFModelConfig) and not c.encoder_decoder:
+    if isinstance(c, HFModelConfig) and not c.encoder_decoder and not c.pipelined:
         return build_hf_decoder(c)
     return None
 
