@@ -23,7 +23,7 @@ from meshtorch.core.mesh_spec import MeshSpec  # noqa: E402
 GPT2_VOCAB = 257  # >= 256 byte ids (--tokenizer byte), and odd: a vocab:model split pads it
 STEPS = 3
 FLAGS = ["--steps", str(STEPS), "--batch-size", "4", "--length", "16", "--eval-every", str(STEPS), "--eval-batches",
-         "1", "--plot", "", "--sample", "0", "--lr", "1e-3", "--warmup-steps", "1", "--optimizer", "adamw"]
+         "1", "--plot", "", "--sample", "0", "--lr", "1e-3", "--warmup-steps", "1", "--optimizer", "adamw", "--peak-tflops", "1"]
 
 
 @pytest.fixture(scope="module")
