@@ -13,43 +13,28 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-import _hf_fixtures as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+import _hf_fixtures as F  # noqa: E402
 from meshtorch.checkpoint import hf  # noqa: E402
-from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.core.mesh_spec import MeshSpec  # noqa: E402
 
 GPT2_VOCAB = 257  # >= 256 byte ids (--tokenizer byte), and odd: a vocab:model split pads it
 STEPS = 3
 FLAGS = ["--steps", str(STEPS), "--batch-size", "4", "--length", "16", "--eval-every", str(STEPS), "--eval-batches",
-         "1", "--plot", "", "--sample", "0", "--lr", "1e-3", "--warmup-steps", "1", "--optimizer", "adamw", "--peak-tflops", "1"]
+         "1", "--plot", "", "--sample", "0", "--lr", "1e-3", "--warmup-steps", "1", "--optimizer", "adamw",
+         "--peak-tflops", "1"]  # a given peak: no matmul measured per run
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """``{family: (model dir, extra train flags, transformers model)}`` and the data file."""
-    root = tmp_path_factory.mktemp("hfpipe")
-    text = F.text()
-    data = root / "data.txt"
-    data.write_text(text)
-    gpt2_ref = F.make_model("gpt2", vocab=GPT2_VOCAB)
-    llama_ref = F.make_model("llama_gqa")
-    llama = F.save(llama_ref, str(root / "llama"))
-    F.bpe_tokenizer(os.path.join(llama, "tokenizer.json"), text)
-    return {"gpt2": (F.save(gpt2_ref, str(root / "gpt2")), ["--tokenizer", "byte"], gpt2_ref),
-            "llama": (llama, [], llama_ref)}, str(data)
+    d = F.train_dirs(tmp_path_factory.mktemp("hfpipe"), GPT2_VOCAB)
+    return {"gpt2": (*d["gpt2"][:1], ["--tokenizer", "byte"], d["gpt2"][1]), "llama": (*d["llama"][:1], [],
+                                                                                   d["llama"][1])}, d["data"]
 
 
-def _run(argv):
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-def _cli(capsys, *argv):
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out + cap.err
+_run, _cli = F.run, F.cli
 
 
 @pytest.mark.parametrize("family,mesh,layout", [("gpt2", "pipe:2,data:2", "stage:pipe;heads:data;d_ff:data;vocab:data"),
@@ -74,7 +59,8 @@ def test_pipeline_layout_loss_equals_transformers(dirs, family, mesh, layout, tm
     torch.testing.assert_close(logits[..., :vocab], want, rtol=1e-5, atol=1e-5)
     assert abs(loss.item() - want_loss) <= 1e-5 * want_loss, (loss.item(), want_loss)
     hf.export(lw, lm, str(tmp_path / "out"))
-    got, src = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(os.path.join(path, "model.safetensors"))
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    src = load_file(os.path.join(path, "model.safetensors"))
     assert set(got) <= set(src) and len(got) > 10
     for key, value in got.items():
         assert torch.equal(value, src[key]), key
@@ -92,7 +78,7 @@ def _train_and_export(capsys, tmp_path, path, extra, data, name, *flags):
 def test_gpipe_and_1f1b_train_as_the_unpipelined_run(dirs, family, tmp_path, capsys):
     """3 AdamW steps from the Hugging Face directory: the unpipelined run (data parallel), the pipeline layout
     (gpipe) and the stage executor (1f1b) give the same losses (1e-6) and, exported after training (gpipe's stacked
-    checkpoint restored per layer), the same Hugging Face tensors (1e-6); the first loss is transformers'."""
+    checkpoint restored per layer), the same Hugging Face tensors (1e-6)."""
     (path, extra, ref), data = dirs[0][family], dirs[1]
     base, want = _train_and_export(capsys, tmp_path, path, extra, data, "flat", "--mesh", "data:2", "--layout",
                                    "batch:data")

@@ -17,7 +17,6 @@ pytest.importorskip("tokenizers")
 
 import _hf_fixtures as F  # noqa: E402
 from meshtorch.checkpoint import hf  # noqa: E402
-from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.core.mesh_spec import MeshSpec  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshtorch.runtime import generate  # noqa: E402
@@ -42,15 +41,7 @@ def dirs(tmp_path_factory):
     return llama, gpt2, str(data), gpt2_ref
 
 
-def _run(argv):
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-def _cli(capsys, *argv):
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out + cap.err
+_run, _cli = F.run, F.cli
 
 
 def test_padded_vocab_logits_equal_transformers_on_the_default_layout(dirs):

@@ -40,13 +40,8 @@ SHARED = [
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """``{kind: extra train flags}`` for the native tiny preset, a GPT-2 and a Llama directory, and the data file."""
-    root = tmp_path_factory.mktemp("matrix")
-    text = F.text()
-    data = root / "data.txt"
-    data.write_text(text)
-    llama = F.save(F.make_model("llama_gqa"), str(root / "llama"))
-    F.bpe_tokenizer(os.path.join(llama, "tokenizer.json"), text)
-    gpt2 = F.save(F.make_model("gpt2", vocab=257), str(root / "gpt2"))
+    d = F.train_dirs(tmp_path_factory.mktemp("matrix"))
+    (llama, _), (gpt2, _), data = d["llama"], d["gpt2"], d["data"]
     return {"native": ["--preset", "tiny"], "gpt2": ["--init-from", gpt2, "--tokenizer", "byte"],
             "llama": ["--init-from", llama, "--prompt", "the ",  # the tokenizer's corpus has no 'T'
                       "--layout", "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"]}, str(data)

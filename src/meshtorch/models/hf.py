@@ -32,8 +32,8 @@ from meshtorch import layers
 from meshtorch.autodiff import recompute_grad
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
-from meshtorch.core.pipeline import HF_STACKED_NAMES
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.core.pipeline import HF_STACKED_NAMES
 from meshtorch.lowering import Lowering
 from meshtorch.models.blocks import FULL_SEQUENCE, HF_NAMES, BlockSpec, block, norm
 from meshtorch.models.decoding import DecoderGraph, build_decoder

@@ -25,11 +25,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from meshtorch.checkpoint.hf import load_hf_weights
 from meshtorch.core.errors import UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.schedules import build_schedule
-from meshtorch.checkpoint.hf import load_hf_weights
 from meshtorch.models.hf import stage_parts
 from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.lm_stages import native_parts, stage_programs
