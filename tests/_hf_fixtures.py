@@ -58,6 +58,38 @@ def save(model, path: str, max_shard_size=None) -> str:
     return path
 
 
+def train_dirs(root, gpt2_vocab: int = 257) -> dict:
+    """The ``meshtorch train --init-from`` inputs under ``root``: ``{"gpt2": (dir, model), "llama": (dir with a BPE
+    tokenizer.json, model), "data": text file}`` (GPT-2 with ``gpt2_vocab`` >= 256 tokens, for ``--tokenizer
+    byte``; the Llama is ``llama_gqa``)."""
+    text_ = text()
+    data = os.path.join(str(root), "data.txt")
+    with open(data, "w") as f:
+        f.write(text_)
+    llama_ref, gpt2_ref = make_model("llama_gqa"), make_model("gpt2", vocab=gpt2_vocab)
+    llama = save(llama_ref, os.path.join(str(root), "llama"))
+    bpe_tokenizer(os.path.join(llama, "tokenizer.json"), text_)
+    return {"gpt2": (save(gpt2_ref, os.path.join(str(root), "gpt2")), gpt2_ref), "llama": (llama, llama_ref),
+            "data": data}
+
+
+def run(argv):
+    """``meshtorch`` ``argv`` run in-process; the subcommand's return value (exceptions propagate)."""
+    from meshtorch.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def cli(capsys, *argv):
+    """``meshtorch`` ``argv`` through ``meshtorch.cli.main``: ``(exit status, stdout + stderr)``."""
+    from meshtorch.cli import main
+
+    rc = main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
 def token_batch(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 

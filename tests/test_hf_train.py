@@ -17,7 +17,6 @@ pytest.importorskip("tokenizers")
 
 import _hf_fixtures as F  # noqa: E402
 from meshtorch.checkpoint import hf  # noqa: E402
-from meshtorch.cli import build_parser, main  # noqa: E402
 from meshtorch.core.mesh_spec import MeshSpec  # noqa: E402
 from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshtorch.runtime import generate  # noqa: E402
@@ -42,15 +41,7 @@ def dirs(tmp_path_factory):
     return llama, gpt2, str(data), gpt2_ref
 
 
-def _run(argv):
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-def _cli(capsys, *argv):
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out + cap.err
+_run, _cli = F.run, F.cli
 
 
 def test_padded_vocab_logits_equal_transformers_on_the_default_layout(dirs):
@@ -243,13 +234,10 @@ def test_native_run_exports_as_gpt2_with_our_logits(dirs, tmp_path, capsys, monk
 @pytest.mark.parametrize("flags, names", [
     (["--layout", "auto"], "--layout auto"),
     (["--storage", "auto"], "--storage auto"),
-    (["--mesh", "stage:2", "--layout", "stage:stage"], "'stage'"),
-    (["--pipeline-stages", "2", "--microbatches", "2"], "--pipeline-stages"),
-    (["--pipeline-schedule", "1f1b"], "--pipeline-schedule"),
 ])
-def test_layout_search_and_pipelines_are_refused_by_name(dirs, tmp_path, capsys, family, flags, names):
-    """--init-from with --layout/--storage auto, a pipeline layout or a pipeline schedule: one line naming the
-    flag, exit status 2, nothing written (the layout search and the pipelines cover the native LM only)."""
+def test_layout_search_is_refused_by_name(dirs, tmp_path, capsys, family, flags, names):
+    """--init-from with --layout/--storage auto: one line naming the flag, exit status 2, nothing written (the
+    layout search covers the native LM only; pipelines run: tests/test_hf_pipeline.py)."""
     llama, gpt2, data, _ = dirs
     model = llama if family == "llama" else gpt2
     rc, out = _cli(capsys, "train", "--init-from", model, "--data", data, "--runs-dir", str(tmp_path),

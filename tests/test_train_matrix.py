@@ -22,9 +22,8 @@ BASE = ["--steps", "2", "--batch-size", "4", "--length", "16", "--eval-every", "
 #: flags an imported model cannot take (each refused by name with --init-from)
 MODEL_ONLY = [("--preset", "tiny"), ("--layers", "1"), ("--d-model", "32"), ("--heads", "2"), ("--d-kv", "8"),
               ("--d-ff", "32"), ("--experts", "2"), ("--activation", "gelu"), ("--gated",), ("--norm", "rms"),
-              ("--dropout", "0.1"), ("--tokenizer", "sentencepiece"), ("--pipeline-stages", "2"),
-              ("--microbatches", "2"), ("--pipeline-repeats", "1"), ("--layout", "auto"), ("--memory-limit", "1GiB"),
-              ("--vocab-size", "64"), ("--mesh", "pipe:2", "--layout", "stage:pipe")]
+              ("--dropout", "0.1"), ("--tokenizer", "sentencepiece"), ("--layout", "auto"), ("--memory-limit", "1GiB"),
+              ("--vocab-size", "64")]  # pipelines run with --init-from: tests/test_hf_pipeline.py
 
 #: flags every model takes, in combined runs (each combination trains 2 steps)
 SHARED = [
@@ -41,13 +40,8 @@ SHARED = [
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """``{kind: extra train flags}`` for the native tiny preset, a GPT-2 and a Llama directory, and the data file."""
-    root = tmp_path_factory.mktemp("matrix")
-    text = F.text()
-    data = root / "data.txt"
-    data.write_text(text)
-    llama = F.save(F.make_model("llama_gqa"), str(root / "llama"))
-    F.bpe_tokenizer(os.path.join(llama, "tokenizer.json"), text)
-    gpt2 = F.save(F.make_model("gpt2", vocab=257), str(root / "gpt2"))
+    d = F.train_dirs(tmp_path_factory.mktemp("matrix"))
+    (llama, _), (gpt2, _), data = d["llama"], d["gpt2"], d["data"]
     return {"native": ["--preset", "tiny"], "gpt2": ["--init-from", gpt2, "--tokenizer", "byte"],
             "llama": ["--init-from", llama, "--prompt", "the ",  # the tokenizer's corpus has no 'T'
                       "--layout", "batch:data;heads:model;kv_heads:model;d_ff:model;vocab:model"]}, str(data)

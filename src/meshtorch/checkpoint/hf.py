@@ -31,7 +31,9 @@ import torch
 from safetensors.torch import save_file
 
 from meshtorch.checkpoint.hf_read import BoxReader, read_header
+from meshtorch.core.dims import Shape
 from meshtorch.core.errors import CheckpointError
+from meshtorch.core.pipeline import HF_STACKED_NAMES, StackedNames
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import placement_mesh_impl
 from meshtorch.models.hf import HFGraph, build_hf_lm
@@ -257,13 +259,19 @@ def _read_padded(files: _Files, t: HFTensor, names: list[str], bounds, sizes: di
     return out
 
 
-def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> list[str]:
+def load_hf_weights(lowering, model, path: str, check: bool = True, partial: bool = False) -> list[str]:
     """Fill ``lowering``'s model variables from the Hugging Face directory ``path``, slice by slice.
 
     Each processor this process holds gets its slice (storage layout) read from the files with positioned
     reads (:class:`~meshtorch.checkpoint.hf_read.BoxReader`); a fused or merged axis is read over the smallest
     covering range. Rows of a padded ``vocab`` (past ``config.vocab_size``) are zero. Variables the
-    map does not name (optimizer slots, step counters) keep their values.
+    map does not name (optimizer slots, step counters) keep their values. A pipelined model's stacked variable
+    ``stack/{kind}`` ``[stage, (repeat,) ...]`` gets at row ``[s, r]`` the tensor of layer ``r S + s``
+    (:data:`~meshtorch.core.pipeline.HF_STACKED_NAMES`), each processor reading only its rows.
+
+    Args:
+        model: the :class:`~meshtorch.models.hf.HFGraph` (or its :class:`HFModelConfig`).
+        partial: skip the map's variables ``lowering`` lacks (one pipeline stage's graph); else they are an error.
 
     Returns:
         the names of the variables set.
@@ -271,7 +279,7 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
     Raises:
         CheckpointError: as :func:`check_files` (run first when ``check``), or a read that fails.
     """
-    c = model.config
+    c = model if isinstance(model, HFModelConfig) else model.config
     files = _Files(path)
     by_name = {v.name: v for v in lowering.variables}
     try:
@@ -279,10 +287,13 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
             check_files(path, c, files)
         _check_zero_biases(files, c)
         done = []
-        for t in hf_tensor_map(c):
-            var = by_name.get(t.var)
+        for name, t in _graph_entries(c).items():
+            var = by_name.get(name)
             if var is None:
-                raise CheckpointError(f"hf: the graph has no variable {t.var!r} (tensor {t.key!r}); build it with "
+                if partial:
+                    continue
+                key = t.key if isinstance(t, HFTensor) else next(iter(t.values())).key
+                raise CheckpointError(f"hf: the graph has no variable {name!r} (tensor {key!r}); build it with "
                                       "meshtorch.models.hf.build_hf_lm.")
             out = var.outputs[0]
             impl, layout = lowering.mesh_impl(out), lowering.tensor_layout(out)
@@ -294,14 +305,56 @@ def load_hf_weights(lowering, model: HFGraph, path: str, check: bool = True) -> 
                 b = impl.slice_bounds(out.shape, p, layout)
                 key = tuple((s.start, s.stop) for s in b)
                 if key not in cache:
-                    cache[key] = _read_padded(files, t, names, b, sizes, out.dtype, c.vocab_size)
+                    cache[key] = _read_rows(files, t, names, b, sizes, out.dtype, c.vocab_size)
                 return cache[key]
 
             lowering.store.set_slices(var.name, fn, owned=True)  # each slice is a buffer read for it: no copy
-            done.append(t.var)
+            done.append(name)
         return done
     finally:
         files.close()
+
+
+def _graph_entries(c: HFModelConfig) -> dict:
+    """``{graph variable: its HFTensor}``; a pipelined ``c``'s stacked variables ``{stack/kind: {layer: HFTensor}}``."""
+    out: dict = {}
+    for t in hf_tensor_map(c):
+        split = HF_STACKED_NAMES.stacked(t.var) if c.pipelined else None
+        if split is None:
+            out[t.var] = t
+        else:
+            out.setdefault(split[1], {})[split[0]] = t
+    return out
+
+
+def _lead(names: list[str]) -> int:
+    """How many leading dims of a stacked variable are ``stage`` (and ``repeat``)."""
+    return 2 if len(names) > 1 and names[1] == HF_STACKED_NAMES.repeat_dim else 1
+
+
+def _read_rows(files: _Files, t, names: list[str], bounds, sizes: dict, dtype, vocab: int) -> torch.Tensor:
+    """:func:`_read_padded` of a variable, or of a stacked variable's rows (``t``: ``{layer: HFTensor}``) within
+    ``bounds``, each row read from its layer's tensor."""
+    if isinstance(t, HFTensor):
+        return _read_padded(files, t, names, bounds, sizes, dtype, vocab)
+    n, S = _lead(names), sizes[HF_STACKED_NAMES.stage_dim]
+    reps = range(bounds[1].start, bounds[1].stop) if n == 2 else [0]
+    rows = [_read_padded(files, t[StackedNames.index(s, r, S)], names[n:], bounds[n:], sizes, dtype, vocab)
+            for s in range(bounds[0].start, bounds[0].stop) for r in reps]
+    return torch.stack(rows).reshape([b.stop - b.start for b in bounds])
+
+
+def _layer_value(lowering, name: str, by_name: dict, c: HFModelConfig):
+    """``(full value, named shape)`` of map variable ``name``: the graph's variable, or a pipelined graph's row
+    ``[s, r]`` of its stacked variable."""
+    if name in by_name or not c.pipelined:
+        return lowering.variable_value(name).detach().to("cpu"), by_name[name].outputs[0].shape
+    i, stacked = HF_STACKED_NAMES.stacked(name)
+    shape = by_name[stacked].outputs[0].shape
+    n = _lead(shape.dimension_names)
+    s, r = StackedNames.position(i, c.pipeline_stages)
+    full = lowering.variable_value(stacked).detach().to("cpu")
+    return (full[s, r] if n == 2 else full[s]), Shape(shape.dims[n:])
 
 
 def _check_zero_biases(files: _Files, c: HFModelConfig) -> None:
@@ -422,10 +475,9 @@ def export(lowering, model: HFGraph, out_dir: str, max_shard_size: int = 5 * 2**
     for key, ts in entries.items():
         tensor = None
         for t in ts:
-            full = lowering.variable_value(t.var).detach().to("cpu")
+            full, shape = _layer_value(lowering, t.var, by_name, c)
             if not leader:
                 continue
-            shape = by_name[t.var].outputs[0].shape
             if "vocab" in shape.dimension_names and c.padded_vocab != c.vocab_size:  # padding stripped
                 full = full.narrow(shape.dimension_names.index("vocab"), 0, c.vocab_size)
                 shape = shape.resize_dimension("vocab", c.vocab_size)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LM_STACKED_NAMES", "PipelineSchedule", "StackedNames", "resolve_pipeline_fields"]
+__all__ = ["HF_STACKED_NAMES", "LM_STACKED_NAMES", "PipelineSchedule", "StackedNames", "resolve_pipeline_fields"]
 
 
 @dataclass(frozen=True)
@@ -145,3 +145,6 @@ class StackedNames:
 
 #: the native LM's naming (``models.transformer.build_lm``, ``models.lm_stages``)
 LM_STACKED_NAMES = StackedNames()
+#: the imported decoder-only models' naming (``models.hf.build_hf_lm``: ``layers{i}/attn/q/kernel`` <->
+#: ``stack/attn/q/kernel``)
+HF_STACKED_NAMES = StackedNames(layer_format="layers{}")

@@ -33,18 +33,20 @@ from meshtorch.autodiff import recompute_grad
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
+from meshtorch.core.pipeline import HF_STACKED_NAMES
 from meshtorch.lowering import Lowering
 from meshtorch.models.blocks import FULL_SEQUENCE, HF_NAMES, BlockSpec, block, norm
 from meshtorch.models.decoding import DecoderGraph, build_decoder
 from meshtorch.models.hf_config import HFModelConfig, hf_dim_sizes
 from meshtorch.models.hf_families import hf_tensor_map
 from meshtorch.models.hf_legacy import legacy_names
-from meshtorch.models.transformer import REMAT_POLICIES, keeps_matmuls, training_updates
+from meshtorch.models.lm_stages import StageParts
+from meshtorch.models.transformer import REMAT_POLICIES, keeps_matmuls, pipelined_stack, training_updates
 from meshtorch.ops.initializers import random_normal_initializer
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.variables import get_variable, import_tensor, placeholder
 
-__all__ = ["HFGraph", "build_hf_lm", "build_hf_decoder", "hf_flops_per_token", "hf_tensor_map"]
+__all__ = ["HFGraph", "build_hf_lm", "build_hf_decoder", "hf_flops_per_token", "hf_tensor_map", "stage_parts"]
 
 
 @dataclass
@@ -128,8 +130,18 @@ def hf_flops_per_token(c: HFModelConfig) -> float:
 def _forward(c: HFModelConfig, d: dict, mesh: Mesh, ids: Tensor, position, attn) -> Tensor:
     """Logits ``[batch, (length,) vocab]`` of ``ids`` ``[batch, length]`` (``position`` None) or ``[batch]`` at
     the int32 scalar ``position`` (a decoding step); self-attention through ``attn``
-    (:mod:`meshtorch.layers.kv_cache`)."""
-    out = [d["batch"]] + ([d["length"]] if position is None else []) + [d["vocab"]]
+    (:mod:`meshtorch.layers.kv_cache`). A pipelined ``c`` (training only) runs the blocks as a pipeline
+    (:func:`meshtorch.models.transformer.pipelined_stack`; stacked weights named by :data:`HF_STACKED_NAMES`)."""
+    x = _embed(c, d, mesh, ids, position)
+    if c.pipelined:
+        x = pipelined_stack(c, d, x, lambda h, name: block(h, d, block_spec(c), f"{name}/", attn), HF_STACKED_NAMES)
+    for i in range(0 if c.pipelined else c.num_layers):
+        x = _remat(c, x, d, i, attn)
+    return _head(c, d, mesh, x, position, attn)
+
+
+def _embed(c: HFModelConfig, d: dict, mesh: Mesh, ids: Tensor, position=None) -> Tensor:
+    """Token (and learned position) embeddings ``[batch, (length,) d_model]`` of ``ids``."""
     emb = get_variable(mesh, "embed", [d["vocab"], d["d_model"]], initializer=_INIT)
     x = layers.embedding_lookup(emb, ids, d["vocab"])
     if c.positions == "learned":
@@ -137,10 +149,15 @@ def _forward(c: HFModelConfig, d: dict, mesh: Mesh, ids: Tensor, position, attn)
                                                                       name="position_ids", dtype=torch.int64)
         table = get_variable(mesh, "positions", [d["positions"], d["d_model"]], initializer=_INIT)
         x = x + layers.embedding_lookup(table, pos_ids, d["positions"])
-    for i in range(c.num_layers):
-        x = _remat(c, x, d, i, attn)
+    return x
+
+
+def _head(c: HFModelConfig, d: dict, mesh: Mesh, x: Tensor, position=None, attn=_FULL) -> Tensor:
+    """Final norm and logits ``[batch, (length,) vocab]`` of the last block's output ``x`` (a tied head reads
+    ``embed``); padded classes get -1e9 added."""
+    out = [d["batch"]] + ([d["length"]] if position is None else []) + [d["vocab"]]
     x = _norm(c, x, d, "final_norm")
-    head = emb if c.tied else get_variable(mesh, "lm_head", [d["vocab"], d["d_model"]], initializer=_INIT)
+    head = get_variable(mesh, "embed" if c.tied else "lm_head", [d["vocab"], d["d_model"]], initializer=_INIT)
     # a decoding step reads the head as a contiguous [d_model, vocab] copy (a matrix-vector product)
     head = attn.weight(head, [d["d_model"], d["vocab"]], "lm_head_proj/decode_kernel")
     logits = layers.embedding_logits(x, head, d["d_model"], output_shape=out, name="lm_head_proj")
@@ -151,13 +168,33 @@ def _forward(c: HFModelConfig, d: dict, mesh: Mesh, ids: Tensor, position, attn)
     return logits
 
 
+def stage_parts(c: HFModelConfig) -> StageParts:
+    """The pieces of the imported model that :func:`meshtorch.models.lm_stages.stage_programs` cuts into
+    pipeline stages (the stage executor of ``--pipeline-schedule 1f1b`` etc.): embeddings, block ``i``
+    (``layers{i}/...``, no remat: the stage executor stashes activations), head. A tied head reads ``embed`` in
+    the last stage's graph, so the stage graphs of a tied model share that variable's name.
+
+    Raises:
+        ValueError: an encoder-decoder family (T5)."""
+    if c.encoder_decoder:
+        raise ValueError(f"hf.stage_parts: the encoder-decoder family {c.family!r} is not pipelined.")
+    d = _dims(c)
+    return StageParts(d, lambda mesh, ids: _embed(c, d, mesh, ids), lambda x, i: _block(x, d, c, i),
+                      lambda mesh, x: _head(c, d, mesh, x), HF_STACKED_NAMES,
+                      legacy_names=legacy_names(c))
+
+
 def _check_map(graph: Graph, c: HFModelConfig) -> None:
-    """Every variable of :func:`hf_tensor_map` exists with the map's dims (the builder and the records agree)."""
+    """Every variable of :func:`hf_tensor_map` exists with the map's dims (the builder and the records agree); in a
+    pipelined graph as its stacked variable ``[stage, (repeat,) ...]``."""
     have = {v.name: [dim.name for dim in v.outputs[0].shape] for v in graph.all_variables}
+    lead = ["stage"] + (["repeat"] if c.pipeline_repeats > 1 else [])
     for t in hf_tensor_map(c):
         want = [n for g in t.groups for n in g]
-        if sorted(have.get(t.var, [])) != sorted(want):
-            raise AssertionError(f"hf {c.family}: variable {t.var!r} has dims {have.get(t.var)}; the map says {want}.")
+        split = HF_STACKED_NAMES.stacked(t.var) if c.pipelined else None
+        name, want = (split[1], lead + want) if split else (t.var, want)
+        if sorted(have.get(name, [])) != sorted(want):
+            raise AssertionError(f"hf {c.family}: variable {name!r} has dims {have.get(name)}; the map says {want}.")
 
 
 def build_hf_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
@@ -169,7 +206,7 @@ def build_hf_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
     Raises:
         ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is an encoder-decoder (T5).
     """
-    c = replace(config, remat="none")
+    c = replace(config, remat="none", pipeline_stages=0, microbatches=1, pipeline_repeats=1)
     if c.length < 1:
         raise ValueError("build_hf_decoder: config.length is 0; call config.with_shape(batch_size, length) first.")
     if c.encoder_decoder:
@@ -177,6 +214,7 @@ def build_hf_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
     d = _dims(c)
     dec = build_decoder(c, lambda mesh, ids, position, attn: _forward(c, d, mesh, ids, position, attn), seed)
     dec.graph.legacy_names = legacy_names(c)  # checkpoints of main 22cc587 and earlier restore too
+    dec.graph.stacked_names = HF_STACKED_NAMES  # a pipeline layout's (stacked) checkpoint restores too
     return dec
 
 
@@ -210,6 +248,7 @@ def build_hf_lm(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm:
     d = _dims(c)
     graph = Graph(seed=seed)
     graph.legacy_names = legacy_names(c)  # checkpoints of main 22cc587 and earlier restore too
+    graph.stacked_names = HF_STACKED_NAMES  # checkpoints of the other (un)pipelined naming restore too
     mesh = Mesh(graph, "mesh")
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)

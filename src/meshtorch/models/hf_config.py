@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from meshtorch.core.errors import CheckpointError
+from meshtorch.core.pipeline import PipelineSchedule
 
 __all__ = ["HFModelConfig", "HFTensor", "hf_dim_sizes", "parse_t5", "t5_tensor_map", "rope_theta", "need", "refuse"]
 
@@ -53,6 +54,9 @@ class HFModelConfig:
     length: int = 0
     vocab_multiple: int = 1  # the graph's vocab padded to a multiple of this (a mesh axis splits it)
     remat: str = "none"  # activation checkpointing of the blocks (LMConfig.remat's policies)
+    pipeline_stages: int = 0  # S > 1: the blocks run as an S-stage pipeline (LMConfig's pipeline fields)
+    microbatches: int = 1
+    pipeline_repeats: int = 1
     hf_config: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -78,6 +82,17 @@ class HFModelConfig:
                              f"context length {length}; meshtorch has no sliding-window attention: use a length "
                              f"<= {self.sliding_window}.")
         return replace(self, batch_size=int(batch_size), length=int(length))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the blocks run as a pipeline (``pipeline_stages > 1``; stacked ``stack/...`` weights)."""
+        return self.pipeline_stages > 1
+
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule | None:
+        """The :class:`~meshtorch.core.pipeline.PipelineSchedule` of a pipelined config, else None."""
+        return PipelineSchedule(self.pipeline_stages, self.microbatches, self.pipeline_repeats) if self.pipelined \
+            else None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

@@ -27,14 +27,42 @@ from meshtorch.autodiff import gradients
 from meshtorch.core.graph import Graph, Mesh
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import LM_STACKED_NAMES
-from meshtorch.layers import dense, softmax_cross_entropy_with_logits
+from meshtorch.layers import softmax_cross_entropy_with_logits
 from meshtorch.lowering import Lowering
-from meshtorch.models.transformer import LMConfig, _block, _embeddings, _norm, dims
-from meshtorch.ops.initializers import VarianceScalingInitializer
+from meshtorch.models.transformer import LMConfig, _block, _embeddings, dims, lm_logits
 from meshtorch.ops.reduce import reduce_mean
-from meshtorch.ops.variables import import_tensor, placeholder
+from meshtorch.ops.variables import placeholder
 
-__all__ = ["StageProgram", "stage_programs"]
+__all__ = ["StageParts", "StageProgram", "native_parts", "stage_programs"]
+
+
+@dataclass(frozen=True)
+class StageParts:
+    """The pieces of a decoder-only LM that :func:`stage_programs` cuts into stages: ``dims`` (name ->
+    Dimension of one microbatch's config), ``embed(mesh, ids) -> x`` ``[batch, length, d_model]``, ``block(x, i)``
+    (layer ``i``, variables named per layer), ``logits(mesh, x) -> [batch, length, vocab]`` (final norm and
+    head), the per-layer / stacked naming ``stacked_names``, ``z_loss``, and the graphs' ``legacy_names``."""
+
+    dims: dict
+    embed: Callable
+    block: Callable
+    logits: Callable
+    stacked_names: object = LM_STACKED_NAMES
+    z_loss: float = 0.0
+    legacy_names: dict = field(default_factory=dict)
+
+
+def native_parts(c: LMConfig) -> StageParts:
+    """The native LM's :class:`StageParts` (``build_lm``'s embeddings, blocks and ``lm_logits``).
+
+    Raises:
+        ValueError: label smoothing (not supported by the stage programs)."""
+    if c.label_smoothing:
+        raise ValueError("stage_programs: label smoothing is not supported.")
+    d = dims(c)
+    return StageParts(d, lambda mesh, ids: _embeddings(mesh, ids, d), lambda x, i: _block(c, d, x, f"layer_{i}",
+                                                                                        False, []),
+                      lambda mesh, x: lm_logits(c, d, x), LM_STACKED_NAMES, c.z_loss)
 
 
 @dataclass
@@ -67,7 +95,7 @@ class StageProgram:
 def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: int = 1, mesh_shape: str = "",
                    layout: str = "", storage: str = "", seed: int = 0, rank: int | None = None,
                    optimizer: Callable | None = None, clip: bool = False, mode: str = "codegen",
-                   compile_backend: str = "inductor") -> list:
+                   compile_backend: str = "inductor", parts: Callable = native_parts) -> list:
     """The ``V = stages x repeats`` virtual stages of the unpipelined LM ``config`` (``num_layers`` a multiple of
     ``V``: stage ``v`` runs layers ``v L/V .. (v+1) L/V - 1``), each a graph of one microbatch (``batch_size /
     microbatches`` sequences) lowered on ``MeshSpec(mesh_shape, layout, storage)``. Variables keep the
@@ -79,7 +107,9 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
     ``grad_feeds`` (times ``clip_coefficient`` with ``clip``). Its slots and ``global_step`` take the names
     ``build_lm(optimizer=...)`` gives them, so the stages' variables together are the unpipelined LM's.
     ``mode``, ``compile_backend``: the :class:`~meshtorch.lowering.Lowering`'s executor (``codegen``, ``interpret``,
-    ``compile``) and ``torch.compile`` backend.
+    ``compile``) and ``torch.compile`` backend. ``parts``: the model's :class:`StageParts` from its (microbatch's)
+    config: :func:`native_parts` (an ``LMConfig``), :func:`meshtorch.models.hf.stage_parts` (an imported model's
+    ``HFModelConfig``; its variables are then ``embed``, ``layers{i}/...``, ``final_norm/...``, ``lm_head``).
 
     Raises:
         ValueError: ``num_layers`` not a multiple of ``V``, a batch that ``microbatches`` does not divide, dropout,
@@ -96,46 +126,38 @@ def stage_programs(config: LMConfig, stages: int, microbatches: int, repeats: in
     if config.pipelined:
         raise ValueError("stage_programs: give the unpipelined config (pipeline_stages=0); the stages come from "
                          "the schedule.")
-    if config.dropout > 0:
+    if getattr(config, "dropout", 0) > 0:
         raise ValueError("stage_programs: dropout > 0 is not supported (the stage programs are separate runs, "
                          "whose random draws differ from the unpipelined step's); set dropout=0.")
-    if config.num_experts > 0:
+    if getattr(config, "num_experts", 0) > 0:
         raise ValueError("stage_programs: MoE layers are not supported (their load-balancing loss would have to "
                          "leave every stage); set num_experts=0.")
     c = replace(config, batch_size=config.batch_size // microbatches)
-    d = dims(c)
+    P = parts(c)
+    d = P.dims
     out = []
     for v in range(V):
         if rank is not None and v % stages != rank:
             out.append(None)
             continue
         graph = Graph(seed=seed)
-        graph.stacked_names = LM_STACKED_NAMES  # a pipeline layout's (stacked) checkpoint restores too
+        graph.stacked_names = P.stacked_names  # a pipeline layout's (stacked) checkpoint restores too
+        graph.legacy_names = P.legacy_names
         mesh = Mesh(graph, "mesh")
         if v == 0:
             inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int64)
-            x = _embeddings(mesh, inputs, d)
+            x = P.embed(mesh, inputs)
         else:
             inputs = placeholder(mesh, "stage_input", [d["batch"], d["length"], d["d_model"]])
             x = inputs
         y = x
         for i in range(v * per, (v + 1) * per):
-            y = _block(c, d, y, f"layer_{i}", False, [])
+            y = P.block(y, i)
         targets = None
         if v == V - 1:  # as build_lm's head
             targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int64)
-            h = _norm(c, y, d["d_model"], "final_norm")
-            logits = dense(h, d["vocab"], use_bias=False, name="logits",
-                           kernel_initializer=VarianceScalingInitializer(1.0, "fan_in", "normal", [d["d_model"]],
-                                                                         [d["vocab"]]))
-            if c.padded_vocab != c.vocab_size:
-                mask = torch.zeros(c.padded_vocab)
-                mask[c.vocab_size:] = -1e9
-                logits = logits + import_tensor(mesh, mask, [d["vocab"]], name="vocab_pad_mask")
-            if c.label_smoothing:
-                raise ValueError("stage_programs: label smoothing is not supported.")
-            y = reduce_mean(softmax_cross_entropy_with_logits(logits, targets, d["vocab"], z_loss=c.z_loss),
-                            name="loss")
+            y = reduce_mean(softmax_cross_entropy_with_logits(P.logits(mesh, y), targets, d["vocab"],
+                                                              z_loss=P.z_loss), name="loss")
         weights = {w.name: w for w in graph.trainable_variables}
         dy = None if v == V - 1 else placeholder(mesh, "stage_output_grad", y.shape)
         names = list(weights)

@@ -26,7 +26,7 @@ from meshtorch.autodiff import gradients, recompute_grad
 from meshtorch.core.dims import Dimension, Shape
 from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
-from meshtorch.core.pipeline import LM_STACKED_NAMES, PipelineSchedule
+from meshtorch.core.pipeline import LM_STACKED_NAMES, PipelineSchedule, StackedNames
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
 from meshtorch.models.blocks import FULL_SEQUENCE, NATIVE_NAMES, BlockSpec, MoEOptions, block, norm
@@ -297,7 +297,14 @@ def build_lm(config: LMConfig, seed: int = 0, optimizer=None, train: bool = True
 
 
 def _pipelined_blocks(c, d, x, train):
-    """The blocks as a ``pipeline_stages``-stage pipeline (:func:`meshtorch.layers.pipeline.pipeline`):
+    """The native blocks as a pipeline (:func:`pipelined_stack` with :data:`LM_STACKED_NAMES`)."""
+    return pipelined_stack(c, d, x, lambda h, name: _block(c, d, h, name, train, []), LM_STACKED_NAMES)
+
+
+def pipelined_stack(c, d: dict, x: Tensor, stage_fn, names: StackedNames) -> Tensor:
+    """The blocks as a ``c.pipeline_stages``-stage pipeline (:func:`meshtorch.layers.pipeline.pipeline`), shared by
+    the native LM and the imported Hugging Face models (``c``: an ``LMConfig`` or ``HFModelConfig`` with its
+    pipeline fields; ``stage_fn(h, name)``: one block named ``name``; ``names``: the stacked variables' naming):
     ``x`` ``[batch, length, d_model]`` is read as ``[batch / M, microbatches, length, d_model]`` (row-major,
     so a split of ``batch`` stays local: microbatch m holds rows m, M + m, 2M + m, ...), the M microbatches
     run through the stages, and the outputs are put back in ``x``'s row order."""
@@ -305,10 +312,10 @@ def _pipelined_blocks(c, d, x, train):
     M = sched.microbatches
     micro = Shape([Dimension("batch", c.batch_size // M), Dimension("microbatches", M), d["length"], d["d_model"]])
     xs = reshape(x, micro, name="pipeline/microbatch")
-    ys = layers.pipeline(lambda h, name: _block(c, d, h, name, train, []), xs, sched,
-                         remat=c.pipeline_remat, remat_keep=keeps_matmuls if c.remat == "selective" else None,
-                         bubble_fill=math.nan if c.pipeline_poison_bubbles else 0.0,
-                         variable_prefix=LM_STACKED_NAMES.prefix, layer_names=LM_STACKED_NAMES.layer_name)
+    ys = layers.pipeline(stage_fn, xs, sched, remat=getattr(c, "pipeline_remat", True),
+                         remat_keep=keeps_matmuls if c.remat == "selective" else None,
+                         bubble_fill=math.nan if getattr(c, "pipeline_poison_bubbles", False) else 0.0,
+                         variable_prefix=names.prefix, layer_names=names.layer_name)
     return reshape(ys, x.shape, name="pipeline/unbatch")
 
 

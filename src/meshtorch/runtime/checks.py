@@ -199,13 +199,14 @@ def step_dirs(checkpoint_dir: str) -> list[str]:
 
 
 def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: int | None, repeats: int | None,
-                    num_layers: int, batch_size: int) -> dict:
+                    num_layers: int, batch_size: int, layers_flag: str = "--layers") -> dict:
     """``LMConfig``'s pipeline fields from ``--pipeline-stages``, ``--microbatches``, ``--pipeline-repeats`` and the
     layout (None: a flag not given).
 
     The defaults are :func:`meshtorch.core.pipeline.resolve_pipeline_fields`' (stages: the size of the mesh axis
     the layout maps ``stage`` to, no pipeline when it names none; microbatches: the stages; repeats:
-    ``num_layers / stages``); this function checks the result.
+    ``num_layers / stages``); this function checks the result. ``layers_flag``: where ``num_layers`` comes from
+    (``--layers``, or an imported model's config.json).
 
     Returns:
         ``{"pipeline_stages": S, "microbatches": M, "pipeline_repeats": R}`` (S = 0: no pipeline).
@@ -240,8 +241,8 @@ def pipeline_fields(layout: str, mesh: Shape, stages: int | None, microbatches: 
         raise UsageError(f"--pipeline-stages {stages} must be a multiple of the size {n} of mesh axis {axis!r} (the "
                          f"layout's 'stage:{axis}').")
     if num_layers != stages * repeats:
-        raise UsageError(f"--layers {num_layers} must equal --pipeline-stages {stages} x --pipeline-repeats {repeats}; "
-                         "change --layers, the stage mesh axis or --pipeline-repeats.")
+        raise UsageError(f"{layers_flag} {num_layers} must equal --pipeline-stages {stages} x --pipeline-repeats "
+                         f"{repeats}; change {layers_flag}, the stage mesh axis or --pipeline-repeats.")
     if batch_size % microbatches:
         raise UsageError(f"--microbatches {microbatches} must divide --batch-size {batch_size}.")
     if (batch_size // microbatches) % axis_size("batch"):

@@ -29,11 +29,11 @@ from meshtorch.models.transformer import LMConfig
 
 def decoder_graph(lm):
     """The KV-cache decoder graph for ``lm``'s config (an ``LMGraph`` or an ``HFGraph``, T5 included), or None
-    where there is none (pipelined or MoE native LMs)."""
+    where there is none (pipelined models, MoE native LMs)."""
     c = lm.config
     if isinstance(c, LMConfig) and not c.pipelined and not any(c.is_moe_layer(i) for i in range(c.num_layers)):
         return build_lm_decoder(c)
-    if isinstance(c, HFModelConfig):
+    if isinstance(c, HFModelConfig) and not c.pipelined:
         return build_t5_decoder(c) if c.encoder_decoder else build_hf_decoder(c)
     return None
 

@@ -19,7 +19,6 @@ import shutil
 
 from meshtorch.checkpoint import hf
 from meshtorch.core.errors import UsageError
-from meshtorch.core.layout import LayoutRules
 from meshtorch.data.hf_tokenizer import HFTokenizer
 from meshtorch.data.pairs import read_pairs
 from meshtorch.data.text import ByteTokenizer
@@ -39,10 +38,6 @@ _REFUSED = {"preset": "the model is the one in DIR", "layers": "its sizes come f
             "activation": "its activation comes from DIR/config.json", "gated": "its MLP comes from DIR/config.json",
             "norm": "its normalization comes from DIR/config.json",
             "dropout": "the imported graph has no dropout",
-            "pipeline_stages": "imported models are not pipelined yet",
-            "microbatches": "imported models are not pipelined yet",
-            "pipeline_repeats": "imported models are not pipelined yet",
-            "pipeline_schedule": "imported models are not pipelined yet",
             "memory_limit": "it is for --layout auto, which imported models do not have yet",
             "vocab_size": "it sizes a SentencePiece vocabulary; the model's tokenizer.json has its own"}
 
@@ -65,9 +60,6 @@ def refuse_flags(cfg) -> None:
         if value == "auto":
             raise UsageError(f"{flag} auto cannot be combined with --init-from: the layout search covers the native "
                              f"LM only; give {flag} rules, e.g. batch:data;heads:model;d_ff:model;vocab:model.")
-    if cfg.layout and "stage" in dict(LayoutRules(cfg.layout).pairs):
-        raise UsageError(f"--layout {cfg.layout!r}: 'stage' cannot be used with --init-from (imported models are not "
-                         "pipelined yet).")
 
 
 def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModelConfig:
@@ -89,7 +81,28 @@ def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModel
         c = c.with_shape(cfg.batch_size or DEFAULT_BATCH, length)
     except ValueError as e:
         raise UsageError(f"--length: {e}") from None
-    return c.replace(vocab_multiple=vocab_multiple, remat=cfg.remat or "none")
+    pipe = cfg.pipeline_fields() if (cfg.pipeline_stages or 0) > 1 else {}
+    return c.replace(vocab_multiple=vocab_multiple, remat=cfg.remat or "none", **pipe)
+
+
+def check_pipeline(cfg, model: HFModelConfig, world: int) -> None:
+    """A pipeline layout (``stage:<axis>``, resolved into ``cfg.pipeline_stages`` > 1) for imported ``model``:
+    refused for T5, and for a tied head under ``--pipeline-schedule 1f1b`` etc. on torchrun ranks (the first and
+    last stages' processes would each update their own copy of the shared embedding); ``world``: torchrun's
+    process count.
+
+    Raises:
+        UsageError: naming ``--layout`` / ``--pipeline-schedule`` and ``--init-from``.
+    """
+    if (cfg.pipeline_stages or 0) <= 1:
+        return
+    if model.encoder_decoder:
+        raise UsageError(f"--layout {cfg.layout!r}: 'stage' cannot be used with --init-from a T5 directory (the "
+                         "encoder-decoder model is not pipelined); drop the stage rule.")
+    if model.tied and cfg.pipeline_schedule not in (None, "gpipe") and world > 1:
+        raise UsageError(f"--pipeline-schedule {cfg.pipeline_schedule} cannot be combined with --init-from a model "
+                         "with tied embeddings under torchrun (its first and last stages' processes would update "
+                         "the shared embedding apart); use --pipeline-schedule gpipe, or one process.")
 
 
 def t5_pairs(cfg):
@@ -180,6 +193,6 @@ def record_fields(cfg, model: HFModelConfig) -> dict:
     return {"init_from": os.path.abspath(cfg.init_from) if cfg.init_from else None, "hf_config": model.hf_config}
 
 
-__all__ = ["TOKENIZER", "check_prompt", "model_config", "record_fields", "refuse_flags",
+__all__ = ["TOKENIZER", "check_pipeline", "check_prompt", "model_config", "record_fields", "refuse_flags",
            "save_tokenizer", "t5_pairs", "tokenizer"]
 

@@ -27,11 +27,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshtorch.checkpoint.hf import load_hf_weights
 from meshtorch.core.errors import UsageError
 from meshtorch.core.layout import LayoutRules
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.schedules import build_schedule
-from meshtorch.models.lm_stages import stage_programs
+from meshtorch.models.hf import stage_parts
+from meshtorch.models.hf_config import HFModelConfig
+from meshtorch.models.lm_stages import native_parts, stage_programs
 from meshtorch.runtime.optimizers import make_optimizer
 from meshtorch.runtime.pipeline_exec import action_flops, apply_updates, run_forward, run_rank, run_schedule
 from meshtorch.runtime.pipeline_state import StageVariables
@@ -84,7 +87,7 @@ def check_flags(cfg, mesh_shape, world: int) -> None:
     Raises:
         UsageError: a stage axis whose size is not ``--pipeline-stages``; under torchrun a mesh with more than
             the stage axis; ``--dropout`` > 0, ``--experts``, ``--precision bf16``, a ``--device`` other than the
-            CPU, ``--init-from``.
+            CPU.
     """
     name, S = cfg.pipeline_schedule, cfg.pipeline_stages
     flag = f"--pipeline-schedule {name}"
@@ -100,8 +103,7 @@ def check_flags(cfg, mesh_shape, world: int) -> None:
             "would draw other dropout masks than the unpipelined step"),
            ("--experts", (cfg.experts or 0) > 0, "MoE layers are not pipelined"),
            ("--precision", cfg.precision == "bf16", "the stage programs are float32"),
-           ("--device", cfg.device not in (None, "cpu"), "the stage executor runs on the CPU so far"),
-           ("--init-from", bool(cfg.init_from), "Hugging Face models are not pipelined")]
+           ("--device", cfg.device not in (None, "cpu"), "the stage executor runs on the CPU so far")]
     for what, refused, why in bad:
         if refused:
             raise UsageError(f"{flag} cannot be combined with {what}: {why}; use --pipeline-schedule gpipe (the "
@@ -113,7 +115,8 @@ class PipelineTrainer:
 
     Args:
         cfg: the resolved TrainConfig (``pipeline_schedule`` one of :data:`EXECUTED`).
-        model: the run's pipelined LMConfig (its ``pipeline_*`` fields give ``S``, ``M``, ``R``).
+        model: the run's pipelined LMConfig, or an imported model's HFModelConfig (its ``pipeline_*`` fields give
+            ``S``, ``M``, ``R``).
     """
 
     def __init__(self, cfg, model):
@@ -125,7 +128,8 @@ class PipelineTrainer:
         rank = dist.get_rank() if self.distributed else None
         self.programs = stage_programs(self.config, S, M, R, mesh, layout, storage, seed=cfg.seed, rank=rank,
                                        optimizer=lambda: make_optimizer(cfg), clip=bool(cfg.clip_norm),
-                                       mode=cfg.executor, compile_backend=cfg.compile_backend)
+                                       mode=cfg.executor, compile_backend=cfg.compile_backend,
+                                       parts=stage_parts if isinstance(model, HFModelConfig) else native_parts)
         #: this process's stage variables as one lowering, for save / restore (the unpipelined LM's names)
         self.state = StageVariables(self.programs, rank, dist.get_world_size() if self.distributed else 1)
         #: ``--pipeline-trace``: per step, every rank's events (this process's ranks') since :attr:`origin`
@@ -133,6 +137,14 @@ class PipelineTrainer:
         if self.trace is not None and self.distributed:
             dist.barrier()  # the ranks' clocks start together (one host: the same monotonic clock anyway)
         self.origin = time.perf_counter_ns()
+
+    def load_hf(self, path: str) -> None:
+        """Read an imported model's weights from the Hugging Face directory ``path`` into this process's stages
+        (:func:`meshtorch.checkpoint.hf.load_hf_weights`: each stage its own variables, each processor its slices;
+        a tied ``embed`` into the first and the last stage)."""
+        for p in self.programs:
+            if p is not None:
+                load_hf_weights(p.lowering, self.config, path, check=False, partial=True)
 
     def describe(self) -> str:
         """One line: the schedule, its table's bubble and in-flight microbatches, the mesh inside a stage."""

@@ -234,6 +234,8 @@ def _build_model(job: _Job) -> None:
             model = dataclasses.replace(model, batch_size=model.batch_size // n_acc)  # one microbatch
         if job.pipeline is not None:
             job.lowering = job.pipeline.state  # the stages' variables: what save / restore read and write
+            if imported and not cfg.resuming:
+                job.pipeline.load_hf(cfg.init_from)
         elif imported and not cfg.resuming:  # an imported model's weights (resumed: from the checkpoint)
             job.lowering = hf.lower_loaded(job.lm, job.impl, cfg.init_from, **kwargs)
         else:

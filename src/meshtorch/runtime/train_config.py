@@ -214,18 +214,19 @@ class TrainConfig:
             checks.writable_dir("--log-dir", cfg.log_dir)
             optional_module("tensorboard", "meshtorch train --log-dir")
         if cfg.init_from:
-            cfg._check_accumulate(hf_train.model_config(cfg, 1, cfg.saved_record()).batch_size)
+            imported = hf_train.model_config(cfg, 1, cfg.saved_record())
+            cfg._check_accumulate(imported.batch_size)
+            cfg = cfg._resolve_pipeline(mesh, imported.num_layers, imported.batch_size,
+                                        f"the num_layers of {cfg.init_from}/config.json")
+            hf_train.check_pipeline(cfg, imported, world_size())
             cfg._check_imported(mesh)
             return cfg, paths
         cfg._check_prompt()
         cfg._check_accumulate(preset(cfg.preset, batch_size=cfg.batch_size).batch_size)
         if cfg.layout == "auto" or cfg.storage == "auto":
             cfg = cfg._choose_layout()  # with --microbatches, pipelined layouts are candidates too
-        cfg = cfg._resolve_pipeline(mesh)
-        if cfg.accumulate > 1 and (cfg.pipeline_stages or 0) > 1:
-            raise UsageError(f"--accumulate {cfg.accumulate} cannot be combined with a pipelined --layout "
-                             f"({cfg.layout!r}): a pipeline already splits the batch into --microbatches; use "
-                             "--microbatches, or a layout without 'stage'.")
+        base = preset(cfg.preset, num_layers=cfg.layers, batch_size=cfg.batch_size)
+        cfg = cfg._resolve_pipeline(mesh, base.num_layers, base.batch_size)
         names = checks.graph_dim_names(build_lm(cfg._probe_model()).graph)
         checks.layout_rules("--layout", cfg.layout, names, mesh)
         checks.layout_rules("--storage", cfg.storage, names, mesh)
@@ -354,7 +355,8 @@ class TrainConfig:
         tok = hf_train.tokenizer(self, model)
         if self.sample and not model.encoder_decoder:  # T5: no end-of-run sample (meshtorch sample decodes it)
             hf_train.check_prompt(tok, self.prompt, model.length)
-        names = checks.graph_dim_names(hf.build(model.replace(num_layers=1)).graph)
+        probe = max(1, model.pipeline_stages) * model.pipeline_repeats  # one layer (one stacked pipeline)
+        names = checks.graph_dim_names(hf.build(model.replace(num_layers=probe)).graph)
         checks.layout_rules("--layout", self.layout, names, mesh)
         checks.layout_rules("--storage", self.storage, names, mesh)
 
@@ -400,13 +402,17 @@ class TrainConfig:
         else:
             checks.positive("--lr", self.lr)
 
-    def _resolve_pipeline(self, mesh) -> TrainConfig:
-        """The config with ``--pipeline-stages/--microbatches/--pipeline-repeats`` resolved (stages from the mesh
-        axis the layout maps ``stage`` to; :func:`meshtorch.runtime.checks.pipeline_fields` raises UsageError
-        naming the flag for a combination the model or mesh cannot run)."""
-        base = preset(self.preset, num_layers=self.layers, batch_size=self.batch_size)
+    def _resolve_pipeline(self, mesh, num_layers: int, batch_size: int, layers_flag: str = "--layers") -> TrainConfig:
+        """The config with ``--pipeline-stages/--microbatches/--pipeline-repeats`` resolved for a model of
+        ``num_layers`` and ``batch_size`` (stages from the mesh axis the layout maps ``stage`` to;
+        :func:`meshtorch.runtime.checks.pipeline_fields` raises UsageError naming the flag for a combination the
+        model or mesh cannot run; ``--accumulate`` with a pipeline is refused)."""
         pipe = checks.pipeline_fields(self.layout, mesh, self.pipeline_stages, self.microbatches,
-                                      self.pipeline_repeats, base.num_layers, base.batch_size)
+                                      self.pipeline_repeats, num_layers, batch_size, layers_flag)
+        if self.accumulate > 1 and pipe["pipeline_stages"] > 1:
+            raise UsageError(f"--accumulate {self.accumulate} cannot be combined with a pipelined --layout "
+                             f"({self.layout!r}): a pipeline already splits the batch into --microbatches; use "
+                             "--microbatches, or a layout without 'stage'.")
         if self.pipeline_schedule is not None:
             pipeline_schedule_flag(self.pipeline_schedule, pipe["pipeline_stages"], pipe["microbatches"],
                                    pipe["pipeline_repeats"])
