@@ -56,12 +56,13 @@ def test_race_extends_while_undecided_and_stops_at_the_budget():
 
 def test_race_a_clearly_faster_challenger_wins_without_extension():
     """A challenger 30% faster than the default with tight steps is beyond the margin after the first 3 steps:
-    no more rounds run, and the rule replaces the default."""
+    no more rounds run (though another candidate, 3% faster, is inside the margin), and the rule replaces the
+    default."""
     log = []
-    held = _held([[1.0, 1.01, 0.99], [0.7, 0.71, 0.69], [1.3]], log)
+    held = _held([[1.0, 1.01, 0.99], [0.7, 0.71, 0.69], [0.97], [1.3]], log)
     got = race(held, 0.0)
-    d, c = held[0][0].times, held[1][0].times
-    assert _gain(d, c) >= _margin(d, c)
+    d, c, close = held[0][0].times, held[1][0].times, held[2][0].times
+    assert _gain(d, c) >= _margin(d, c) and 0 < _gain(d, close) < _margin(d, close)
     assert got.stop == "decided" and got.rounds == 0 and log == []
     assert autolayout.decide([h[0] for h in held]).index == 1
 
