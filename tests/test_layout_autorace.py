@@ -63,7 +63,7 @@ def test_race_a_clearly_faster_challenger_wins_without_extension():
     got = race(held, 0.0)
     d, c, close = held[0][0].times, held[1][0].times, held[2][0].times
     assert _gain(d, c) >= _margin(d, c) and 0 < _gain(d, close) < _margin(d, close)
-    assert got.stop == "decided" and got.rounds == 0 and log == []
+    assert got.stop == "replaced" and got.rounds == 0 and log == []
     assert autolayout.decide([h[0] for h in held]).index == 1
 
 

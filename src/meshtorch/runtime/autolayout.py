@@ -196,9 +196,13 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     flat, at = _max_over_ranks([t for c in measured for t in c.times], world), 0  # the slowest rank's steps
     for c in measured:
         c.times, at = tuple(flat[at:at + len(c.times)]), at + len(c.times)
-    pool = [c for c in measured if not c.note]  # those that dropped out of the race cannot be chosen
-    decision = decide(pool)
-    chosen = next(i for i, c in enumerate(measured) if c is pool[decision.index])
+    decision = decide(measured)
+    if measured[decision.index].note:  # dropped out of the race (slower beyond the margin then): not chosen
+        pool = [c for c in measured if not c.note]
+        decision = decide(pool)
+        decision.index = next(i for i, c in enumerate(measured) if c is pool[decision.index])
+        decision.reason += "; the least median of all dropped out of the race earlier, as slower beyond the margin"
+    chosen = decision.index
     table = (_table(measured, chosen_ones[len(measured):], chosen) + f"\n  {raced.line(budget_share)}"
              + f"\n  {decision.reason}")
     print_fn(f"{head}; measured {len(measured)} of them ({_why(chosen_ones, measured, candidates, band, budget_share)}"

@@ -125,12 +125,13 @@ def in_contention(cands, dropped: set) -> list[int]:
 
 @dataclass
 class Race:
-    """What :func:`race` did: ``rounds`` (extra interleaved rounds run), ``stop`` (``"decided"`` or
-    ``"budget"``), ``budget_s`` (seconds allowed), ``spent_s`` (seconds spent measuring, the slowest rank's),
-    ``dropped`` (index into the raced candidates -> its timed steps when it dropped out)."""
+    """What :func:`race` did: ``rounds`` (extra interleaved rounds run), ``stop`` (decided: ``"replaced"`` or
+    ``"kept"``; ``"budget"``: spent while undecided; ``"none"``: no race), ``budget_s`` (seconds allowed),
+    ``spent_s`` (seconds spent measuring, the slowest rank's), ``dropped`` (index into the raced candidates ->
+    its timed steps when it dropped out)."""
 
     rounds: int = 0
-    stop: str = "decided"
+    stop: str = "kept"
     budget_s: float = math.inf
     spent_s: float = 0.0
     dropped: dict | None = None
@@ -146,7 +147,9 @@ class Race:
         if self.stop == "budget":
             return how + ("stopped: the next round would exceed the budget, still undecided, so the rule decides "
                           "on the steps so far")
-        return how + "stopped: decided (the challenger beyond the margin, or none inside it)"
+        if self.stop == "replaced":
+            return how + "stopped: decided, the challenger is faster than the default beyond the margin"
+        return how + "stopped: decided, no other candidate is inside the margin (the slower beyond it dropped out)"
 
 
 def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> Race:
@@ -178,7 +181,8 @@ def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> 
         for i in dropped - before:
             log.dropped[i] = len(seen[i].times)
         if not racing:
-            log.stop = "decided"
+            live = [c for i, c in enumerate(seen) if i not in dropped]
+            log.stop = "kept" if live[decide(live).index].default else "replaced"
             return log
         cost = sum(statistics.median(seen[i].times) for i in racing)
         if log.spent_s + cost > log.budget_s:
