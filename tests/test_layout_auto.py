@@ -296,17 +296,19 @@ def test_layout_auto_measures_every_layout_within_the_trust_band(calibration, ca
 def test_layout_auto_stops_measuring_when_the_budget_is_spent(calibration, capsys, monkeypatch):
     """The budget is 20% of 600 steps of the default layout (measured first): with the default at 0.2 s a step
     (24 s of measuring) and each of the 20 layouts in the band at 0.45 s a step (1.35 s for 3 timed steps), the
-    candidates start while their seconds fit: the last one started within the budget, the next would have
-    exceeded it, the rest are listed as not measured, and the choice is the fastest measured (the default)."""
+    candidates start while their seconds (and the real seconds spent ranking) fit: the last one started within
+    the budget, the next would have exceeded it, the rest are listed as not measured, and the choice is the
+    fastest measured (the default)."""
     from meshtorch.runtime import autolayout
     _band_calibration(calibration, 0.6)
-    timer = _FakeTimer([0.2], rest=0.45)
+    timer, ranking, measure = _FakeTimer([0.2], rest=0.45), [], autolayout._measure
     monkeypatch.setattr(autolayout, "prepare_candidate", timer)
+    monkeypatch.setattr(autolayout, "_measure", lambda *a, **k: ranking.append(k["spent"]) or measure(*a, **k))
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    n, budget = len(timer.calls), 0.2 * 600 * 0.2
+    n, budget, r = len(timer.calls), 0.2 * 600 * 0.2, ranking[0]  # the real seconds ranking took count too
     assert 2 <= n < 20, n
-    assert 3 * 0.2 + 3 * 0.45 * (n - 2) <= budget < 3 * 0.2 + 3 * 0.45 * n, n
+    assert r + 3 * 0.2 + 3 * 0.45 * (n - 2) <= budget < r + 3 * 0.2 + 3 * 0.45 * n + 0.1, (n, r)
     assert f"{20 - n} left unmeasured when the budget was spent" in out and "not measured" in out
     assert _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
 

@@ -149,6 +149,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     if not budget_share > 0:
         raise UsageError(f"--layout auto: the measuring budget share must be > 0 (a share of {BUDGET_STEPS} "
                          f"default steps), got {budget_share}.")
+    t_rank = time.perf_counter()  # the ranking counts against the budget too
     cal = calibrate(backend, threads)  # measured once per host/backend/threads, then read from the cache
     cost = cal.cost_model()
     try:
@@ -188,7 +189,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     try:
         measured, raced = _measure(chosen_ones, lambda c: prepare_candidate(
             config, mesh_shape, c, microbatches=microbatches, device=device, executor=executor, precision=precision),
-            hold=memory_limit is None, world=world, share=budget_share)
+            hold=memory_limit is None, world=world, share=budget_share, spent=time.perf_counter() - t_rank)
     finally:
         torch.set_num_threads(old)
     for c in measured:  # inf: left the race after its first step
@@ -250,8 +251,8 @@ def measuring_cost(step_s: float) -> float:
     return (WARMUP_STEPS + TIMED_STEPS) * step_s
 
 
-def _measure(cands: list[Candidate], prepare, hold: bool, world: int,
-             share: float = BUDGET_SHARE) -> tuple[list[Candidate], Race]:
+def _measure(cands: list[Candidate], prepare, hold: bool, world: int, share: float = BUDGET_SHARE,
+             spent: float = 0.0) -> tuple[list[Candidate], Race]:
     """Measure ``cands`` in order (``prepare(c)``: builds ``c``, runs its warm-up and returns a function running
     one timed step and returning its seconds) until the budget is spent: ``budget_s`` (``share``) of the first's
     (the default's) first timed step. After the first two, a candidate is started only if the seconds spent so
@@ -264,8 +265,9 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int,
     (:func:`meshtorch.runtime.autorace.race`): while the decision is not clear, the default and the candidates
     inside the margin take more interleaved steps, the clearly slower drop out, until it is or the budget (now
     from the default's median timed step) is spent. Sets each measured candidate's ``times`` (and ``note`` for
-    the dropped); returns the measured ones (a prefix of ``cands``) and what the race did."""
-    held, done, budget, scale, spent = [], [], math.inf, 1.0, 0.0
+    the dropped); returns the measured ones (a prefix of ``cands``) and what the race did. ``spent``: seconds
+    already spent choosing (the ranking), counted against the budget."""
+    held, done, budget, scale = [], [], math.inf, 1.0
     for c in cands:
         if len(done) >= 2:
             if _max_over_ranks([spent], world)[0] + scale * measuring_cost(c.predicted_s) > budget:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, replace
 
 MIN_GAIN = 0.05  # a candidate replaces the default only if its median is this much (or the steps' spread) faster
@@ -155,8 +156,9 @@ class Race:
 def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> Race:
     """Race the ``held`` candidates (``[(candidate, step)]``, ``step()`` runs one timed step and returns its
     seconds; each candidate already has its first timed steps in ``times``) until the decision is clear or the
-    budget is spent. The budget (:func:`budget_s` with ``share``) is set from the default's median timed step;
-    ``spent`` is the seconds already spent measuring (builds, warm-ups and steps). Before each round, on the
+    budget is spent. The budget (:func:`budget_s` with ``share``) is set before each round from the default's
+    median timed step so far; ``spent`` is the seconds already spent choosing (ranking, builds, warm-ups and
+    steps), and each raced step adds its wall time (at least the seconds it returns). Before each round, on the
     slowest rank's steps (``agree``: an all-reduce max over the ranks of a list of floats; identity in one
     process) the candidates in contention are found (:func:`in_contention`, the clearly slower dropped for good);
     the race stops when none is (decided) or when the seconds spent plus the round's predicted cost (the sum of
@@ -173,9 +175,8 @@ def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> 
         for c in cands:
             seen.append(replace(c, times=tuple(flat[at:at + len(c.times)])))
             at += len(c.times)
-        log.spent_s = flat[-1]
-        if log.budget_s == math.inf:
-            log.budget_s = budget_s(statistics.median(next(c for c in seen if c.default).times), share)
+        log.spent_s = flat[-1]  # the budget from the default's median so far: the surest estimate of its step
+        log.budget_s = budget_s(statistics.median(next(c for c in seen if c.default).times), share)
         before = set(dropped)
         racing = in_contention(seen, dropped)
         for i in dropped - before:
@@ -189,7 +190,8 @@ def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> 
             log.stop = "budget"
             return log
         for i in racing if log.rounds % 2 == 0 else racing[::-1]:
+            t0 = time.perf_counter()
             t = held[i][1]()
             cands[i].times += (t,)
-            spent += t
+            spent += max(t, time.perf_counter() - t0)  # the step's wall time, its untimed feeding included
         log.rounds += 1
