@@ -149,16 +149,18 @@ def breakdown(results: list, layouts: list[str], planned: dict) -> None:
 
 def spmd_auto_worker(name, mesh, batch, threads):
     """One rank of ``--layout auto`` under gloo (as ``meshtorch train --layout auto`` under torchrun: every rank
-    measures the same candidates, the slowest rank's medians count): (the chosen layout, seconds it took)."""
+    measures the same candidates, the slowest rank's medians count): (the chosen layout, seconds it took, the
+    lines it printed on rank 0: its table)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     dist.barrier()
     t0 = time.perf_counter()
+    said = []
     layout = choose_layout(lambda m: preset(name, vocab_size=256, vocab_multiple=m, batch_size=batch), mesh,
                            backend="gloo", threads=threads, world=dist.get_world_size(), cache=False,
-                           print_fn=print if dist.get_rank() == 0 else (lambda *a: None))[0]
-    return layout, time.perf_counter() - t0
+                           print_fn=said.append if dist.get_rank() == 0 else (lambda *a: None))[0]
+    return layout, time.perf_counter() - t0, said
 
 
 def kendall_tau(a, b) -> float:
@@ -227,7 +229,8 @@ def main():
         job = run_spmd("layout_ranking:spmd_auto_worker", (args.preset, mesh, args.batch_size, args.threads),
                        nprocs=mtf.MeshSpec(mesh).size, timeout_s=3600,
                        extra_path=[os.path.dirname(os.path.abspath(__file__))]).check()
-        (auto, t_auto), *_ = job.results
+        (auto, t_auto, said), *_ = job.results
+        print("\n".join(said))  # rank 0's table (the ranks' stdout is not kept)
     if auto is not None:
         auto = _find(auto, layouts) or auto
         if auto not in layouts:

@@ -57,13 +57,16 @@ def agree(cache_dir, times_by_rank):
     return out
 
 
-def decide_alike(cache_dir, times_by_rank):
-    """``choose_layout`` on mesh all:2 over 2 gloo ranks (not cached); returns this rank's (chosen layout,
-    measured layouts, the seconds of each measured candidate's steps as this rank timed them, the printed
-    lines)."""
-    _, calls, steps = _setup(cache_dir, times_by_rank)
-    said = []
-    layout = autolayout.choose_layout(_config, "all:2", backend="gloo", threads=1, world=2, cache=False,
-                                      print_fn=said.append)[0]
+def decide_alike(cache_dir, cases):
+    """``choose_layout`` on mesh all:2 over 2 gloo ranks (not cached), once per case of ``cases`` (each a
+    ``times_by_rank``, in one process group); returns per case this rank's (chosen layout, measured layouts,
+    the seconds of each measured candidate's steps as this rank timed them, the printed lines)."""
+    out = []
+    for times_by_rank in cases:
+        _, calls, steps = _setup(cache_dir, times_by_rank)
+        said = []
+        layout = autolayout.choose_layout(_config, "all:2", backend="gloo", threads=1, world=2, cache=False,
+                                          print_fn=said.append)[0]
+        out.append((layout, calls, steps, said))
     dist.destroy_process_group()
-    return layout, calls, steps, said
+    return out

@@ -4,7 +4,10 @@
 for a few steps each on the real mesh and backend (within a budget of 20% of a 600-step default run), and the
 run trains with the default layout unless the fastest measured beats it beyond the noise of the steps (a
 margin of at least 5%, :func:`decide`), so ``--layout auto`` does not trade the default for a layout that only a
-few noisy steps put ahead. The choice is cached, so a second run of the same job measures nothing.
+few noisy steps put ahead. While the steps cannot tell (a gain inside the margin), the default and the candidates
+still in contention race on for more interleaved steps, the clearly slower dropping out, until the decision is
+clear or the budget is spent (:mod:`meshtorch.runtime.autorace`). The choice is cached, so a second run of the
+same job measures nothing.
 
 Mesh TF shipped a cost model over layouts (``auto_mtf``); measuring the model's best candidates on the machine
 before committing to one is what cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``) and Inductor's
@@ -37,16 +40,14 @@ from meshtorch.models.transformer import build_lm
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.search import layout_key
+from meshtorch.runtime.autorace import BUDGET_SHARE, BUDGET_STEPS, MIN_GAIN, Race, budget_s, decide, race
 from meshtorch.runtime.calibrate import _host_key, cache_path, calibrate
 from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, backend_options, pipeline_fields, plan_lm, why_line
 
 WARMUP_STEPS = 1  # excluded: the first step builds the executor's program and allocates the optimizer state
 TIMED_STEPS = 3  # median of these
 GIVE_UP = 3.0  # one process: a candidate whose first timed step takes this many times the best first stops
-BUDGET_SHARE, BUDGET_STEPS = 0.2, 600  # measuring may cost 20% of a 600-step run of the default layout
-RACE_ROUNDS = 4  # at most this many more steps for the candidates whose steps overlap the best median
 MODEL_ERROR = 0.25  # the least trust band: the cost model's median error against measured steps (docs/planning.md)
-MIN_GAIN = 0.05  # a candidate replaces the default only if its median is this much (or the steps' spread) faster
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Candidate:
     total_bytes: int
     default: bool = False
     times: tuple = ()
+    note: str = ""
 
     @property
     def measured_s(self) -> float:
@@ -85,7 +87,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
                   backend: str = "placement", threads: int = 1, print_fn=print,
                   microbatches: int | None = None, candidates: int = 3, device: str | None = None,
                   executor: str = "codegen", world: int = 1, cache: bool = True,
-                  precision=None) -> tuple[str, str, str | None]:
+                  precision=None, budget_share: float = BUDGET_SHARE) -> tuple[str, str, str | None]:
     """``(layout rules, storage rules, remat)`` of the fastest measured of the cost model's best layouts of
     the LM on ``mesh_shape``.
 
@@ -100,11 +102,17 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     the later timed steps in interleaved rounds (so a load that comes and goes on the host hits all alike; one
     candidate after another under ``memory_limit``, so only one is held at a time); the default layout is kept
     unless the least median timed step of the others is below the default's by the margin (the larger of
-    ``MIN_GAIN`` and either one's relative interquartile range of its steps, :func:`decide`). Under torchrun
+    ``MIN_GAIN`` and either one's relative interquartile range of its steps, :func:`decide`). While that gain is
+    inside the margin (``-margin < gain < margin``), the default and every candidate inside it race on: one more
+    timed step each per interleaved round, in alternating order, the candidates slower beyond the margin dropping
+    out for good, until the decision is clear or the next round would exceed the budget, now ``budget_share`` of
+    ``BUDGET_STEPS`` of the default's median timed step (:func:`meshtorch.runtime.autorace.race`, as F-race and
+    successive halving; not under ``memory_limit``, where only one candidate is held). Under torchrun
     (``world`` > 1) every rank measures the same candidates in the same order, the budget is checked on the
     slowest rank's seconds and the slowest rank's steps count (an all-reduce max), so all ranks choose alike.
     The table printed gives each candidate's predicted and median measured step, the range of its timed steps,
-    the choice and why the default was kept or replaced (the gain and the margin). The choice is cached
+    how many timed steps it got, the choice, which dropped out, how many rounds the race ran and why it stopped,
+    and why the default was kept or replaced (the gain, the margin and the steps each side had). The choice is cached
     (:func:`cache_file`) and read back by the next run of the same job, which then measures nothing.
 
     Args:
@@ -124,16 +132,24 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
         cache: read a cached choice (False: measure anyway; the new choice is cached either way).
         precision: ``train --precision``'s :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its name): the
             ranking prices bytes and FLOPs in its compute dtype and the measured steps run under it.
+        budget_share: the share of ``BUDGET_STEPS`` (600) steps of the default layout that choosing may cost
+            (default ``BUDGET_SHARE``, 0.2, the issue's 20%): seconds = share x 600 x the default's measured
+            step (its first timed step while candidates start, its median timed step for the race).
 
     Returns:
         the layout rules, the storage rules (``""``: none), and None or the heavier ``--remat`` policy
         (``"block"``/``"selective"``) without which the chosen layout does not fit ``memory_limit``.
 
     Raises:
-        UsageError: if no legal layout fits ``memory_limit``, naming the limit; ``candidates`` < 0.
+        UsageError: if no legal layout fits ``memory_limit``, naming the limit; ``candidates`` < 0;
+            ``budget_share`` not > 0.
     """
     if candidates < 0:
         raise UsageError(f"--auto-candidates must be >= 0, got {candidates}.")
+    if not budget_share > 0:
+        raise UsageError(f"--layout auto: the measuring budget share must be > 0 (a share of {BUDGET_STEPS} "
+                         f"default steps), got {budget_share}.")
+    t_rank = time.perf_counter()  # the ranking counts against the budget too
     cal = calibrate(backend, threads)  # measured once per host/backend/threads, then read from the cache
     cost = cal.cost_model()
     try:
@@ -156,7 +172,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
                  + f", predicted {t['total_s'] * 1e3:.1f} ms per step. {why_line(ranked)}")
         return _result(layout, rep.storage or "", rep.remat, print_fn)
     key = _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, microbatches, candidates, device,
-                     executor, world, precision)
+                     executor, world, precision, budget_share)
     hit = _agreed(_read_cache(key) if cache else None, world, backend)
     if hit is not None:
         print_fn(f"{head}; using the choice cached {hit['when']} ({cache_file(key)}; delete it to measure again), "
@@ -166,14 +182,14 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     cands = _candidates(config, mesh_shape, ranked, storage, memory_limit, cost, print_fn, precision,
                         backend_options(backend))
     band = trust_band(cost)
-    chosen_ones = select(cands, candidates, band)
+    chosen_ones = select(cands, candidates, band, budget_share)
     t0 = time.perf_counter()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        measured = _measure(chosen_ones, lambda c: prepare_candidate(
+        measured, raced = _measure(chosen_ones, lambda c: prepare_candidate(
             config, mesh_shape, c, microbatches=microbatches, device=device, executor=executor, precision=precision),
-            hold=memory_limit is None, world=world)
+            hold=memory_limit is None, world=world, share=budget_share, spent=time.perf_counter() - t_rank)
     finally:
         torch.set_num_threads(old)
     for c in measured:  # inf: left the race after its first step
@@ -182,11 +198,16 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     for c in measured:
         c.times, at = tuple(flat[at:at + len(c.times)]), at + len(c.times)
     decision = decide(measured)
+    if measured[decision.index].note:  # dropped out of the race (slower beyond the margin then): not chosen
+        pool = [c for c in measured if not c.note]
+        decision = decide(pool)
+        decision.index = next(i for i, c in enumerate(measured) if c is pool[decision.index])
+        decision.reason += "; the least median of all dropped out of the race earlier, as slower beyond the margin"
     chosen = decision.index
-    table = _table(measured, chosen_ones[len(measured):], chosen) + f"\n  {decision.reason}"
-    print_fn(f"{head}; measured {len(measured)} of them ({_why(chosen_ones, measured, candidates, band)}; "
-             f"{WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each, up to {RACE_ROUNDS} more for those within "
-             f"the noise of the best, median"
+    table = (_table(measured, chosen_ones[len(measured):], chosen) + f"\n  {raced.line(budget_share)}"
+             + f"\n  {decision.reason}")
+    print_fn(f"{head}; measured {len(measured)} of them ({_why(chosen_ones, measured, candidates, band, budget_share)}"
+             f"; {WARMUP_STEPS} warm-up + {TIMED_STEPS} timed steps each, then raced while undecided, median"
              f"{', slowest rank' if world > 1 else ''}) in {time.perf_counter() - t0:.1f} s:")
     print_fn(table)
     c = measured[chosen]
@@ -202,7 +223,7 @@ def trust_band(cost) -> float:
     return max(cost.spread or 0.0, MODEL_ERROR)
 
 
-def select(cands: list[Candidate], k: int, band: float) -> list[Candidate]:
+def select(cands: list[Candidate], k: int, band: float, share: float = BUDGET_SHARE) -> list[Candidate]:
     """The candidates worth measuring, in the order to measure them: the default layout first (the fallback,
     and its measured step sets the budget), then in predicted order every candidate among the best ``k`` or
     predicted within ``band`` (relative) of the best prediction, while the predicted cost of measuring them
@@ -211,7 +232,7 @@ def select(cands: list[Candidate], k: int, band: float) -> list[Candidate]:
     ranked = [c for c in cands if not c.default]
     default = next((c for c in cands if c.default), None)
     best = min((c.predicted_s for c in cands), default=0.0)
-    budget = budget_s(default.predicted_s if default is not None else best)
+    budget = budget_s(default.predicted_s if default is not None else best, share)
     out = [default] if default is not None else []
     spent = sum(measuring_cost(c.predicted_s) for c in out)
     for i, c in enumerate(ranked):
@@ -224,34 +245,29 @@ def select(cands: list[Candidate], k: int, band: float) -> list[Candidate]:
     return out
 
 
-def budget_s(default_step_s: float) -> float:
-    """Seconds ``--layout auto`` may spend measuring: ``BUDGET_SHARE`` of ``BUDGET_STEPS`` steps of the default
-    layout (``default_step_s`` seconds each)."""
-    return BUDGET_SHARE * BUDGET_STEPS * default_step_s
-
-
 def measuring_cost(step_s: float) -> float:
     """Predicted seconds of measuring a candidate of ``step_s`` seconds per step (warm-up and timed steps; the
     build is not predicted, it is counted once spent)."""
     return (WARMUP_STEPS + TIMED_STEPS) * step_s
 
 
-def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Candidate]:
+def _measure(cands: list[Candidate], prepare, hold: bool, world: int, share: float = BUDGET_SHARE,
+             spent: float = 0.0) -> tuple[list[Candidate], Race]:
     """Measure ``cands`` in order (``prepare(c)``: builds ``c``, runs its warm-up and returns a function running
-    one timed step and returning its seconds) until the budget is spent: ``budget_s`` of the first's (the
-    default's) first timed step. After the first two, a candidate is started only if the seconds spent so far
-    (each build and warm-up as timed here plus the timed steps' seconds; the slowest rank's, so all ranks agree)
-    plus its predicted measuring cost, scaled by the first's measured over predicted step, fit. Each started
-    candidate takes its first timed step at once (one process: one slower than ``GIVE_UP`` x the best first step
-    so far leaves the race); with ``hold`` the remaining ``TIMED_STEPS`` - 1 rounds are interleaved over the
-    held candidates (a load that comes and goes hits all alike), else each candidate's steps run before the next
-    is built (one held at a time, under ``--memory-limit``). Then, for up to ``RACE_ROUNDS`` more interleaved
-    rounds while the budget lasts, the held candidates whose fastest step is within the best median (the slowest
-    rank's steps) race on: their difference is within the noise of the steps so far, and more steps make the
-    medians surer; while the challenger is faster than the default but within :func:`decide`'s margin, the
-    default and the challenger both race on. Sets each measured candidate's ``times``; returns the measured ones
-    (a prefix of ``cands``)."""
-    held, done, budget, scale, spent = [], [], math.inf, 1.0, 0.0
+    one timed step and returning its seconds) until the budget is spent: ``budget_s`` (``share``) of the first's
+    (the default's) first timed step. After the first two, a candidate is started only if the seconds spent so
+    far (each build and warm-up as timed here plus the timed steps' seconds; the slowest rank's, so all ranks
+    agree) plus its predicted measuring cost, scaled by the first's measured over predicted step, fit. Each
+    started candidate takes its first timed step at once (one process: one slower than ``GIVE_UP`` x the best
+    first step so far leaves the race); with ``hold`` the remaining ``TIMED_STEPS`` - 1 rounds are interleaved
+    over the held candidates (a load that comes and goes hits all alike), else each candidate's steps run before
+    the next is built (one held at a time, under ``--memory-limit``; no race then). Then the held candidates race
+    (:func:`meshtorch.runtime.autorace.race`): while the decision is not clear, the default and the candidates
+    inside the margin take more interleaved steps, the clearly slower drop out, until it is or the budget (now
+    from the default's median timed step) is spent. Sets each measured candidate's ``times`` (and ``note`` for
+    the dropped); returns the measured ones (a prefix of ``cands``) and what the race did. ``spent``: seconds
+    already spent choosing (the ranking), counted against the budget."""
+    held, done, budget, scale = [], [], math.inf, 1.0
     for c in cands:
         if len(done) >= 2:
             if _max_over_ranks([spent], world)[0] + scale * measuring_cost(c.predicted_s) > budget:
@@ -262,7 +278,7 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
         c.times = (step(),)
         if not done:  # the slowest rank's first step, so all ranks agree on the budget
             first = _max_over_ranks([c.times[0]], world)[0]
-            budget = budget_s(first)
+            budget = budget_s(first, share)
             scale = first / c.predicted_s if c.predicted_s > 0 else 1.0
         done.append(c)
         if world == 1 and c.times[0] > GIVE_UP * min(d.times[0] for d in done):
@@ -277,98 +293,18 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int) -> list[Ca
     for _ in range(TIMED_STEPS - 1):
         for c, step in held:
             c.times += (step(),)
-    for _ in range(RACE_ROUNDS):  # the close ones race on while the budget lasts: more steps, a surer median
-        agreed = _max_over_ranks([t for c, _ in held for t in c.times], world)
-        seen, at = [], 0  # the slowest rank's steps: every rank decides alike
-        for c, _ in held:
-            seen.append(replace(c, times=tuple(agreed[at:at + len(c.times)])))
-            at += len(c.times)
-        meds = [(statistics.median(c.times), min(c.times)) for c in seen]
-        best = min((m for m, _ in meds), default=math.inf)
-        now = decide(seen) if seen else None
-        both = {i for i in (now.index, now.challenger) if i is not None} if now and now.undecided else set()
-        race = [i for i, (_, low) in enumerate(meds) if low <= best or i in both]
-        cost = sum(meds[i][0] for i in race)
-        race = [held[i] for i in race]
-        if len(race) < 2 or _max_over_ranks([spent], world)[0] + cost > budget:
-            break
-        for c, step in race:
-            c.times += (step(),)
-        spent += cost
-        held = race
-    return done
+    if not hold:
+        return done, Race(stop="none", spent_s=_max_over_ranks([spent], world)[0], dropped={})
+    log = race(held, spent, share, agree=lambda v: _max_over_ranks(v, world))
+    for i, n in log.dropped.items():
+        held[i][0].note = f"dropped after {n} steps: slower than the default beyond the margin"
+    return done, log
 
 
-def step_spread(times) -> float:
-    """The spread of timed steps ``times`` (seconds) relative to their median: the interquartile range (the
-    inclusive quartiles of :func:`statistics.quantiles`; with 3 steps half their min-max range) over the median;
-    0 for fewer than 2 steps, inf when a step is not finite (a candidate that left the race)."""
-    if not times or not all(math.isfinite(t) for t in times):
-        return math.inf
-    if len(times) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    med = statistics.median(times)
-    return (q3 - q1) / med if med > 0 else math.inf
-
-
-@dataclass
-class Decision:
-    """:func:`decide`'s answer: ``index`` (into the candidates) of the one to train with, ``challenger`` (the
-    index of the least median other than the default; None when none), ``gain`` (relative: 1 - the challenger's
-    median over the default's), ``margin`` (the gain it needed) and ``reason`` (one line, printed in the table)."""
-
-    index: int
-    challenger: int | None
-    gain: float
-    margin: float
-    reason: str
-
-    @property
-    def undecided(self) -> bool:
-        """The challenger's median is below the default's, but not by the margin: more steps could decide."""
-        return self.challenger is not None and 0 < self.gain < self.margin
-
-
-def decide(cands: list[Candidate]) -> Decision:
-    """Which measured candidate to train with: the default layout, unless the challenger (the least median of
-    the others' timed steps; ties to the cost model's order, ``cands``' order) is faster beyond the noise: its
-    median at least ``margin`` below the default's, ``margin`` the larger of ``MIN_GAIN`` and the spread of either
-    one's steps (:func:`step_spread`). Ties and gains within the noise keep the default. With no default among
-    ``cands`` (it did not fit ``--memory-limit``) the least median wins. Under torchrun ``cands``' times are the
-    slowest rank's (an all-reduce max), so every rank decides alike."""
-    med = [statistics.median(c.times or (math.inf,)) for c in cands]
-    d = next((i for i, c in enumerate(cands) if c.default), None)
-    others = [i for i in range(len(cands)) if i != d]
-    ch = min(others, key=lambda i: (med[i], i)) if others else None
-    if d is None:
-        return Decision(ch, ch, 0.0, 0.0, "no default layout measured: the least median")
-    if ch is None:
-        return Decision(d, None, 0.0, 0.0, "only the default layout measured")
-    name = cands[ch].layout or "(replicated)"
-    if not math.isfinite(med[ch]):
-        return Decision(d, ch, 0.0, math.inf, "default kept: no other candidate finished its steps")
-    if not math.isfinite(med[d]):
-        return Decision(ch, ch, 1.0, 0.0, f"default replaced: {name}; the default did not finish its steps")
-    sd, sc = step_spread(cands[d].times), step_spread(cands[ch].times)
-    margin = max(MIN_GAIN, sd, sc)
-    gain = 1 - med[ch] / med[d] if med[d] > 0 else 0.0
-    why = (f"{name} {100 * gain:.1f}% faster (median) than the default layout, "
-           f"{'beyond' if gain >= margin else 'within'} the margin {100 * margin:.1f}% (the larger of "
-           f"{100 * MIN_GAIN:.0f}% and the steps' spread, interquartile range / median: the default's "
-           f"{100 * sd:.1f}%, {name}'s {100 * sc:.1f}%)")
-    if gain >= margin:
-        return Decision(ch, ch, gain, margin, f"default replaced: {why}")
-    if gain <= 0:
-        why = (f"{name}, the fastest other, is not faster (median {med[ch] * 1e3:.1f} vs the default's "
-               f"{med[d] * 1e3:.1f} ms)")
-    return Decision(d, ch, gain, margin, f"default kept: {why}")
-
-
-def _why(chosen: list[Candidate], measured: list[Candidate], k: int, band: float) -> str:
+def _why(chosen: list[Candidate], measured: list[Candidate], k: int, band: float, share: float) -> str:
     left = len(chosen) - len(measured)
     return (f"the default, the best {k} and those predicted within {100 * band:.0f}% of the best, up to "
-            f"{100 * BUDGET_SHARE:.0f}% of {BUDGET_STEPS} default steps"
+            f"{100 * share:.0f}% of {BUDGET_STEPS} default steps"
             + (f"; {left} left unmeasured when the budget was spent" if left else ""))
 
 
@@ -455,31 +391,33 @@ def time_steps(lm, lowering, steps: int, warmup: int = 0, seed: int = 0) -> list
 
 
 def _table(measured: list[Candidate], unmeasured: list[Candidate], chosen: int) -> str:
-    """The measured candidates (predicted, median and range of the timed steps, which was chosen) and those
-    selected but left unmeasured when the budget was spent (:func:`choose_layout` adds :func:`decide`'s reason)."""
-    lines = [f"  {'layout':<48} {'storage':<16}{'predicted ms':>13}{'measured ms':>12}{'range ms':>16}  "]
+    """The measured candidates (predicted, median and range of the timed steps, how many timed steps each got,
+    which was chosen, which dropped out of the race or gave up) and those selected but left unmeasured when the
+    budget was spent (:func:`choose_layout` adds the race's line and :func:`decide`'s reason)."""
+    lines = [f"  {'layout':<48} {'storage':<16}{'predicted ms':>13}{'measured ms':>12}{'range ms':>16}{'steps':>6}  "]
     for i, c in enumerate(measured + unmeasured):
-        med = c.measured_s
+        med, n = c.measured_s, sum(math.isfinite(t) for t in c.times)
         if i >= len(measured):
-            meas, spread = f"{'-':>12}", f"{'not measured':>16}"
+            meas, spread, n = f"{'-':>12}", f"{'not measured':>16}", "-"
         elif math.isfinite(med):
             meas, spread = f"{med * 1e3:12.1f}", f"{min(c.times) * 1e3:7.1f}-{max(c.times) * 1e3:<8.1f}"
         else:
             meas, spread = f"{'gave up':>12}", f"{min(c.times) * 1e3:7.1f}{'':9}"
-        mark = ("chosen" if i == chosen else "") + (" (default)" if c.default else "")
+        mark = ("chosen" if i == chosen else "") + (" (default)" if c.default else "") + (f" {c.note}" if c.note
+                                                                                          else "")
         lines.append(f"  {c.layout or '(replicated)':<48} {c.storage or '-':<16}{c.predicted_s * 1e3:13.1f}{meas}"
-                     f"{spread}  {mark.strip()}")
+                     f"{spread}{n:>6}  {mark.strip()}")
     return "\n".join(lines)
 
 
 def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, microbatches, candidates, device,
-               executor, world, precision=None) -> dict:
+               executor, world, precision=None, budget_share=BUDGET_SHARE) -> dict:
     policy = PrecisionPolicy.of(precision)
     return {"model": config(1).to_dict(), "mesh": mesh_shape, "storage": storage, "memory_limit": memory_limit,
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
-            "steps": [WARMUP_STEPS, TIMED_STEPS, BUDGET_SHARE, BUDGET_STEPS, MODEL_ERROR, RACE_ROUNDS],
-            "rule": ["default unless faster beyond the steps' spread", MIN_GAIN],
+            "steps": [WARMUP_STEPS, TIMED_STEPS, budget_share, BUDGET_STEPS, MODEL_ERROR],
+            "rule": ["default unless faster beyond the steps' spread", MIN_GAIN, "raced while undecided"],
             "precision": [policy.name, str(policy.reduce_dtype)]}
 
 
