@@ -58,26 +58,28 @@ def test_compiled_equals_interpreted(mesh_shape, layout, storage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20], ids=["single", "buckets"])
-def test_compiled_spmd_program_is_one_graph_with_functional_collectives(bucket_bytes):
+def test_compiled_spmd_program_is_one_graph_with_functional_collectives():
     """On 4 gloo ranks a compiled step (FSDP storage over ``rows``, tensor parallel over ``cols``:
     all-gathers, reduce-scatters and all-reduces, single or in buckets) is one dynamo graph per rank,
     no graph break, and gives the placement mesh's numbers (interpreter) to 1e-5. The capture is what this
     checks, so it compiles with ``aot_eager`` (dynamo + AOTAutograd, functional collectives, no generated
     kernels: 126 s -> seconds per case on the loaded 2-core host); inductor's kernels on gloo ranks are
-    checked by ``test_spmd_jobs.py::test_train_compile_spmd_equals_placement``."""
+    checked by ``test_spmd_jobs.py::test_train_compile_spmd_equals_placement``. Both cases (single
+    collectives, then buckets) run in one job: one start of the 4 processes, dynamo reset between them."""
     mesh_shape, layout, storage = "rows:2;cols:2", "batch:rows;hidden:cols", "io:rows"
     want, want_vars, _ = _train(mesh_shape, layout, "interpret", steps=3, storage=storage)
-    job = run_spmd("_program_data:spmd_compiled_worker",
-                   args=(3, mesh_shape, layout, storage, bucket_bytes, "aot_eager"),
+    cases = [0, 1 << 20]  # single collectives, buckets
+    job = run_spmd("_executor_jobs:spmd_compiled_cases", args=(3, mesh_shape, layout, storage, cases, "aot_eager"),
                    nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
-    for losses, values, kinds, breaks, graphs, inductor in job.results:
-        assert breaks == {} and graphs == 1, (breaks, graphs)
-        assert not inductor  # the backend asked for is the one torch.compile used
-        assert {"allgather", "reduce_scatter", "allreduce"} <= {k.removesuffix("_bucket") for k in kinds}
-        assert any(k.endswith("_bucket") for k in kinds) == bool(bucket_bytes), kinds
-        assert all(rel_error(a, w[0]) <= 1e-5 for a, w in zip(losses, want, strict=True))
-        assert all(rel_error(values[n], want_vars[n]) <= 1e-5 for n in values)
+    for rank_results in job.results:
+        assert len(rank_results) == len(cases)
+        for bucket_bytes, (losses, values, kinds, breaks, graphs, inductor) in zip(cases, rank_results, strict=True):
+            assert breaks == {} and graphs == 1, (bucket_bytes, breaks, graphs)
+            assert not inductor  # the backend asked for is the one torch.compile used
+            assert {"allgather", "reduce_scatter", "allreduce"} <= {k.removesuffix("_bucket") for k in kinds}
+            assert any(k.endswith("_bucket") for k in kinds) == bool(bucket_bytes), (bucket_bytes, kinds)
+            assert all(rel_error(a, w[0]) <= 1e-5 for a, w in zip(losses, want, strict=True)), bucket_bytes
+            assert all(rel_error(values[n], want_vars[n]) <= 1e-5 for n in values), bucket_bytes
 
 
 def test_unknown_mode_is_refused_before_planning():
