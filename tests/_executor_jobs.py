@@ -16,3 +16,12 @@ def spmd_compiled_cases(steps: int, mesh_shape: str, layout: str, storage: str, 
         torch._dynamo.reset()
         out.append(spmd_compiled_worker(steps, mesh_shape, layout, storage, bucket_bytes, backend))
     return out
+
+
+def gloo_jobs(compiled_args: tuple, bucket_args: tuple):
+    """Both gloo jobs of test_executors.py in one start of the ranks: ``(spmd_compiled_cases(*compiled_args),
+    _program_data.spmd_bucket_worker(*bucket_args))``; the bucket worker (not compiled) runs first."""
+    from _program_data import spmd_bucket_worker
+
+    bucket = spmd_bucket_worker(*bucket_args)
+    return spmd_compiled_cases(*compiled_args), bucket
