@@ -3,8 +3,8 @@
 Every line of a ```bash block that starts with ``meshtorch train``, ``meshtorch plan`` or ``meshtorch sample``
 runs in-process (``meshtorch.cli.main``) in a temporary working directory, one per page, plans first (so a
 ``train --layout auto`` uses the calibration a page's ``plan --calibrate`` cached instead of measuring it again),
-then trains (so a page's ``sample`` decodes the run its ``train`` wrote): ``train`` with ``--preset tiny`` and a few steps
-appended (argparse keeps the last value, so every documented flag is still parsed and used), ``sample``
+then trains (so a page's ``sample`` decodes the run its ``train`` wrote): ``train`` with ``--preset tiny`` and a
+few steps appended (argparse keeps the last value, so every documented flag is still parsed and used), ``sample``
 with a few tokens, ``plan`` as written. Lines that need files the docs only name (``my.txt``, a Hugging Face
 directory, a run name), a launcher (torchrun, ``meshtorch launch``), minutes (``--compile``: tens of seconds
 of compiling on 2 cores) or the MNIST data set are listed as skipped with the reason.
