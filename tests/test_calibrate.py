@@ -72,15 +72,30 @@ def test_serial_and_parallel_models():
         pytest.approx(2 * n * 1e-3)
 
 
+def _fake_measurements(monkeypatch, gemm_rate=1e10):
+    """Replace calibrate's measuring functions by constants (the real ones run in
+    test_calibration_is_measured_once_then_cached); returns the calls they saw."""
+    calls = []
+    monkeypatch.setattr(cal_mod, "_gemm_rate", lambda m, k, n, **kw: calls.append("gemm") or gemm_rate)
+    monkeypatch.setattr(cal_mod, "_kernel_overhead", lambda: calls.append("kernel") or 2e-5)
+    monkeypatch.setattr(cal_mod, "_best_seconds", lambda fn, **k: calls.append("best") or 1e-3)
+    monkeypatch.setattr(cal_mod, "_placement_collectives", lambda: {k: [1e-5, 1e-10] for k in cal_mod.KINDS})
+    return calls
+
+
 def test_plan_uses_the_cached_calibration(tmp_path, monkeypatch, capsys):
+    """``plan --calibrate`` measures (here: injected constants, the real measuring is tested above; 6 s -> 1 s) and
+    prints the calibration; a later ``plan`` uses the cached one without measuring."""
     monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path))
     from meshtorch.cli import main
 
     main(["plan", "--preset", "tiny", "--hardware", "cpu"])
     assert "fixed constants" in capsys.readouterr().out
+    calls = _fake_measurements(monkeypatch)
     main(["plan", "--preset", "tiny", "--calibrate"])
     out = capsys.readouterr().out
     assert "calibration of" in out and "calibrated placement" in out and "one after another" in out
+    assert "gemm" in calls and "kernel" in calls  # --calibrate measured
     monkeypatch.setattr(cal_mod, "_gemm_rate", lambda *a: (_ for _ in ()).throw(AssertionError("measured")))
     main(["plan", "--preset", "tiny"])  # auto: the cached calibration, no measurement
     assert "calibrated placement" in capsys.readouterr().out

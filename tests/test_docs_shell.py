@@ -1,9 +1,10 @@
 """The ``meshtorch`` command lines of README.md and docs/*.md run (issue 25), made cheap where they train.
 
 Every line of a ```bash block that starts with ``meshtorch train``, ``meshtorch plan`` or ``meshtorch sample``
-runs in-process (``meshtorch.cli.main``) in a temporary working directory, one per page, trains first (so a
-page's ``sample`` decodes the run its ``train`` wrote): ``train`` with ``--preset tiny`` and a few steps
-appended (argparse keeps the last value, so every documented flag is still parsed and used), ``sample``
+runs in-process (``meshtorch.cli.main``) in a temporary working directory, one per page, plans first (so a
+``train --layout auto`` uses the calibration a page's ``plan --calibrate`` cached instead of measuring it again),
+then trains (so a page's ``sample`` decodes the run its ``train`` wrote): ``train`` with ``--preset tiny`` and a
+few steps appended (argparse keeps the last value, so every documented flag is still parsed and used), ``sample``
 with a few tokens, ``plan`` as written. Lines that need files the docs only name (``my.txt``, a Hugging Face
 directory, a run name), a launcher (torchrun, ``meshtorch launch``), minutes (``--compile``: tens of seconds
 of compiling on 2 cores) or the MNIST data set are listed as skipped with the reason.
@@ -64,7 +65,8 @@ def test_page_commands_run(page, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path / "cache"))  # `plan --calibrate` writes here only
     todo = [a for a, reason in commands(page) if reason is None]
-    for argv in sorted(todo, key=lambda a: a[0] != "train"):  # trains first: a page's sample decodes them
+    # plans first (one calibration per page), then trains (a page's sample decodes them)
+    for argv in sorted(todo, key=lambda a: ("plan", "train", "sample").index(a[0])):
         rc = main(_cheap(argv))
         out = capsys.readouterr()
         assert rc == 0, f"{page}: `meshtorch {shlex.join(argv)}` exited {rc}:\n{out.err[-2000:]}"

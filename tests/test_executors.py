@@ -57,27 +57,43 @@ def test_compiled_equals_interpreted(mesh_shape, layout, storage):
     assert len(lwa.session.compile_seconds) == 1 and next(iter(lwa.session.compile_seconds.values())) > 0
 
 
+#: the compiled capture's case on 4 gloo ranks (FSDP storage over rows, tensor parallel over cols) and bucket sizes
+COMPILED = ("rows:2;cols:2", "batch:rows;hidden:cols", "io:rows")
+COMPILED_BUCKETS = [0, 1 << 20]  # single collectives, buckets
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks():
+    """One start of 4 gloo ranks for the two gloo tests of this file (run them on one xdist worker:
+    ``xdist_group``): per rank, ``(compiled capture results per bucket size, bucket worker results)``."""
+    job = run_spmd("_executor_jobs:gloo_jobs", args=((3, *COMPILED, COMPILED_BUCKETS, "aot_eager"), (3, 1 << 20)),
+                   nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
+    return job.results
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20], ids=["single", "buckets"])
-def test_compiled_spmd_program_is_one_graph_with_functional_collectives(bucket_bytes):
+@pytest.mark.xdist_group(name="test_executors_gloo")
+def test_compiled_spmd_program_is_one_graph_with_functional_collectives(gloo_ranks):
     """On 4 gloo ranks a compiled step (FSDP storage over ``rows``, tensor parallel over ``cols``:
     all-gathers, reduce-scatters and all-reduces, single or in buckets) is one dynamo graph per rank,
     no graph break, and gives the placement mesh's numbers (interpreter) to 1e-5. The capture is what this
     checks, so it compiles with ``aot_eager`` (dynamo + AOTAutograd, functional collectives, no generated
     kernels: 126 s -> seconds per case on the loaded 2-core host); inductor's kernels on gloo ranks are
-    checked by ``test_spmd_jobs.py::test_train_compile_spmd_equals_placement``."""
-    mesh_shape, layout, storage = "rows:2;cols:2", "batch:rows;hidden:cols", "io:rows"
+    checked by ``test_spmd_jobs.py::test_train_compile_spmd_equals_placement``. Both cases (single
+    collectives, then buckets) run in one job: one start of the 4 processes, dynamo reset between them."""
+    mesh_shape, layout, storage = COMPILED
     want, want_vars, _ = _train(mesh_shape, layout, "interpret", steps=3, storage=storage)
-    job = run_spmd("_program_data:spmd_compiled_worker",
-                   args=(3, mesh_shape, layout, storage, bucket_bytes, "aot_eager"),
-                   nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
-    for losses, values, kinds, breaks, graphs, inductor in job.results:
-        assert breaks == {} and graphs == 1, (breaks, graphs)
-        assert not inductor  # the backend asked for is the one torch.compile used
-        assert {"allgather", "reduce_scatter", "allreduce"} <= {k.removesuffix("_bucket") for k in kinds}
-        assert any(k.endswith("_bucket") for k in kinds) == bool(bucket_bytes), kinds
-        assert all(rel_error(a, w[0]) <= 1e-5 for a, w in zip(losses, want, strict=True))
-        assert all(rel_error(values[n], want_vars[n]) <= 1e-5 for n in values)
+    cases = COMPILED_BUCKETS
+    assert len(gloo_ranks) == 4
+    for rank_results, _ in gloo_ranks:
+        assert len(rank_results) == len(cases)
+        for bucket_bytes, (losses, values, kinds, breaks, graphs, inductor) in zip(cases, rank_results, strict=True):
+            assert breaks == {} and graphs == 1, (bucket_bytes, breaks, graphs)
+            assert not inductor  # the backend asked for is the one torch.compile used
+            assert {"allgather", "reduce_scatter", "allreduce"} <= {k.removesuffix("_bucket") for k in kinds}
+            assert any(k.endswith("_bucket") for k in kinds) == bool(bucket_bytes), (bucket_bytes, kinds)
+            assert all(rel_error(a, w[0]) <= 1e-5 for a, w in zip(losses, want, strict=True)), bucket_bytes
+            assert all(rel_error(values[n], want_vars[n]) <= 1e-5 for n in values), bucket_bytes
 
 
 def test_unknown_mode_is_refused_before_planning():
@@ -90,7 +106,8 @@ def test_unknown_mode_is_refused_before_planning():
         mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")}, mode="compile", compile_backend="fast-inductor")
 
 
-def test_gradient_buckets_give_the_same_numbers_and_counters():
+@pytest.mark.xdist_group(name="test_executors_gloo")
+def test_gradient_buckets_give_the_same_numbers_and_counters(gloo_ranks):
     """DDP-style buckets: the two gradient all-reduces of a data-parallel step become one call; results,
     variables and collective records are those of one call per gradient (placement and 4 gloo ranks)."""
     def run(bucket_bytes):
@@ -108,8 +125,8 @@ def test_gradient_buckets_give_the_same_numbers_and_counters():
     assert sum(n for r, n in lwb.plan_counters([]).records.items()) == 0 and lwb.counters.count("allreduce") == 9
     tiny, _, _ = run(8)  # a cap below one gradient: no bucket, same numbers
     assert all(torch.equal(a, b) for a, b in zip(plain, tiny, strict=True))
-    spmd = run_spmd("_program_data:spmd_bucket_worker", args=(3, 1 << 20), nprocs=4, extra_path=[TESTS_DIR]).check()
-    for losses, values, rank_kinds in spmd.results:
+    assert len(gloo_ranks) == 4
+    for _, (losses, values, rank_kinds) in gloo_ranks:  # 4 gloo ranks: _executor_jobs.gloo_jobs's bucket worker
         assert rank_kinds.count("allreduce_bucket") == 1
         assert all(rel_error(a, b) <= 1e-6 for a, b in zip(losses, plain, strict=True))
         assert all(rel_error(values[n], lwp.variable_value(n)) <= 1e-6 for n in values)

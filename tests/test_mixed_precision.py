@@ -154,7 +154,9 @@ def _fashion_mnist():
     return torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte)
 
 
-def _train_and_test(vdtype, data, mesh_shape, layout, batch=100, eval_batch=1000, hidden=256, lr=0.1):
+def _train_and_test(vdtype, data, mesh_shape, layout, batch=100, eval_batch=1000, hidden=128, lr=0.1):
+    """One epoch of SGD, then test accuracy. Hidden 128 (256 before 2026-11-28): bfloat16 matmuls are slow on CPUs
+    without bf16 units; 128 gave float32 81.03%, bfloat16 81.02% on rows:2;cols:2 (2026-11-28)."""
     xtr, ytr, xte, yte = data
     g = mtf.Graph(seed=0)
     mesh = mtf.Mesh(g)

@@ -250,18 +250,32 @@ def test_train_cli_pipeline_flag_errors(tmp_path, extra, match):
         _train_cli(tmp_path, *([] if "--mesh" in extra else ["--mesh", "pipe:2"]), *extra)
 
 
-def test_pipeline_on_4_gloo_ranks_equals_unpipelined():
+#: the parameter-bytes cases of test_parameter_memory_per_rank_with_4_stages: (stages, mesh, layout)
+PARAMETER_CASES = [(0, "pipe:4", ""), (4, "pipe:4", "stage:pipe"), (4, "pipe:4", "stage:pipe;vocab:pipe")]
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks():
+    """One start of 4 gloo ranks for the two tests below (run them on one xdist worker: ``xdist_group``):
+    ``(pipeline_worker results, parameter_bytes_worker results)``, each a list over the ranks."""
+    run = run_spmd("_pipeline_jobs:pipeline_and_parameter_bytes_worker", args=(PARAMETER_CASES,), nprocs=4,
+                   timeout_s=400, extra_path=[TESTS_DIR]).check()
+    return [r[0] for r in run.results], [r[1] for r in run.results]
+
+
+@pytest.mark.xdist_group(name="test_pipeline_gloo")
+def test_pipeline_on_4_gloo_ranks_equals_unpipelined(gloo_ranks):
     """Two configurations as 4 gloo processes (SpmdMeshImpl): loss and gradients equal the unpipelined LM's on one
     processor; executed neighbour exchanges as the schedule needs (one step: forward + backward)."""
     import _spmd_pipeline as W
 
-    run = run_spmd("_spmd_pipeline:pipeline_worker", nprocs=4, timeout_s=300, extra_path=[TESTS_DIR]).check()
+    pipeline_results, _ = gloo_ranks
     for i, (S, M, R, _mesh, layout, _storage) in enumerate(W.SPMD_CASES):
         ref_lm, ref_lw = _reference(S, R)
         ref = _run(ref_lm, ref_lw)
         data = 2 if "batch:data" in layout else 1
         permutes = 2 * (M * R + S - 2)
-        for rank, results in enumerate(run.results):
+        for rank, results in enumerate(pipeline_results):
             loss, grads, count, nbytes, _ = results[i]
             _assert_same(S, R, ref, (loss, grads))
             assert count[PERMUTE_KIND, ("pipe",)] == permutes, (rank, count)
@@ -275,19 +289,19 @@ def memory_config(S):
                   batch_size=8, pipeline_stages=S, microbatches=max(S, 1))
 
 
-def test_parameter_memory_per_rank_with_4_stages():
+@pytest.mark.xdist_group(name="test_pipeline_gloo")
+def test_parameter_memory_per_rank_with_4_stages(gloo_ranks):
     """Parameter bytes each of 4 gloo ranks holds: with ``stage:pipe;vocab:pipe`` at most 1.05 / 4 of the
     unpipelined model's (replicated on every rank); without ``vocab:pipe`` the embeddings stay replicated over
     ``pipe``. Expected bytes are also counted here from the config, independently of the lowering."""
-    cases = [(0, "pipe:4", ""), (4, "pipe:4", "stage:pipe"), (4, "pipe:4", "stage:pipe;vocab:pipe")]
-    run = run_spmd("_spmd_pipeline:parameter_bytes_worker", args=(cases,), nprocs=4, timeout_s=300,
-                   extra_path=[TESTS_DIR]).check()
+    _, parameter_results = gloo_ranks
     c = memory_config(4)
     block = 4 * c.d_model * c.num_heads * c.d_kv + 2 * c.d_model * c.d_ff + 2 * c.d_model
     embeddings = 2 * c.vocab_size * c.d_model  # embedding and logits kernel
     other = c.length * c.d_model + c.d_model  # position embedding, final norm
     full = 4 * (c.num_layers * block + embeddings + other)
-    for base, stage, stage_vocab in run.results:
+    assert len(parameter_results) == 4
+    for base, stage, stage_vocab in parameter_results:
         assert base == full
         assert stage == 4 * (block + embeddings + other)
         assert stage_vocab == 4 * (block + embeddings // 4 + other)
