@@ -16,9 +16,9 @@ CALLS = ["allreduce_big", "allreduce_small", "bucket_big", "bucket_small", "allg
 
 
 @pytest.fixture(scope="module")
-def jobs():
-    return {a: run_spmd("_async_jobs:default_cpu_policy", args=(a,), nprocs=2, timeout_s=300,
-                        extra_path=[TESTS_DIR]).check().results for a in (None, True, False)}
+def jobs(once_per_run):
+    return once_per_run("test_async_default", lambda: {a: run_spmd("_async_jobs:default_cpu_policy", args=(a,), nprocs=2, timeout_s=300,
+                        extra_path=[TESTS_DIR]).check().results for a in (None, True, False)})
 
 
 @pytest.mark.parametrize("setting, expected", [

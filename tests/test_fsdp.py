@@ -31,10 +31,11 @@ def _max_rel(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def placement_runs():
+def placement_runs(once_per_run):
     """{(layout name, optimizer): (losses, final values, counters)} on PlacementMeshImpl."""
-    return {(name, opt): train(mtf.PlacementMeshImpl(m, lay, storage=st), opt)
-            for name, (m, lay, st) in LAYOUTS.items() for opt in OPTIMIZERS}
+    return once_per_run("test_fsdp_placement_runs", lambda: {
+        (name, opt): train(mtf.PlacementMeshImpl(m, lay, storage=st), opt)
+        for name, (m, lay, st) in LAYOUTS.items() for opt in OPTIMIZERS})
 
 
 @pytest.fixture(scope="module")
