@@ -193,9 +193,9 @@ def test_refused_run_leaves_no_directories(tmp_path, capsys):
     assert not runs_dir.exists(), sorted(str(p) for p in runs_dir.rglob("*"))
 
 
-def _launch(tmp_path, name, *extra, env=None, steps=10):
+def _launch(tmp_path, name, *extra, env=None, steps=6):
     argv = [sys.executable, "-m", "meshtorch", "launch", "-n", "2", "--timeout", "20", *extra, "--", "train", *TINY,
-            "--mesh", "all:2", "--layout", "batch:all", "--steps", str(steps), "--checkpoint-every", "3",
+            "--mesh", "all:2", "--layout", "batch:all", "--steps", str(steps), "--checkpoint-every", "2",
             "--runs-dir", str(tmp_path / "runs"), "--run-name", name]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=SRC, **(env or {})))
@@ -203,21 +203,21 @@ def _launch(tmp_path, name, *extra, env=None, steps=10):
 
 @pytest.mark.slow
 def test_launcher_restarts_a_killed_rank_and_ends_bitwise(tmp_path):
-    """A 2-rank launch where rank 1 SIGKILLs itself after step 7 (checkpoints every 3 steps), --max-restarts 1:
-    the launcher restarts the job from ckpt-6 (logged in restarts.jsonl with its cause) and it ends with
+    """A 2-rank launch where rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps), --max-restarts 1:
+    the launcher restarts the job from ckpt-2 (logged in restarts.jsonl with its cause) and it ends with
     variables bitwise equal to an uninterrupted 2-rank run with the same checkpoints."""
-    p = _launch(tmp_path, "chaos", "--max-restarts", "1", env={"MESHTORCH_FAULT": "7:SIGKILL:1"})
+    p = _launch(tmp_path, "chaos", "--max-restarts", "1", env={"MESHTORCH_FAULT": "3:SIGKILL:1"})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     run = tmp_path / "runs" / "chaos"
     assert "rank 1 failed first (killed by signal SIGKILL)" in out, out
-    assert f"restart 1 of 1: after rank 1 killed by signal SIGKILL, resuming from {run / 'ckpt' / 'ckpt-6'}" in out
+    assert f"restart 1 of 1: after rank 1 killed by signal SIGKILL, resuming from {run / 'ckpt' / 'ckpt-2'}" in out
     (log,) = [json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines()]
     assert log["attempt"] == 1 and log["cause"] == "rank 1 killed by signal SIGKILL", log
-    assert log["resume_from"] == str(run / "ckpt" / "ckpt-6") and log["exit_statuses"][1] == -9, log
+    assert log["resume_from"] == str(run / "ckpt" / "ckpt-2") and log["exit_statuses"][1] == -9, log
     ref = _launch(tmp_path, "ref")
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    got, want = _ckpt_tensors(run / "ckpt" / "ckpt-10"), _ckpt_tensors(tmp_path / "runs" / "ref" / "ckpt" / "ckpt-10")
+    got, want = _ckpt_tensors(run / "ckpt" / "ckpt-6"), _ckpt_tensors(tmp_path / "runs" / "ref" / "ckpt" / "ckpt-6")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
