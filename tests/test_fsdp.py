@@ -5,7 +5,8 @@ replicated data parallel, FSDP over ``data`` and FSDP + tensor parallel, on the 
 
 Tolerances (measured 2026-11-23): the layouts differ from each other only in float32 summation order;
 over 20 steps the largest relative loss difference from replicated data parallel was 1.9e-7 on the
-placement mesh and 2.5e-7 on the gloo ranks, so 1e-6 holds with margin.
+placement mesh and 2.5e-7 on the gloo ranks, so 1e-6 holds with margin; the tests run 10 steps (since 2026-11-28,
+to halve the 4-rank job), where the summation-order differences have had fewer steps to grow.
 """
 
 from __future__ import annotations
