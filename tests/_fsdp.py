@@ -1,7 +1,7 @@
 """The FSDP acceptance runs of tests/test_fsdp.py, importable inside the gloo processes (run_spmd workers).
 
 One tiny LM, three layouts (replicated data parallel; FSDP over ``data``; FSDP + tensor parallel on
-``data:2,model:2``), two optimizers (AdamW with global-norm clipping; Adafactor), 20 steps each.
+``data:2,model:2``), two optimizers (AdamW with global-norm clipping; Adafactor), 10 steps each.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from meshtorch.models.transformer import build_lm, preset
 
 CFG = preset("tiny", vocab_size=30, vocab_multiple=4, d_model=16, num_heads=4, d_kv=4, d_ff=32, num_layers=2,
              length=8, batch_size=4)
-STEPS = 20
+STEPS = 10
 TP = "batch:data;heads:model;d_ff:model;vocab:model"
 # name -> (mesh shape, compute rules, storage rules)
 LAYOUTS = {

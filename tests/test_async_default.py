@@ -16,9 +16,17 @@ CALLS = ["allreduce_big", "allreduce_small", "bucket_big", "bucket_small", "allg
 
 
 @pytest.fixture(scope="module")
-def jobs():
-    return {a: run_spmd("_async_jobs:default_cpu_policy", args=(a,), nprocs=2, timeout_s=300,
-                        extra_path=[TESTS_DIR]).check().results for a in (None, True, False)}
+def jobs(once_per_run):
+    """{async_collectives setting: per-rank results}: the three settings one after another in one 2-rank job."""
+    settings = (None, True, False)
+
+    def run():
+        tasks = [("_async_jobs:default_cpu_policy", (a,)) for a in settings]
+        results = run_spmd("meshtorch.testing.spmd:run_tasks", args=(tasks,), nprocs=2, timeout_s=300,
+                           extra_path=[TESTS_DIR]).check().results
+        return {a: [per_rank[i] for per_rank in results] for i, a in enumerate(settings)}
+
+    return once_per_run("test_async_default", run)
 
 
 @pytest.mark.parametrize("setting, expected", [

@@ -177,9 +177,9 @@ def test_allreduce_sums_partial_full_tensors(mesh_shape):
 
 # ============================================================ (b) SPMD (4 gloo ranks) vs placement
 @pytest.fixture(scope="module")
-def spmd_results():
-    run = run_spmd("_collectives_cases:spmd_worker", nprocs=4, timeout_s=240, extra_path=[TESTS_DIR]).check()
-    return run.results
+def spmd_results(once_per_run):
+    return once_per_run("test_collectives_spmd", lambda: run_spmd(
+        "_collectives_cases:spmd_worker", nprocs=4, timeout_s=240, extra_path=[TESTS_DIR]).check().results)
 
 
 @pytest.mark.parametrize("functional", [False, True], ids=["c10d", "functional"])

@@ -193,9 +193,9 @@ def test_refused_run_leaves_no_directories(tmp_path, capsys):
     assert not runs_dir.exists(), sorted(str(p) for p in runs_dir.rglob("*"))
 
 
-def _launch(tmp_path, name, *extra, env=None, steps=10):
+def _launch(tmp_path, name, *extra, env=None, steps=6):
     argv = [sys.executable, "-m", "meshtorch", "launch", "-n", "2", "--timeout", "20", *extra, "--", "train", *TINY,
-            "--mesh", "all:2", "--layout", "batch:all", "--steps", str(steps), "--checkpoint-every", "3",
+            "--mesh", "all:2", "--layout", "batch:all", "--steps", str(steps), "--checkpoint-every", "2",
             "--runs-dir", str(tmp_path / "runs"), "--run-name", name]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=SRC, **(env or {})))
@@ -203,21 +203,21 @@ def _launch(tmp_path, name, *extra, env=None, steps=10):
 
 @pytest.mark.slow
 def test_launcher_restarts_a_killed_rank_and_ends_bitwise(tmp_path):
-    """A 2-rank launch where rank 1 SIGKILLs itself after step 7 (checkpoints every 3 steps), --max-restarts 1:
-    the launcher restarts the job from ckpt-6 (logged in restarts.jsonl with its cause) and it ends with
+    """A 2-rank launch where rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps), --max-restarts 1:
+    the launcher restarts the job from ckpt-2 (logged in restarts.jsonl with its cause) and it ends with
     variables bitwise equal to an uninterrupted 2-rank run with the same checkpoints."""
-    p = _launch(tmp_path, "chaos", "--max-restarts", "1", env={"MESHTORCH_FAULT": "7:SIGKILL:1"})
+    p = _launch(tmp_path, "chaos", "--max-restarts", "1", env={"MESHTORCH_FAULT": "3:SIGKILL:1"})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     run = tmp_path / "runs" / "chaos"
     assert "rank 1 failed first (killed by signal SIGKILL)" in out, out
-    assert f"restart 1 of 1: after rank 1 killed by signal SIGKILL, resuming from {run / 'ckpt' / 'ckpt-6'}" in out
+    assert f"restart 1 of 1: after rank 1 killed by signal SIGKILL, resuming from {run / 'ckpt' / 'ckpt-2'}" in out
     (log,) = [json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines()]
     assert log["attempt"] == 1 and log["cause"] == "rank 1 killed by signal SIGKILL", log
-    assert log["resume_from"] == str(run / "ckpt" / "ckpt-6") and log["exit_statuses"][1] == -9, log
+    assert log["resume_from"] == str(run / "ckpt" / "ckpt-2") and log["exit_statuses"][1] == -9, log
     ref = _launch(tmp_path, "ref")
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    got, want = _ckpt_tensors(run / "ckpt" / "ckpt-10"), _ckpt_tensors(tmp_path / "runs" / "ref" / "ckpt" / "ckpt-10")
+    got, want = _ckpt_tensors(run / "ckpt" / "ckpt-6"), _ckpt_tensors(tmp_path / "runs" / "ref" / "ckpt" / "ckpt-6")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -268,16 +268,16 @@ def mtf_manifest(ckpt):
 
 
 @pytest.mark.slow
-def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys):
-    """A 4-rank gloo run (storage d_model:data) to step 14, checkpoints every 2; a 2-rank run resumes its ckpt-4
-    and saves ckpt-8; one process resumes that to step 14. Each resume reports what changed (mesh, processes)
-    at the same data position; the losses of steps 5-14 (10 steps) equal the 4-rank run's within float32 rounding;
-    each restore is bitwise; 4 ranks resume the one-process run's ckpt-10 (back up) and its steps 11-14 equal the
-    4-rank run's within float32 rounding; a model change is refused."""
+def test_resume_1_process_then_4_ranks_then_2_then_1_with_fsdp_storage(tmp_path, capsys):
+    """One process trains the reference run to step 8 (storage d_model:data, checkpoints every 2); 4 gloo ranks
+    resume its ckpt-2 and save ckpt-4; 2 ranks resume that and save ckpt-6; one process resumes that to step 8.
+    Each resume reports what changed (mesh, processes) at the same data position; the losses of steps 3-8 (2 steps
+    on each process count) equal the reference run's within float32 rounding; each restore is bitwise; a model
+    change is refused."""
     lm = [*TINY[:TINY.index("--mesh")], "--schedule", "constant", "--layout", "batch:data", "--storage",
-          "d_model:data", "--steps", "14", "--checkpoint-every", "2", "--eval-every", "100", "--keep", "10"]
+          "d_model:data", "--steps", "8", "--checkpoint-every", "2", "--eval-every", "100", "--keep", "10"]
     env = dict(os.environ, PYTHONPATH=SRC)
-    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    ref, a, b, c = tmp_path / "ref", tmp_path / "a", tmp_path / "b", tmp_path / "c"
 
     def launch(n, *extra):
         p = subprocess.run([sys.executable, "-m", "meshtorch", "launch", "-n", str(n), "--timeout", "30", "--",
@@ -286,36 +286,30 @@ def test_resume_4_ranks_then_2_then_1_process_with_fsdp_storage(tmp_path, capsys
         assert p.returncode == 0, p.stdout + p.stderr
         return p.stdout
 
-    launch(4, "--checkpoint-dir", str(a))
-    out = launch(2, "--checkpoint-dir", str(b), "--resume-from", str(a / "ckpt-4"), "--steps", "8")
+    assert main(["train", *lm, "--mesh", "data:2", "--checkpoint-dir", str(ref)]) == 0
+    out = launch(4, "--checkpoint-dir", str(a), "--resume-from", str(ref / "ckpt-2"), "--steps", "4")
+    assert (f"resumed from {ref / 'ckpt-2'} at step 2 (epoch 0, batch 2); mesh 'data:2' -> 'data:4', "
+            "processes 1 -> 4") in out, out
+    out = launch(2, "--checkpoint-dir", str(b), "--resume-from", str(a / "ckpt-4"), "--steps", "6")
     assert (f"resumed from {a / 'ckpt-4'} at step 4 (epoch 0, batch 4); mesh 'data:4' -> 'data:2', "
             "processes 4 -> 2") in out, out
     capsys.readouterr()
     assert main(["train", *lm, "--mesh", "data:2", "--checkpoint-dir", str(c), "--resume-from",
-                 str(b / "ckpt-8")]) == 0
+                 str(b / "ckpt-6")]) == 0
     out = capsys.readouterr().out
-    assert f"resumed from {b / 'ckpt-8'} at step 8 (epoch 0, batch 8); processes 2 -> 1" in out, out
-    want, got = _history(str(a / "ckpt-14"))["loss"], _history(str(c / "ckpt-14"))["loss"]
-    assert len(want) == len(got) == 14 and got[:4] == want[:4]
-    rel = max(abs(x - y) / abs(y) for x, y in zip(got[4:], want[4:], strict=True))
+    assert f"resumed from {b / 'ckpt-6'} at step 6 (epoch 0, batch 6); processes 2 -> 1" in out, out
+    want, got = _history(str(ref / "ckpt-8"))["loss"], _history(str(c / "ckpt-8"))["loss"]
+    assert len(want) == len(got) == 8 and got[:2] == want[:2]
+    rel = max(abs(x - y) / abs(y) for x, y in zip(got[2:], want[2:], strict=True))
     with capsys.disabled():
-        print(f"4 -> 2 -> 1 processes: steps 5-14 losses, max relative difference to the 4-rank run {rel:.2e}")
+        print(f"1 -> 4 -> 2 -> 1 processes: steps 3-8 losses, max relative difference to the one-process run {rel:.2e}")
     assert rel <= 1e-6, (got, want)
     # each restore itself is exact: a lowering on the next run's layout holds the checkpoint's values bitwise
+    _restores_bitwise(str(ref / "ckpt-2"), "data:4")
     _restores_bitwise(str(a / "ckpt-4"), "data:2")
-    _restores_bitwise(str(b / "ckpt-8"), "data:2")
-    # and back up: 4 ranks resume the one-process run's ckpt-10 and end where the 4-rank run ended
-    out = launch(4, "--checkpoint-dir", str(tmp_path / "e"), "--resume-from", str(c / "ckpt-10"))
-    assert (f"resumed from {c / 'ckpt-10'} at step 10 (epoch 0, batch 10); mesh 'data:2' -> 'data:4', "
-            "processes 1 -> 4") in out, out
-    back = _history(str(tmp_path / "e" / "ckpt-14"))["loss"]
-    assert back[:10] == got[:10]
-    rel = max(abs(x - y) / abs(y) for x, y in zip(back[10:], want[10:], strict=True))
-    with capsys.disabled():
-        print(f"1 -> 4 processes: steps 11-14 losses, max relative difference to the 4-rank run {rel:.2e}")
-    assert rel <= 1e-6, (back, want)
+    _restores_bitwise(str(b / "ckpt-6"), "data:2")
     assert main(["train", *lm, "--mesh", "data:2", "--d-model", "64", "--checkpoint-dir", str(tmp_path / "d"),
-                 "--resume-from", str(b / "ckpt-8")]) == 2
+                 "--resume-from", str(b / "ckpt-6")]) == 2
     assert "--d-model 64 differs from the resumed run's 32" in capsys.readouterr().err
 
 

@@ -111,12 +111,11 @@ def test_ring_buffer_dump_and_report():
 
 
 @pytest.fixture(scope="module")
-def gloo():
+def gloo(once_per_run):
     names = ["dp", "dp_buckets", "tp", "fsdp", "fsdp_buckets_prefetch", "fsdp_tp_buckets_prefetch2",
              "fsdp_tp_compiled"]
-    job = run_spmd("_recorder_jobs:spmd_worker", args=(names,), nprocs=4, timeout_s=600,
-                   extra_path=[TESTS_DIR]).check()
-    return names, job.results
+    return names, once_per_run("test_flight_recorder_gloo", lambda: run_spmd(
+        "_recorder_jobs:spmd_worker", args=(names,), nprocs=4, timeout_s=600, extra_path=[TESTS_DIR]).check().results)
 
 
 def test_gloo_ranks_execute_the_planned_collectives(gloo):

@@ -22,11 +22,14 @@ RESTORE_ONTO = [("", "", ""), ("data:2,model:2", TP, "d_ff:data;vocab:data")]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("fsdp") / "ckpt")
-    results = run_spmd("_fsdp:ckpt_save_worker", args=(root,), nprocs=4, timeout_s=300,
-                       extra_path=[TESTS_DIR]).check().results
-    return root, results
+def saved(tmp_path_factory, once_per_run):
+    """(checkpoint directory, per-rank results); once per test run: the tests only read the checkpoint."""
+    def save():
+        root = str(tmp_path_factory.mktemp("fsdp") / "ckpt")
+        return root, run_spmd("_fsdp:ckpt_save_worker", args=(root,), nprocs=4, timeout_s=300,
+                              extra_path=[TESTS_DIR]).check().results
+
+    return once_per_run("test_fsdp_checkpoint_saved", save)
 
 
 def _uninterrupted():

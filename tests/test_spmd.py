@@ -33,8 +33,12 @@ JOB_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def job():
-    """The one 4-process job: (op suite report, initial values, feed results, wall seconds)."""
+def job(once_per_run):
+    """The one 4-process job (once per test run): (op suite report, initial values, feed results, wall seconds)."""
+    return once_per_run("test_spmd_job", _job)
+
+
+def _job():
     tasks = [("meshtorch.testing.spmd:op_suite_worker", (OP_MODULES,)),
              ("spmd_helper:init_values_worker", ()),
              ("spmd_helper:feeds_worker", ()),

@@ -1,5 +1,6 @@
 """The MNIST job and ``meshtorch train`` as 4 gloo processes (SpmdMeshImpl, per-rank feeds) vs one
-process on the simulated mesh (PlacementMeshImpl): same step losses, same accuracy, main-only output."""
+process on the simulated mesh (PlacementMeshImpl): same step losses, same accuracy, main-only output. The
+4-rank runs are the tasks of one job (``ranks``): one start of 4 processes instead of four."""
 
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ from meshtorch.testing.spmd import run_spmd
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MESH, LAYOUT = "rows:2;cols:2", "batch:rows;hidden:cols"
+CONV_MESH = ("b1:2;b2:2", "row_blocks:b1;col_blocks:b2")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, once_per_run):
+    """The one 4-rank job of this module (one process start for four checks, once per test run): (the directory
+    the ``train`` task checkpointed to, {task: per-rank results})."""
+    def run():
+        ckpt = str(tmp_path_factory.mktemp("train") / "spmd")
+        tasks = {"mnist": ("_spmd_jobs:mnist_worker", (MESH, LAYOUT)),
+                 "mnist_conv": ("_spmd_jobs:mnist_conv_worker", (*CONV_MESH, "gelu")),
+                 "train": ("_spmd_jobs:train_worker", (ckpt,)),
+                 "train_compile": ("_spmd_jobs:train_compile_worker", ())}
+        results = run_spmd("meshtorch.testing.spmd:run_tasks", args=(list(tasks.values()),), nprocs=4,
+                           timeout_s=700, extra_path=[TESTS_DIR]).check().results
+        return ckpt, {name: [per_rank[i] for per_rank in results] for i, name in enumerate(tasks)}
+
+    return once_per_run("test_spmd_jobs_ranks", run)
 
 
 def _rel(a, b) -> float:
@@ -21,9 +40,8 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def test_mnist_spmd_losses_equal_placement():
-    run = run_spmd("_spmd_jobs:mnist_worker", args=(MESH, LAYOUT), nprocs=4, timeout_s=120,
-                   extra_path=[TESTS_DIR]).check()
+def test_mnist_spmd_losses_equal_placement(ranks):
+    results = ranks[1]["mnist"]
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -31,20 +49,17 @@ def test_mnist_spmd_losses_equal_placement():
     finally:
         torch.set_num_threads(n)
     assert len(ref.step_losses) == 20
-    for rank, (losses, acc, lines) in enumerate(run.results):
+    for rank, (losses, acc, lines) in enumerate(results):
         assert len(losses) == 20, rank
         assert _rel(losses, ref.step_losses) <= 1e-5, (rank, losses, ref.step_losses)
         assert acc == ref.epochs[0].test_accuracy, (rank, acc)
         # only the main process logs
         assert (len(lines) == 2) == (rank == 0), (rank, lines)
-    assert "processes 4" in run.results[0][2][0]
+    assert "processes 4" in results[0][2][0]
 
 
-def test_mnist_conv_spmd_equals_placement():
+def test_mnist_conv_spmd_equals_placement(ranks):
     """Spatial partitioning as 4 gloo processes: the halo rows travel between ranks; same losses as placement."""
-    mesh, layout = "b1:2;b2:2", "row_blocks:b1;col_blocks:b2"
-    run = run_spmd("_spmd_jobs:mnist_conv_worker", args=(mesh, layout, "gelu"), nprocs=4, timeout_s=120,
-                   extra_path=[TESTS_DIR]).check()
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -52,16 +67,15 @@ def test_mnist_conv_spmd_equals_placement():
     finally:
         torch.set_num_threads(n)
     assert len(ref.step_losses) == 6
-    for rank, (losses, acc) in enumerate(run.results):
+    for rank, (losses, acc) in enumerate(ranks[1]["mnist_conv"]):
         assert _rel(losses, ref.step_losses) <= 1e-5, (rank, losses, ref.step_losses)
         assert acc == ref.epochs[0].test_accuracy, (rank, acc)
 
 
 @pytest.mark.slow
-def test_train_compile_spmd_equals_placement(capsys):
+def test_train_compile_spmd_equals_placement(ranks, capsys):
     """``meshtorch train --compile`` on 4 gloo ranks (data:2,model:2, collectives inside the compiled step,
     asynchronous, bucketed) gives the placement run's losses (generated function, not compiled) to 1e-5."""
-    run = run_spmd("_spmd_jobs:train_compile_worker", nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
     args = J.train_args(["--dropout", "0", "--sample", "0"])
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -70,7 +84,7 @@ def test_train_compile_spmd_equals_placement(capsys):
     finally:
         torch.set_num_threads(n)
     capsys.readouterr()
-    for rank, (losses, val, compile_seconds, breaks) in enumerate(run.results):
+    for rank, (losses, val, compile_seconds, breaks) in enumerate(ranks[1]["train_compile"]):
         assert compile_seconds and all(compile_seconds), (rank, compile_seconds)  # every plan was compiled
         assert breaks == {}, (rank, breaks)
         assert _rel(losses, h["loss"]) <= 1e-5, (rank, losses, h["loss"])
@@ -87,25 +101,24 @@ def _one_thread(args) -> dict:
         torch.set_num_threads(n)
 
 
-def test_train_spmd_equals_placement(tmp_path, capsys):
-    run = run_spmd("_spmd_jobs:train_worker", args=(str(tmp_path / "spmd"),), nprocs=4, timeout_s=150,
-                   extra_path=[TESTS_DIR]).check()
+def test_train_spmd_equals_placement(ranks, tmp_path, capsys):
+    spmd_dir, results = ranks[0], ranks[1]["train"]
     ref = _one_thread(J.train_args(["--checkpoint-dir", str(tmp_path / "placement")]))
     ref_out = capsys.readouterr().out
     h = ref["history"]
     assert len(h["loss"]) == 5 and len(h["val_loss"]) == 1
-    for rank, (losses, val, ids, out) in enumerate(run.results):
+    for rank, (losses, val, ids, out) in enumerate(results):
         assert _rel(losses, h["loss"]) <= 1e-5, (rank, losses, h["loss"])
         assert _rel(val, h["val_loss"]) <= 1e-5, (rank, val, h["val_loss"])
         assert ids == ref["sample_ids"] and len(ids) == 6, rank
         assert (out != "") == (rank == 0), (rank, out)  # only the main process prints
-    assert "validation:" in run.results[0][3] and "sample:" in run.results[0][3] and "sample:" in ref_out
+    assert "validation:" in results[0][3] and "sample:" in results[0][3] and "sample:" in ref_out
 
     # the checkpoint the 4 ranks saved restores on one process with the placement run's values
     import meshtorch as mtf
     lw, lm = ref["lowering"], ref["lm"]
     twin = mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl("", "")})
-    assert mtf.restore(twin, str(tmp_path / "spmd"))["step"] == 5
+    assert mtf.restore(twin, spmd_dir)["step"] == 5
     for name in lw.variable_names:
         a, b = twin.variable_value(name), lw.variable_value(name)
         if a.dtype.is_floating_point:
