@@ -63,16 +63,15 @@ COMPILED_BUCKETS = [0, 1 << 20]  # single collectives, buckets
 
 
 @pytest.fixture(scope="module")
-def gloo_ranks():
-    """One start of 4 gloo ranks for the two gloo tests of this file (run them on one xdist worker:
-    ``xdist_group``): per rank, ``(compiled capture results per bucket size, bucket worker results)``."""
-    job = run_spmd("_executor_jobs:gloo_jobs", args=((3, *COMPILED, COMPILED_BUCKETS, "aot_eager"), (3, 1 << 20)),
-                   nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check()
-    return job.results
+def gloo_ranks(once_per_run):
+    """One start of 4 gloo ranks for the two gloo tests of this file (once per test run: ``once_per_run``): per
+    rank, ``(compiled capture results per bucket size, bucket worker results)``."""
+    return once_per_run("test_executors_gloo", lambda: run_spmd(
+        "_executor_jobs:gloo_jobs", args=((3, *COMPILED, COMPILED_BUCKETS, "aot_eager"), (3, 1 << 20)),
+        nprocs=4, timeout_s=400, extra_path=[TESTS_DIR]).check().results)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group(name="test_executors_gloo")
 def test_compiled_spmd_program_is_one_graph_with_functional_collectives(gloo_ranks):
     """On 4 gloo ranks a compiled step (FSDP storage over ``rows``, tensor parallel over ``cols``:
     all-gathers, reduce-scatters and all-reduces, single or in buckets) is one dynamo graph per rank,
@@ -106,7 +105,6 @@ def test_unknown_mode_is_refused_before_planning():
         mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("", "")}, mode="compile", compile_backend="fast-inductor")
 
 
-@pytest.mark.xdist_group(name="test_executors_gloo")
 def test_gradient_buckets_give_the_same_numbers_and_counters(gloo_ranks):
     """DDP-style buckets: the two gradient all-reduces of a data-parallel step become one call; results,
     variables and collective records are those of one call per gradient (placement and 4 gloo ranks)."""

@@ -255,15 +255,15 @@ PARAMETER_CASES = [(0, "pipe:4", ""), (4, "pipe:4", "stage:pipe"), (4, "pipe:4",
 
 
 @pytest.fixture(scope="module")
-def gloo_ranks():
-    """One start of 4 gloo ranks for the two tests below (run them on one xdist worker: ``xdist_group``):
+def gloo_ranks(once_per_run):
+    """One start of 4 gloo ranks for the two tests below (once per test run: ``once_per_run``):
     ``(pipeline_worker results, parameter_bytes_worker results)``, each a list over the ranks."""
-    run = run_spmd("_pipeline_jobs:pipeline_and_parameter_bytes_worker", args=(PARAMETER_CASES,), nprocs=4,
-                   timeout_s=400, extra_path=[TESTS_DIR]).check()
-    return [r[0] for r in run.results], [r[1] for r in run.results]
+    results = once_per_run("test_pipeline_gloo", lambda: run_spmd(
+        "_pipeline_jobs:pipeline_and_parameter_bytes_worker", args=(PARAMETER_CASES,), nprocs=4,
+        timeout_s=400, extra_path=[TESTS_DIR]).check().results)
+    return [r[0] for r in results], [r[1] for r in results]
 
 
-@pytest.mark.xdist_group(name="test_pipeline_gloo")
 def test_pipeline_on_4_gloo_ranks_equals_unpipelined(gloo_ranks):
     """Two configurations as 4 gloo processes (SpmdMeshImpl): loss and gradients equal the unpipelined LM's on one
     processor; executed neighbour exchanges as the schedule needs (one step: forward + backward)."""
@@ -289,7 +289,6 @@ def memory_config(S):
                   batch_size=8, pipeline_stages=S, microbatches=max(S, 1))
 
 
-@pytest.mark.xdist_group(name="test_pipeline_gloo")
 def test_parameter_memory_per_rank_with_4_stages(gloo_ranks):
     """Parameter bytes each of 4 gloo ranks holds: with ``stage:pipe;vocab:pipe`` at most 1.05 / 4 of the
     unpipelined model's (replicated on every rank); without ``vocab:pipe`` the embeddings stay replicated over
