@@ -92,13 +92,15 @@ def check_pipeline(cfg, model: HFModelConfig, world: int) -> None:
     process count.
 
     Raises:
-        UsageError: naming ``--layout`` / ``--pipeline-schedule`` and ``--init-from``.
+        UsageError: naming ``--layout`` (or ``--pipeline-stages``) / ``--pipeline-schedule`` and ``--init-from``.
     """
     if (cfg.pipeline_stages or 0) <= 1:
         return
     if model.encoder_decoder:
-        raise UsageError(f"--layout {cfg.layout!r}: 'stage' cannot be used with --init-from a T5 directory (the "
-                         "encoder-decoder model is not pipelined); drop the stage rule.")
+        flag = (f"--layout {cfg.layout!r}: 'stage'" if "stage" in str(cfg.layout or "")
+                else f"--pipeline-stages {cfg.pipeline_stages}")
+        raise UsageError(f"{flag} cannot be used with --init-from a T5 directory (the encoder-decoder model is not "
+                         "pipelined); drop the pipeline flags.")
     if model.tied and cfg.pipeline_schedule not in (None, "gpipe") and world > 1:
         raise UsageError(f"--pipeline-schedule {cfg.pipeline_schedule} cannot be combined with --init-from a model "
                          "with tied embeddings under torchrun (its first and last stages' processes would update "
