@@ -40,9 +40,10 @@ def _better(d, c):
 
 
 def _ruled_out(d, c):
-    """Independently: significantly more rounds above 0.95 than below (the gain is not 5%, p <= 5%)."""
+    """Independently: significantly more rounds above 0.95 than below (the gain is not 5%, p <= 12.5%, the
+    most 3 rounds allow)."""
     r = np.asarray(c[:len(d)]) / np.asarray(d[:len(c)])
-    return _sign_p(int((r > 0.95).sum()), len(r)) <= 0.05
+    return _sign_p(int((r > 0.95).sum()), len(r)) <= 0.125
 
 
 def _held(plans, log):
@@ -75,7 +76,7 @@ def test_race_chooses_a_consistent_gain_the_spread_rule_kept():
     assert log == [0, 1, 1, 0] * (got.rounds // 2) + [0, 1] * (got.rounds % 2)
     assert _gain(d, c) < _margin(d, c)  # the old spread rule would have kept the default
     decision = autolayout.decide([h[0] for h in held])
-    assert decision.index == 1 and decision.reason.startswith("default replaced") and "gain interval [" in decision.reason
+    assert decision.index == 1 and decision.reason.startswith("default replaced") and "gain >= " in decision.reason
 
 
 def test_race_extends_a_challenger_faster_in_half_the_rounds_to_the_budget():
@@ -98,18 +99,18 @@ def test_race_extends_a_challenger_faster_in_half_the_rounds_to_the_budget():
 
 
 def test_race_drops_a_small_gain_and_a_slower_candidate_for_good():
-    """Candidate 1 is 3% faster in every round (below the 5% minimum) and candidate 2 starts close (0.95x) and
+    """Candidate 1 is 3% faster in every round (below the 5% minimum) and candidate 2 starts close (0.93x) and
     then steps at 2x: each drops out at the first round where it is ruled out (found here independently with the
     sign test on the rounds it had) and takes no step after; with every other dropped the default is kept."""
     log = []
-    plan2 = [t * 0.95 for t in LOAD[:3]] + [t * 2 for t in LOAD[3:]] + [1.7] * 100
+    plan2 = [t * 0.93 for t in LOAD[:3]] + [t * 2 for t in LOAD[3:]] + [1.7] * 100
     held = _held([LOAD, [t * 0.97 for t in LOAD], plan2], log)
     got = race(held, 0.0)
     d = held[0][0].times
     for i in (1, 2):
         t = held[i][0].times
         n = next(k for k in range(3, 40) if _ruled_out(d[:k], t[:k]))
-        assert len(t) == n == got.dropped[i], i
+        assert len(t) == n == got.dropped[i] and (n == 3) == (i == 1), i  # 1: at once (never 5% faster)
         assert log.count(i) == n - 3
     assert got.stop == "kept" and autolayout.decide([h[0] for h in held]).index == 0
     assert _gain(d, held[1][0].times) > 0  # faster by the median, but not by 5%
