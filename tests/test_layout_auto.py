@@ -383,23 +383,23 @@ def test_layout_auto_under_torchrun_every_rank_chooses_the_slowest_ranks_fastest
 
 
 def test_layout_auto_ranks_decide_on_the_slowest_ranks_steps_alike(tmp_path):
-    """2 gloo ranks: on rank 0 alone the challenger is 30% faster with tight steps (it would replace the
-    default), on rank 1 its first 3 steps spread (the default would be kept: undecided); the rule and the race
-    run on the slowest rank's steps, so both ranks take the same number of steps and decide alike, with the same
-    reason. Two cases in one process group: "kept": rank 1's steps keep spreading and the default stays;
-    "raced": rank 1's later steps take 0.7 s, and the race (more steps than the first 3, on both ranks alike)
-    ends with the challenger beyond the margin."""
+    """2 gloo ranks: on rank 0 alone the challenger is 30% faster in every round (its first 5 rounds would
+    replace the default), on rank 1 its first 5 rounds would keep it; the rule and the race run on the slowest
+    rank's steps, so both ranks take the same number of steps and decide alike, with the same reason. Two cases
+    in one process group: "kept": rank 1's challenger is as fast as the default by the median (0.7, 1.0, 1.1 s
+    cycling) and the default stays; "raced": rank 1's challenger is slower in its first 2 rounds, then 0.7 s,
+    and the race (more steps than 5, on both ranks alike) ends with the challenger significantly faster."""
     from meshtorch.runtime.autolayout import Candidate, decide
     from meshtorch.testing.spmd import run_spmd
-    cases = {"kept": ([[1.0, 0.7], [1.0, [0.7, 0.95, 0.95]]], 0),
-             "raced": ([[1.0, 0.7], [1.0, [0.95, 0.95, 0.7] + [0.7] * 7]], 1)}
+    cases = {"kept": ([[1.0, 0.7], [1.0, [0.7, 1.0, 1.1]]], 0),
+             "raced": ([[1.0, 0.7], [1.0, [1.05, 1.05, 0.7] + [0.7] * 20]], 1)}
     res = run_spmd("_autolayout_jobs:decide_alike", (str(tmp_path), [t for t, _ in cases.values()]), nprocs=2,
                    timeout_s=300, extra_path=[os.path.dirname(os.path.abspath(__file__))]).check().results
     for k, (name, (_, chosen)) in enumerate(cases.items()):
         (lay0, calls0, steps0, said0), (lay1, calls1, steps1, said1) = (res[0][k], res[1][k])
         assert calls0 == calls1 and lay0 == lay1 == calls0[chosen], name  # the default: measured first
-        assert [len(t) for t in steps0] == [len(t) for t in steps1] and len(steps0[1]) > 3, name
-        own = [decide([Candidate(lay, "", None, False, 1.0, 0, default=i == 0, times=tuple(t[:3]))
+        assert [len(t) for t in steps0] == [len(t) for t in steps1] and len(steps0[1]) > 5, name
+        own = [decide([Candidate(lay, "", None, False, 1.0, 0, default=i == 0, times=tuple(t[:5]))
                        for i, (lay, t) in enumerate(zip(calls, steps, strict=True))]).index
                for calls, steps in ((calls0, steps0), (calls1, steps1))]
         assert own == [1, 0], name  # each rank's own first steps alone would decide differently
