@@ -232,7 +232,7 @@ def test_layout_auto_keeps_the_default_against_a_gain_within_the_noise(calibrati
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     d, c = timer.steps[:2]
-    r = [b / a for a, b in zip(d, c)]
+    r = [b / a for a, b in zip(d, c, strict=True)]
     n = next(k for k in range(3, 99) if _sign_p(sum(x > 0.95 for x in r[:k]), k) <= 0.125)
     assert len(d) == len(c) == n > 3 and "every other candidate dropped out" in out
     assert _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)

@@ -114,8 +114,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     slowest rank's seconds and the slowest rank's steps count (an all-reduce max), so all ranks choose alike.
     The table printed gives each candidate's predicted and median measured step, the range of its timed steps,
     how many timed steps it got, the choice, which dropped out, how many rounds the race ran and why it stopped,
-    and why the default was kept or replaced (the median gain, its confidence interval and the pairs). The choice is cached
-    (:func:`cache_file`) and read back by the next run of the same job, which then measures nothing.
+    and why the default was kept or replaced (the median gain, its confidence bounds and the pairs). The choice
+    is cached (:func:`cache_file`) and read back by the next run of the same job, which then measures nothing.
 
     Args:
         config: ``fn(vocab_multiple) -> LMConfig`` (the vocab is padded for whichever mesh axis splits it).

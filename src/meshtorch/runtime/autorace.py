@@ -52,7 +52,7 @@ def _order_rank(n: int, confidence: float) -> int | None:
 def paired_ratios(default_times, times) -> list[float]:
     """The paired ratios ``times[i] / default_times[i]`` (dimensionless; < 1: the candidate faster) of the rounds
     both took (step ``i`` of each comes from the same interleaved round; the shorter one's length)."""
-    return [t / d for d, t in zip(default_times, times) if d > 0]
+    return [t / d for d, t in zip(default_times, times, strict=False) if d > 0]
 
 
 @dataclass
