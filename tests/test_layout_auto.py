@@ -161,7 +161,7 @@ def test_layout_auto_trains_with_the_fastest_measured_candidate(calibration, cap
     assert fastest is timer.calls[2]  # and not the least first, single or mean step:
     assert {min(range(5), key=lambda i: f(steps[i])) for f in (lambda s: s[0], min, statistics.mean)} == {1, 3, 4}
     assert _chosen(out) == (fastest.layout, fastest.storage)
-    assert "default replaced: " in out and "beyond the margin" in out
+    assert "default replaced: " in out and "gain >= " in out and "sign test" in out
     assert "predicted ms" in out and "measured ms" in out and "range ms" in out and "chosen" in out
     timer2 = _FakeTimer([0.3, 0.1])  # with 1 candidate the default layout is measured as well
     monkeypatch.setattr(autolayout, "prepare_candidate", timer2)
@@ -186,55 +186,57 @@ def test_layout_auto_races_candidates_within_the_noise_on_for_more_steps(calibra
     assert fastest == 0 and _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
 
 
-def _margin(default_times, other_times):
-    """The gain a challenger needs, computed independently with NumPy: the larger of 5% and either one's
-    interquartile range (linear-interpolated percentiles) over its median."""
-    import numpy as np
-    return max(0.05, *((np.percentile(t, 75) - np.percentile(t, 25)) / np.median(t) for t in (default_times,
-                                                                                                 other_times)))
+def _sign_p(successes, n):
+    """One-sided sign-test p-value, computed independently: P(Binomial(n, 1/2) >= successes)."""
+    return sum(math.comb(n, j) for j in range(successes, n + 1)) / 2 ** n
 
 
-def test_decide_keeps_the_default_unless_a_candidate_is_faster_beyond_the_noise():
-    """:func:`autolayout.decide` on given step times: the default is replaced only when the least median of the
-    others is below the default's by the margin (the larger of 5% and either one's relative interquartile range);
-    ties and gains within the noise keep it, whatever the order; without a default the least median wins."""
+def test_decide_keeps_the_default_unless_a_candidate_is_significantly_faster_on_paired_rounds():
+    """:func:`autolayout.decide` on given step times (step i of each from the same round): the default is replaced
+    only when the least median paired ratio of the others is at least 5% below 1 and the sign test on the rounds
+    says faster at 95% (one-sided p <= 0.05, computed here independently); 3 rounds never suffice (p >= 1/8), ties
+    and gains under 5% keep it, whatever the order; without a default the least median wins."""
     from meshtorch.runtime.autolayout import Candidate, decide
 
     def cand(name, times, default=False):
         return Candidate(name, "", None, False, 1.0, 0, default=default, times=tuple(times))
-    noisy, close = [1.0, 0.9, 1.1], [0.97, 0.97, 0.97]  # 3% faster, the default's steps spread 10%
-    assert 1 - statistics.median(close) / statistics.median(noisy) < _margin(noisy, close) == pytest.approx(0.1)
-    for order in ([cand("c", close), cand("d", noisy, True)], [cand("d", noisy, True), cand("c", close)]):
+    tight, fast = [1.0, 1.01, 0.99], [0.70, 0.71, 0.69]  # 30% faster, but 3 rounds: p = 1/8
+    assert _sign_p(3, 3) > 0.05
+    for order in ([cand("c", fast), cand("d", tight, True)], [cand("d", tight, True), cand("c", fast)]):
         got = decide(order)
-        assert order[got.index].default and got.reason.startswith("default kept") and "margin 10.0%" in got.reason
-        assert got.undecided  # faster, within the noise: more steps could decide
-    tight, fast = [1.0, 1.01, 0.99], [0.70, 0.71, 0.69]  # 30% faster, tight
-    got = decide([cand("d", tight, True), cand("x", [0.9] * 3), cand("c", fast)])
+        assert order[got.index].default and got.reason.startswith("default kept") and got.undecided
+    load = [1.0, 1.4, 0.8, 1.2, 0.9]  # 5 rounds under a swinging load, the challenger 30% faster in each
+    assert _sign_p(5, 5) <= 0.05
+    got = decide([cand("d", load, True), cand("x", [t * 0.9 for t in load[:4]] + [1.0]),
+                  cand("c", [t * 0.7 for t in load])])
     assert got.index == 2 and got.reason.startswith("default replaced") and not got.undecided
-    assert 0.30 > _margin(tight, fast)
-    for ties in ([0.5] * 3, [0.49] * 3):  # a tie, and 2% faster with no spread at all: within the 5% minimum
-        got = decide([cand("c", ties), cand("d", [0.5] * 3, True)])
-        assert got.index == 1 and "default kept" in got.reason
-    wide = [0.6, 0.9, 1.3]  # 10% faster by the median, but its own steps spread 39%
-    assert 0.1 < _margin([1.0] * 3, wide)
-    assert decide([cand("d", [1.0] * 3, True), cand("c", wide)]).index == 0
+    assert "gain >= 30.0% at 95%" in got.reason  # the bound: the least of 5 gains, all 30%
+    for ties in ([0.5] * 5, [0.49] * 5):  # a tie, and 2% faster in every round: under the 5% minimum
+        got = decide([cand("c", ties), cand("d", [0.5] * 5, True)])
+        assert got.index == 1 and "default kept" in got.reason and not got.undecided  # ruled out
+    wide = [0.6, 0.9, 1.3, 0.8, 0.85]  # 15% faster by the median ratio, but slower in one of 5 rounds: p = 6/32
+    assert 1 - statistics.median(wide) >= 0.05 and _sign_p(4, 5) > 0.05
+    assert decide([cand("d", [1.0] * 5, True), cand("c", wide)]).index == 0
     assert decide([cand("a", [0.5] * 3), cand("b", [0.49] * 3)]).index == 1  # no default measured
     assert decide([cand("d", [1.0] * 3, True), cand("c", [0.2, math.inf, math.inf])]).index == 0  # gave up
 
 
 def test_layout_auto_keeps_the_default_against_a_gain_within_the_noise(calibration, capsys, monkeypatch):
-    """Through train: a candidate 3% faster than the default, whose steps spread 10%, does not replace it; both
-    race on (the default too) until the budget is spent, and the table says why the default was kept."""
+    """Through train: a candidate 3% faster than the default by the median, the default's steps spreading 10%
+    (paired ratios 0.97, 1.08, 0.88 cycling), does not replace it: both race on (the default too) until the
+    sign test rules it out (not 5% faster; found here independently), and the table says why the default was
+    kept."""
     from meshtorch.runtime import autolayout
     timer = _FakeTimer([[1.0, 0.9, 1.1], 0.97], rest=3.0)
     monkeypatch.setattr(autolayout, "prepare_candidate", timer)
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert len(timer.steps[0]) == len(timer.steps[1]) > 3 and "would exceed the budget" in out
-    margin = _margin(*timer.steps[:2])  # all the steps, the race's too: 20% once the quartiles are 0.9 and 1.1 s
-    assert 1 - statistics.median(timer.steps[1]) / statistics.median(timer.steps[0]) < margin
+    d, c = timer.steps[:2]
+    r = [b / a for a, b in zip(d, c, strict=True)]
+    n = next(k for k in range(3, 99) if _sign_p(sum(x > 0.95 for x in r[:k]), k) <= 0.125)
+    assert len(d) == len(c) == n > 3 and "every other candidate dropped out" in out
     assert _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
-    assert "default kept: " in out and f"within the margin {100 * margin:.1f}%" in out
+    assert "default kept: " in out and f"sign test, {n} pairs" in out
 
 
 def test_layout_auto_races_the_default_and_a_challenger_within_the_margin(calibration, capsys, monkeypatch):
@@ -248,7 +250,7 @@ def test_layout_auto_races_the_default_and_a_challenger_within_the_margin(calibr
     assert main(ARGS + ["--layout", "auto", "--threads", "1"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     first3 = [timer.steps[0][:3], timer.steps[1][:3]]
-    assert min(first3[0]) > statistics.median(first3[1]) > statistics.median(first3[0]) * (1 - _margin(*first3))
+    assert min(first3[0]) > statistics.median(first3[1])
     assert len(timer.steps[0]) == len(timer.steps[1]) > 3
     assert statistics.median(timer.steps[0]) < statistics.median(timer.steps[1])
     assert _chosen(out) == (timer.calls[0].layout, timer.calls[0].storage)
@@ -381,23 +383,23 @@ def test_layout_auto_under_torchrun_every_rank_chooses_the_slowest_ranks_fastest
 
 
 def test_layout_auto_ranks_decide_on_the_slowest_ranks_steps_alike(tmp_path):
-    """2 gloo ranks: on rank 0 alone the challenger is 30% faster with tight steps (it would replace the
-    default), on rank 1 its first 3 steps spread (the default would be kept: undecided); the rule and the race
-    run on the slowest rank's steps, so both ranks take the same number of steps and decide alike, with the same
-    reason. Two cases in one process group: "kept": rank 1's steps keep spreading and the default stays;
-    "raced": rank 1's later steps take 0.7 s, and the race (more steps than the first 3, on both ranks alike)
-    ends with the challenger beyond the margin."""
+    """2 gloo ranks: on rank 0 alone the challenger is 30% faster in every round (its first 5 rounds would
+    replace the default), on rank 1 its first 5 rounds would keep it; the rule and the race run on the slowest
+    rank's steps, so both ranks take the same number of steps and decide alike, with the same reason. Two cases
+    in one process group: "kept": rank 1's challenger is as fast as the default by the median (0.7, 1.0, 1.1 s
+    cycling) and the default stays; "raced": rank 1's challenger is slower in its first 2 rounds, then 0.7 s,
+    and the race (more steps than 5, on both ranks alike) ends with the challenger significantly faster."""
     from meshtorch.runtime.autolayout import Candidate, decide
     from meshtorch.testing.spmd import run_spmd
-    cases = {"kept": ([[1.0, 0.7], [1.0, [0.7, 0.95, 0.95]]], 0),
-             "raced": ([[1.0, 0.7], [1.0, [0.95, 0.95, 0.7] + [0.7] * 7]], 1)}
+    cases = {"kept": ([[1.0, 0.7], [1.0, [0.7, 1.0, 1.1]]], 0),
+             "raced": ([[1.0, 0.7], [1.0, [1.05, 1.05, 0.7] + [0.7] * 20]], 1)}
     res = run_spmd("_autolayout_jobs:decide_alike", (str(tmp_path), [t for t, _ in cases.values()]), nprocs=2,
                    timeout_s=300, extra_path=[os.path.dirname(os.path.abspath(__file__))]).check().results
     for k, (name, (_, chosen)) in enumerate(cases.items()):
         (lay0, calls0, steps0, said0), (lay1, calls1, steps1, said1) = (res[0][k], res[1][k])
         assert calls0 == calls1 and lay0 == lay1 == calls0[chosen], name  # the default: measured first
-        assert [len(t) for t in steps0] == [len(t) for t in steps1] and len(steps0[1]) > 3, name
-        own = [decide([Candidate(lay, "", None, False, 1.0, 0, default=i == 0, times=tuple(t[:3]))
+        assert [len(t) for t in steps0] == [len(t) for t in steps1] and len(steps0[1]) > 5, name
+        own = [decide([Candidate(lay, "", None, False, 1.0, 0, default=i == 0, times=tuple(t[:5]))
                        for i, (lay, t) in enumerate(zip(calls, steps, strict=True))]).index
                for calls, steps in ((calls0, steps0), (calls1, steps1))]
         assert own == [1, 0], name  # each rank's own first steps alone would decide differently

@@ -1,11 +1,13 @@
-"""``--layout auto``'s sequential race (issue 36, :func:`meshtorch.runtime.autorace.race`): while the challenger's
-gain over the default is inside the margin, the candidates in contention take more interleaved steps until the
-decision is clear or the budget is spent; a clearly faster challenger wins without more steps; a clearly slower
-candidate drops out and gets no more steps; the seconds spent stay within the budget. Step times are faked and
-the expected outcome computed independently with NumPy (linear-interpolated percentiles, medians, sums)."""
+"""``--layout auto``'s sequential race (issue 36, :func:`meshtorch.runtime.autorace.race`) and its paired rule
+(:func:`meshtorch.runtime.autorace.decide`): each interleaved round pairs the challenger's step with the default's;
+the default is replaced when the median paired ratio is at least 5% below 1 and the sign test says the challenger
+is faster at 95% (one-sided); the ruled out (significantly not 5% faster) drop out; undecided candidates race on
+to the budget. Step times are faked and the expected outcome computed independently: the sign test's p-value
+from binomial coefficients, medians and percentiles with NumPy."""
 
 import itertools
 import json
+import math
 import os
 import time
 
@@ -18,12 +20,30 @@ from meshtorch.runtime.autorace import race
 
 
 def _margin(a, b):
-    """The gain needed, computed independently: max(5%, either one's interquartile range over its median)."""
+    """The old rule's gain needed (issue 36's first race): max(5%, either one's IQR over its median)."""
     return max(0.05, *((np.percentile(t, 75) - np.percentile(t, 25)) / np.median(t) for t in (a, b)))
 
 
 def _gain(default, other):
     return 1 - np.median(other) / np.median(default)
+
+
+def _sign_p(successes, n):
+    """One-sided sign-test p-value: P(Binomial(n, 1/2) >= successes)."""
+    return sum(math.comb(n, j) for j in range(successes, n + 1)) / 2 ** n
+
+
+def _better(d, c):
+    """Independently: median paired gain >= 5% and significantly more rounds faster than slower (p <= 5%)."""
+    r = np.asarray(c[:len(d)]) / np.asarray(d[:len(c)])
+    return 1 - np.median(r) >= 0.05 and _sign_p(int((r < 1).sum()), len(r)) <= 0.05
+
+
+def _ruled_out(d, c):
+    """Independently: significantly more rounds above 0.95 than below (the gain is not 5%, p <= 12.5%, the
+    most 3 rounds allow)."""
+    r = np.asarray(c[:len(d)]) / np.asarray(d[:len(c)])
+    return _sign_p(int((r > 0.95).sum()), len(r)) <= 0.125
 
 
 def _held(plans, log):
@@ -38,54 +58,67 @@ def _held(plans, log):
     return out
 
 
-def test_race_extends_while_undecided_and_stops_at_the_budget():
-    """The challenger is 3% faster, inside the 10% margin the default's steps spread: both take more steps, one
-    each per round in alternating order (A B, B A, ...), until the next round would pass the budget (5% of 600
-    steps of the default's median: 30 s); the gain is still inside the margin at the end."""
+LOAD = [1.0, 1.4, 0.8, 1.2, 0.9, 1.3, 0.85]  # a host whose load swings 0.8-1.4 s a step, round by round
+
+
+def test_race_chooses_a_consistent_gain_the_spread_rule_kept():
+    """A challenger 10% faster (ratios 0.88-0.92 in every round) on a host whose load swings each round: the old
+    rule (gain beyond the steps' IQR over median) keeps the default, since the spread does not shrink with more
+    steps; the paired rule replaces it at the first round where the sign test reaches 95% (5 pairs), found here
+    independently; with 3 pairs it cannot, so the race extends (alternating A B / B A)."""
     log = []
-    held = _held([[1.0, 0.9, 1.1], [0.97]], log)
-    first = sum(sum(c.times) for c, _ in held)
-    got = race(held, first, share=0.05)
-    d, c = (np.array(c.times) for c, _ in held)
-    assert got.stop == "budget" and got.rounds > 0 and len(d) == len(c) == 3 + got.rounds
+    jitter = [0.9, 0.88, 0.92, 0.9, 0.91, 0.89, 0.9]
+    held = _held([LOAD, [t * j for t, j in zip(LOAD, jitter, strict=True)]], log)
+    got = race(held, 0.0)
+    d, c = (np.array(h[0].times) for h in held)
+    n = next(k for k in range(1, 30) if _better(d[:k], c[:k]))
+    assert got.stop == "replaced" and len(d) == len(c) == n == 3 + got.rounds and got.rounds > 0
     assert log == [0, 1, 1, 0] * (got.rounds // 2) + [0, 1] * (got.rounds % 2)
-    budget = 0.05 * 600 * np.median(d)  # from the default's median, all its steps
+    assert _gain(d, c) < _margin(d, c)  # the old spread rule would have kept the default
+    decision = autolayout.decide([h[0] for h in held])
+    assert decision.index == 1 and decision.reason.startswith("default replaced") and "gain >= " in decision.reason
+
+
+def test_race_extends_a_challenger_faster_in_half_the_rounds_to_the_budget():
+    """A challenger 10% faster in half the rounds and 10% slower in the others (its median of an odd count of
+    rounds can be 10% faster): never significant either way, it races on until the next round would pass the
+    budget (5% of 600 steps of the default's median), and the default is kept; the median alone (first 3 rounds:
+    0.9, 1.1, 0.9) would have replaced it."""
+    log = []
+    held = _held([[1.0], [0.9, 1.1]], log)
+    assert _gain([1.0] * 3, [0.9, 1.1, 0.9]) >= 0.05
+    got = race(held, sum(sum(h[0].times) for h in held), share=0.05)
+    d, c = (np.array(h[0].times) for h in held)
+    assert got.stop == "budget" and got.rounds > 0 and len(d) == len(c) == 3 + got.rounds
+    budget = 0.05 * 600 * np.median(d)
     assert got.budget_s == pytest.approx(budget)
     assert d.sum() + c.sum() <= budget < d.sum() + c.sum() + np.median(d) + np.median(c)
-    assert 0 < _gain(d, c) < _margin(d, c)
+    assert not _better(d, c) and not _ruled_out(d, c)
+    decision = autolayout.decide([h[0] for h in held])
+    assert decision.index == 0 and decision.reason.startswith("default kept") and decision.undecided
 
 
-def test_race_a_clearly_faster_challenger_wins_without_extension():
-    """A challenger 30% faster than the default with tight steps is beyond the margin after the first 3 steps:
-    no more rounds run (though another candidate, 3% faster, is inside the margin), and the rule replaces the
-    default."""
+def test_race_drops_a_small_gain_and_a_slower_candidate_for_good():
+    """Candidate 1 is 3% faster in every round (below the 5% minimum) and candidate 2 starts close (0.93x) and
+    then steps at 2x: each drops out at the first round where it is ruled out (found here independently with the
+    sign test on the rounds it had) and takes no step after; with every other dropped the default is kept."""
     log = []
-    held = _held([[1.0, 1.01, 0.99], [0.7, 0.71, 0.69], [0.97], [1.3]], log)
+    plan2 = [t * 0.93 for t in LOAD[:3]] + [t * 2 for t in LOAD[3:]] + [1.7] * 100
+    held = _held([LOAD, [t * 0.97 for t in LOAD], plan2], log)
     got = race(held, 0.0)
-    d, c, close = held[0][0].times, held[1][0].times, held[2][0].times
-    assert _gain(d, c) >= _margin(d, c) and 0 < _gain(d, close) < _margin(d, close)
-    assert got.stop == "replaced" and got.rounds == 0 and log == []
-    assert autolayout.decide([h[0] for h in held]).index == 1
-
-
-def test_race_drops_a_clearly_slower_candidate_for_good():
-    """Candidate 2 starts inside the margin (0.95 s against the default's ~1 s) and then steps at 2 s: it drops
-    out at the first round where its gain is below -margin (found here independently with NumPy on the steps
-    both had), and takes no step after; the default and candidate 1 (3% faster) race on to the budget."""
-    log = []
-    plan2 = [0.95] * 3 + [2.0] * 100
-    held = _held([[1.0, 0.9, 1.1], [0.97], plan2], log)
-    got = race(held, 0.0, share=0.1)
     d = held[0][0].times
-    n = next(k for k in range(3, len(d) + 1) if _gain(d[:k], plan2[:k]) <= -_margin(d[:k], plan2[:k]))
-    assert len(held[2][0].times) == n == got.dropped[2] and n > 3
-    assert log.count(2) == n - 3
-    assert len(d) == len(held[1][0].times) > n and got.stop == "budget"
+    for i in (1, 2):
+        t = held[i][0].times
+        n = next(k for k in range(3, 40) if _ruled_out(d[:k], t[:k]))
+        assert len(t) == n == got.dropped[i] and (n == 3) == (i == 1), i  # 1: at once (never 5% faster)
+        assert log.count(i) == n - 3
+    assert got.stop == "kept" and autolayout.decide([h[0] for h in held]).index == 0
+    assert _gain(d, held[1][0].times) > 0  # faster by the median, but not by 5%
 
 
 def test_choose_layout_respects_the_budget_share(tmp_path, monkeypatch, capsys):
-    """Through :func:`autolayout.choose_layout` with ``budget_share=0.05``: a default at 1 s and a challenger at
-    0.97 s (both without spread: the 5% floor is the margin) race until the next round would pass 5% of 600
+    """Through :func:`autolayout.choose_layout` with ``budget_share=0.05``: a default at 1 s and a challenger
+    faster (0.9 s) and slower (1.1 s) in alternate rounds (never decided) race until the next round would pass 5% of 600
     default steps; every step's seconds (builds faked at ~0) sum within it, and the next round (with the real
     seconds spent ranking) would not, the table gives each candidate's steps
     and says the budget stopped the race, and the default is kept."""
@@ -104,8 +137,8 @@ def test_choose_layout_respects_the_budget_share(tmp_path, monkeypatch, capsys):
     def prepare(config, mesh, c, **kw):
         took = []
         steps.append((c, took))
-        t = 1.0 if c.default else 0.97 if len(steps) == 2 else 5.0
-        return lambda: took.append(t) or t
+        plan = itertools.cycle([1.0] if c.default else [0.9, 1.1] if len(steps) == 2 else [5.0])
+        return lambda: took.append(next(plan)) or took[-1]
 
     monkeypatch.setattr(autolayout, "prepare_candidate", prepare)
     said, t0 = [], time.perf_counter()
@@ -117,8 +150,8 @@ def test_choose_layout_respects_the_budget_share(tmp_path, monkeypatch, capsys):
     d, c = np.array(steps[0][1]), np.array(steps[1][1])
     total = sum(sum(t) for _, t in steps)
     assert steps[0][0].default and layout == steps[0][0].layout
-    assert len(d) == len(c) > 3 and 0 < _gain(d, c) < _margin(d, c)
-    assert total <= 0.05 * 600 * 1.0 < total + real + 1.97
+    assert len(d) == len(c) > 3 and not _better(d, c) and not _ruled_out(d, c)
+    assert total <= 0.05 * 600 * 1.0 < total + real + 2.1
     table = said[-1]
     assert "steps" in table.splitlines()[0] and f"{len(d):>6}  chosen (default)" in table
     assert "would exceed the budget" in table and "default kept" in table

@@ -2,11 +2,12 @@
 (and, with ``--storage auto``, storage rules) within a memory limit; train's default layout, the best
 ``--auto-candidates`` and every layout predicted within the ranking's trust band of the best are then trained
 for a few steps each on the real mesh and backend (within a budget of 20% of a 600-step default run), and the
-run trains with the default layout unless the fastest measured beats it beyond the noise of the steps (a
-margin of at least 5%, :func:`decide`), so ``--layout auto`` does not trade the default for a layout that only a
-few noisy steps put ahead. While the steps cannot tell (a gain inside the margin), the default and the candidates
-still in contention race on for more interleaved steps, the clearly slower dropping out, until the decision is
-clear or the budget is spent (:mod:`meshtorch.runtime.autorace`). The choice is cached, so a second run of the
+run trains with the default layout unless a challenger is at least 5% faster by the median of its paired
+ratios to the default (steps of the same interleaved round) and significantly so (the sign test's 95% upper
+bound of that median below 1, :func:`decide`), so ``--layout auto`` does not trade the default for a layout that
+only a few noisy steps put ahead. While the rounds cannot tell, the default and the candidates not ruled out
+race on for more interleaved rounds, those ruled out dropping out, until the decision is clear or the budget
+is spent (:mod:`meshtorch.runtime.autorace`). The choice is cached, so a second run of the
 same job measures nothing.
 
 Mesh TF shipped a cost model over layouts (``auto_mtf``); measuring the model's best candidates on the machine
@@ -40,7 +41,7 @@ from meshtorch.models.transformer import build_lm
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.search import layout_key
-from meshtorch.runtime.autorace import BUDGET_SHARE, BUDGET_STEPS, MIN_GAIN, Race, budget_s, decide, race
+from meshtorch.runtime.autorace import BUDGET_SHARE, BUDGET_STEPS, CONFIDENCE, MIN_GAIN, Race, budget_s, decide, race
 from meshtorch.runtime.calibrate import _host_key, cache_path, calibrate
 from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, backend_options, pipeline_fields, plan_lm, why_line
 
@@ -101,10 +102,11 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch on the real mesh (:func:`prepare_candidate`),
     the later timed steps in interleaved rounds (so a load that comes and goes on the host hits all alike; one
     candidate after another under ``memory_limit``, so only one is held at a time); the default layout is kept
-    unless the least median timed step of the others is below the default's by the margin (the larger of
-    ``MIN_GAIN`` and either one's relative interquartile range of its steps, :func:`decide`). While that gain is
-    inside the margin (``-margin < gain < margin``), the default and every candidate inside it race on: one more
-    timed step each per interleaved round, in alternating order, the candidates slower beyond the margin dropping
+    unless a challenger is at least ``MIN_GAIN`` faster by the median of its paired ratios (its step over the
+    default's of the same interleaved round) and significantly faster: the sign test's one-sided ``CONFIDENCE``
+    upper bound of that median below 1 (:func:`decide`; F-race's blocked test, Birattari et al. 2002). While
+    undecided, the default and every candidate not ruled out race on: one more timed step each per interleaved
+    round, in alternating order, those ruled out (lower bound of the ratio above ``1 - MIN_GAIN``) dropping
     out for good, until the decision is clear or the next round would exceed the budget, now ``budget_share`` of
     ``BUDGET_STEPS`` of the default's median timed step (:func:`meshtorch.runtime.autorace.race`, as F-race and
     successive halving; not under ``memory_limit``, where only one candidate is held). Under torchrun
@@ -112,8 +114,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     slowest rank's seconds and the slowest rank's steps count (an all-reduce max), so all ranks choose alike.
     The table printed gives each candidate's predicted and median measured step, the range of its timed steps,
     how many timed steps it got, the choice, which dropped out, how many rounds the race ran and why it stopped,
-    and why the default was kept or replaced (the gain, the margin and the steps each side had). The choice is cached
-    (:func:`cache_file`) and read back by the next run of the same job, which then measures nothing.
+    and why the default was kept or replaced (the median gain, its confidence bounds and the pairs). The choice
+    is cached (:func:`cache_file`) and read back by the next run of the same job, which then measures nothing.
 
     Args:
         config: ``fn(vocab_multiple) -> LMConfig`` (the vocab is padded for whichever mesh axis splits it).
@@ -198,11 +200,11 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     for c in measured:
         c.times, at = tuple(flat[at:at + len(c.times)]), at + len(c.times)
     decision = decide(measured)
-    if measured[decision.index].note:  # dropped out of the race (slower beyond the margin then): not chosen
+    if measured[decision.index].note:  # dropped out of the race (ruled out then): not chosen
         pool = [c for c in measured if not c.note]
         decision = decide(pool)
         decision.index = next(i for i, c in enumerate(measured) if c is pool[decision.index])
-        decision.reason += "; the least median of all dropped out of the race earlier, as slower beyond the margin"
+        decision.reason += "; the best by the median dropped out of the race earlier, ruled out then"
     chosen = decision.index
     table = (_table(measured, chosen_ones[len(measured):], chosen) + f"\n  {raced.line(budget_share)}"
              + f"\n  {decision.reason}")
@@ -263,7 +265,7 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int, share: flo
     over the held candidates (a load that comes and goes hits all alike), else each candidate's steps run before
     the next is built (one held at a time, under ``--memory-limit``; no race then). Then the held candidates race
     (:func:`meshtorch.runtime.autorace.race`): while the decision is not clear, the default and the candidates
-    inside the margin take more interleaved steps, the clearly slower drop out, until it is or the budget (now
+    not ruled out take more interleaved steps, those ruled out drop out, until it is or the budget (now
     from the default's median timed step) is spent. Sets each measured candidate's ``times`` (and ``note`` for
     the dropped); returns the measured ones (a prefix of ``cands``) and what the race did. ``spent``: seconds
     already spent choosing (the ranking), counted against the budget."""
@@ -297,7 +299,7 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int, share: flo
         return done, Race(stop="none", spent_s=_max_over_ranks([spent], world)[0], dropped={})
     log = race(held, spent, share, agree=lambda v: _max_over_ranks(v, world))
     for i, n in log.dropped.items():
-        held[i][0].note = f"dropped after {n} steps: slower than the default beyond the margin"
+        held[i][0].note = f"dropped after {n} steps: ruled out (not 5% faster at 95% confidence)"
     return done, log
 
 
@@ -417,7 +419,8 @@ def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, micr
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
             "steps": [WARMUP_STEPS, TIMED_STEPS, budget_share, BUDGET_STEPS, MODEL_ERROR],
-            "rule": ["default unless faster beyond the steps' spread", MIN_GAIN, "raced while undecided"],
+            "rule": ["default unless faster by the sign test on paired rounds", MIN_GAIN, CONFIDENCE,
+                     "raced while undecided"],
             "precision": [policy.name, str(policy.reduce_dtype)]}
 
 

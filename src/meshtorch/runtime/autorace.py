@@ -1,15 +1,21 @@
 """``--layout auto``'s decision between measured candidates: the rule (:func:`decide`: the default layout unless a
-challenger is faster beyond the noise of the steps) and the sequential race that runs more interleaved steps
-while that rule cannot yet tell (:func:`race`).
+challenger is at least ``MIN_GAIN`` faster with statistical confidence, on paired steps) and the sequential race
+that runs more interleaved rounds while that rule cannot yet tell (:func:`race`).
 
 The race follows racing algorithms for configuration selection: F-race (Birattari, Stuetzle, Paquete and Varrentrapp,
 "A Racing Algorithm for Configuring Metaheuristics", GECCO 2002) and successive halving as used by Hyperband
 (Li, Jamieson, DeSalvo, Rostamizadeh and Talwalkar, JMLR 2018): every candidate still in contention takes one more
 step per round, the rounds interleaved (and in alternating order, A B / B A, so a load that drifts up or down hits
-both sides equally), candidates shown clearly worse drop out and get no more steps, and the race ends when the
-decision is clear or the time budget is spent. In place of F-race's Friedman test it uses :func:`decide`'s own
-margin (the larger of ``MIN_GAIN`` and the steps' relative interquartile range), so the race ends exactly when
-the rule that chooses can decide.
+both sides equally), candidates shown worse drop out and get no more steps, and the race ends when the decision is
+clear or the time budget is spent. As F-race's blocked (per-round) test, each round is a block: the challenger's
+step over the default's step of the same round is a paired ratio ``r_i`` under the same load, and the decision
+uses the sign test's distribution-free confidence bounds on the median of the ``r_i`` (the binomial order-statistic
+interval, e.g. Conover, "Practical Nonparametric Statistics", 3rd ed. 1999, section 3.2; Hollander and Wolfe,
+"Nonparametric Statistical Methods", ch. 3), whose width shrinks with the number of rounds, unlike the spread of
+single steps. With fewer than 5 pairs no bound at 95% exists (``0.5 ** 4 > 0.05``), so the race extends before
+it can replace the default. Dropping out errs toward the default, the safe side, and so uses a lower confidence
+(``DROP_CONFIDENCE``, 87.5%: a candidate not 5% faster in any of the first 3 rounds drops out), else the clearly
+slower would take budget for 5 rounds each.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-MIN_GAIN = 0.05  # a candidate replaces the default only if its median is this much (or the steps' spread) faster
+MIN_GAIN = 0.05  # a candidate replaces the default only if its median paired gain is at least this (no churn)
+CONFIDENCE = 0.95  # one-sided confidence of the sign-test upper bound on the median paired ratio (to replace)
+DROP_CONFIDENCE = 1 - 0.5 ** 3  # of the lower bound (to drop out): 87.5%, the most the first 3 rounds allow
 BUDGET_SHARE, BUDGET_STEPS = 0.2, 600  # measuring may cost 20% of a 600-step run of the default layout
 
 
@@ -29,98 +37,140 @@ def budget_s(default_step_s: float, share: float = BUDGET_SHARE) -> float:
     return share * BUDGET_STEPS * default_step_s
 
 
-def step_spread(times) -> float:
-    """The spread of timed steps ``times`` (seconds) relative to their median: the interquartile range (the
-    inclusive quartiles of :func:`statistics.quantiles`; with 3 steps half their min-max range) over the median;
-    0 for fewer than 2 steps, inf when a step is not finite (a candidate that left the race)."""
-    if not times or not all(math.isfinite(t) for t in times):
-        return math.inf
-    if len(times) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    med = statistics.median(times)
-    return (q3 - q1) / med if med > 0 else math.inf
+def _order_rank(n: int, confidence: float) -> int | None:
+    """The least ``k`` (1-based) with ``P(Binomial(n, 1/2) <= k - 1) >= confidence``: the ``k``-th smallest of
+    ``n`` samples is a one-sided upper confidence bound of their median at ``confidence`` (and the ``k``-th largest
+    a lower one); None when no ``k <= n`` reaches it (too few samples)."""
+    cdf = 0.0
+    for k in range(1, n + 1):
+        cdf += math.comb(n, k - 1) / 2 ** n
+        if cdf >= confidence:
+            return k
+    return None
 
 
-def gain_margin(default_times, times) -> tuple[float, float, float, float]:
-    """``(gain, margin, default's spread, the other's spread)`` of a candidate with timed steps ``times`` against
-    the default's ``default_times`` (seconds): gain = 1 - the ratio of their medians (> 0: faster), margin = the
-    larger of ``MIN_GAIN`` and either one's :func:`step_spread`."""
-    md, mc = statistics.median(default_times), statistics.median(times)
-    sd, sc = step_spread(default_times), step_spread(times)
-    return (1 - mc / md if md > 0 else 0.0), max(MIN_GAIN, sd, sc), sd, sc
+def paired_ratios(default_times, times) -> list[float]:
+    """The paired ratios ``times[i] / default_times[i]`` (dimensionless; < 1: the candidate faster) of the rounds
+    both took (step ``i`` of each comes from the same interleaved round; the shorter one's length)."""
+    return [t / d for d, t in zip(default_times, times, strict=False) if d > 0]
+
+
+@dataclass
+class Paired:
+    """A candidate against the default on paired rounds: ``n`` pairs, ``ratio`` (the median paired ratio),
+    ``low``/``high`` (one-sided ``CONFIDENCE`` sign-test bounds of the median ratio: ``-inf``/``inf`` when too few
+    pairs; ``high`` at ``CONFIDENCE``, ``low`` at ``DROP_CONFIDENCE``). Its gain is ``1 - ratio``, at least
+    ``1 - high`` and at most ``1 - low``."""
+
+    n: int
+    ratio: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, default_times, times) -> Paired:
+        """The paired statistics of ``times`` against ``default_times`` (seconds, :func:`paired_ratios`): ``high``
+        at ``CONFIDENCE``, ``low`` at ``DROP_CONFIDENCE``."""
+        r = sorted(paired_ratios(default_times, times))
+        if not r:
+            return cls(0, math.nan, -math.inf, math.inf)
+        hi, lo = _order_rank(len(r), CONFIDENCE), _order_rank(len(r), DROP_CONFIDENCE)
+        return cls(len(r), statistics.median(r), r[-lo] if lo else -math.inf, r[hi - 1] if hi else math.inf)
+
+    @property
+    def better(self) -> bool:
+        """Replaces the default: median gain at least ``MIN_GAIN`` and the upper bound of the ratio below 1."""
+        return 1 - self.ratio >= MIN_GAIN and self.high < 1
+
+    @property
+    def ruled_out(self) -> bool:
+        """Cannot be ``MIN_GAIN`` faster at ``DROP_CONFIDENCE``: the lower bound of the ratio above ``1 - MIN_GAIN``
+        (significantly slower, or a gain below the minimum)."""
+        return self.low > 1 - MIN_GAIN
+
+    def interval(self) -> str:
+        """The gain's one-sided bounds, for the reason line."""
+        lo = "-inf" if not math.isfinite(self.high) else f"{100 * (1 - self.high):.1f}%"
+        hi = "+inf" if not math.isfinite(self.low) else f"{100 * (1 - self.low):.1f}%"
+        return (f"gain >= {lo} at {100 * CONFIDENCE:.0f}% and <= {hi} at {100 * DROP_CONFIDENCE:.1f}% one-sided "
+                f"(sign test, {self.n} pairs)")
 
 
 @dataclass
 class Decision:
     """:func:`decide`'s answer: ``index`` (into the candidates) of the one to train with, ``challenger`` (the
-    index of the least median other than the default; None when none), ``gain`` (relative: 1 - the challenger's
-    median over the default's), ``margin`` (the gain it needed) and ``reason`` (one line, printed in the table)."""
+    index of the least median paired ratio other than the default; None when none), ``gain`` (its median paired
+    gain: 1 - the median of its steps over the default's of the same rounds), ``paired`` (:class:`Paired`; None
+    without a default or challenger) and ``reason`` (one line, printed in the table)."""
 
     index: int
     challenger: int | None
     gain: float
-    margin: float
+    paired: Paired | None
     reason: str
 
     @property
     def undecided(self) -> bool:
-        """The challenger's median is below the default's, but not by the margin: more steps could decide."""
-        return self.challenger is not None and 0 < self.gain < self.margin
+        """The challenger neither replaces the default nor is ruled out (:class:`Paired`): more rounds could
+        decide."""
+        p = self.paired
+        return p is not None and not p.better and not p.ruled_out
 
 
 def decide(cands) -> Decision:
-    """Which measured candidate to train with: the default layout, unless the challenger (the least median of
-    the others' timed steps; ties to the cost model's order, ``cands``' order) is faster beyond the noise: its
-    median at least ``margin`` below the default's, ``margin`` the larger of ``MIN_GAIN`` and the spread of either
-    one's steps (:func:`step_spread`). Ties and gains within the noise keep the default. With no default among
-    ``cands`` (it did not fit ``--memory-limit``) the least median wins. Under torchrun ``cands``' times are the
-    slowest rank's (an all-reduce max), so every rank decides alike. ``cands``: objects with ``times`` (seconds),
-    ``default`` and ``layout`` (:class:`meshtorch.runtime.autolayout.Candidate`)."""
+    """Which measured candidate to train with: the default layout, unless the challenger (the least median paired
+    ratio of its steps over the default's of the same rounds; ties to the cost model's order, ``cands``' order)
+    is at least ``MIN_GAIN`` faster by that median and significantly faster: the one-sided ``CONFIDENCE`` upper
+    bound of the median ratio (sign test, :class:`Paired`) below 1. Otherwise (ties, gains within the noise or
+    too few rounds) the default stays. With no default among ``cands`` (it did not fit ``--memory-limit``) the
+    least median step wins. Under torchrun ``cands``' times are the slowest rank's (an all-reduce max), so every
+    rank decides alike. ``cands``: objects with ``times`` (seconds), ``default`` and ``layout``
+    (:class:`meshtorch.runtime.autolayout.Candidate`)."""
     med = [statistics.median(c.times or (math.inf,)) for c in cands]
     d = next((i for i, c in enumerate(cands) if c.default), None)
     others = [i for i in range(len(cands)) if i != d]
-    ch = min(others, key=lambda i: (med[i], i)) if others else None
     if d is None:
-        return Decision(ch, ch, 0.0, 0.0, "no default layout measured: the least median")
-    if ch is None:
-        return Decision(d, None, 0.0, 0.0, "only the default layout measured")
-    name = cands[ch].layout or "(replicated)"
-    if not math.isfinite(med[ch]):
-        return Decision(d, ch, 0.0, math.inf, "default kept: no other candidate finished its steps")
+        ch = min(others, key=lambda i: (med[i], i)) if others else None
+        return Decision(ch, ch, 0.0, None, "no default layout measured: the least median")
+    if not others:
+        return Decision(d, None, 0.0, None, "only the default layout measured")
+    finite = [i for i in others if math.isfinite(med[i])]
+    if not finite:
+        return Decision(d, others[0], 0.0, None, "default kept: no other candidate finished its steps")
     if not math.isfinite(med[d]):
-        return Decision(ch, ch, 1.0, 0.0, f"default replaced: {name}; the default did not finish its steps")
-    gain, margin, sd, sc = gain_margin(cands[d].times, cands[ch].times)
-    steps = f"{len(cands[d].times)} vs {len(cands[ch].times)} timed steps"
-    why = (f"{name} {100 * gain:.1f}% faster (median, {steps}) than the default layout, "
-           f"{'beyond' if gain >= margin else 'within'} the margin {100 * margin:.1f}% (the larger of "
-           f"{100 * MIN_GAIN:.0f}% and the steps' spread, interquartile range / median: the default's "
-           f"{100 * sd:.1f}%, {name}'s {100 * sc:.1f}%)")
-    if gain >= margin:
-        return Decision(ch, ch, gain, margin, f"default replaced: {why}")
+        ch = min(finite, key=lambda i: (med[i], i))
+        name = cands[ch].layout or "(replicated)"
+        return Decision(ch, ch, 1.0, None, f"default replaced: {name}; the default did not finish its steps")
+    paired = {i: Paired.of(cands[d].times, cands[i].times) for i in finite}
+    ch = min(finite, key=lambda i: (paired[i].ratio, i))
+    p, name = paired[ch], cands[ch].layout or "(replicated)"
+    gain = 1 - p.ratio
+    why = (f"{name} {100 * gain:.1f}% faster (median paired ratio of {p.n} interleaved rounds) than the default "
+           f"layout, {p.interval()}; it must be >= {100 * MIN_GAIN:.0f}% by the median with the lower bound > 0")
+    if p.better:
+        return Decision(ch, ch, gain, p, f"default replaced: {why}")
     if gain <= 0:
-        why = (f"{name}, the fastest other, is not faster (median {med[ch] * 1e3:.1f} vs the default's "
-               f"{med[d] * 1e3:.1f} ms, {steps})")
-    return Decision(d, ch, gain, margin, f"default kept: {why}")
+        why = (f"{name}, the fastest other, is not faster (median paired ratio {p.ratio:.3f}, "
+               f"{p.interval()})")
+    return Decision(d, ch, gain, p, f"default kept: {why}")
 
 
 def in_contention(cands, dropped: set) -> list[int]:
     """Indices of the candidates that race on: the default and every other candidate with finite steps, not in
-    ``dropped``, whose gain over the default is inside the margin (``-margin < gain < margin``,
-    :func:`gain_margin`); an empty list when the decision is clear: the challenger (:func:`decide` over the
-    candidates not dropped) is faster beyond the margin, or no other candidate is inside it. Candidates clearly
-    slower (gain <= -margin) are added to ``dropped`` (indices) first, for good: they get no more steps and
-    cannot be chosen."""
+    ``dropped``; an empty list when the decision is clear: the challenger (:func:`decide` over the candidates not
+    dropped) replaces the default, or every other is dropped. Candidates ruled out (:attr:`Paired.ruled_out`:
+    significantly slower, or significantly less than ``MIN_GAIN`` faster) are added to ``dropped`` (indices)
+    first, for good: they get no more steps and cannot be chosen."""
     d = next((i for i, c in enumerate(cands) if c.default), None)
     if d is None:
         return []
     finite = [i for i, c in enumerate(cands) if c.times and all(math.isfinite(t) for t in c.times)]
-    gm = {i: gain_margin(cands[d].times, cands[i].times)[:2] for i in finite if i != d and i not in dropped}
-    dropped.update(i for i, (gain, margin) in gm.items() if gain <= -margin)
+    dropped.update(i for i in finite if i != d and i not in dropped
+                   and Paired.of(cands[d].times, cands[i].times).ruled_out)
     live = [i for i in range(len(cands)) if i not in dropped]
     if live[decide([cands[i] for i in live]).index] != d:
         return []
-    out = [i for i, (gain, margin) in gm.items() if i not in dropped and gain < margin]
+    out = [i for i in finite if i != d and i not in dropped]
     return [d] + out if out else []
 
 
@@ -149,8 +199,10 @@ class Race:
             return how + ("stopped: the next round would exceed the budget, still undecided, so the rule decides "
                           "on the steps so far")
         if self.stop == "replaced":
-            return how + "stopped: decided, the challenger is faster than the default beyond the margin"
-        return how + "stopped: decided, no other candidate is inside the margin (the slower beyond it dropped out)"
+            return how + ("stopped: decided, the challenger is at least 5% faster than the default (median paired "
+                          "ratio) with its upper confidence bound below 1")
+        return how + ("stopped: decided, every other candidate dropped out (ruled out: significantly slower or "
+                      "significantly less than 5% faster, sign test on paired rounds)")
 
 
 def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> Race:
