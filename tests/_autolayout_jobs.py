@@ -19,7 +19,8 @@ def _setup(cache_dir, times_by_rank):
     rank = int(os.environ["RANK"])
     cal = cal_mod.Calibration(host=cal_mod._host_key(), backend="gloo", threads=1, gemm_flop_rate=5e10,
                               kernel_overhead=5e-6, memory_bandwidth=1e10,
-                              collectives={k: [1e-5, 1e-10] for k in cal_mod.KINDS}, version=cal_mod.CALIBRATION_VERSION)
+                              collectives={k: [1e-5, 1e-10] for k in cal_mod.KINDS},
+                              version=cal_mod.CALIBRATION_VERSION)
     path = cal_mod.cache_path("gloo", 1)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(f"{path}.{rank}", "w") as f:

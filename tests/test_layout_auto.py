@@ -29,7 +29,8 @@ def calibration(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path))
     cal = cal_mod.Calibration(host=cal_mod._host_key(), backend="placement", threads=1, gemm_flop_rate=5e10,
                               kernel_overhead=5e-6, memory_bandwidth=1e10,
-                              collectives={k: [1e-5, 1e-10] for k in cal_mod.KINDS}, version=cal_mod.CALIBRATION_VERSION)
+                              collectives={k: [1e-5, 1e-10] for k in cal_mod.KINDS},
+                              version=cal_mod.CALIBRATION_VERSION)
     path = cal_mod.cache_path("placement", 1)
     os.makedirs(os.path.dirname(path))
     with open(path, "w") as f:

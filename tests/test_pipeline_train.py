@@ -99,8 +99,8 @@ def _restored(ckpt, mesh, layout):
 
 def test_checkpoints_cross_between_pipelined_and_unpipelined_runs(root):
     """A 1F1B checkpoint (written from the stages' variables) restores bitwise into the unpipelined LM that
-    ``meshtorch sample`` builds on another mesh, and the unpipelined run resumed from it trains its third step as the 3-step unpipelined run; an
-    unpipelined checkpoint resumed by 1F1B likewise."""
+    ``meshtorch sample`` builds on another mesh, and the unpipelined run resumed from it trains its third step as the
+    3-step unpipelined run; an unpipelined checkpoint resumed by 1F1B likewise."""
     got = train(root, "cross", 2, steps=2, pipeline_schedule="1f1b", **PIPE)
     _same(got, _reference(root, 2))
     ckpt = os.path.join(root, "cross", "ckpt", "ckpt-2")

@@ -133,7 +133,8 @@ class StageVariables:
     def set_variable_slices(self, var_or_name, fn) -> None:
         name = self._name(var_or_name)
         for lw in self.held[name]:
-            lw.set_variable_slices(name, lambda p, o=self._offset[id(lw)]: fn(p + o))
+            offset = self._offset[id(lw)]
+            lw.set_variable_slices(name, lambda p, o=offset: fn(p + o))
 
     def share_step(self) -> None:
         """Under torchrun, after a restore: ``global_step`` (read by rank 0 only) from rank 0 into every stage."""
