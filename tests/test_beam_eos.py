@@ -2,9 +2,12 @@
 decoder) against ``transformers``' ``generate(num_beams=4, num_return_sequences=4)``: every finished hypothesis (ids
 and length-penalised score), for GPT-2 and T5, with length penalty 1.0 (the default) and 0, ``early_stopping`` False,
 True and ``"never"``. The EOS ids are chosen from ``transformers``' own beams (a token its best beam emits early), and
-each test asserts that a finished hypothesis ended at EOS before ``max_new_tokens`` (so the case is not vacuous)."""
+each test asserts that a finished hypothesis ended at EOS before ``max_new_tokens`` (so the case is not vacuous);
+``meshtorch sample --beam 4`` on a GPT-2 directory stops at its ``config.json``'s ``eos_token_id``."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import _hf_fixtures as F  # noqa: E402
 import meshtorch as mtf  # noqa: E402
 from meshtorch.checkpoint import hf  # noqa: E402
+from meshtorch.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshtorch.runtime.generate import beam_search, beam_search_hypotheses  # noqa: E402
 
 NEW, BEAMS = 8, 4
@@ -39,10 +43,10 @@ def _check(ref, lw, model, x, eos, cases, start, encoder_ids=None, **kw):
         case = (length_penalty, early_stopping, got, want)
         assert [g[1] for g in got] == [w[1] for w in want], case
         assert all(abs(g[0] - w[0]) <= 1e-4 * max(1.0, abs(w[0])) for g, w in zip(got, want, strict=True)), case
-        assert beam_search(lw, model, start, BEAMS, NEW, eos, length_penalty, early_stopping,
-                           encoder_ids=encoder_ids) == want[0][1]
         early += sum(len(h) < NEW and h[-1] in eos for _, h in got)
     assert early > 0  # some hypothesis ended at EOS before the length limit
+    assert beam_search(lw, model, start, BEAMS, NEW, eos, length_penalty, early_stopping,
+                       encoder_ids=encoder_ids) == want[0][1]  # the best, of the last case
 
 
 def test_gpt2_beams_stop_at_eos_as_transformers(tmp_path):
@@ -54,6 +58,18 @@ def test_gpt2_beams_stop_at_eos_as_transformers(tmp_path):
     _check(ref, lw, model, x, eos, [(1.0, False), (0.0, False), (2.0, "never")], x[0], pad_token_id=0)
     with pytest.raises(ValueError, match="early_stopping 'sometimes' must be"):
         beam_search(lw, model, x[0], BEAMS, NEW, eos, early_stopping="sometimes")
+    # meshtorch sample --beam 4 stops at config.json's eos_token_id, as generate(num_beams=4) with its defaults
+    F.bpe_tokenizer(f"{path}/tokenizer.json", F.text())
+    prompt = "the cat sat on"
+    x = torch.tensor([[int(i) for i in HFTokenizer(f"{path}/tokenizer.json").encode(prompt)]])
+    free = _hf_hypotheses(ref, x, None, 1.0, False, pad_token_id=0)[0][1]
+    eos = free[2]
+    cfg = json.load(open(f"{path}/config.json"))
+    json.dump({**cfg, "eos_token_id": eos}, open(f"{path}/config.json", "w"))
+    want = _hf_hypotheses(ref, x, eos, 1.0, False, pad_token_id=0)
+    assert want[0][1] != free, want  # the EOS changes the best hypothesis
+    assert F.run(["sample", "--checkpoint-dir", path, "--prompt", prompt, "--beam", str(BEAMS), "--max-new-tokens",
+                  str(NEW)]) == [want[0][1]]
 
 
 def test_t5_beams_stop_at_eos_as_transformers(tmp_path):

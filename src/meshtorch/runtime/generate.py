@@ -6,6 +6,7 @@ given lowering, with its weights copied in) runs the prompt once, then one posit
 caches are laid out by the layout rules (``heads:model`` splits them). ``use_cache=False`` (and the
 configurations without a cached decoder: pipelined or MoE native LMs) runs the whole fixed-shape graph
 once per token instead (each token then costs a full forward pass over ``length`` positions). Beam search
+(``transformers``' algorithm: finished hypotheses kept at EOS, :func:`beam_search_hypotheses`)
 decodes through the same cache, each beam's cache rows following its parent (one reorder run per token).
 T5 (an encoder-decoder, :func:`meshtorch.models.hf_t5_decoder.build_t5_decoder`) decodes through the same loop and
 cache only: ``encoder_ids`` are the encoder's input (run once, in the prefill, with the encoder-decoder keys and
@@ -350,8 +351,7 @@ def beam_search_hypotheses(lowering, lm, prompt_ids, beam_size: int = 4, max_new
             rows[:beam_size] = run_parent
             next_logits.dec.reorder(rows)
         t += 1
-    return [(float(s), seqs[i, :int(m)].tolist()) for i, (s, m, f) in enumerate(zip(fin_scores, fin_len, finished))
-            if f]
+    return [(float(fin_scores[i]), seqs[i, :int(fin_len[i])].tolist()) for i in range(beam_size) if finished[i]]
 
 
 def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32, eos_ids=(),
