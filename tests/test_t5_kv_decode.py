@@ -112,7 +112,7 @@ def test_beam_search_and_seeded_sampling_equal_transformers(tmp_path):
     """Under 1 processor and ``heads:model``: seeded top-k sampling equals the same host draws (one seeded generator)
     on ``transformers``' logits; beam search through the caches (4 beams, each beam's self-attention and
     encoder-decoder caches following its parent) equals ``generate(num_beams=4, length_penalty=0)``, on a model whose
-    EOS logit is 0 (no beam ends early: :func:`meshtorch.runtime.generate.beam_search` has no EOS handling)."""
+    EOS logit is 0 (no beam ends early; beams ending at EOS: tests/test_beam_eos.py)."""
     ref = F.make_t5(seed=3)
     with torch.no_grad():
         for name, p in ref.named_parameters():

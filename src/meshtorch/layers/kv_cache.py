@@ -9,9 +9,11 @@ attends over the cache with the later positions masked. A layer's caches are non
 ``{layer}/k_cache`` and ``{layer}/v_cache`` of shape ``[batch..., heads, memory_length, d_kv]`` (``kv_heads``
 for grouped-query attention): laid out by the same rules as the activations (``batch:data`` splits their
 batch, ``heads:model`` their heads: tensor-parallel decoding), and never in a checkpoint. The write is an
-``index_copy_`` at ``position`` (:class:`CacheWriteOperation`), kept by an ``assign`` (variables are read as of
-the run's start, :mod:`meshtorch.lowering`; the plan lets the write go straight into the cache's storage): one run
-of the step costs one position of the model's matmuls plus attention over ``memory_length`` cached positions.
+``assign`` of the cache with ``position`` replaced (:class:`CacheWriteOperation`, an ``index_copy_``; variables are
+read as of the run's start, :mod:`meshtorch.lowering`): the assign is the write, and the plan lets the
+``index_copy_`` go straight into the cache's storage only in a run that fetches that assign
+(:mod:`meshtorch.lowering.donate`; a run without it leaves the caches as they were): one run of the step costs one
+position of the model's matmuls plus attention over ``memory_length`` cached positions.
 The step reads some weights from copies in the form its matrix-vector products read fastest (:meth:`Step.derive`:
 a tied head as ``[d_model, vocab]``, q/k/v kernels stacked for one matmul), refreshed whenever the weights change.
 
@@ -137,7 +139,8 @@ class Step(FullSequence):
 
     :meth:`attend` writes ``k``/``v`` into the caches the :class:`Prefill` of the same graph made (the
     ``i``-th call uses the ``i``-th layer's caches) and attends over cached positions ``<= position``;
-    :meth:`rotary` rotates by ``position``. ``assigns`` collects the cache writes.
+    :meth:`rotary` rotates by ``position``. ``assigns`` collects the cache writes (fetch them with the logits: they
+    are the writes; the in-place ``index_copy_`` is only their early form).
     """
 
     def __init__(self, prefill: Prefill, position: Tensor, key: str = "d_kv"):
@@ -239,10 +242,11 @@ _k_cache_write.fresh_outputs = True  # without donate=True the output is a new t
 class CacheWriteOperation(Operation):
     """A cache ``[..., memory_length, ...]`` with position ``position`` (int64 scalar) of ``memory_length`` set to
     ``new`` (the cache's other dims): gpt-fast's ``index_copy_`` into a static cache, in place in the cache
-    variable's storage when the plan allows (:mod:`meshtorch.lowering.donate`: the step's assign is the cache's
-    only writer and this op its only reader), so a step copies one position, not the whole cache (a select of
-    the whole cache, :func:`meshtorch.ops.shape.where`, then its copy into the variable, cost ~0.5 ms per layer at
-    the GPT-2-small shape). ``memory_length`` is kept whole (a layout splitting it gathers it first).
+    variable's storage when the plan allows (:mod:`meshtorch.lowering.donate`: the run assigns the cache, by the
+    step's assign of this op's output, and this op is the cache's only reader; without the assign it writes a copy
+    and the cache is unchanged), so a step copies one position, not the whole cache (a select of the whole cache,
+    :func:`meshtorch.ops.shape.where`, then its copy into the variable, cost ~0.5 ms per layer at the GPT-2-small
+    shape). ``memory_length`` is kept whole (a layout splitting it gathers it first).
 
     Raises:
         ShapeError: naming the op, if ``new``'s dims are not the cache's dims but ``memory_length``.

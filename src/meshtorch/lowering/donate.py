@@ -9,7 +9,10 @@ moments) gets ``donate=True`` when, for each
 of those inputs (a multi-tensor kernel, whose ``donates`` is a function of its parameters, gets a tuple of
 bools instead: ``donate[k]`` for its ``k``-th donatable input alone),
 
-* the input is a variable read (the store's own tensor) that the run does not fetch;
+* the input is a read (the store's own tensor), not fetched, of a variable that the run assigns: an in-place
+  write is the early form of the run's assignment (whose commit then copies nothing), never a write of its own,
+  so a run that assigns no new value to a variable leaves it as it was (e.g. a KV-cache step whose cache
+  writes, :class:`~meshtorch.layers.kv_cache.CacheWriteOperation`, are not fetched);
 * the step is its last reader;
 * every other step reading it returns tensors that share no storage with their inputs (kernels
   marked ``fresh_outputs``: matmuls, gathers, the fused updates; all-gathers over axes of more than
@@ -133,6 +136,7 @@ def donate_inputs(steps: list[Step], variable_slots: set, keep: set, impls: dict
                   layouts: dict | None = None) -> list[Step]:
     """``steps`` with the update steps that may write variables in place called with ``donate=True``.
 
+    ``variable_slots``: the slots of the reads of the variables the run assigns (the only ones written in place).
     ``layouts``: ``{variable slot: its layout}`` (mesh axis per dim), for meshes holding several processors."""
     readers: dict[int, list[int]] = {}
     for i, st in enumerate(steps):

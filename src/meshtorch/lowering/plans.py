@@ -126,7 +126,9 @@ def fetch_plan(program, fetches: tuple, processes: dict, bucket_bytes: int = 0, 
     layouts = {t.slot: t.layout for t in p.variables.values()}
     if p.in_backward:  # optimizer-in-backward: each update as soon as its gradient is final
         steps = updates_in_backward(steps, p.in_backward, variable_slots | set(p.constants), processes)
-    steps = donate_inputs(steps, variable_slots, keep, processes, layouts)  # in-place updates
+    # in-place updates, of the variables the run assigns only: a variable the run does not assign keeps its value
+    written = {n for n, _ in assignments}
+    steps = donate_inputs(steps, {s for n, s in var_reads if n in written}, keep, processes, layouts)
     steps = donate_reductions(steps, variable_slots, keep, processes)  # all-reduces in their input's buffer
     frees = frees_after(steps, keep)
     return Plan(steps, frees,

@@ -6,6 +6,7 @@ given lowering, with its weights copied in) runs the prompt once, then one posit
 caches are laid out by the layout rules (``heads:model`` splits them). ``use_cache=False`` (and the
 configurations without a cached decoder: pipelined or MoE native LMs) runs the whole fixed-shape graph
 once per token instead (each token then costs a full forward pass over ``length`` positions). Beam search
+(``transformers``' algorithm: finished hypotheses kept at EOS, :func:`beam_search_hypotheses`)
 decodes through the same cache, each beam's cache rows following its parent (one reorder run per token).
 T5 (an encoder-decoder, :func:`meshtorch.models.hf_t5_decoder.build_t5_decoder`) decodes through the same loop and
 cache only: ``encoder_ids`` are the encoder's input (run once, in the prefill, with the encoder-decoder keys and
@@ -266,40 +267,100 @@ def sample(lowering, lm, prompt_ids, max_new_tokens: int = 64, temperature: floa
     return out
 
 
-def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32,
-                length_penalty: float = 0.0, progress=None, use_cache: bool = True, encoder_ids=None) -> list[int]:
-    """Beam search (Graves 2012; Mesh TF ``beam_search`` without EOS handling): the best sequence.
+def beam_search_hypotheses(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32, eos_ids=(),
+                           length_penalty: float = 1.0, early_stopping: bool | str = False, progress=None,
+                           use_cache: bool = True, encoder_ids=None) -> list[tuple[float, list[int]]]:
+    """Beam search with end-of-sequence handling, as ``transformers``' ``GenerationMixin._beam_search`` (v5,
+    ``transformers/generation/utils.py``; its ``BeamSearchScorer`` before): the finished hypotheses, best first.
 
-    Past the model's context the window slides (as :func:`sample`); ``progress`` is called per token.
+    Each step takes the ``K = max(2, 1 + len(eos_ids)) x beam_size`` best candidates (summed log-probabilities) of
+    all beams' next tokens. Those of the first ``beam_size`` that end the sequence (a token in ``eos_ids``, kept;
+    or the ``max_new_tokens``-th token) enter the finished set, scored ``sum log p / n ** length_penalty`` with ``n``
+    the hypothesis' new tokens (EOS included), which keeps the ``beam_size`` best; the ``beam_size`` best candidates
+    that do not end continue (so a beam ending in EOS is never extended). Decoding stops when every candidate
+    ended, or (``early_stopping`` True) as soon as the finished set is full, or when it is full and the best
+    continuing beam cannot beat its worst: ``early_stopping`` False (``transformers``' default) scores that beam at
+    its current length, ``"never"`` at ``max_new_tokens`` where ``length_penalty`` > 0 (the canonical search).
 
-    Beams are rows of the graph's batch. Scores are summed log-probabilities divided by
-    ``len**length_penalty`` when ranking the final beams. With the cache (``use_cache``, as :func:`sample`)
-    each beam's cache rows follow its parent (:meth:`CachedDecoder.reorder`). ``encoder_ids``: a T5's encoder
-    input (1-D, :func:`sample`'s), the same for every beam.
+    Beams are rows of the graph's batch. Past the model's context the window slides (as :func:`sample`);
+    ``progress`` is called per token. With the cache (``use_cache``, as :func:`sample`) each beam's cache rows
+    follow its parent (:meth:`CachedDecoder.reorder`). ``encoder_ids``: a T5's encoder input (1-D,
+    :func:`sample`'s), the same for every beam; ``prompt_ids`` is then the decoder's start.
+
+    Returns:
+        ``[(score, new token ids)]`` of the finished hypotheses (``generate(num_beams=beam_size,
+        num_return_sequences=beam_size)``'s ``sequences_scores`` and sequences without the prompt), best first.
+
+    Raises:
+        ValueError: naming the argument: ``beam_size`` < 1, ``max_new_tokens`` < 1, or ``early_stopping`` not
+            True, False or ``"never"``; and :func:`sample`'s prompt / ``encoder_ids`` errors.
     """
+    if beam_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"beam_search: beam_size {beam_size} and max_new_tokens {max_new_tokens} must be >= 1.")
+    if not any(early_stopping is v for v in (True, False)) and early_stopping != "never":
+        raise ValueError(f"beam_search: early_stopping {early_stopping!r} must be True, False or 'never' "
+                         f"(transformers' GenerationConfig.early_stopping).")
     buf, t = _prepare(lm, prompt_ids, beam_size)
     enc = _encoder_feed(lm, encoder_ids, beam_size, t, max_new_tokens)
     next_logits = _NextLogits(lowering, lm, use_cache, enc)
-    scores = torch.full((beam_size,), float("-inf"))
-    scores[0] = 0.0  # all beams start equal: expand only the first
-    hist = torch.zeros(beam_size, 0, dtype=torch.int64)
-    for _ in range(max_new_tokens):
+    eos = torch.tensor(sorted({int(e) for e in eos_ids}), dtype=torch.int64)
+    keep = max(2, 1 + len(eos)) * beam_size
+    top_beams = torch.arange(keep) < beam_size  # only these candidates may enter the finished set
+    # running beams: new tokens and summed log-probabilities (all beams start equal: expand only the first)
+    running = torch.full((beam_size, max_new_tokens), -1, dtype=torch.int64)
+    run_scores = torch.full((beam_size,), -1e9)
+    run_scores[0] = 0.0
+    # the finished set: new tokens, length-penalised scores, lengths, and which slots hold a hypothesis
+    seqs, fin_scores = running.clone(), torch.full((beam_size,), -1e9)
+    fin_len, finished = torch.zeros(beam_size, dtype=torch.int64), torch.zeros(beam_size, dtype=torch.bool)
+    improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
+    for n in range(max_new_tokens):  # n tokens decoded so far
         t_before, t = t, _slide(buf, t)
         logp = torch.log_softmax(next_logits(buf, t, t != t_before)[:beam_size].cpu(), -1)
-        cand = (scores[:, None] + logp).flatten()
-        best = cand.topk(beam_size)
         vocab = logp.shape[-1]
-        src, tok = best.indices // vocab, best.indices % vocab
-        buf[:beam_size] = buf[src].clone()
-        buf[:beam_size, t] = tok
-        if next_logits.dec is not None:
-            rows = torch.arange(buf.shape[0])
-            rows[:beam_size] = src
-            next_logits.dec.reorder(rows)
-        hist = torch.cat([hist[src], tok[:, None]], dim=1)
-        scores = best.values
-        t += 1
+        top_lp, idx = (logp + run_scores[:, None]).flatten().topk(min(keep, beam_size * vocab))
+        parent, tok = idx // vocab, idx % vocab
+        cand = running[parent]
+        cand[:, n] = tok
+        ends = torch.isin(tok, eos) | (n + 1 == max_new_tokens)  # EOS, or the length limit
+        # the continuing beams: the best candidates that did not end
+        live = top_lp + ends.float() * -1e9
+        nxt = live.topk(beam_size).indices
+        running, run_scores, run_parent = cand[nxt], live[nxt], parent[nxt]
+        # the finished set: the best of itself and the top beam_size candidates that ended
+        scored = top_lp / float(n + 1) ** length_penalty
+        blocked = (not improvable) or (early_stopping is True and bool(finished.all()))
+        new = ends & top_beams[:len(ends)]
+        scored = scored + (~new).float() * -1e9 + float(blocked) * -1e9
+        pick = torch.cat([fin_scores, scored]).topk(beam_size).indices
+        seqs, fin_scores = torch.cat([seqs, cand])[pick], torch.cat([fin_scores, scored])[pick]
+        fin_len = torch.cat([fin_len, torch.full((len(cand),), n + 1)])[pick]
+        finished = torch.cat([finished, new])[pick]
         if progress is not None:
             progress()
-    final = scores / (max(max_new_tokens, 1) ** length_penalty)
-    return hist[int(final.argmax())].tolist()
+        # can a continuing beam still beat the worst finished one?
+        hyp_len = max_new_tokens if early_stopping == "never" and length_penalty > 0 else n + 1
+        worst = torch.where(finished, fin_scores.min(), torch.tensor(-1e9))
+        improvable = improvable and bool((run_scores[0] / float(hyp_len) ** length_penalty > worst).any())
+        if not improvable or (early_stopping is True and bool(finished.all())) or bool(ends.all()):
+            break
+        buf[:beam_size] = buf[run_parent].clone()
+        buf[:beam_size, t] = running[:, n]
+        if next_logits.dec is not None:
+            rows = torch.arange(buf.shape[0])
+            rows[:beam_size] = run_parent
+            next_logits.dec.reorder(rows)
+        t += 1
+    return [(float(fin_scores[i]), seqs[i, :int(fin_len[i])].tolist()) for i in range(beam_size) if finished[i]]
+
+
+def beam_search(lowering, lm, prompt_ids, beam_size: int = 4, max_new_tokens: int = 32, eos_ids=(),
+                length_penalty: float = 1.0, early_stopping: bool | str = False, progress=None,
+                use_cache: bool = True, encoder_ids=None) -> list[int]:
+    """The best hypothesis' new token ids (its EOS kept) of :func:`beam_search_hypotheses` (same arguments): what
+    ``transformers.generate(num_beams=beam_size, length_penalty=..., early_stopping=...)`` returns after the
+    prompt, padding stripped. With no ``eos_ids`` every hypothesis has ``max_new_tokens`` tokens (the best summed
+    log-probability, whatever ``length_penalty``)."""
+    hyps = beam_search_hypotheses(lowering, lm, prompt_ids, beam_size, max_new_tokens, eos_ids, length_penalty,
+                                  early_stopping, progress, use_cache, encoder_ids)
+    return hyps[0][1]

@@ -125,7 +125,7 @@ def main_hf_sample(args):
         restore(lw, ckpt)
     if args.beam:
         outs = [beam_search(lw, lm, prompt, beam_size=args.beam, max_new_tokens=args.max_new_tokens,
-                            use_cache=not getattr(args, "no_cache", False))]
+                            eos_ids=cfg.eos_ids, use_cache=not getattr(args, "no_cache", False))]
     else:
         outs = sample(lw, lm, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, args.num_samples,
                       eos_ids=cfg.eos_ids, use_cache=not getattr(args, "no_cache", False))

@@ -2,7 +2,8 @@
 with its encoder and decodes the output through the block builder's KV-cache decoder
 (:func:`meshtorch.models.hf_t5_decoder.build_t5_decoder`, the loop of :mod:`meshtorch.runtime.generate` that GPT-2
 and Llama decode with): greedy (``--temperature 0``), temperature / top-k sampling (``--seed``), or beam search
-(``--beam N``, no length penalty, no early stop at EOS)."""
+(``--beam N``: ``transformers``' beam search, stopping at EOS, length penalty 1.0,
+:func:`meshtorch.runtime.generate.beam_search`)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def t5_sample(args, cfg: HFModelConfig, path: str, tok, prompt: list[int], ckpt:
         restore(lw, ckpt)
     if args.beam > 1:
         out = [beam_search(lw, lm, start, beam_size=args.beam, max_new_tokens=args.max_new_tokens,
-                           encoder_ids=prompt)]
+                           eos_ids=cfg.eos_ids, encoder_ids=prompt)]
     else:
         out = sample(lw, lm, start, args.max_new_tokens, args.temperature, args.top_k, args.seed, rows,
                      eos_ids=cfg.eos_ids, encoder_ids=prompt)
