@@ -13,37 +13,38 @@ RECORDS = ("qwen2", "mistral")  # families added as registry records only (mesht
 WINDOW = 48  # the Mistral fixture's sliding_window: contexts up to 48 load, longer ones are refused
 
 
-def hf_config(family: str, vocab: int = VOCAB):
+def hf_config(family: str, vocab: int = VOCAB, positions: int = POSITIONS, window: int = WINDOW):
     import transformers
 
     if family == "gpt2":
-        return transformers.GPT2Config(n_layer=LAYERS, n_embd=D, n_head=HEADS, vocab_size=vocab, n_positions=POSITIONS,
+        return transformers.GPT2Config(n_layer=LAYERS, n_embd=D, n_head=HEADS, vocab_size=vocab, n_positions=positions,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=None, pad_token_id=None)
     llama_like = dict(num_hidden_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=2,
-                      intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=POSITIONS, bos_token_id=0,
+                      intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=positions, bos_token_id=0,
                       eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     if family == "qwen2":  # q/k/v biases; its sliding window off (use_sliding_window=False), as Qwen2 ships
         return transformers.Qwen2Config(**llama_like, rope_theta=1000.0)
     if family == "mistral":
-        return transformers.MistralConfig(**llama_like, sliding_window=WINDOW, head_dim=16)
+        return transformers.MistralConfig(**llama_like, sliding_window=window, head_dim=16)
     return transformers.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS,
                                     num_key_value_heads=2, intermediate_size=96, vocab_size=VOCAB,
-                                    max_position_embeddings=POSITIONS, tie_word_embeddings=family == "llama_tied",
+                                    max_position_embeddings=positions, tie_word_embeddings=family == "llama_tied",
                                     rope_theta=500.0 if family == "llama_gqa" else 10000.0, bos_token_id=0,
                                     eos_token_id=None, pad_token_id=None)
 
 
-def make_model(family: str, seed: int = 0, vocab: int = VOCAB):
+def make_model(family: str, seed: int = 0, vocab: int = VOCAB, positions: int = POSITIONS,
+               window: int = WINDOW):
     """A randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
     ``MistralForCausalLM`` (seeded), float32, eval mode (``vocab``: GPT-2's vocabulary size, e.g. an odd one that
-    a mesh axis does not divide)."""
+    a mesh axis does not divide; ``positions``: the context; ``window``: Mistral's sliding window)."""
     import transformers
 
     torch.manual_seed(seed)
     cls = {"gpt2": transformers.GPT2LMHeadModel, "qwen2": transformers.Qwen2ForCausalLM,
            "mistral": transformers.MistralForCausalLM}.get(family, transformers.LlamaForCausalLM)
-    m = cls(hf_config(family, vocab) if family == "gpt2" else hf_config(family)).float().eval()
+    m = cls(hf_config(family, vocab if family == "gpt2" else VOCAB, positions, window)).float().eval()
     with torch.no_grad():  # norm weights / biases away from their 1 / 0 init, so a wrong map shows
         for name, p in m.named_parameters():
             if p.dim() == 1:
@@ -150,13 +151,13 @@ def bpe_tokenizer(path: str, corpus: str, vocab_size: int = 100):
     tok.save(path)
 
 
-def make_peaked_model(family: str):
+def make_peaked_model(family: str, positions: int = POSITIONS, window: int = WINDOW):
     """The fixture model with q and k projections scaled x10 (attention logits x100: the largest weight of the
     last position's attention is 0.3-0.5 of 6-46 positions, not ~1/n) and the attention output x8 (so attention,
     not the token's own embedding, decides the next token). GPT-2 also gets its biases x0.03 and its position
     table x3: with the fixture's 0.1 biases its LayerNorm and MLP biases picked one token whatever the attention
     did (greedy continuations then have 20 distinct tokens of 40, not 1)."""
-    m = make_model(family)
+    m = make_model(family, positions=positions, window=window)
     with torch.no_grad():
         for layer in (m.transformer.h if family == "gpt2" else m.model.layers):
             if family == "gpt2":

@@ -5,6 +5,7 @@ stage), with the unpipelined run's losses and exported weights."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -67,8 +68,16 @@ def test_pipeline_layout_loss_equals_transformers(dirs, family, mesh, layout, tm
 
 
 def _train_and_export(capsys, tmp_path, path, extra, data, name, *flags):
-    ck, out = str(tmp_path / name / "ck"), str(tmp_path / name / "hf")
-    res = _run(["train", "--init-from", path, "--data", data, "--checkpoint-dir", ck, *extra, *FLAGS, *flags])
+    """Train with ``flags`` and ``--log-dir`` (and ``--pipeline-trace`` under the stage executor), export: the
+    losses (also those of metrics.jsonl) and the exported tensors."""
+    ck, out, logs = str(tmp_path / name / "ck"), str(tmp_path / name / "hf"), str(tmp_path / name / "logs")
+    trace = ["--pipeline-trace", str(tmp_path / name / "trace.json")] if "1f1b" in flags else []
+    res = _run(["train", "--init-from", path, "--data", data, "--checkpoint-dir", ck, "--log-dir", logs, *extra,
+                *FLAGS, *flags, *trace])
+    rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
+    assert [r["loss"] for r in rows if "loss" in r] == pytest.approx(res["history"]["loss"], rel=1e-6), rows
+    if trace:
+        assert json.load(open(trace[1]))["traceEvents"], trace
     rc, log = _cli(capsys, "export", "--checkpoint-dir", ck, "--hf", out)
     assert rc == 0, log
     return res["history"]["loss"], load_file(os.path.join(out, "model.safetensors"))

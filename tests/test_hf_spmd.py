@@ -1,4 +1,4 @@
-"""Hugging Face import / export (GPT-2, Llama with GQA, T5 v1.1, Qwen2, Mistral) on 4 gloo ranks
+"""Hugging Face import / export (GPT-2, Llama with GQA and with a tied head, T5 v1.1, Qwen2, Mistral) on 4 gloo ranks
 (SpmdMeshImpl, FSDP storage ``d_model:data`` with ``heads``/``kv_heads``/``d_ff``/``vocab`` split): each rank reads
 exactly its slices, logits match ``transformers``, and the export written from the 4-rank run loads with
 ``from_pretrained``."""
@@ -19,7 +19,7 @@ from meshtorch.testing.spmd import run_spmd  # noqa: E402
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-FAMILIES = ("llama_gqa", "gpt2", "t5", "qwen2", "mistral")
+FAMILIES = ("llama_gqa", "llama_tied", "gpt2", "t5", "qwen2", "mistral")
 
 
 def test_hf_on_four_gloo_ranks(tmp_path):

@@ -44,25 +44,31 @@ def dirs(tmp_path_factory):
 _run, _cli = F.run, F.cli
 
 
-def test_padded_vocab_logits_equal_transformers_on_the_default_layout(dirs):
-    """GPT-2 with an odd vocabulary (257) on the default 2x2 layout, vocab:model: the vocabulary is padded to 258;
-    the real logits equal transformers', the padded one is masked, the loss is transformers' loss."""
-    _, gpt2, _, ref = dirs
+@pytest.mark.parametrize("vocab", [ODD_VOCAB, 50257])  # 50257: GPT-2's own vocabulary
+def test_padded_vocab_logits_equal_transformers_on_the_default_layout(dirs, tmp_path, vocab):
+    """GPT-2 with an odd vocabulary (257, and GPT-2's 50257) on the default 2x2 layout, vocab:model: the
+    vocabulary is padded by one; the real logits equal transformers', the padded one is masked, the loss is
+    transformers' loss."""
+    if vocab == ODD_VOCAB:
+        _, gpt2, _, ref = dirs
+    else:
+        ref = F.make_model("gpt2", vocab=vocab)
+        gpt2 = F.save(ref, str(tmp_path / "gpt2"))
     c = hf.read_config(gpt2).with_shape(2, 16).replace(vocab_multiple=MeshSpec(DEFAULT_MESH, DEFAULT_LAYOUT)
                                                        .axis_size_for("vocab"))
-    assert c.padded_vocab == 258
+    assert c.padded_vocab == vocab + 1
     lm = hf.build(c)
     lw = hf.lower_loaded(lm, MeshSpec(DEFAULT_MESH, DEFAULT_LAYOUT), gpt2)
-    ids = torch.randint(0, ODD_VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(3))
     logits, loss = lw.run([lm.logits, lm.loss], feeds={lm.inputs: ids[:, :-1], lm.targets: ids[:, 1:]})
     with torch.no_grad():
         want = ref(ids[:, :-1]).logits
-    want_loss = torch.nn.functional.cross_entropy(want.reshape(-1, ODD_VOCAB), ids[:, 1:].reshape(-1))
-    assert logits.shape[-1] == 258
-    torch.testing.assert_close(logits[..., :ODD_VOCAB], want, rtol=1e-5, atol=1e-5)
-    assert bool((logits[..., ODD_VOCAB:] < -1e8).all())
+    want_loss = torch.nn.functional.cross_entropy(want.reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    assert logits.shape[-1] == vocab + 1
+    torch.testing.assert_close(logits[..., :vocab], want, rtol=1e-5, atol=1e-5)
+    assert bool((logits[..., vocab:] < -1e8).all())
     assert abs(loss.item() - want_loss.item()) <= 1e-5 * want_loss.item()
-    assert not bool(lw.variable_value("embed")[ODD_VOCAB:].any())  # the padded row is zero
+    assert not bool(lw.variable_value("embed")[vocab:].any())  # the padded row is zero
 
 
 def test_gpt2_odd_vocab_trains_on_the_default_layout_and_exports_unpadded(dirs, tmp_path, capsys):

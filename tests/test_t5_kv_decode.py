@@ -18,6 +18,7 @@ from meshtorch.checkpoint import hf  # noqa: E402
 from meshtorch.runtime.generate import CachedDecoder, beam_search, sample  # noqa: E402
 
 ROWS, BATCH, NEW = 3, 4, 12
+GREEDY_NEW = 64  # issue 30: 64 greedy tokens (none of the 3 rows reaches EOS before)
 LAYOUTS = [("", ""), ("model:2", "heads:model;d_ff:model;vocab:model"), ("data:2", "batch:data")]
 
 
@@ -46,20 +47,21 @@ def test_greedy_tokens_and_step_logits_equal_transformers(saved, mesh, layout):
     x = _inputs()
     mask = (x != 0).long()
     with torch.no_grad():
-        gen = ref.generate(x, attention_mask=mask, max_new_tokens=NEW, do_sample=False, decoder_start_token_id=0,
+        gen = ref.generate(x, attention_mask=mask, max_new_tokens=GREEDY_NEW, do_sample=False, decoder_start_token_id=0,
                            eos_token_id=1, pad_token_id=0)
         want_logits = ref(input_ids=x, attention_mask=mask, decoder_input_ids=gen).logits
     want = [r[1:].tolist() for r in gen]
     want = [w[:w.index(1) + 1] if 1 in w else w for w in want]  # transformers pads with 0 after EOS
     assert len({tuple(w[:6]) for w in want}) == ROWS and all(len(set(w)) > 3 for w in want), want
-    model, lw = hf.load(path, mtf.PlacementMeshImpl(mesh, layout), batch_size=BATCH, length=NEW + 1)
-    got = sample(lw, model, [0], max_new_tokens=NEW, temperature=0.0, num_samples=ROWS, eos_ids=[1], encoder_ids=x)
+    model, lw = hf.load(path, mtf.PlacementMeshImpl(mesh, layout), batch_size=BATCH, length=GREEDY_NEW + 1)
+    got = sample(lw, model, [0], max_new_tokens=GREEDY_NEW, temperature=0.0, num_samples=ROWS, eos_ids=[1],
+                 encoder_ids=x)
     assert got == want
     # every step's logits (teacher-forced on transformers' tokens) against transformers' forward
     dec = CachedDecoder.of(lw, model)
-    enc = torch.zeros(BATCH, NEW + 1, dtype=torch.int64)
+    enc = torch.zeros(BATCH, GREEDY_NEW + 1, dtype=torch.int64)
     enc[:ROWS, :8] = x
-    buf = torch.zeros(BATCH, NEW + 1, dtype=torch.int64)
+    buf = torch.zeros(BATCH, GREEDY_NEW + 1, dtype=torch.int64)
     scale = float(want_logits.abs().max())
     first = dec.prefill(buf, enc)[:ROWS, 0]
     assert (first - want_logits[:, 0]).abs().max() <= 1e-5 * scale

@@ -96,15 +96,14 @@ def add_train_subcommand(subparsers) -> None:
                         "Default: "
                         f'"{DEFAULT_LAYOUT}" (under torchrun without --mesh: "{DATA_PARALLEL_LAYOUT}")')
     p.add_argument("--memory-limit", default=None,
-                   help="with --layout auto: bytes per processor the layout may need, e.g. 16GiB (predicted by the "
-                        "planner)")
-    p.add_argument("--auto-candidates", type=int, default=3,
-                   help="with --layout auto: at least how many of the cost model's best layouts to train a few steps "
-                        "each (with the default layout and every layout predicted within the ranking's trust band, "
-                        "up to 20%% of a 600-step default run) before training with the default unless one is faster "
-                        "beyond the noise; the choice "
-                        "is cached, so the next run of the same job measures nothing; 0: take the cost model's first "
-                        "unmeasured")
+                   help="with --layout auto (refused without it): bytes per processor the layout may need, e.g. "
+                        "16GiB (predicted by the planner)")
+    p.add_argument("--auto-candidates", type=int, default=None,
+                   help="with --layout auto (refused without it): at least how many of the cost model's best "
+                        "layouts to train a few steps each (with the default layout and every layout predicted "
+                        "within the ranking's trust band, up to 20%% of a 600-step default run) before training with "
+                        "the default unless one is faster beyond the noise; the choice is cached, so the next run of "
+                        "the same job measures nothing; 0: take the cost model's first unmeasured (default 3)")
     p.add_argument("--device", default=None,
                    help="where the slices live: cpu, cuda (a simulated mesh spreads its processors over the visible "
                         "GPUs round-robin; under torchrun each rank uses cuda:LOCAL_RANK with NCCL) or cuda:<index> "
@@ -204,8 +203,8 @@ def add_train_subcommand(subparsers) -> None:
                    help="continue from this checkpoint directory (e.g. an older ckpt-<step> when the newest is "
                         "damaged); new checkpoints go beside it unless --checkpoint-dir is given")
     p.add_argument("--force-data", action="store_true",
-                   help="with --resume: continue on data that differ from the checkpoint's (the data position "
-                        "starts over)")
+                   help="with --resume / --resume-from (refused without them): continue on data that differ from "
+                        "the checkpoint's (the data position starts over)")
     p.add_argument("--sample", type=int, default=200, help="tokens to sample after training (0: none)")
     p.add_argument("--prompt", default="The ", help="prompt of the sample")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")

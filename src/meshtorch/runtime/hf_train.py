@@ -39,6 +39,7 @@ _REFUSED = {"preset": "the model is the one in DIR", "layers": "its sizes come f
             "norm": "its normalization comes from DIR/config.json",
             "dropout": "the imported graph has no dropout",
             "memory_limit": "it is for --layout auto, which imported models do not have yet",
+            "auto_candidates": "it is for --layout auto, which imported models do not have yet",
             "vocab_size": "it sizes a SentencePiece vocabulary; the model's tokenizer.json has its own"}
 
 

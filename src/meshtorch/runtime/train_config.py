@@ -32,6 +32,7 @@ from meshtorch.runtime.plan_lm import parse_bytes
 DEFAULT_MESH = "data:2,model:2"
 DEFAULT_PRESET = "small"
 DEFAULT_VOCAB_SIZE = 1024  # --tokenizer sentencepiece's vocabulary
+AUTO_CANDIDATES = 3  # --layout auto measures at least this many of the cost model's best layouts (--auto-candidates)
 DEFAULT_LAYOUT = "batch:data;heads:model;d_ff:model;vocab:model"
 DATA_PARALLEL_LAYOUT = "batch:data"
 
@@ -84,7 +85,7 @@ class TrainConfig:
     mesh: str | None = None
     layout: str | None = None
     memory_limit: str | None = None
-    auto_candidates: int = 3
+    auto_candidates: int | None = None  # None: 3 (AUTO_CANDIDATES)
     device: str | None = None
     storage: str = ""
     # data
@@ -178,6 +179,7 @@ class TrainConfig:
         """
         self._check_numbers()
         self._check_start_step()
+        self._check_dependent_flags()
         cfg = self._with_mesh_defaults()._with_auto_resume()
         mesh = checks.mesh_shape("--mesh", cfg.mesh)
         checks.mesh_fits_world("--mesh", cfg.mesh, mesh, world_size())
@@ -324,6 +326,23 @@ class TrainConfig:
         return self.replace(preset=self.preset or DEFAULT_PRESET, tokenizer=self.tokenizer or "byte",
                             remat=self.remat or "none", gated=bool(self.gated),
                             vocab_size=self.vocab_size or DEFAULT_VOCAB_SIZE)
+
+    def _check_dependent_flags(self) -> None:
+        """Flags that only act with another flag: ``--force-data`` with ``--resume`` / ``--resume-from``;
+        ``--memory-limit`` and ``--auto-candidates`` with ``--layout auto`` / ``--storage auto`` (with
+        ``--init-from`` they are refused by :func:`meshtorch.runtime.hf_train.refuse_flags`).
+
+        Raises:
+            UsageError: naming the flag and the one it needs (given alone it would be silently ignored).
+        """
+        if self.force_data and not self.resuming:
+            raise UsageError("--force-data continues a checkpoint on other data: it needs --resume or --resume-from "
+                             "(this run starts from scratch); drop --force-data.")
+        if self.init_from or "auto" in (self.layout, self.storage):
+            return
+        for flag, value in (("--memory-limit", self.memory_limit), ("--auto-candidates", self.auto_candidates)):
+            if value is not None:
+                raise UsageError(f"{flag} {value} is for the layout search: add --layout auto, or drop {flag}.")
 
     def _check_start_step(self) -> None:
         """``--start-step N``: only for an ``--init-from`` run, and below ``--steps``. With ``--resume auto`` it
@@ -473,9 +492,10 @@ class TrainConfig:
                           num_experts=self.experts, remat=self.remat)
 
         say = print if _rank() == 0 else (lambda *a: None)
+        candidates = AUTO_CANDIDATES if self.auto_candidates is None else self.auto_candidates
         layout, chosen_storage, remat = choose_layout(config, self.mesh, storage=storage, memory_limit=limit,
                                                backend=backend, threads=threads, print_fn=say,
-                                               microbatches=self.microbatches, candidates=self.auto_candidates,
+                                               microbatches=self.microbatches, candidates=candidates,
                                                device=self.device, executor=self.executor, world=world,
                                                precision=self.precision_policy)
         changes = {}  # a chosen pipeline stacks every layer: _resolve_pipeline's default repeats
