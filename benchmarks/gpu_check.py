@@ -3,7 +3,7 @@
 Not a test (CI has no GPU). One command on a machine with one CUDA GPU (not yet run on one in this form: the
 2026-11-25 H100 run compiled each 162M-shaped side in about 50 s, so six compiled configurations and the
 eager ones should fit 8 minutes; ``--time-budget``, default 420 s, stops starting new configurations after
-that many seconds, and ``--modes eager`` or ``--precisions`` narrow it):
+that many seconds, bf16 and TF32 first, and ``--modes eager`` or ``--precisions`` narrow it):
 
     cd benchmarks && PYTHONPATH=../src python3 gpu_check.py
 
@@ -198,7 +198,9 @@ def main():
                     help="gpt2: the 162M GPT-2-small shape (default); small: meshtorch's small preset (3 layers, "
                          "d_model 128, batch 16 x 128); tiny: 2 layers, d_model 64, batch 4 x 32 (seconds on a CPU)")
     ap.add_argument("--tiny", dest="shape", action="store_const", const="tiny", help="shorthand for --shape tiny")
-    ap.add_argument("--precisions", default="fp32,tf32,bf16", help="comma-separated: fp32, tf32, bf16")
+    ap.add_argument("--precisions", default="bf16,tf32,fp32",
+                    help="comma-separated: fp32, tf32, bf16, run in this order (default: the acceptance's bf16 and "
+                         "TF32 rows first, so that --time-budget cuts the float32 baseline, not them)")
     ap.add_argument("--modes", default=None,
                     help="comma-separated: eager, compiled (default: both on CUDA, eager on the CPU, where "
                          "compiling takes minutes)")

@@ -250,9 +250,9 @@ def single(args) -> None:
     from meshtorch.mesh.factory import placement_mesh_impl
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.runtime.train import grad_sum_of_squares, make_optimizer
-    from meshtorch.runtime.train_config import TrainConfig
+    from meshtorch.runtime.train_config import DEFAULT_PRESET, TrainConfig
 
-    cfg = TrainConfig(steps=args.steps)
+    cfg = TrainConfig(steps=args.steps, preset=DEFAULT_PRESET)  # the preset is resolved by checked() in train
     torch.set_num_threads(cfg.threads)
     c = preset(cfg.preset, vocab_size=256)
     half = preset(cfg.preset, vocab_size=256, batch_size=c.batch_size // NPROC)

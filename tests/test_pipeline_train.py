@@ -119,6 +119,7 @@ def test_checkpoints_cross_between_pipelined_and_unpipelined_runs(root):
     (["--mesh", "pipe:2", "--layout", "stage:pipe;d_ff:pipe"], "rule d_ff:pipe splits 'd_ff' over the stage axis"),
     (["--mesh", "pipe:2", "--layout", "stage:pipe", "--dropout", "0.1"], "cannot be combined with --dropout"),
     (["--mesh", "pipe:2", "--layout", "stage:pipe", "--precision", "bf16"], "cannot be combined with --precision"),
+    (["--mesh", "pipe:2", "--layout", "stage:pipe", "--precision", "fp16"], "cannot be combined with --precision fp16"),
 ])
 def test_refuses_what_the_stage_executor_cannot_run(capsys, tmp_path, monkeypatch, extra, match):
     monkeypatch.chdir(tmp_path)

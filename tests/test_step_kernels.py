@@ -9,6 +9,7 @@ processors cover every einsum's FLOPs, and no elementwise multiply builds an out
 multiply-then-sum).
 """
 
+import collections
 import functools
 import math
 
@@ -92,6 +93,12 @@ def test_every_contraction_of_the_training_step_is_a_matmul_kernel(mesh_shape, l
                           mesh_shape, layout)
     assert sum(n in MATMULS for n, *_ in ops) > 0
     assert contraction_problems(ops, lm.graph) == []
+    # clipping as clip_grad_norm_(foreach=True): per processor one torch._foreach_norm for all gradients, one
+    # _foreach_mul (all float32), no per-gradient norm
+    names = collections.Counter(n for n, *_ in ops)
+    procs = 4 if mesh_shape else 1
+    assert names["_foreach_norm"] == procs and names["_foreach_mul"] == procs, names
+    assert not names["linalg_vector_norm"] + names["norm"], names
 
 
 def _k_multiply_then_sum(a, b, *, a_align, b_align, reduce_dims, out_perm):

@@ -86,8 +86,8 @@ def check_flags(cfg, mesh_shape, world: int) -> None:
 
     Raises:
         UsageError: a stage axis whose size is not ``--pipeline-stages``; under torchrun a mesh with more than
-            the stage axis; ``--dropout`` > 0, ``--experts``, ``--precision bf16``, a ``--device`` other than the
-            CPU.
+            the stage axis; ``--dropout`` > 0, ``--experts``, ``--precision bf16`` or ``fp16`` (``tf32`` is
+            float32: it runs), a ``--device`` other than the CPU.
     """
     name, S = cfg.pipeline_schedule, cfg.pipeline_stages
     flag = f"--pipeline-schedule {name}"
@@ -102,7 +102,8 @@ def check_flags(cfg, mesh_shape, world: int) -> None:
     bad = [("--dropout", (cfg.dropout or 0) > 0, "the stage programs' runs "
             "would draw other dropout masks than the unpipelined step"),
            ("--experts", (cfg.experts or 0) > 0, "MoE layers are not pipelined"),
-           ("--precision", cfg.precision == "bf16", "the stage programs are float32"),
+           (f"--precision {cfg.precision}", cfg.precision in ("bf16", "fp16"), "the stage programs are float32 (no "
+            "bfloat16/float16 compute, no loss scaling)"),
            ("--device", cfg.device not in (None, "cpu"), "the stage executor runs on the CPU so far")]
     for what, refused, why in bad:
         if refused:
