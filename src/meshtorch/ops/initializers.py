@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import functools
 import math
+import mmap
 
 import torch
 
@@ -101,7 +102,34 @@ def _k_values_slice(begin, sizes, device=None, *, initializer, shape, dtype, see
     return v if out_dtype is None else v.to(out_dtype)
 
 
+#: Zero-filled slices of at least this many bytes are mapped as untouched zero pages (:func:`untouched_zeros`);
+#: smaller ones are ``torch.zeros`` (a mapping per tensor is page-granular and costs a system call).
+ZERO_PAGES_MIN_BYTES = 1 << 20
+
+
+def untouched_zeros(sizes, dtype: torch.dtype) -> torch.Tensor:
+    """A writable, contiguous CPU tensor of zeros of ``sizes`` and ``dtype`` whose memory is not touched yet.
+
+    At least :data:`ZERO_PAGES_MIN_BYTES`: a private anonymous mapping (``mmap``; page-aligned, zero-filled by the
+    kernel on first access), so the memory becomes resident page by page when first written, as PyTorch's
+    optimizers allocate their state at the first step; ``torch.zeros`` would write every page now (~0.6 ns per
+    byte on the 2-core host: a third of the 1B AdamW build's bytes, docs/memory.md "Build time"). The tensor
+    holds the mapping, which is unmapped when the tensor is freed. Its storage is not resizable (a value of
+    another shape replaces it: :meth:`~meshtorch.lowering.variables.VariableStore.commit`). Smaller:
+    ``torch.zeros``.
+    """
+    sizes = tuple(int(s) for s in sizes)
+    n = math.prod(sizes)
+    nbytes = n * dtype.itemsize
+    if nbytes < ZERO_PAGES_MIN_BYTES:
+        return torch.zeros(sizes, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=n).view(sizes)
+
+
 def _k_fill_slice(begin, sizes, device=None, *, value: float, dtype: torch.dtype, out_dtype=None) -> torch.Tensor:
+    if value == 0 and math.copysign(1.0, value) > 0 and (device is None or torch.device(device).type == "cpu"):
+        return untouched_zeros(sizes, out_dtype or dtype)  # (+0 in every dtype: the cast of the fill below)
     with one_thread():  # (see one_thread; a fill is memory-bound)
         v = torch.full(sizes, value, dtype=dtype, device=device)
     return v if out_dtype is None or out_dtype == dtype else v.to(out_dtype)
