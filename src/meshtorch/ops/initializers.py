@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import functools
 import math
 import mmap
@@ -127,8 +128,40 @@ def untouched_zeros(sizes, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=dtype, count=n).view(sizes)
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (<linux/mman.h>); Python's mmap module does not name it
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Make the pages of an :func:`untouched_zeros` tensor resident and writable now, in one system call
+    (``madvise(MADV_POPULATE_WRITE)``): the page faults its first write takes anyway, without the extra fault per
+    page a read-modify-write (AdamW's moments, ``m = b1 m + (1 - b1) g``) takes on untouched memory, whose read maps
+    the shared zero page and whose write then copies it (measured: 2 faults per page at the first step, 638k vs
+    136k for 1 GB of moments). The values stay zeros. Returns False (nothing done) for a tensor smaller than
+    :data:`ZERO_PAGES_MIN_BYTES` or not page-aligned (not from :func:`untouched_zeros`), or where the kernel does
+    not support it (then the first write faults page by page, with the same values)."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < ZERO_PAGES_MIN_BYTES or t.data_ptr() % mmap.PAGESIZE:
+        return False
+    return _libc().madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE) == 0
+
+
+def fills_zeros(kernel) -> bool:
+    """Whether an initializer kernel (:meth:`Initializer.slice_fn`) fills its slices with +0 (:func:`untouched_zeros`
+    on the CPU: see :func:`populate`)."""
+    return getattr(kernel, "func", None) is _k_fill_slice and _is_plus_zero(kernel.keywords.get("value"))
+
+
+def _is_plus_zero(value) -> bool:
+    return value == 0 and math.copysign(1.0, value) > 0
+
+
 def _k_fill_slice(begin, sizes, device=None, *, value: float, dtype: torch.dtype, out_dtype=None) -> torch.Tensor:
-    if value == 0 and math.copysign(1.0, value) > 0 and (device is None or torch.device(device).type == "cpu"):
+    if _is_plus_zero(value) and (device is None or torch.device(device).type == "cpu"):
         return untouched_zeros(sizes, out_dtype or dtype)  # (+0 in every dtype: the cast of the fill below)
     with one_thread():  # (see one_thread; a fill is memory-bound)
         v = torch.full(sizes, value, dtype=dtype, device=device)
