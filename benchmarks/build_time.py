@@ -29,8 +29,8 @@ x 128, d_ff 8192, vocab 50304, length 1024); ``--layers`` etc. override the shap
 vocabulary 256 unless ``--vocab``, AdamW), each drawing and allocating only its own slices. Printed per rank, wall
 and process CPU seconds from the process's start: ``import`` (the interpreter, torch, meshtorch and joining the
 gloo group, up to the rank's first line of work), ``graph``, ``plan`` (with the SPMD schedule of ``meshtorch plan
---backend gloo``), ``lowering``, ``init``; ``to step 1`` (process start to the first step: what the job waits for; import + graph + lowering + init, since
-``Lowering`` plans again)
+--backend gloo``), ``lowering``, ``init``; ``to step 1`` (process start to the first step: what the job waits for; import + graph +
+lowering + init, since ``Lowering`` plans again)
 and, unless ``--steps 0``, ``step 1``...; and the rank's RSS when the build ends and its high-water mark. Model
 ``1b-run``: the AdamW row of docs/memory.md's largest-model table (26 x 1792, d_ff 7168, length 256: 1003M
 parameters). Nothing is scaled: every rank allocates its quarter (the 1003M model: ~0.95 GiB of weights per rank,
@@ -181,8 +181,8 @@ def _wc(rec: dict, col: str) -> str:
 def run_ranks(cfg_kw: dict, args) -> list[str]:
     """Build (and run ``--steps`` steps of) the program on ``--ranks`` gloo ranks; the printed lines."""
     from meshtorch.testing.spmd import run_spmd
-    res = run_spmd("build_time:rank_worker", (cfg_kw, args.batch_size * args.ranks, args.storage, args.remat, args.steps),
-                   nprocs=args.ranks, timeout_s=3600, dist_timeout_s=3600, extra_path=[HERE],
+    job = (cfg_kw, args.batch_size * args.ranks, args.storage, args.remat, args.steps)
+    res = run_spmd("build_time:rank_worker", job, nprocs=args.ranks, timeout_s=3600, dist_timeout_s=3600, extra_path=[HERE],
                    env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # as largest_model.py's ranks
     res.check()
     cols = ["import", "graph", "plan", "lowering", "init", "to step 1"] + [f"step {i}" for i in
@@ -204,8 +204,9 @@ def main(argv=None):
     ap.add_argument("--models", default="124m,1b", help="comma-separated: " + ", ".join(MODELS))
     for flag in OVERRIDES:
         ap.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=1, help="sequences of the two timed steps (per rank with --ranks: "
-                    "the global batch is N x this, largest_model.py's 4 on 4 ranks)")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="sequences of the two timed steps (per rank with --ranks: the global batch is N x this, "
+                    "largest_model.py's 4 on 4 ranks)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)")
     ap.add_argument("--repeats", type=int, default=1, help="measure each model this many times (medians printed)")
     ap.add_argument("--max-gib", type=float, default=3.0,
