@@ -29,9 +29,8 @@ x 128, d_ff 8192, vocab 50304, length 1024); ``--layers`` etc. override the shap
 vocabulary 256 unless ``--vocab``, AdamW), each drawing and allocating only its own slices. Printed per rank, wall
 and process CPU seconds from the process's start: ``import`` (the interpreter, torch, meshtorch and joining the
 gloo group, up to the rank's first line of work), ``graph``, ``plan`` (with the SPMD schedule of ``meshtorch plan
---backend gloo``), ``lowering``, ``init``; ``to step 1`` (process start to the first step: what the job waits for; import + graph +
-lowering + init, since ``Lowering`` plans again)
-and, unless ``--steps 0``, ``step 1``...; and the rank's RSS when the build ends and its high-water mark. Model
+--backend gloo``), ``lowering``, ``init``; ``to step 1`` (process start to the first step: what the job waits
+for; import + graph + lowering + init, since ``Lowering`` plans again) and, unless ``--steps 0``, ``step 1``...; and the rank's RSS when the build ends and its high-water mark. Model
 ``1b-run``: the AdamW row of docs/memory.md's largest-model table (26 x 1792, d_ff 7168, length 256: 1003M
 parameters). Nothing is scaled: every rank allocates its quarter (the 1003M model: ~0.95 GiB of weights per rank,
 plus the AdamW moments when written).
@@ -182,8 +181,8 @@ def run_ranks(cfg_kw: dict, args) -> list[str]:
     """Build (and run ``--steps`` steps of) the program on ``--ranks`` gloo ranks; the printed lines."""
     from meshtorch.testing.spmd import run_spmd
     job = (cfg_kw, args.batch_size * args.ranks, args.storage, args.remat, args.steps)
-    res = run_spmd("build_time:rank_worker", job, nprocs=args.ranks, timeout_s=3600, dist_timeout_s=3600, extra_path=[HERE],
-                   env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # as largest_model.py's ranks
+    res = run_spmd("build_time:rank_worker", job, nprocs=args.ranks, timeout_s=3600, dist_timeout_s=3600,
+                   extra_path=[HERE], env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # as largest_model.py's ranks
     res.check()
     cols = ["import", "graph", "plan", "lowering", "init", "to step 1"] + [f"step {i}" for i in
                                                                            range(1, args.steps + 1)]
