@@ -30,7 +30,8 @@ vocabulary 256 unless ``--vocab``, AdamW), each drawing and allocating only its 
 and process CPU seconds from the process's start: ``import`` (the interpreter, torch, meshtorch and joining the
 gloo group, up to the rank's first line of work), ``graph``, ``plan`` (with the SPMD schedule of ``meshtorch plan
 --backend gloo``), ``lowering``, ``init``; ``to step 1`` (process start to the first step: what the job waits
-for; import + graph + lowering + init, since ``Lowering`` plans again) and, unless ``--steps 0``, ``step 1``...; and the rank's RSS when the build ends and its high-water mark. Model
+for; import + graph + lowering + init, since ``Lowering`` plans again) and, unless ``--steps 0``, ``step 1``...;
+and the rank's RSS when the build ends and its high-water mark. Model
 ``1b-run``: the AdamW row of docs/memory.md's largest-model table (26 x 1792, d_ff 7168, length 256: 1003M
 parameters). Nothing is scaled: every rank allocates its quarter (the 1003M model: ~0.95 GiB of weights per rank,
 plus the AdamW moments when written).
