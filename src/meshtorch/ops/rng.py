@@ -246,7 +246,9 @@ def contiguous_runs(full_sizes: tuple, begin: tuple, slice_sizes: tuple) -> tupl
         strides[i] = strides[i + 1] * full_sizes[i + 1]
     if sum((b + s - 1) * st for b, s, st in zip(begin, slice_sizes, strides, strict=True)) > _MASK32:
         return None
-    cut = max(i for i, (s, f) in enumerate(zip(slice_sizes, full_sizes, strict=True)) if s != f)
+    cut = max((i for i, (s, f) in enumerate(zip(slice_sizes, full_sizes, strict=True)) if s != f), default=None)
+    if cut is None:  # the whole tensor (contiguous)
+        return None
     length = math.prod(slice_sizes[cut:])
     return length, slice_sizes[:cut], begin[:cut], tuple(strides[:cut]), begin[cut] * strides[cut]
 
