@@ -100,10 +100,12 @@ def test_hash_paths_equal_plain_python_lowbias32():
         assert [int(b) for b in out[stream]] == [_py_bits(5, "w", i, stream) for i in idx]
 
 
-# (full sizes, slice begin, slice sizes): whole, split on the first dim, non-contiguous (split inner dims),
+# (full sizes, slice begin, slice sizes): whole, split on the first dim, non-contiguous (split inner dims; runs
+# longer than the test's chunks of 1000),
 # and a slice beyond 2**32 elements of a 2**33-element tensor (never allocated: only the slice is drawn)
 SLICES = [((40, 52), (0, 0), (40, 52)), ((40, 52), (10, 0), (20, 52)), ((6, 10, 4), (2, 5, 0), (3, 4, 4)),
-          ((5, 8, 33), (1, 0, 11), (1, 8, 11)), ((2**20, 2**13), (2**19 + 5, 0), (2, 300)),
+          ((5, 8, 33), (1, 0, 11), (1, 8, 11)), ((3, 4, 2000), (0, 1, 0), (3, 2, 2000)),
+          ((2**20, 2**13), (2**19 + 5, 0), (2, 300)),
           ((2**20, 2**13), (2**19 + 5, 0), (1, 2**13))]
 
 

@@ -192,6 +192,8 @@ class Session:
                 check_full(name, spec, _as_torch(feeds[name])), TensorLayout(spec.layout))
         if self.store.pending:
             self.store.draw_pending([name for name, _ in plan.var_reads])
+        if self.store.untouched:
+            self.store.populate([name for name, _ in plan.var_reads])
         for name, s in plan.var_reads:
             env[s] = self.store.values[name]
             if env[s] is None:

@@ -15,6 +15,7 @@ from meshtorch.core.dims import Dimension, Shape
 from meshtorch.core.errors import FeedError
 from meshtorch.core.layout import TensorLayout
 from meshtorch.lowering.program import TensorSlot
+from meshtorch.ops.initializers import fills_zeros, populate
 
 
 def spec_shape(spec: TensorSlot) -> Shape:
@@ -62,6 +63,7 @@ class VariableStore:
         self.initializers = dict(getattr(program, "initializers", {}))
         self.values: dict[str, object] = {name: None for name in self.specs}
         self.pending: dict = {}  # variables not drawn yet: {name: initializer kernel}
+        self.untouched: set = set()  # drawn as untouched zero pages and not run yet (see populate)
         if initialize:
             self.initialize()
 
@@ -116,6 +118,18 @@ class VariableStore:
                 return drawn[begin, device]
 
             self.values[name] = impl.share_replicas(impl.laid_out_constant(draw), layout)
+            if fills_zeros(kernel):
+                self.untouched.add(name)
+
+    def populate(self, names) -> None:
+        """Before a run reads variables ``names``: the zero-filled ones not run yet get their memory now, in one
+        call per slice (:func:`meshtorch.ops.initializers.populate`: the faults of their first write without a
+        second one per page when the run reads them first, as AdamW's update reads its moments)."""
+        for name in [n for n in names if n in self.untouched]:
+            self.untouched.discard(name)
+            for t in self.impl(name).local_slices(self.values[name]):
+                if isinstance(t, torch.Tensor):
+                    populate(t)
 
     def _storages(self, names) -> set:
         """Storage addresses of the local slices of variables ``names``."""
@@ -163,6 +177,7 @@ class VariableStore:
             impl = self.impl(name)
             new = impl.materialize(new)
             self.pending.pop(name, None)
+            self.untouched.discard(name)
             old = self.values[name]
             olds = None if old is None else impl.local_slices(old)
             news = impl.local_slices(new)
@@ -189,6 +204,7 @@ class VariableStore:
         """
         value = check_full(name, self._spec(name), value, "Variable").clone()
         self.pending.pop(name, None)
+        self.untouched.discard(name)
         self.values[name] = self.impl(name).import_full(value, self.layout(name))
 
     def set_slices(self, name: str, fn: Callable[[int], torch.Tensor], owned: bool = False):
@@ -217,4 +233,5 @@ class VariableStore:
             return t.to(device=impl.device(p), dtype=spec.dtype, copy=True)  # runs update it in place
 
         self.pending.pop(name, None)
+        self.untouched.discard(name)
         self.values[name] = impl.share_replicas(impl.laid_out_constant(make), layout)

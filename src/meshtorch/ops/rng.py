@@ -232,6 +232,50 @@ def contiguous_start(full_sizes: tuple, begin: tuple, slice_sizes: tuple) -> int
     return first
 
 
+@functools.lru_cache(maxsize=64)
+def contiguous_runs(full_sizes: tuple, begin: tuple, slice_sizes: tuple) -> tuple | None:
+    """A slice whose elements are not consecutive in the full tensor as runs of consecutive ones: ``(run
+    length, the outer dims' slice sizes, begins and strides in the full tensor, the runs' common offset)``; None
+    if its last global index exceeds ``2**32 - 1`` (then :func:`draw_flat` takes the int64 path). A run is the
+    slice's extent along the last dim that the slice cuts and every dim after it (cached: a slice's chunks share
+    it)."""
+    if not slice_sizes or math.prod(slice_sizes) == 0:
+        return None
+    strides = [1] * len(full_sizes)
+    for i in reversed(range(len(full_sizes) - 1)):
+        strides[i] = strides[i + 1] * full_sizes[i + 1]
+    if sum((b + s - 1) * st for b, s, st in zip(begin, slice_sizes, strides, strict=True)) > _MASK32:
+        return None
+    cut = max((i for i, (s, f) in enumerate(zip(slice_sizes, full_sizes, strict=True)) if s != f), default=None)
+    if cut is None:  # the whole tensor (contiguous)
+        return None
+    length = math.prod(slice_sizes[cut:])
+    return length, slice_sizes[:cut], begin[:cut], tuple(strides[:cut]), begin[cut] * strides[cut]
+
+
+def _run_indices(length: int, outer_sizes: tuple, outer_begin: tuple, outer_strides: tuple, offset: int,
+                 ramp: np.ndarray, start: int, stop: int, lo: np.ndarray) -> None:
+    """The global indices (uint32, into ``lo[:stop - start]``) of a slice's flat positions ``start .. stop - 1``,
+    from its :func:`contiguous_runs`: each run's first index (one per run, from the outer dims) plus ``0, 1,
+    ...`` along the run, as one broadcast sum over the chunk's whole runs (``ramp``: uint32 ``0, 1, ...``)."""
+    r0, r1 = start // length, -(-stop // length)
+    rs = np.arange(r0, r1, dtype=np.int64)
+    base = np.full(len(rs), offset, dtype=np.int64)
+    for size, b, st in zip(reversed(outer_sizes), reversed(outer_begin), reversed(outer_strides), strict=True):
+        base += (rs % size + b) * st
+        rs //= size
+    base = base.astype(np.uint32)  # every index <= 2**32 - 1 (contiguous_runs)
+    head = min(stop, (r0 + 1) * length) - start  # the rest of the first run
+    np.add(ramp[:head], base[0] + np.uint32(start - r0 * length), out=lo[:head])
+    whole = (stop - start - head) // length
+    if whole:
+        body = lo[head:head + whole * length].reshape(whole, length)
+        np.add(base[1:1 + whole, None], ramp[None, :length], out=body)
+    tail = stop - start - head - whole * length
+    if tail:
+        np.add(ramp[:tail], base[-1], out=lo[stop - start - tail:stop - start])
+
+
 class DrawScratch:
     """NumPy buffers for :func:`draw_flat` calls of up to ``n`` elements of one draw (reused across a slice's
     chunks): uint32 0, 1, ..., indices, bits and scratch, float32 top bits: ``8 + 12 * streams`` bytes per
@@ -266,6 +310,7 @@ def draw_flat(draw, seed: int, key: str, full_sizes, begin, slice_sizes, start: 
     lo, bits, t, top = sc.lo[:n], sc.bits[:, :n], sc.t[:, :n], sc.top[:, :n]
     first = contiguous_start(tuple(full_sizes), tuple(begin), tuple(slice_sizes))
     words = _stream_words(seed, key, tuple(streams))
+    runs = None if first is not None else contiguous_runs(tuple(full_sizes), tuple(begin), tuple(slice_sizes))
     hi = 0
     if first is not None and first + stop <= _MASK32 + 1:
         g = first + start
@@ -276,6 +321,9 @@ def draw_flat(draw, seed: int, key: str, full_sizes, begin, slice_sizes, start: 
             b = min(n, a + 0x10000 - ((g + a) & 0xFFFF))
             np.bitwise_xor(lo[a:b], words[0] ^ np.uint32((g + a) >> 16), out=bits[:, a:b])
             a = b
+    elif n and runs is not None:
+        _run_indices(*runs, sc.ramp, start, stop, lo)
+        np.bitwise_xor(_xorshift16_np(lo, t[0]), words[0], out=bits)
     else:
         idx = flat_global_index(full_sizes, begin, slice_sizes, start, stop).numpy()
         np.copyto(lo, idx & _MASK32, casting="unsafe")
