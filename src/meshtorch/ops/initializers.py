@@ -122,7 +122,7 @@ def untouched_zeros(sizes, dtype: torch.dtype) -> torch.Tensor:
     sizes = tuple(int(s) for s in sizes)
     n = math.prod(sizes)
     nbytes = n * dtype.itemsize
-    if nbytes < ZERO_PAGES_MIN_BYTES:
+    if nbytes < ZERO_PAGES_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):  # (no anonymous mappings: Windows)
         return torch.zeros(sizes, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype, count=n).view(sizes)
