@@ -37,6 +37,10 @@ import subprocess
 import sys
 import threading
 
+import torch
+
+from meshtorch.mesh.process import init_distributed
+
 #: the directory that holds the meshtorch package
 SRC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: ``MESHTORCH_SPMD_START``: ``forkserver`` or ``subprocess`` (a fresh interpreter per rank); unset: see start_ranks
@@ -202,10 +206,6 @@ def _forked_rank(tmp: str, env: dict, path: list, err_path: str) -> None:
 def _child_main(tmp: str) -> None:
     """One rank: read ``tmp/args.pkl``, one intra-op thread, ``init_distributed``, call the target, pickle
     its value to ``tmp/rank{rank}.pkl``."""
-    import torch
-
-    from meshtorch.mesh.process import init_distributed
-
     with open(os.path.join(tmp, "args.pkl"), "rb") as f:
         target, args = pickle.load(f)
     torch.set_num_threads(1)
