@@ -10,8 +10,9 @@ milliseconds.
 How (the source followed: Python's :mod:`multiprocessing` documentation, "Contexts and start methods",
 ``forkserver`` and :func:`multiprocessing.set_forkserver_preload`): the fork server is a fresh interpreter (exec'd,
 not forked from the caller, so it holds none of the caller's threads, locks or process groups), started once per
-calling process with ``OMP_NUM_THREADS=1``; it imports :data:`PRELOAD` and never runs a torch op, so no
-OpenMP or intra-op thread pool exists when it forks. Each rank then, in the forked child: points fd 2 at its
+calling process with ``OMP_NUM_THREADS=1``; it imports :data:`PRELOAD` (then ``gc.freeze()``, so that a rank's
+garbage collection does not copy the server's heap) and never runs a torch op, so no OpenMP or intra-op thread
+pool exists when it forks. Each rank then, in the forked child: points fd 2 at its
 per-rank stderr file and fd 1 at ``/dev/null`` (``os.dup2``), replaces ``os.environ`` by the job's environment
 (torchrun's variables, ``MESHTORCH_TIMEOUT``, the caller's ``env``), puts ``SRC_DIR`` and ``extra_path`` first on
 ``sys.path``, runs :func:`_child_main` as the ``python -m`` path does, and exits like an interpreter would
@@ -22,7 +23,7 @@ kills behave as with :class:`subprocess.Popen`.
 meshtorch reads its environment when a value is used, not at import, with one exception, the flight recorder's
 ``MESHTORCH_FLIGHT_RECORDER``; a job whose value of it (or of a torch / OpenMP / MKL / Python start-up variable,
 :data:`IMPORT_TIME_ENV`) differs from the fork server's starts its ranks as fresh interpreters, and so does a
-program run as a script file (see :func:`start_ranks`).
+program run as a script file (see :func:`start_method`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from meshtorch.mesh.process import init_distributed
 
 #: the directory that holds the meshtorch package
 SRC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: ``MESHTORCH_SPMD_START``: ``forkserver`` or ``subprocess`` (a fresh interpreter per rank); unset: see start_ranks
+#: ``MESHTORCH_SPMD_START``: ``forkserver`` or ``subprocess`` (a fresh interpreter per rank); unset: see start_method
 START_ENV = "MESHTORCH_SPMD_START"
 #: modules the fork server imports before it forks any rank (torch, meshtorch, then ``gc.freeze()``)
 PRELOAD = ["meshtorch.testing.spmd_preload"]
@@ -166,15 +167,15 @@ def _fork_server_env() -> dict:
 
 def _forked_rank(tmp: str, env: dict, path: list, err_path: str) -> None:
     """A rank in a child of the fork server: the ``python -m meshtorch.testing.spmd`` path's start and exit."""
-    if path[0] != SRC_DIR:  # the server imported another checkout's meshtorch
-        raise RuntimeError(f"the fork server's meshtorch is in {SRC_DIR}, the caller's in {path[0]}; "
-                           f"set {START_ENV}=subprocess")
     fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
     fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(fd, 1)
     os.close(fd)
+    if path[0] != SRC_DIR:  # the server imported another checkout's meshtorch
+        raise RuntimeError(f"the fork server's meshtorch is in {SRC_DIR}, the caller's in {path[0]}; "
+                           f"set {START_ENV}=subprocess")
     os.environ.clear()
     os.environ.update(env)
     sys.path[:0] = path
