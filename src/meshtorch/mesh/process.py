@@ -25,7 +25,13 @@ import torch.distributed as dist
 
 from meshtorch.mesh.watchdog import failure_recorded, start_watchdog, stop_watchdog
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("MESHTORCH_TIMEOUT", "60"))
+
+def default_timeout_s() -> float:
+    """``MESHTORCH_TIMEOUT`` (seconds), else 60; read when used, not at import (a process forked from a fork
+    server that imported meshtorch has its own)."""
+    return float(os.environ.get("MESHTORCH_TIMEOUT", "60"))
+
+
 _ON_SHUTDOWN: list[Callable[[], None]] = []
 
 
@@ -56,7 +62,7 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None,
     if missing:
         raise RuntimeError(f"init_distributed: environment variables {missing} are not set; run under "
                            "`torchrun --nproc-per-node N ...` or `meshtorch launch -n N -- ...`.")
-    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs = {}
@@ -89,7 +95,7 @@ def shutdown_distributed() -> None:
     if dist.is_initialized() and not failure_recorded():  # all ranks leave together
         try:
             if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(30.0, DEFAULT_TIMEOUT_S)))
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(30.0, default_timeout_s())))
             else:
                 dist.barrier()
         except Exception:  # noqa: BLE001 - a peer is gone: nothing to wait for

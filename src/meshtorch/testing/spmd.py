@@ -1,11 +1,11 @@
 """Running functions in N gloo processes on loopback, and the SPMD op-suite check.
 
-:func:`run_spmd` starts ``nprocs`` Python processes (``python -m meshtorch.testing.spmd``) with
-torchrun's environment, each calls ``init_distributed`` and then ``target(*args)``; return values
-come back pickled, per rank. The whole job is bounded by ``timeout_s`` (stragglers are killed), so
-a test never hangs. :func:`op_suite_worker` runs every ``OP_CASES`` entry of the given modules on
-:class:`~meshtorch.mesh.spmd.SpmdMeshImpl` and compares values and gradients with
-:class:`~meshtorch.mesh.placement.PlacementMeshImpl` and with the unsplit PyTorch reference.
+:func:`run_spmd` starts ``nprocs`` processes with torchrun's environment (forked from a fork server that has
+torch and meshtorch imported, or ``python -m meshtorch.testing.spmd`` interpreters: :mod:`.spmd_start`), each
+calls ``init_distributed`` and then ``target(*args)``; return values come back pickled, per rank. The whole job
+is bounded by ``timeout_s`` (stragglers are killed), so a test never hangs. :func:`op_suite_worker` runs every
+``OP_CASES`` entry of the given modules on :class:`~meshtorch.mesh.spmd.SpmdMeshImpl` and compares values and
+gradients with :class:`~meshtorch.mesh.placement.PlacementMeshImpl` and with the unsplit PyTorch reference.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,12 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshtorch.mesh.process import init_distributed
 from meshtorch.mesh.spmd import SpmdMeshImpl
 from meshtorch.runtime.launcher import free_port, launch_env
 from meshtorch.testing.layouts import enumerate_layouts, reference_run, rel_error, run_layout
-
-SRC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the directory of meshtorch/
+from meshtorch.testing.spmd_start import SRC_DIR, _child_main, start_ranks
 
 
 @dataclass
@@ -60,7 +57,11 @@ def run_spmd(target: str, args=(), nprocs: int = 4, timeout_s: float = 120.0, di
         args: picklable positional arguments for the function.
         timeout_s: wall-clock bound for the whole job; processes still alive then are killed.
         dist_timeout_s: the process-group timeout each process uses (``MESHTORCH_TIMEOUT``).
-        extra_path: directories to put on the children's ``PYTHONPATH`` (e.g. ``tests/``).
+        extra_path: directories to put first on the children's ``sys.path`` and ``PYTHONPATH`` (e.g. ``tests/``).
+        env: variables to set in the children's ``os.environ`` (before ``init_distributed``).
+
+    The ranks are forked from a fork server that has torch and meshtorch imported, or started as fresh
+    interpreters with ``MESHTORCH_SPMD_START=subprocess`` (:func:`meshtorch.testing.spmd_start.start_ranks`).
     """
     with tempfile.TemporaryDirectory(prefix="meshtorch-spmd-") as tmp:
         with open(os.path.join(tmp, "args.pkl"), "wb") as f:
@@ -70,31 +71,30 @@ def run_spmd(target: str, args=(), nprocs: int = 4, timeout_s: float = 120.0, di
         base.update(env or {})
         base["PYTHONPATH"] = os.pathsep.join([SRC_DIR, *extra_path, base.get("PYTHONPATH", "")])
         base["OMP_NUM_THREADS"] = "1"
-        errs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(nprocs)]  # noqa: SIM115
         start, start_wall = time.monotonic(), time.time()
-        procs = [subprocess.Popen([sys.executable, "-m", "meshtorch.testing.spmd", tmp],
-                                  env=launch_env(r, nprocs, port, base, dist_timeout_s),
-                                  stdout=subprocess.DEVNULL, stderr=errs[r]) for r in range(nprocs)]
+        procs = start_ranks(tmp, [launch_env(r, nprocs, port, base, dist_timeout_s) for r in range(nprocs)],
+                            extra_path)
         exit_times = [None] * nprocs
         timed_out = False
-        while any(t is None for t in exit_times):
-            for r, p in enumerate(procs):
-                if exit_times[r] is None and p.poll() is not None:
-                    exit_times[r] = time.monotonic() - start
-            if time.monotonic() - start > timeout_s:
-                timed_out = True
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                break
-            time.sleep(0.05)
+        try:
+            while any(t is None for t in exit_times):
+                for r, p in enumerate(procs):
+                    if exit_times[r] is None and p.poll() is not None:
+                        exit_times[r] = time.monotonic() - start
+                if time.monotonic() - start > timeout_s:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:  # on time-out, or an interrupt of the caller: no rank outlives the job
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
         codes = [p.wait() for p in procs]
         elapsed = time.monotonic() - start
         stderr = []
-        for e in errs:
-            e.seek(0)
-            stderr.append(e.read())
-            e.close()
+        for r in range(nprocs):
+            with open(os.path.join(tmp, f"rank{r}.err"), errors="replace") as f:
+                stderr.append(f.read())
         results = []
         for r in range(nprocs):
             path = os.path.join(tmp, f"rank{r}.pkl")
@@ -104,17 +104,6 @@ def run_spmd(target: str, args=(), nprocs: int = 4, timeout_s: float = 120.0, di
             else:
                 results.append(None)
     return SpmdRun(codes, exit_times, stderr, results, timed_out, elapsed, start_wall)
-
-
-def _child_main(tmp: str):
-    with open(os.path.join(tmp, "args.pkl"), "rb") as f:
-        target, args = pickle.load(f)
-    torch.set_num_threads(1)
-    rank = init_distributed()
-    mod, fn = target.split(":")
-    result = getattr(importlib.import_module(mod), fn)(*args)
-    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
 
 
 # ====================================================================== the op suite on SPMD

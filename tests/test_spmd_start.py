@@ -1,0 +1,66 @@
+"""run_spmd's ranks start from the fork server (torch and meshtorch imported there), with the job's environment.
+
+Structural checks, no timing: a rank's parent process is the multiprocessing fork server and that process has
+libtorch mapped (so the rank did not import torch itself); the job's variables, ``MESHTORCH_TIMEOUT`` (read when
+used, not at import) and ``extra_path`` reach the rank. The start semantics shared with the ``python -m`` path
+(exit statuses, stderr, time-outs, a hanging rank) are tested in tests/test_spmd.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+from meshtorch.testing.spmd import run_spmd
+from meshtorch.testing.spmd_start import START_ENV, start_method
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def rank_view():
+    """(target of the job below) What a rank sees of its start."""
+    from meshtorch.mesh.process import default_timeout_s
+
+    return os.getppid(), os.environ.get("MESHTORCH_PROBE"), default_timeout_s(), sys.path.index(TESTS_DIR), sys.argv
+
+
+@pytest.fixture
+def no_main_script(monkeypatch):
+    """The test run's ``__main__`` as under ``python -m pytest`` or a pytest-xdist worker (not a script file)."""
+    monkeypatch.delenv(START_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+
+
+def test_ranks_fork_from_the_preloaded_server(no_main_script):
+    run = run_spmd("test_spmd_start:rank_view", nprocs=2, timeout_s=120, dist_timeout_s=7,
+                   extra_path=[TESTS_DIR], env={"MESHTORCH_PROBE": "job-env"}).check()
+    parents = {ppid for ppid, *_ in run.results}
+    assert len(parents) == 1 and os.getpid() not in parents, (parents, os.getpid())
+    server = parents.pop()
+    with open(f"/proc/{server}/cmdline") as f:
+        assert "from multiprocessing.forkserver import main" in f.read().replace("\0", " ")
+    with open(f"/proc/{server}/maps") as f:
+        assert "libtorch" in f.read(), "the fork server has not imported torch"
+    for _, probe, timeout_s, path_index, argv in run.results:
+        assert probe == "job-env" and timeout_s == 7.0
+        assert path_index <= 1  # extra_path first, after SRC_DIR
+        assert argv[0].endswith(os.path.join("meshtorch", "testing", "spmd.py"))
+
+
+def test_start_method_choice(no_main_script, monkeypatch):
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # as run_spmd sets it
+    assert start_method(env) == "forkserver"
+    # the flight recorder's switch is read when meshtorch is imported: a job that changes it gets fresh interpreters
+    flipped = "0" if os.environ.get("MESHTORCH_FLIGHT_RECORDER", "1") != "0" else "1"
+    assert start_method({**env, "MESHTORCH_FLIGHT_RECORDER": flipped}) == "subprocess"
+    assert start_method({**env, "MESHTORCH_TIMEOUT": "3"}) == "forkserver"  # read when used
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__="/x/bench.py", __spec__=None))
+    assert start_method(env) == "subprocess"  # a script's top level would run again in every rank
+    monkeypatch.setenv(START_ENV, "forkserver")
+    assert start_method(env) == "forkserver"
+    monkeypatch.setenv(START_ENV, "fork")
+    with pytest.raises(ValueError, match=f"{START_ENV}='fork'"):
+        start_method(env)
