@@ -158,16 +158,17 @@ def _ckpt_tensors(d):
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_interrupt_names_the_last_checkpoint_and_the_resume_command(tmp_path, capsys, sig):
-    """SIGINT/SIGTERM after step 62 of a run checkpointing every 20 steps: exit 130 and one line naming ckpt-60
-    and the command that resumes it; that command (SIGINT case) ends bitwise where an uninterrupted run ends."""
+    """SIGINT/SIGTERM after step 5 of a run checkpointing every 2 steps: exit 130 and one line naming ckpt-4 (not
+    the step interrupted) and the command that resumes it; that command (SIGINT case) ends bitwise where an
+    uninterrupted run ends (6 steps: 66 steps checkpointing every 20 until 2026-11-28, the same path)."""
     runs_dir = tmp_path / "runs"
-    argv = ["train", *TINY, "--steps", "66", "--checkpoint-every", "20", "--runs-dir", str(runs_dir)]
+    argv = ["train", *TINY, "--steps", "6", "--checkpoint-every", "2", "--runs-dir", str(runs_dir)]
     p = subprocess.run([sys.executable, "-m", "meshtorch", *argv], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=SRC, MESHTORCH_FAULT=f"62:{sig}"))
+                       env=dict(os.environ, PYTHONPATH=SRC, MESHTORCH_FAULT=f"5:{sig}"))
     assert p.returncode == 130, p.stdout + p.stderr
     last = p.stderr.strip().splitlines()[-1]
     (name,) = [d.name for d in runs_dir.iterdir() if d.name != "latest"]
-    ckpt = runs_dir / name / "ckpt" / "ckpt-60"
+    ckpt = runs_dir / name / "ckpt" / "ckpt-4"
     assert last.startswith(f"meshtorch train: interrupted ({sig}); the last checkpoint is {ckpt}; resume with: "
                            "meshtorch train "), last
     again = shlex.split(last.split("resume with: ", 1)[1])
@@ -176,10 +177,10 @@ def test_interrupt_names_the_last_checkpoint_and_the_resume_command(tmp_path, ca
         return
     capsys.readouterr()
     assert main(again[1:]) == 0
-    assert f"resumed from {ckpt} at step 60" in capsys.readouterr().out
-    assert main(["train", *TINY, "--steps", "66", "--checkpoint-every", "20", "--checkpoint-dir",
+    assert f"resumed from {ckpt} at step 4" in capsys.readouterr().out
+    assert main(["train", *TINY, "--steps", "6", "--checkpoint-every", "2", "--checkpoint-dir",
                  str(tmp_path / "ref")]) == 0
-    got, want = _ckpt_tensors(runs_dir / name / "ckpt" / "ckpt-66"), _ckpt_tensors(tmp_path / "ref" / "ckpt-66")
+    got, want = _ckpt_tensors(runs_dir / name / "ckpt" / "ckpt-6"), _ckpt_tensors(tmp_path / "ref" / "ckpt-6")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
