@@ -27,6 +27,18 @@ def rank_view():
     return os.getppid(), os.environ.get("MESHTORCH_PROBE"), default_timeout_s(), sys.path.index(TESTS_DIR), sys.argv
 
 
+_POOL = None
+
+
+def leave_idle_executor():
+    """(target) Return with a ThreadPoolExecutor's idle worker alive, as inductor's compile pool leaves one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _POOL
+    _POOL = ThreadPoolExecutor(max_workers=1)  # kept alive (a collected executor wakes its workers itself)
+    return _POOL.submit(os.getpid).result()
+
+
 @pytest.fixture
 def no_main_script(monkeypatch):
     """The test run's ``__main__`` as under ``python -m pytest`` or a pytest-xdist worker (not a script file)."""
@@ -64,3 +76,10 @@ def test_start_method_choice(no_main_script, monkeypatch):
     monkeypatch.setenv(START_ENV, "fork")
     with pytest.raises(ValueError, match=f"{START_ENV}='fork'"):
         start_method(env)
+
+
+def test_a_rank_with_an_idle_executor_exits(no_main_script):
+    """A rank exits as an interpreter does: ``threading._shutdown`` stops concurrent.futures' idle workers before it
+    joins the non-daemon threads (joining them first hung a compiled job's rank until the job's time-out)."""
+    run = run_spmd("test_spmd_start:leave_idle_executor", nprocs=2, timeout_s=60, extra_path=[TESTS_DIR])
+    assert not run.timed_out and run.returncodes == [0, 0], (run.returncodes, run.stderr)

@@ -192,9 +192,10 @@ def _forked_rank(tmp: str, env: dict, path: list, err_path: str) -> None:
     except BaseException:  # noqa: BLE001 - an uncaught exception: the hook (watchdog report), status 1
         sys.excepthook(*sys.exc_info())
         code = 1
-    for t in threading.enumerate():  # the interpreter waits for non-daemon threads, then runs the atexit handlers
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
+    # As the interpreter exits: ``threading._shutdown`` first runs the callbacks registered with
+    # ``threading._register_atexit`` (concurrent.futures' executors tell their idle workers to stop: joining those
+    # workers without it waits forever, as a compiled job's rank did), then joins the non-daemon threads.
+    threading._shutdown()
     atexit._run_exitfuncs()  # CPython's own exit step; a multiprocessing child otherwise skips the handlers
     for stream in (sys.stdout, sys.stderr):
         try:
