@@ -8,6 +8,7 @@ used, not at import) and ``extra_path`` reach the rank. The start semantics shar
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 import sys
 import types
@@ -83,3 +84,20 @@ def test_a_rank_with_an_idle_executor_exits(no_main_script):
     joins the non-daemon threads (joining them first hung a compiled job's rank until the job's time-out)."""
     run = run_spmd("test_spmd_start:leave_idle_executor", nprocs=2, timeout_s=60, extra_path=[TESTS_DIR])
     assert not run.timed_out and run.returncodes == [0, 0], (run.returncodes, run.stderr)
+
+
+def test_choosing_does_not_start_the_fork_server(no_main_script, monkeypatch):
+    """start_method only compares environments; the server starts when a rank is forked (start_ranks), so a job
+    that takes the subprocess path leaves no idle server behind."""
+    import meshtorch.testing.spmd_start as spmd_start
+
+    def refuse():
+        raise AssertionError("start_method started the fork server")
+
+    monkeypatch.setattr(spmd_start, "_server_env", None)
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", refuse)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    flipped = "0" if os.environ.get("MESHTORCH_FLIGHT_RECORDER", "1") != "0" else "1"
+    assert start_method({**env, "MESHTORCH_FLIGHT_RECORDER": flipped}) == "subprocess"
+    assert start_method(env) == "forkserver"
+    assert spmd_start._server_env is None

@@ -95,10 +95,11 @@ def start_ranks(tmp: str, envs: list, extra_path=(), method: str | None = None) 
 def start_method(env: dict, method: str | None = None) -> str:
     """How a job with environment ``env`` starts its ranks: ``"forkserver"`` or ``"subprocess"``.
 
-    ``method`` (default: ``MESHTORCH_SPMD_START``) decides if given; unset: the fork server (started here if it
-    is not running), unless the calling program is a script file (``python script.py``: multiprocessing would
-    run its top level again in every rank, its "safe importing of main module" rule; the benchmarks' per-rank
-    peak memory stays a fresh interpreter's) or ``env``'s import-time variables differ from the server's.
+    ``method`` (default: ``MESHTORCH_SPMD_START``) decides if given; unset: the fork server (started by
+    :func:`start_ranks` when first used, never for a job that takes the subprocess path), unless the calling
+    program is a script file (``python script.py``: multiprocessing would run its top level again in every rank,
+    its "safe importing of main module" rule; the benchmarks' per-rank peak memory stays a fresh interpreter's) or
+    ``env``'s import-time variables differ from the server's.
 
     Raises:
         ValueError: an unknown ``method`` (or ``MESHTORCH_SPMD_START`` value).
@@ -108,7 +109,7 @@ def start_method(env: dict, method: str | None = None) -> str:
         raise ValueError(f"{START_ENV}={method!r}: use 'forkserver' or 'subprocess' (or leave it unset)")
     if method:
         return method
-    fits = not _main_is_script() and _fork_server_env() == _import_time_env(env)
+    fits = not _main_is_script() and _server_import_env() == _import_time_env(env)
     return "forkserver" if fits else "subprocess"
 
 
@@ -143,13 +144,23 @@ def _import_time_env(env) -> dict:
             if (k in IMPORT_TIME_ENV or k.startswith(IMPORT_TIME_PREFIXES)) and k not in _NOT_COMPARED}
 
 
+def _server_extra_env() -> dict:
+    """What the fork server's environment adds to this process's: no OpenMP thread pool, and this meshtorch (Python
+    3.11's fork server ignores the caller's sys.path; an installed meshtorch of another checkout must not win)."""
+    return {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([SRC_DIR, os.environ.get("PYTHONPATH", "")])}
+
+
+def _server_import_env() -> dict:
+    """The fork server's import-time environment: the running server's, else the one it would start with (without
+    starting it)."""
+    return _server_env if _server_env is not None else _import_time_env({**os.environ, **_server_extra_env()})
+
+
 def _fork_server_env() -> dict:
     """Start the fork server (once per process); its import-time environment (:data:`IMPORT_TIME_ENV`)."""
     global _server_env
     if _server_env is None:
-        # the server inherits this process's environment: no OpenMP thread pool, and this meshtorch (Python 3.11's
-        # fork server ignores the caller's sys.path; an installed meshtorch of another checkout must not win)
-        extra = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([SRC_DIR, os.environ.get("PYTHONPATH", "")])}
+        extra = _server_extra_env()
         saved = {k: os.environ.get(k) for k in extra}
         os.environ.update(extra)
         try:
