@@ -28,6 +28,7 @@ each call, and the spread of the ranks' arrival times (the synchronisation wait)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -147,6 +148,56 @@ def breakdown(results: list, layouts: list[str], planned: dict) -> None:
               f"{med[1] * 1e3:12.1f} {med[2] * 1e3:8.1f}")
 
 
+def paired_steps(lms: list, steps: int, warmup: int = 1) -> list[list[float]]:
+    """Head-to-head: ``steps`` paired rounds of one step of each of ``lms`` ((lm, lowering) pairs, all built before
+    the first), in alternating order (A B, then B A: a load that drifts hits both alike), after ``warmup`` untimed
+    steps each; seconds per step, per layout."""
+    for lm, lw in lms:
+        time_steps(lm, lw, 0, warmup=warmup)
+    out = [[] for _ in lms]
+    for i in range(steps):
+        order = range(len(lms)) if i % 2 == 0 else reversed(range(len(lms)))
+        for k in order:
+            out[k] += time_steps(lms[k][0], lms[k][1], 1, seed=i + 1)
+    return out
+
+
+def paired_placement(name, mesh, layouts, batch, steps) -> list[list[float]]:
+    lms = []
+    for rules in layouts:
+        lm = build_lm(_cfg(name, mesh, rules, batch), optimizer=mtf.optim.AdamWOptimizer(1e-3))
+        lms.append((lm, mtf.Lowering(lm.graph, {lm.mesh: mtf.PlacementMeshImpl(mesh, rules)})))
+    return paired_steps(lms, steps)
+
+
+def spmd_paired_worker(name, mesh, layouts, batch, steps, threads):
+    """One rank of the head-to-head (:func:`paired_steps`); every rank runs the same steps in the same order, so a
+    step's time is the slowest rank's (the parent takes the maximum over ranks per step)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    lms = [_spmd_lm(name, mesh, rules, batch) for rules in layouts]
+    dist.barrier()
+    return paired_steps(lms, steps)
+
+
+def verdict(auto: str, others: list[str], times: dict) -> str:
+    """``--layout auto``'s choice against each of ``others`` on the head-to-head's paired steps: the median paired
+    ratio (auto's step over the other's of the same round) with the sign test's one-sided 95% bounds
+    (:class:`meshtorch.runtime.autorace.Paired`, the rule ``--layout auto`` decides by)."""
+    from meshtorch.runtime.autorace import CONFIDENCE, Paired, paired_ratios
+
+    lines = []
+    for o in others:
+        r = sorted(paired_ratios(times[o], times[auto]))
+        p = Paired.of(times[o], times[auto])
+        hi = f"{p.high:.3f}" if math.isfinite(p.high) else "inf"
+        lines.append(f"  auto / {o or '(replicated)'}: median paired ratio {p.ratio:.3f} (one-sided "
+                     f"{100 * CONFIDENCE:.0f}% upper bound {hi}; quartiles {r[len(r) // 4]:.3f}-"
+                     f"{r[(3 * len(r)) // 4]:.3f}; {p.n} pairs)")
+    return "\n".join(lines)
+
+
 def spmd_auto_worker(name, mesh, batch, threads):
     """One rank of ``--layout auto`` under gloo (as ``meshtorch train --layout auto`` under torchrun: every rank
     measures the same candidates, the slowest rank's medians count): (the chosen layout, seconds it took, the
@@ -200,6 +251,10 @@ def main():
     ap.add_argument("--breakdown", action="store_true",
                     help="gloo: also time each layout's steps with the flight recorder on every rank and print where "
                          "they go (collective calls, transfer after the last rank arrived, the ranks' arrival spread)")
+    ap.add_argument("--verify-steps", type=int, default=20,
+                    help="with --auto: paired steps of the head-to-head between auto's choice, the default layout and "
+                         "the fastest measured (all built at once, one step each per round, alternating order); 0: "
+                         "none")
     ap.add_argument("--auto", action="store_true",
                     help="also run --layout auto's choice (measuring, not cached) first, and report its "
                          "measured time over the fastest and over the default layout's, and its cost as a share of "
@@ -283,6 +338,24 @@ def main():
               f"the fastest ({fastest!r}, {meas[fastest] * 1e3:.1f} ms), {meas[auto] / meas[default]:.3f}x the default "
               f"layout ({default!r}, {meas[default] * 1e3:.1f} ms); choosing took {t_auto:.1f} s = "
               f"{100 * t_auto / (600 * meas[default]):.1f}% of 600 default steps ({600 * meas[default]:.0f} s)")
+        vs = [r for r in dict.fromkeys([default, fastest]) if r != auto]
+        if vs and args.verify_steps > 0:
+            head = [auto] + vs
+            if args.backend == "placement":
+                times = dict(zip(head, paired_placement(args.preset, mesh, head, args.batch_size,
+                                                        args.verify_steps), strict=True))
+            else:
+                from meshtorch.testing.spmd import run_spmd
+
+                job = run_spmd("layout_ranking:spmd_paired_worker", (args.preset, mesh, head, args.batch_size,
+                                                                     args.verify_steps, args.threads),
+                               nprocs=mtf.MeshSpec(mesh).size, timeout_s=3600,
+                               extra_path=[os.path.dirname(os.path.abspath(__file__))]).check()
+                times = {r: [max(ts) for ts in zip(*(res[k] for res in job.results), strict=True)]
+                         for k, r in enumerate(head)}
+            print(f"head-to-head, {args.verify_steps} paired steps (auto's choice and "
+                  f"{' and '.join(repr(v) for v in vs)} built at once, alternating order):")
+            print(verdict(auto, vs, times))
     print(f"Kendall tau {tau:.3f}; top-1 regret {100 * regret:.1f}% (predicted best "
           f"{best_pred or '(replicated)'!r}); median |predicted/measured - 1| {100 * err:.1f}%; "
           f"{time.perf_counter() - t0:.0f} s")

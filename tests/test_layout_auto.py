@@ -196,8 +196,8 @@ def _sign_p(successes, n):
 
 def test_decide_keeps_the_default_unless_a_candidate_is_significantly_faster_on_paired_rounds():
     """:func:`autolayout.decide` on given step times (step i of each from the same round): the default is replaced
-    only when the least median paired ratio of the others is at least 5% below 1 and the sign test on the rounds
-    says faster at 95% (one-sided p <= 0.05, computed here independently); 3 rounds never suffice (p >= 1/8), ties
+    only when the sign test on the rounds says the least median paired ratio of the others is at least 5% below 1
+    at 95% (one-sided p <= 0.05 against 0.95, computed here independently); 3 rounds never suffice (p >= 1/8), ties
     and gains under 5% keep it, whatever the order; without a default the least median wins."""
     from meshtorch.runtime.autolayout import Candidate, decide
 

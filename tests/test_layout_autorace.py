@@ -1,7 +1,7 @@
 """``--layout auto``'s sequential race (issue 36, :func:`meshtorch.runtime.autorace.race`) and its paired rule
 (:func:`meshtorch.runtime.autorace.decide`): each interleaved round pairs the challenger's step with the default's;
-the default is replaced when the median paired ratio is at least 5% below 1 and the sign test says the challenger
-is faster at 95% (one-sided); the ruled out (significantly not 5% faster) drop out; undecided candidates race on
+the default is replaced when the sign test says the challenger is at least 5% faster at 95% (one-sided: the
+upper bound of the median paired ratio at most 0.95); the ruled out (significantly not 5% faster) drop out; undecided candidates race on
 to the budget. Step times are faked and the expected outcome computed independently: the sign test's p-value
 from binomial coefficients, medians and percentiles with NumPy."""
 
@@ -34,9 +34,10 @@ def _sign_p(successes, n):
 
 
 def _better(d, c):
-    """Independently: median paired gain >= 5% and significantly more rounds faster than slower (p <= 5%)."""
+    """Independently: the gain is 5% at 95% confidence: significantly more rounds at least 5% faster than not
+    (sign test of the paired ratios against 0.95, p <= 5%)."""
     r = np.asarray(c[:len(d)]) / np.asarray(d[:len(c)])
-    return 1 - np.median(r) >= 0.05 and _sign_p(int((r < 1).sum()), len(r)) <= 0.05
+    return _sign_p(int((r <= 0.95).sum()), len(r)) <= 0.05
 
 
 def _ruled_out(d, c):
@@ -157,3 +158,24 @@ def test_choose_layout_respects_the_budget_share(tmp_path, monkeypatch, capsys):
     assert "would exceed the budget" in table and "default kept" in table
     with pytest.raises(autolayout.UsageError, match="budget share must be > 0"):
         autolayout.choose_layout(lambda m: None, "data:2,model:2", budget_share=0)
+
+
+def test_a_median_gain_of_five_percent_within_the_noise_keeps_the_default():
+    """The case measured on 4 gloo ranks sharing 2 cores (issue 36): 34 paired rounds whose median ratio is 0.95
+    (5.0% faster by the median) but whose ratios scatter 0.85-1.05, so only a smaller gain is significant at 95%;
+    another measurement of the same two layouts found the challenger 8% slower. The default stays (the old rule,
+    median >= 5% and the upper bound below 1, replaced it); a challenger 10% faster in 30 of 34 rounds replaces
+    it. Both outcomes found here independently with the sign test against 0.95."""
+    rng = np.random.default_rng(0)
+    d = 0.2 * (1 + 0.3 * rng.random(34))
+    r = np.concatenate([np.full(17, 0.95), rng.uniform(0.85, 0.949, 8), rng.uniform(0.951, 1.05, 9)])
+    rng.shuffle(r)
+    assert np.median(r) == pytest.approx(0.95) and _sign_p(int((r < 1).sum()), 34) <= 0.05  # the old rule's case
+    held = [Candidate("d", "", None, False, 1.0, 0, default=True, times=tuple(d)),
+            Candidate("c", "", None, False, 1.0, 0, times=tuple(d * r))]
+    got = autolayout.decide(held)
+    assert not _better(d, d * r) and got.index == 0 and got.reason.startswith("default kept")
+    r2 = np.where(np.arange(34) < 30, 0.9, 1.02)
+    rng.shuffle(r2)
+    held[1] = Candidate("c", "", None, False, 1.0, 0, times=tuple(d * r2))
+    assert _better(d, d * r2) and autolayout.decide(held).index == 1

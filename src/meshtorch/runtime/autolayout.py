@@ -102,9 +102,9 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     ``WARMUP_STEPS`` + ``TIMED_STEPS`` AdamW steps on a random batch on the real mesh (:func:`prepare_candidate`),
     the later timed steps in interleaved rounds (so a load that comes and goes on the host hits all alike; one
     candidate after another under ``memory_limit``, so only one is held at a time); the default layout is kept
-    unless a challenger is at least ``MIN_GAIN`` faster by the median of its paired ratios (its step over the
-    default's of the same interleaved round) and significantly faster: the sign test's one-sided ``CONFIDENCE``
-    upper bound of that median below 1 (:func:`decide`; F-race's blocked test, Birattari et al. 2002). While
+    unless a challenger is at least ``MIN_GAIN`` faster at ``CONFIDENCE`` by its paired ratios (its step over the
+    default's of the same interleaved round): the sign test's one-sided ``CONFIDENCE`` upper bound of their
+    median at most ``1 - MIN_GAIN`` (:func:`decide`; F-race's blocked test, Birattari et al. 2002). While
     undecided, the default and every candidate not ruled out race on: one more timed step each per interleaved
     round, in alternating order, those ruled out (lower bound of the ratio above ``1 - MIN_GAIN``) dropping
     out for good, until the decision is clear or the next round would exceed the budget, now ``budget_share`` of

@@ -25,7 +25,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-MIN_GAIN = 0.05  # a candidate replaces the default only if its median paired gain is at least this (no churn)
+MIN_GAIN = 0.05  # a candidate replaces the default only if its paired gain is at least this at CONFIDENCE
 CONFIDENCE = 0.95  # one-sided confidence of the sign-test upper bound on the median paired ratio (to replace)
 DROP_CONFIDENCE = 1 - 0.5 ** 3  # of the lower bound (to drop out): 87.5%, the most the first 3 rounds allow
 BUDGET_SHARE, BUDGET_STEPS = 0.2, 600  # measuring may cost 20% of a 600-step run of the default layout
@@ -79,8 +79,12 @@ class Paired:
 
     @property
     def better(self) -> bool:
-        """Replaces the default: median gain at least ``MIN_GAIN`` and the upper bound of the ratio below 1."""
-        return 1 - self.ratio >= MIN_GAIN and self.high < 1
+        """Replaces the default: the gain is at least ``MIN_GAIN`` at ``CONFIDENCE`` (the upper bound of the median
+        ratio at most ``1 - MIN_GAIN``), not merely by the median. A median gain of ``MIN_GAIN`` with only a
+        smaller gain significant (measured: 5.0% by the median of 34 paired rounds, 2.4% at 95%, on 4 gloo ranks
+        sharing 2 cores) is within the noise another measurement of the same two layouts shows (there 8% the
+        other way), so the default stays: replacing it must not risk a slower run."""
+        return self.high <= 1 - MIN_GAIN
 
     @property
     def ruled_out(self) -> bool:
@@ -120,8 +124,8 @@ class Decision:
 def decide(cands) -> Decision:
     """Which measured candidate to train with: the default layout, unless the challenger (the least median paired
     ratio of its steps over the default's of the same rounds; ties to the cost model's order, ``cands``' order)
-    is at least ``MIN_GAIN`` faster by that median and significantly faster: the one-sided ``CONFIDENCE`` upper
-    bound of the median ratio (sign test, :class:`Paired`) below 1. Otherwise (ties, gains within the noise or
+    is at least ``MIN_GAIN`` faster at ``CONFIDENCE``: the one-sided upper bound of the median ratio (sign test,
+    :class:`Paired`) at most ``1 - MIN_GAIN``. Otherwise (ties, gains within the noise or
     too few rounds) the default stays. With no default among ``cands`` (it did not fit ``--memory-limit``) the
     least median step wins. Under torchrun ``cands``' times are the slowest rank's (an all-reduce max), so every
     rank decides alike. ``cands``: objects with ``times`` (seconds), ``default`` and ``layout``
@@ -146,7 +150,7 @@ def decide(cands) -> Decision:
     p, name = paired[ch], cands[ch].layout or "(replicated)"
     gain = 1 - p.ratio
     why = (f"{name} {100 * gain:.1f}% faster (median paired ratio of {p.n} interleaved rounds) than the default "
-           f"layout, {p.interval()}; it must be >= {100 * MIN_GAIN:.0f}% by the median with the lower bound > 0")
+           f"layout, {p.interval()}; it must be >= {100 * MIN_GAIN:.0f}% at {100 * CONFIDENCE:.0f}%")
     if p.better:
         return Decision(ch, ch, gain, p, f"default replaced: {why}")
     if gain <= 0:
