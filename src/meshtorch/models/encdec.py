@@ -21,7 +21,7 @@ no loss.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from meshtorch.core.graph import Graph, Mesh, Tensor
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.models.blocks import Attend, BlockNames, BlockSpec, block, norm, relative_position_buckets
+from meshtorch.models.config_base import TransformerSizes
 from meshtorch.ops.binary import divide, equal, not_equal
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import gather, one_hot
@@ -46,34 +47,22 @@ __all__ = ["EncDecConfig", "EncDecGraph", "build_encdec", "relative_position_buc
 
 
 @dataclass(frozen=True)
-class EncDecConfig:
-    """Hyper-parameters of the encoder-decoder model."""
+class EncDecConfig(TransformerSizes):
+    """Hyper-parameters of the encoder-decoder model (the sizes first: :class:`~meshtorch.models.config_base.
+    TransformerSizes`, with smaller defaults here)."""
 
-    vocab_size: int = 256
     d_model: int = 128
     num_heads: int = 4
-    d_kv: int = 32
     d_ff: int = 512
     num_encoder_layers: int = 2
     num_decoder_layers: int = 2
     input_length: int = 64
     target_length: int = 64
-    batch_size: int = 16
-    dropout: float = 0.0
-    activation: str = "relu"
     relative_attention: bool = True
     num_buckets: int = 32
     max_distance: int = 128
     pad_id: int = 0
     vocab_multiple: int = 1
-
-    @property
-    def padded_vocab(self) -> int:
-        m = max(1, self.vocab_multiple)
-        return (self.vocab_size + m - 1) // m * m
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

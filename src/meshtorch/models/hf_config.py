@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from meshtorch.core.errors import CheckpointError
 from meshtorch.core.pipeline import PipelineSchedule
+from meshtorch.models.config_base import padded_size
 
 __all__ = ["HFModelConfig", "HFTensor", "hf_dim_sizes", "parse_t5", "t5_tensor_map", "rope_theta", "need", "refuse"]
 
@@ -63,8 +64,7 @@ class HFModelConfig:
     def padded_vocab(self) -> int:
         """The graph's ``vocab`` size: ``vocab_size`` rounded up to ``vocab_multiple`` (Megatron's
         make-vocab-size-divisible-by); the padded rows are zero and their logits masked."""
-        m = max(1, self.vocab_multiple)
-        return (self.vocab_size + m - 1) // m * m
+        return padded_size(self.vocab_size, self.vocab_multiple)
 
     def with_shape(self, batch_size: int, length: int) -> HFModelConfig:
         """This config with the graph's ``batch`` and ``length``.

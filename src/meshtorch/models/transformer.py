@@ -17,7 +17,7 @@ builder of the decoder-only models) with :func:`block_spec`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,7 @@ from meshtorch.core.pipeline import LM_STACKED_NAMES, PipelineSchedule, StackedN
 from meshtorch.layers.attention import AttentionOperation
 from meshtorch.lowering import Lowering
 from meshtorch.models.blocks import FULL_SEQUENCE, NATIVE_NAMES, BlockSpec, MoEOptions, block, norm
+from meshtorch.models.config_base import TransformerSizes
 from meshtorch.ops.einsum import EinsumOperation
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.indexing import one_hot
@@ -44,19 +45,12 @@ from meshtorch.optim.loss_scale import DynamicLossScale, unscale_gradients
 
 
 @dataclass(frozen=True)
-class LMConfig:
-    """Hyper-parameters of the decoder-only LM."""
+class LMConfig(TransformerSizes):
+    """Hyper-parameters of the decoder-only LM (the sizes first: :class:`~meshtorch.models.config_base.
+    TransformerSizes`)."""
 
-    vocab_size: int = 256
-    d_model: int = 256
-    num_heads: int = 8
-    d_kv: int = 32
-    d_ff: int = 1024
     num_layers: int = 4
     length: int = 128
-    batch_size: int = 16
-    dropout: float = 0.0
-    activation: str = "relu"
     gated: bool = False
     norm: str = "rms"  # "rms" or "layer"
     z_loss: float = 0.0
@@ -95,13 +89,6 @@ class LMConfig:
         """Whether layer ``i`` (0-based) has a Mixture-of-Experts feed-forward."""
         return self.num_experts > 0 and (i + 1) % max(1, self.moe_every) == 0
 
-    @property
-    def padded_vocab(self) -> int:
-        m = max(1, self.vocab_multiple)
-        return (self.vocab_size + m - 1) // m * m
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def check_pipeline_config(c: LMConfig) -> None:
