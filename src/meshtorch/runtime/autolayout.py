@@ -419,7 +419,7 @@ def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, micr
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
             "steps": [WARMUP_STEPS, TIMED_STEPS, budget_share, BUDGET_STEPS, MODEL_ERROR],
-            "rule": ["default unless faster by the sign test on paired rounds", MIN_GAIN, CONFIDENCE,
+            "rule": ["default unless MIN_GAIN faster at CONFIDENCE by the sign test on paired rounds", MIN_GAIN, CONFIDENCE,
                      "raced while undecided"],
             "precision": [policy.name, str(policy.reduce_dtype)]}
 
