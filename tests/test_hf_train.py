@@ -234,19 +234,3 @@ def test_native_run_exports_as_gpt2_with_our_logits(dirs, tmp_path, capsys, monk
                        str(tmp_path / "r_out"))
         assert rc == 2 and "maps to no Hugging Face family" in log and "RMSNorm" in log, log
         assert len([ln for ln in log.splitlines() if "error" in ln.lower()]) == 1, log
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("flags, names", [
-    (["--layout", "auto"], "--layout auto"),
-    (["--storage", "auto"], "--storage auto"),
-])
-def test_layout_search_is_refused_by_name(dirs, tmp_path, capsys, family, flags, names):
-    """--init-from with --layout/--storage auto: one line naming the flag, exit status 2, nothing written (the
-    layout search covers the native LM only; pipelines run: tests/test_hf_pipeline.py)."""
-    llama, gpt2, data, _ = dirs
-    model = llama if family == "llama" else gpt2
-    rc, out = _cli(capsys, "train", "--init-from", model, "--data", data, "--runs-dir", str(tmp_path),
-                   "--tokenizer", "byte", *SHORT, *flags)
-    assert rc == 2 and names in out and "--init-from" in out and "Traceback" not in out, out
-    assert not any(tmp_path.iterdir())

@@ -1,9 +1,9 @@
 """``--layout auto``'s sequential race (issue 36, :func:`meshtorch.runtime.autorace.race`) and its paired rule
 (:func:`meshtorch.runtime.autorace.decide`): each interleaved round pairs the challenger's step with the default's;
 the default is replaced when the sign test says the challenger is at least 5% faster at 95% (one-sided: the
-upper bound of the median paired ratio at most 0.95); the ruled out (significantly not 5% faster) drop out; undecided candidates race on
-to the budget. Step times are faked and the expected outcome computed independently: the sign test's p-value
-from binomial coefficients, medians and percentiles with NumPy."""
+upper bound of the median paired ratio at most 0.95); the ruled out (significantly not 5% faster) drop out;
+undecided candidates race on to the budget. Step times are faked and the expected outcome computed
+independently: the sign test's p-value from binomial coefficients, medians and percentiles with NumPy."""
 
 import itertools
 import json

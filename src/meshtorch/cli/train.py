@@ -213,8 +213,8 @@ def add_train_subcommand(subparsers) -> None:
                    help="fine-tune the Hugging Face GPT-2 / Llama model in DIR (config.json + safetensors; its "
                         "tokenizer.json tokenizes --data) in the same loop, run directory and checkpoints as a "
                         "native run. The model comes from DIR: --preset, the size flags, --dropout, --experts, "
-                        "--tokenizer sentencepiece, pipelines and --layout auto are refused (docs/huggingface.md); "
-                        "default --batch-size 8, --length the model's positions up to 128")
+                        "--tokenizer sentencepiece are refused; --layout auto searches its graph (not T5's; "
+                        "docs/huggingface.md); default --batch-size 8, --length the model's positions up to 128")
     p.add_argument("--start-step", type=_start_step, default=0, metavar="N",
                    help="with --init-from: continue an exported run as if N steps were done (the step meshtorch "
                         "export printed): the learning-rate schedule and step count start at N, the data N batches "

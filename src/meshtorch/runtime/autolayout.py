@@ -37,10 +37,10 @@ from meshtorch.lowering import Lowering
 from meshtorch.lowering.counters import _human
 from meshtorch.mesh.factory import make_mesh_impl
 from meshtorch.mesh.process import broadcast_object, init_distributed, is_main_process, max_over_ranks
-from meshtorch.models.transformer import build_lm
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.adam import AdamWOptimizer
 from meshtorch.planning.search import layout_key
+from meshtorch.runtime import plan_lm as plans
 from meshtorch.runtime.autorace import BUDGET_SHARE, BUDGET_STEPS, CONFIDENCE, MIN_GAIN, Race, budget_s, decide, race
 from meshtorch.runtime.calibrate import _host_key, cache_path, calibrate
 from meshtorch.runtime.plan_lm import DEFAULT_LAYOUT, backend_options, pipeline_fields, plan_lm, why_line
@@ -118,7 +118,10 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     is cached (:func:`cache_file`) and read back by the next run of the same job, which then measures nothing.
 
     Args:
-        config: ``fn(vocab_multiple) -> LMConfig`` (the vocab is padded for whichever mesh axis splits it).
+        config: ``fn(vocab_multiple) -> LMConfig`` (the vocab is padded for whichever mesh axis splits it), or
+            ``-> HFModelConfig`` for an imported decoder-only model (``train --init-from``: its graph is ranked
+            and its candidates measured on freshly initialised weights; the checkpoint is loaded afterwards, into
+            the chosen layout). The cache key holds the whole config, the imported ``config.json`` included.
         storage: ``"auto"`` searches storage rules too (FSDP / ZeRO-3); other rules are kept as given.
         memory_limit: bytes per processor; layouts predicted above it are neither ranked nor measured (and
             storage rules are searched to bring one under it).
@@ -365,7 +368,7 @@ def prepare_candidate(config, mesh_shape: str, c: Candidate, microbatches: int |
     returning its seconds; the LM is built (under ``precision``, a PrecisionPolicy or its name) and lowered and
     ``warmup`` untimed steps run first."""
     cfg = candidate_config(config, mesh_shape, c, microbatches)
-    lm = build_lm(cfg, optimizer=AdamWOptimizer(1e-3), precision=precision)
+    lm = plans.model_builder(cfg)(cfg, optimizer=AdamWOptimizer(1e-3), precision=precision)
     impl = make_mesh_impl(mesh_shape, c.layout, device=device, storage=c.storage or None)
     lw = Lowering(lm.graph, {lm.mesh: impl}, mode=executor)
     time_steps(lm, lw, 0, warmup=warmup)
@@ -419,8 +422,8 @@ def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, micr
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
             "steps": [WARMUP_STEPS, TIMED_STEPS, budget_share, BUDGET_STEPS, MODEL_ERROR],
-            "rule": ["default unless MIN_GAIN faster at CONFIDENCE by the sign test on paired rounds", MIN_GAIN, CONFIDENCE,
-                     "raced while undecided"],
+            "rule": ["default unless MIN_GAIN faster at CONFIDENCE by the sign test on paired rounds", MIN_GAIN,
+                     CONFIDENCE, "raced while undecided"],
             "precision": [policy.name, str(policy.reduce_dtype)]}
 
 

@@ -38,8 +38,6 @@ _REFUSED = {"preset": "the model is the one in DIR", "layers": "its sizes come f
             "activation": "its activation comes from DIR/config.json", "gated": "its MLP comes from DIR/config.json",
             "norm": "its normalization comes from DIR/config.json",
             "dropout": "the imported graph has no dropout",
-            "memory_limit": "it is for --layout auto, which imported models do not have yet",
-            "auto_candidates": "it is for --layout auto, which imported models do not have yet",
             "vocab_size": "it sizes a SentencePiece vocabulary; the model's tokenizer.json has its own"}
 
 
@@ -57,10 +55,20 @@ def refuse_flags(cfg) -> None:
     if cfg.tokenizer == "sentencepiece":
         raise UsageError("--tokenizer sentencepiece cannot be combined with --init-from: the model's own "
                          f"{TOKENIZER} tokenizes the data (or --tokenizer byte for UTF-8 bytes).")
+
+
+def check_layout_search(cfg, model: HFModelConfig) -> None:
+    """``--layout auto`` / ``--storage auto`` with ``--init-from``: refused for T5 (the search ranks decoder-only
+    graphs: its memory and cost plans and the measured candidates' steps are the LM's).
+
+    Raises:
+        UsageError: naming the flag, T5 and what to give instead.
+    """
     for flag, value in (("--layout", cfg.layout), ("--storage", cfg.storage)):
-        if value == "auto":
-            raise UsageError(f"{flag} auto cannot be combined with --init-from: the layout search covers the native "
-                             f"LM only; give {flag} rules, e.g. batch:data;heads:model;d_ff:model;vocab:model.")
+        if value == "auto" and model.encoder_decoder:
+            raise UsageError(f"{flag} auto cannot be combined with --init-from a T5 directory: the layout search "
+                             f"ranks decoder-only models; give {flag} rules, e.g. batch:data;heads:model;d_ff:model;"
+                             "vocab:model.")
 
 
 def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModelConfig:

@@ -13,12 +13,14 @@ import math
 import re
 from dataclasses import replace
 
+from meshtorch.checkpoint import hf as hf_checkpoint
 from meshtorch.core.errors import LayoutError
 from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.core.pipeline import resolve_pipeline_fields
 from meshtorch.lowering.counters import _human
 from meshtorch.lowering.stages import PlanOptions
 from meshtorch.mesh.spmd import SpmdMeshImpl
+from meshtorch.models.hf_config import HFModelConfig
 from meshtorch.models.transformer import REMAT_POLICIES, build_lm
 from meshtorch.ops.precision import PrecisionPolicy
 from meshtorch.optim.accumulate import build_training_graph
@@ -34,6 +36,14 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 *
           "GIB": 2 ** 30, "TIB": 2 ** 40}
 
 
+def model_builder(cfg):
+    """The graph builder of ``cfg``: :func:`~meshtorch.models.transformer.build_lm` for a native
+    :class:`~meshtorch.models.transformer.LMConfig`, :func:`meshtorch.checkpoint.hf.build` for an imported model's
+    :class:`~meshtorch.models.hf_config.HFModelConfig` (``meshtorch train --init-from``); both take
+    ``optimizer=`` and ``precision=``."""
+    return hf_checkpoint.build if isinstance(cfg, HFModelConfig) else build_lm
+
+
 def training_lm(cfg, optimizer=None, accumulate: int = 1, precision=None):
     """The LM graph of one training run as ``meshtorch train`` builds it: ``cfg`` with ``optimizer()`` (a
     factory; None: AdamW), and with ``accumulate`` N > 1 the graph of one microbatch (``cfg.batch_size / N``
@@ -42,7 +52,7 @@ def training_lm(cfg, optimizer=None, accumulate: int = 1, precision=None):
     the float32 accumulators; ``precision``: the :class:`~meshtorch.ops.precision.PrecisionPolicy` (or its
     name) the model is built with."""
     opt = optimizer() if optimizer is not None else AdamWOptimizer(1e-3)
-    return build_training_graph(build_lm, cfg, opt, accumulate, precision=precision)[0]
+    return build_training_graph(model_builder(cfg), cfg, opt, accumulate, precision=precision)[0]
 
 
 def backend_options(backend: str) -> PlanOptions | None:

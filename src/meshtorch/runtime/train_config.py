@@ -216,6 +216,9 @@ class TrainConfig:
             checks.writable_dir("--log-dir", cfg.log_dir)
             optional_module("tensorboard", "meshtorch train --log-dir")
         if cfg.init_from:
+            if cfg.layout == "auto" or cfg.storage == "auto":
+                hf_train.check_layout_search(cfg, hf_train.model_config(cfg, 1, cfg.saved_record()))
+                cfg = cfg._choose_layout()  # measured on fresh weights; the checkpoint loads into the choice
             imported = hf_train.model_config(cfg, 1, cfg.saved_record())
             cfg._check_accumulate(imported.batch_size)
             cfg = cfg._resolve_pipeline(mesh, imported.num_layers, imported.batch_size,
@@ -329,8 +332,8 @@ class TrainConfig:
 
     def _check_dependent_flags(self) -> None:
         """Flags that only act with another flag: ``--force-data`` with ``--resume`` / ``--resume-from``;
-        ``--memory-limit`` and ``--auto-candidates`` with ``--layout auto`` / ``--storage auto`` (with
-        ``--init-from`` they are refused by :func:`meshtorch.runtime.hf_train.refuse_flags`).
+        ``--memory-limit`` and ``--auto-candidates`` with ``--layout auto`` / ``--storage auto`` (native or
+        ``--init-from``).
 
         Raises:
             UsageError: naming the flag and the one it needs (given alone it would be silently ignored).
@@ -338,7 +341,7 @@ class TrainConfig:
         if self.force_data and not self.resuming:
             raise UsageError("--force-data continues a checkpoint on other data: it needs --resume or --resume-from "
                              "(this run starts from scratch); drop --force-data.")
-        if self.init_from or "auto" in (self.layout, self.storage):
+        if "auto" in (self.layout, self.storage):
             return
         for flag, value in (("--memory-limit", self.memory_limit), ("--auto-candidates", self.auto_candidates)):
             if value is not None:
@@ -486,6 +489,8 @@ class TrainConfig:
         vocab = 256 if self.tokenizer == "byte" else self.vocab_size
 
         def config(multiple):
+            if self.init_from:  # the imported model (its config.json), the vocab padded for the candidate
+                return hf_train.model_config(self, multiple, self.saved_record())
             return preset(self.preset, num_layers=self.layers, d_model=self.d_model, num_heads=self.heads,
                           d_kv=self.d_kv, d_ff=self.d_ff, length=self.length, batch_size=self.batch_size,
                           gated=self.gated or None, vocab_size=vocab, vocab_multiple=multiple,
