@@ -266,7 +266,7 @@ def main():
     t0 = time.perf_counter()
     cal = calibrate(args.backend, args.threads, force=args.calibrate)
     print(cal.summary())
-    cost = cal.cost_model()
+    cost = cal.cost_model(processes=mtf.MeshSpec(mesh).size if args.backend != "placement" else None)
     layouts = layouts_of(args.preset, mesh, args.batch_size, cost, args.backend)[: args.max_layouts]
     default = _find(default_layout_for(mesh), layouts) or default_layout_for(mesh)
     if default not in layouts:

@@ -91,6 +91,21 @@ class CostModel:
         rate = dict(self.flop_rates).get(name)
         return replace(self, compute_dtype=name, flop_rate=self.flop_rate if rate is None else float(rate))
 
+    def sharing_cores(self, processes: int, cores: int, measured_with: int = 1) -> CostModel:
+        """This model for ``processes`` processes that share ``cores`` CPU cores (one process per processor, more
+        processes than cores: the OS time-slices them), when its compute constants were measured with
+        ``measured_with`` processes side by side on those cores: the FLOP rates and the elementwise bandwidth
+        divided, and the per-kernel overhead multiplied, by ``max(1, processes / cores) / max(1, measured_with /
+        cores)`` (each process gets ``cores / processes`` of a core). Collectives keep their measured constants.
+        Unchanged for ``processes <= cores``."""
+        scale = max(1.0, processes / max(1, cores)) / max(1.0, measured_with / max(1, cores))
+        if scale <= 1.0:
+            return self
+        return replace(self, flop_rate=self.flop_rate / scale, memory_bandwidth=self.memory_bandwidth / scale,
+                       kernel_overhead=self.kernel_overhead * scale,
+                       flop_rates=tuple((k, v / scale) for k, v in self.flop_rates),
+                       name=f"{self.name}; {processes} processes on {cores} cores: compute x{scale:.3g}")
+
     @property
     def measured_dtype(self) -> bool:
         """Whether ``flop_rate`` was measured in ``compute_dtype`` (always for float32)."""

@@ -156,7 +156,7 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
                          f"default steps), got {budget_share}.")
     t_rank = time.perf_counter()  # the ranking counts against the budget too
     cal = calibrate(backend, threads)  # measured once per host/backend/threads, then read from the cache
-    cost = cal.cost_model()
+    cost = cal.cost_model(processes=world)  # more ranks than cores: they time-share them
     try:
         ranked = plan_lm(config, mesh_shape, search=True, storage=storage, memory_limit=memory_limit, cost=cost,
                          print_fn=lambda *a: None, microbatches=microbatches, precision=precision,

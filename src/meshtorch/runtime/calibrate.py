@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from meshtorch.core.dims import Dimension
 from meshtorch.core.errors import UsageError
 from meshtorch.core.graph import Graph, Mesh
+from meshtorch.core.mesh_spec import MeshSpec
 from meshtorch.lowering import Lowering
 from meshtorch.lowering.collectives import KINDS as COLLECTIVE_KINDS
 from meshtorch.mesh.factory import make_mesh_impl, placement_mesh_impl
@@ -101,17 +102,23 @@ class Calibration:
         what = "spread not measured" if worst is None else f"spread {100 * worst:.0f}% over {REPEATS} repetitions"
         return what + (f", host busy (load {self.load:.1f} on {os.cpu_count()} cores)" if self.busy else "")
 
-    def cost_model(self) -> CostModel:
-        """The :class:`~meshtorch.planning.cost.CostModel` of these measurements (``serial`` on placement)."""
+    def cost_model(self, processes: int | None = None) -> CostModel:
+        """The :class:`~meshtorch.planning.cost.CostModel` of these measurements (``serial`` on placement);
+        ``processes``: the job's process count on a gloo/nccl backend, when more processes than this host's cores
+        time-share them (:meth:`~meshtorch.planning.cost.CostModel.sharing_cores`; the constants were measured in
+        2 processes side by side)."""
         coll = tuple((k, float(a), float(b)) for k, (a, b) in sorted(self.collectives.items()))
         ar = self.collectives.get("allreduce", (5e-5, 1e-10))
         rates = (("float32", float(self.gemm_flop_rate)),) + tuple(sorted(self.dtype_rates.items()))
-        return CostModel(flop_rate=self.gemm_flop_rate, bandwidth=1.0 / max(ar[1], 1e-15), latency=ar[0],
-                         kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
-                         serial=self.backend == "placement", flop_rates=rates,
-                         spread=max(self.spread.values(), default=None), busy=self.busy,
-                         collectives=coll, name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} "
-                                                f"({self.trust()})")
+        model = CostModel(flop_rate=self.gemm_flop_rate, bandwidth=1.0 / max(ar[1], 1e-15), latency=ar[0],
+                          kernel_overhead=self.kernel_overhead, memory_bandwidth=self.memory_bandwidth,
+                          serial=self.backend == "placement", flop_rates=rates,
+                          spread=max(self.spread.values(), default=None), busy=self.busy,
+                          collectives=coll, name=f"calibrated {self.backend}, {self.threads} thread(s), {self.host} "
+                                                 f"({self.trust()})")
+        if processes is None or self.backend == "placement":
+            return model
+        return model.sharing_cores(processes * self.threads, usable_cores(), measured_with=2 * self.threads)
 
     def summary(self) -> str:
         """What was measured, a few lines for a person."""
@@ -192,6 +199,14 @@ def calibrate(backend: str = "placement", threads: int | None = None, force: boo
         json.dump(asdict(cal), f, indent=1)
     os.replace(tmp, path)
     return cal
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (``os.sched_getaffinity``; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _host_key() -> str:
@@ -382,6 +397,7 @@ def run_plan(args):
         print(cal.summary())
     elif args.hardware == "auto":
         cal = cached(args.backend, args.threads)
-    if cal is not None:
-        args.cost_model = cal.cost_model()
+    if cal is not None:  # gloo/nccl: one process per processor of --mesh
+        procs = MeshSpec(args.mesh).size if args.backend != "placement" and getattr(args, "mesh", None) else None
+        args.cost_model = cal.cost_model(processes=procs)
     return main_plan(args)
