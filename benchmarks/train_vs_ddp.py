@@ -298,7 +298,16 @@ def _mtf_params() -> int:
 def single(args) -> None:
     """``--single``: compute only, in this process (1 thread): meshtorch's default train graph on one processor
     with one rank's half of the batch vs the plain-PyTorch module (no DDP) with ``--optim``'s AdamW on the same
-    rows; blocks of ``--block`` steps alternating A B B A; the ratio of medians."""
+    rows; blocks of ``--block`` steps alternating A B B A; the ratio of medians. ``--both-cores``: the same in
+    each rank of a 2-rank torchrun job, every step started together (a barrier; not timed), so both cores compute
+    as in the torchrun comparison but nothing is communicated; rank 0's times."""
+    if args.both_cores and not args.single_worker:
+        with tempfile.TemporaryDirectory() as tmp:
+            _torchrun([os.path.abspath(__file__), "--single", "--single-worker", "--both-cores", "--optim", args.optim,
+                       "--steps", str(args.steps), "--block", str(args.block), "--warmup", str(args.warmup),
+                       "--out", tmp], tmp)
+            print(open(os.path.join(tmp, "single.txt")).read(), end="")
+        return
     from meshtorch.lowering import Lowering
     from meshtorch.mesh.factory import placement_mesh_impl
     from meshtorch.models.transformer import build_lm, preset
@@ -319,11 +328,17 @@ def single(args) -> None:
 
     torch_step, _ = _ddp_side(cfg, args.optim, single_world=NPROC)
     sides = {"mtf": [mtf_step, _batches(cfg), []], "torch_" + args.optim: [torch_step, _batches(cfg), []]}
+    if args.both_cores:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     for b in range(args.steps // args.block):
         for name in (list(sides) if b % 2 == 0 else list(sides)[::-1]):
             fn, batches, times = sides[name]
             for _ in range(args.block):
                 batch, s = next(batches), len(times)
+                if args.both_cores:
+                    dist.barrier()
                 t0 = time.perf_counter()
                 fn(batch, s)
                 times.append(time.perf_counter() - t0)
@@ -331,10 +346,18 @@ def single(args) -> None:
     a, b = (v[2] for v in sides.values())
     pairs = [statistics.median(a[i:i + args.block]) / statistics.median(b[i:i + args.block])
              for i in range(-(-args.warmup // args.block) * args.block, len(a), args.block)]
-    print("one process, 1 thread, one rank's rows (" + str(half.batch_size) + " x " + str(half.length) + "): "
-          + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
-          + f"; meshtorch / torch {med['mtf'] / med['torch_' + args.optim]:.3f} (block pairs: median "
-            f"{statistics.median(pairs):.3f}, {len(pairs)} pairs)")
+    line = (("2 ranks computing at once, no communication" if args.both_cores else "one process") + ", 1 thread, "
+            "one rank's rows (" + str(half.batch_size) + " x " + str(half.length) + "): "
+            + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
+            + f"; meshtorch / torch {med['mtf'] / med['torch_' + args.optim]:.3f} (block pairs: median "
+              f"{statistics.median(pairs):.3f}, {len(pairs)} pairs)")
+    if not args.both_cores:
+        print(line)
+        return
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out, "single.txt"), "w") as f:
+            f.write(line + "\n")
+    dist.destroy_process_group()
 
 
 def paired(args) -> None:
@@ -405,6 +428,9 @@ def main(argv=None) -> None:
                     help="--paired: also time each side's step by phase (meshtorch: its collectives from the flight "
                          "recorder; DDP: forward, backward, clipping, step, and its buckets through a comm hook, "
                          "which costs DDP a little)")
+    ap.add_argument("--both-cores", action="store_true",
+                    help="--single: in each of 2 torchrun ranks at once (both cores busy, nothing communicated)")
+    ap.add_argument("--single-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--paired-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--optim", default="foreach", choices=["fused", "foreach"],
@@ -413,6 +439,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.ddp_worker:
         return ddp_worker(args.steps, args.optim, args.out)
+    if args.single_worker:
+        return single(args)
     if args.paired_worker:
         return paired_worker(args.steps, args.block, args.optim, args.out, args.mtf_async or None, args.mtf_bucket_mb,
                              args.phases)
