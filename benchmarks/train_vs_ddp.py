@@ -31,6 +31,11 @@ DDP, per round too, and the check that both sides compute the same thing: meshto
 loss at every step vs the mean of the two DDP ranks' losses (step 0: same weights, same batch), and the
 parameter counts.
 
+``--paired --phases`` also prints, per side, when each part of rank 0's step ended (medians, ms since the step
+began): meshtorch's collective calls (issued, done: the flight recorder's times) and its end; DDP's forward,
+backward (its bucket waits included), clipping, ``opt.step()``, ``loss.item()`` and its buckets' all-reduces
+(issued, done: a comm hook around DDP's default all-reduce, which costs DDP a little).
+
 Run: ``python benchmarks/train_vs_ddp.py [--steps 40] [--warmup 5] [--rounds 3]``
 """
 
@@ -92,10 +97,12 @@ def run_ddp(steps: int, optim: str, workdir: str) -> dict:
     return {"times": ranks[0]["times"], "losses": losses, "params": ranks[0]["params"]}
 
 
-def _ddp_side(cfg, optim: str, single_world: int = 0):
+def _ddp_side(cfg, optim: str, single_world: int = 0, phases: list | None = None):
     """The DDP side for ``cfg`` (a TrainConfig: meshtorch train's defaults): ``(step(batch, step) -> local loss,
     parameter count)``; the process group must exist (DDP broadcasts rank 0's weights at construction).
-    ``single_world`` > 0: no process group and no DDP, rank 0's rows of a job of that many ranks (compute only)."""
+    ``single_world`` > 0: no process group and no DDP, rank 0's rows of a job of that many ranks (compute only).
+    ``phases`` (a list): each step appends ``{phase: seconds since the step began}`` (:data:`DDP_PHASES`, and each
+    bucket's all-reduce issue and completion, timed by a comm hook around DDP's default all-reduce)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -136,22 +143,62 @@ def _ddp_side(cfg, optim: str, single_world: int = 0):
         # no buffers to keep in sync (TorchLM's padding mask is constant and unused here): no per-step broadcast
         ddp = DDP(LossModule(model), broadcast_buffers=False)  # default buckets: 25 MiB, the first 1 MiB
     params = list(ddp.parameters())
+    buckets: list = []  # --phases: (issue, done) perf_counter of each bucket's all-reduce this step
+    if phases is not None and not single_world:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def timed_hook(state, bucket):
+            issued = time.perf_counter()
+
+            def done(fut):
+                buckets.append((issued, time.perf_counter()))
+                return fut.value()
+            return allreduce_hook(state, bucket).then(done)
+        ddp.register_comm_hook(None, timed_hook)
     kw = {"fused": True} if optim == "fused" else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)  # betas, eps: torch's = ours
     per = c.batch_size // world
 
     def step(batch, s: int) -> float:
+        t = [time.perf_counter()]
+        buckets.clear()
         rows = batch[rank * per:(rank + 1) * per]
         for g in opt.param_groups:
             g["lr"] = host_lr(cfg, s)
         opt.zero_grad(set_to_none=True)
         loss = ddp(rows[:, :-1], rows[:, 1:])
+        t.append(time.perf_counter())
         loss.backward()
+        t.append(time.perf_counter())
         if cfg.clip_norm:
             torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm, foreach=True)
+        t.append(time.perf_counter())
         opt.step()
-        return loss.item()
+        t.append(time.perf_counter())
+        value = loss.item()
+        if phases is not None:
+            t.append(time.perf_counter())
+            row = dict(zip(DDP_PHASES, (x - t[0] for x in t[1:]), strict=True))
+            for i, (a, b) in enumerate(buckets):
+                row[f"bucket {i} issued"], row[f"bucket {i} done"] = a - t[0], b - t[0]
+            phases.append(row)
+        return value
     return step, sum(p.numel() for p in params)
+
+
+#: --phases, the DDP side: the end of each part of its step (seconds since the step began)
+DDP_PHASES = ("forward", "backward (its bucket waits included)", "clip_grad_norm_", "opt.step()", "loss.item()")
+
+
+def _mtf_phases(records, t0: float, t1: float) -> dict:
+    """--phases, the meshtorch side: each collective call of a step (flight-recorder ``records`` issued after
+    ``t0``) issued and done (an asynchronous call: its wait at the first use of its result), and the step's end
+    ``t1``, in seconds since ``t0``."""
+    row = {}
+    for i, r in enumerate(r for r in records if r.start >= t0):
+        row[f"bucket {i} issued"], row[f"bucket {i} done"] = r.start - t0, r.start + (r.seconds or 0.0) - t0
+    row["end (run, loss.item())"] = t1 - t0
+    return row
 
 
 def _batches(cfg):
@@ -188,7 +235,7 @@ def ddp_worker(steps: int, optim: str, out: str) -> None:
 
 
 def paired_worker(steps: int, block: int, optim: str, out: str, async_collectives: bool | None = None,
-                  bucket_mb: float | None = None) -> None:
+                  bucket_mb: float | None = None, phases: bool = False) -> None:
     """One torchrun job holding both sides: meshtorch built as ``meshtorch train`` builds it from its default
     config (:meth:`TrainConfig.checked` under torchrun: ``data:2`` / ``batch:data``; ``build_lm`` with
     ``make_optimizer`` and ``--clip-norm``; the lowering with ``--executor`` and ``--bucket-mb``; the loop's
@@ -198,6 +245,7 @@ def paired_worker(steps: int, block: int, optim: str, out: str, async_collective
 
     from meshtorch.lowering import Lowering
     from meshtorch.mesh.factory import make_mesh_impl
+    from meshtorch.mesh.recorder import flight_recorder
     from meshtorch.models.transformer import build_lm, preset
     from meshtorch.runtime.train import batch_feeds, grad_sum_of_squares, make_optimizer, vocab_multiple
     from meshtorch.runtime.train_config import TrainConfig
@@ -214,11 +262,16 @@ def paired_worker(steps: int, block: int, optim: str, out: str, async_collective
     impl = make_mesh_impl(cfg.mesh, cfg.layout, device=cfg.device, async_collectives=cfg.async_collectives)
     lw = Lowering(lm.graph, {lm.mesh: impl}, mode=cfg.executor, bucket_bytes=cfg.bucket_bytes)
     fetches = [lm.loss, grad_sum_of_squares(lm.graph), *lm.updates]
+    rows: dict = {"mtf": [], "ddp_" + optim: []}  # --phases
 
     def mtf_step(batch, s):
-        return lw.run(fetches, feeds=batch_feeds(lw, lm, batch), feed_slices=True)[0].item()
+        t0 = time.perf_counter()
+        loss = lw.run(fetches, feeds=batch_feeds(lw, lm, batch), feed_slices=True)[0].item()
+        if phases:
+            rows["mtf"].append(_mtf_phases(flight_recorder().records(8), t0, time.perf_counter()))
+        return loss
 
-    ddp_step, _ = _ddp_side(cfg, optim)
+    ddp_step, _ = _ddp_side(cfg, optim, phases=rows["ddp_" + optim] if phases else None)
     sides = {"mtf": [mtf_step, _batches(cfg), [], []], "ddp_" + optim: [ddp_step, _batches(cfg), [], []]}
     order = list(sides)
     for b in range(steps // block):
@@ -231,7 +284,7 @@ def paired_worker(steps: int, block: int, optim: str, out: str, async_collective
                 times.append(time.perf_counter() - t0)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "paired.json"), "w") as f:
-            json.dump({k: {"times": v[2], "losses": v[3]} for k, v in sides.items()}, f)
+            json.dump({k: {"times": v[2], "losses": v[3], "phases": rows[k]} for k, v in sides.items()}, f)
     dist.destroy_process_group()
 
 
@@ -245,7 +298,16 @@ def _mtf_params() -> int:
 def single(args) -> None:
     """``--single``: compute only, in this process (1 thread): meshtorch's default train graph on one processor
     with one rank's half of the batch vs the plain-PyTorch module (no DDP) with ``--optim``'s AdamW on the same
-    rows; blocks of ``--block`` steps alternating A B B A; the ratio of medians."""
+    rows; blocks of ``--block`` steps alternating A B B A; the ratio of medians. ``--both-cores``: the same in
+    each rank of a 2-rank torchrun job, every step started together (a barrier; not timed), so both cores compute
+    as in the torchrun comparison but nothing is communicated; rank 0's times."""
+    if args.both_cores and not args.single_worker:
+        with tempfile.TemporaryDirectory() as tmp:
+            _torchrun([os.path.abspath(__file__), "--single", "--single-worker", "--both-cores", "--optim", args.optim,
+                       "--steps", str(args.steps), "--block", str(args.block), "--warmup", str(args.warmup),
+                       "--out", tmp], tmp)
+            print(open(os.path.join(tmp, "single.txt")).read(), end="")
+        return
     from meshtorch.lowering import Lowering
     from meshtorch.mesh.factory import placement_mesh_impl
     from meshtorch.models.transformer import build_lm, preset
@@ -266,11 +328,17 @@ def single(args) -> None:
 
     torch_step, _ = _ddp_side(cfg, args.optim, single_world=NPROC)
     sides = {"mtf": [mtf_step, _batches(cfg), []], "torch_" + args.optim: [torch_step, _batches(cfg), []]}
+    if args.both_cores:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     for b in range(args.steps // args.block):
         for name in (list(sides) if b % 2 == 0 else list(sides)[::-1]):
             fn, batches, times = sides[name]
             for _ in range(args.block):
                 batch, s = next(batches), len(times)
+                if args.both_cores:
+                    dist.barrier()
                 t0 = time.perf_counter()
                 fn(batch, s)
                 times.append(time.perf_counter() - t0)
@@ -278,10 +346,18 @@ def single(args) -> None:
     a, b = (v[2] for v in sides.values())
     pairs = [statistics.median(a[i:i + args.block]) / statistics.median(b[i:i + args.block])
              for i in range(-(-args.warmup // args.block) * args.block, len(a), args.block)]
-    print("one process, 1 thread, one rank's rows (" + str(half.batch_size) + " x " + str(half.length) + "): "
-          + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
-          + f"; meshtorch / torch {med['mtf'] / med['torch_' + args.optim]:.3f} (block pairs: median "
-            f"{statistics.median(pairs):.3f}, {len(pairs)} pairs)")
+    line = (("2 ranks computing at once, no communication" if args.both_cores else "one process") + ", 1 thread, "
+            "one rank's rows (" + str(half.batch_size) + " x " + str(half.length) + "): "
+            + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in med.items())
+            + f"; meshtorch / torch {med['mtf'] / med['torch_' + args.optim]:.3f} (block pairs: median "
+              f"{statistics.median(pairs):.3f}, {len(pairs)} pairs)")
+    if not args.both_cores:
+        print(line)
+        return
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out, "single.txt"), "w") as f:
+            f.write(line + "\n")
+    dist.destroy_process_group()
 
 
 def paired(args) -> None:
@@ -293,6 +369,7 @@ def paired(args) -> None:
           f"DDP (AdamW {args.optim}); blocks of {args.block} steps alternating, {args.steps} steps per side, first "
           f"{args.warmup} dropped; all eager", flush=True)
     per_job, block_ratios = [], []  # block_ratios: meshtorch / DDP of two adjacent blocks (the same load)
+    phase_rows: dict = {}  # --phases: per side, per job, the kept steps' phase rows
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             d = os.path.join(tmp, f"paired-{rnd}")
@@ -300,10 +377,14 @@ def paired(args) -> None:
             _torchrun([os.path.abspath(__file__), "--paired-worker", "--optim", args.optim, "--steps",
                        str(args.steps), "--block", str(args.block), "--out", d]
                       + (["--mtf-async"] if args.mtf_async else [])
-                      + ([] if args.mtf_bucket_mb is None else ["--mtf-bucket-mb", str(args.mtf_bucket_mb)]), d)
+                      + ([] if args.mtf_bucket_mb is None else ["--mtf-bucket-mb", str(args.mtf_bucket_mb)])
+                      + (["--phases"] if args.phases else []), d)
             res = json.load(open(os.path.join(d, "paired.json")))
             kept = {k: v["times"][args.warmup:] for k, v in res.items()}
             per_job.append(kept)
+            for k, v in res.items():
+                if args.phases:
+                    phase_rows.setdefault(k, []).append(v["phases"][args.warmup:])
             a, b = (res[k]["times"] for k in ("mtf", "ddp_" + args.optim))
             first = -(-args.warmup // args.block) * args.block  # whole blocks after the warm-up
             block_ratios.extend(statistics.median(a[i:i + args.block]) / statistics.median(b[i:i + args.block])
@@ -320,6 +401,11 @@ def paired(args) -> None:
     q = statistics.quantiles(block_ratios, n=4)
     print(f"per adjacent block pair: median ratio {statistics.median(block_ratios):.3f} (quartiles {q[0]:.3f}-"
           f"{q[2]:.3f}, {len(block_ratios)} pairs)")
+    for side, rows in (phase_rows or {}).items():
+        kept = [r for job in rows for r in job]
+        keys = [k for k in kept[0] if all(k in r for r in kept)]
+        print(f"phases, {side} (rank 0, ms since the step began, medians over {len(kept)} steps): "
+              + "; ".join(f"{k} {1e3 * statistics.median(r[k] for r in kept):.2f}" for k in keys))
 
 
 def main(argv=None) -> None:
@@ -338,6 +424,13 @@ def main(argv=None) -> None:
     ap.add_argument("--block", type=int, default=5, help="--paired, --single: steps per block")
     ap.add_argument("--mtf-async", action="store_true", help="--paired: meshtorch with --async-collectives")
     ap.add_argument("--mtf-bucket-mb", type=float, default=None, help="--paired: meshtorch's --bucket-mb")
+    ap.add_argument("--phases", action="store_true",
+                    help="--paired: also time each side's step by phase (meshtorch: its collectives from the flight "
+                         "recorder; DDP: forward, backward, clipping, step, and its buckets through a comm hook, "
+                         "which costs DDP a little)")
+    ap.add_argument("--both-cores", action="store_true",
+                    help="--single: in each of 2 torchrun ranks at once (both cores busy, nothing communicated)")
+    ap.add_argument("--single-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--paired-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--optim", default="foreach", choices=["fused", "foreach"],
@@ -346,8 +439,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.ddp_worker:
         return ddp_worker(args.steps, args.optim, args.out)
+    if args.single_worker:
+        return single(args)
     if args.paired_worker:
-        return paired_worker(args.steps, args.block, args.optim, args.out, args.mtf_async or None, args.mtf_bucket_mb)
+        return paired_worker(args.steps, args.block, args.optim, args.out, args.mtf_async or None, args.mtf_bucket_mb,
+                             args.phases)
     print(host.describe())
     if args.paired:
         return paired(args)

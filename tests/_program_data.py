@@ -60,7 +60,26 @@ def spmd_bucket_worker(steps: int, bucket_bytes: int):
     lw = mtf.Lowering(g, {mesh: mtf.SpmdMeshImpl("all:4", "batch:all")}, bucket_bytes=bucket_bytes)
     losses = [lw.run([loss] + updates, feeds={x: batch(s)})[0] for s in range(steps)]
     kinds = [st.kind for st in lw.plan([loss] + updates).steps]
-    return losses, {n: lw.variable_value(n) for n in ("w1", "w2")}, kinds
+    return losses, {n: lw.variable_value(n) for n in ("w1", "w2")}, kinds, spmd_direct_kernels(steps)
+
+
+def spmd_direct_kernels(steps: int) -> dict:
+    """Inside a gloo rank: the MLP with every gradient all-reduce asynchronous (no buckets) under the generated
+    code and the interpreter: per mode the fetched loss and gradients per step and the variables; with the
+    generated code's slicewise step count and its kernel calls (``= k`` lines of its source)."""
+    out = {}
+    for mode in ("codegen", "interpret"):
+        g, mesh, x, ws, loss, grads, updates = mlp_step()
+        impl = mtf.SpmdMeshImpl("all:4", "batch:all", async_collectives=True)
+        lw = mtf.Lowering(g, {mesh: impl}, mode=mode, bucket_bytes=0)
+        fetches = [loss, *grads] + updates
+        runs = [lw.run(fetches, feeds={x: batch(s)})[:3] for s in range(steps)]
+        plan = lw.plan(fetches)
+        out[mode] = (runs, {n: lw.variable_value(n) for n in ("w1", "w2")})
+        if mode == "codegen":
+            out["slicewise"] = sum(st.kind == "slicewise" for st in plan.steps)
+            out["kernel_calls"] = plan.fn.source.count(" = k")
+    return out
 
 
 def spmd_compiled_worker(steps: int, mesh_shape: str, layout: str, storage: str, bucket_bytes: int,

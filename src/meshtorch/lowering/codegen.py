@@ -27,6 +27,12 @@ def _unrolled(impl) -> int:
     return impl.size if getattr(impl, "unrolled", False) else 0
 
 
+def _local(impl) -> bool:
+    """``impl`` holds one slice per process and its ``slicewise`` is the kernel on the materialized inputs
+    (``impl.local_slicewise``, the SPMD mesh): the generated code calls the kernel itself."""
+    return getattr(impl, "local_slicewise", False)
+
+
 def generate(steps, frees, impls: dict, counters, reads, writes, tagged: bool = True) -> Callable:
     """``run(env)`` executing ``steps`` (freeing ``frees[i]`` after step ``i``).
 
@@ -56,6 +62,7 @@ def generate(steps, frees, impls: dict, counters, reads, writes, tagged: bool = 
         else:
             lines.append(f"    {', '.join(var(s, p) for p in range(n))} = {expr}")
 
+    ready: set[int] = set()  # slots of a local_slicewise mesh known to hold no collective still in flight
     first_mesh = {}
     for st in steps:
         for s in st.inputs:
@@ -96,6 +103,20 @@ def generate(steps, frees, impls: dict, counters, reads, writes, tagged: bool = 
                     call(p, "    ")
             for o in st.outputs:
                 width[o] = n
+        elif st.kind == "slicewise" and tagged and _local(impl):
+            # one slice per process: the kernel on this process's slices, each input materialized once, at its
+            # first slicewise use (where impl.slicewise would wait for it), without the call through slicewise
+            f, m = f"k{i}", f"m{id(impl):x}"
+            names[f], names[m] = st.fn, impl.materialize
+            for s in st.inputs:
+                if s not in ready:
+                    lines.append(f"    {var(s)} = {m}({var(s)})")
+                    ready.add(s)
+            outs = ", ".join(var(o) for o in st.outputs) + ("," if len(st.outputs) > 1 else "")
+            lines.append(f"    {outs} = {f}({', '.join(var(s) for s in st.inputs)})")
+            for o in st.outputs:
+                width[o] = 0
+                ready.add(o)
         else:
             f = f"f{i}"
             names[f] = bind_step(st, impls, counters, tagged)

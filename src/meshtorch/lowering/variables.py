@@ -174,11 +174,13 @@ class VariableStore:
                 (r.clone() if aliased(r) else r) for r in keep]
         copies = []
         for name, new in new_values:
-            impl = self.impl(name)
-            new = impl.materialize(new)
             self.pending.pop(name, None)
             self.untouched.discard(name)
             old = self.values[name]
+            if new is old:  # updated in place in its own storage (a fused optimizer's kernel): nothing to write
+                continue
+            impl = self.impl(name)
+            new = impl.materialize(new)
             olds = None if old is None else impl.local_slices(old)
             news = impl.local_slices(new)
             if olds is None or len(olds) != len(news) or any(

@@ -41,6 +41,9 @@ class MeshImpl:
     Attributes:
         default_bucket_bytes: the gradient bucket size a :class:`~meshtorch.Lowering` uses on this mesh
             when none is given (0: one collective per variable; the SPMD mesh: DDP's 25 MiB).
+        local_slicewise: this process holds one slice of every laid-out value and ``slicewise(fn, *xs)`` is
+            ``fn(*[materialize(x) for x in xs])`` (the SPMD mesh), so the generated-code executor
+            (:mod:`meshtorch.lowering.codegen`) calls the kernels itself. False by default.
 
     Raises:
         LayoutError: on a malformed rule.
@@ -50,6 +53,7 @@ class MeshImpl:
     """
 
     default_bucket_bytes: int = 0
+    local_slicewise: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

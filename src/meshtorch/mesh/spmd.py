@@ -111,6 +111,8 @@ class SpmdMeshImpl(MeshImpl):
     """
 
     default_bucket_bytes = 25 * 2 ** 20
+    #: one slice per process; :meth:`slicewise` is the kernel on the materialized slices (codegen calls it itself)
+    local_slicewise = True
     #: on CPU with ``async_collectives=None``: all-reduces of at least this many bytes start asynchronously
     cpu_async_all_reduce_min_bytes = 2 ** 20
 
