@@ -108,8 +108,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
     undecided, the default and every candidate not ruled out race on: one more timed step each per interleaved
     round, in alternating order, those ruled out (lower bound of the ratio above ``1 - MIN_GAIN``) dropping
     out for good, until the decision is clear or the next round would exceed the budget, now ``budget_share`` of
-    ``BUDGET_STEPS`` of the default's median timed step (:func:`meshtorch.runtime.autorace.race`, as F-race and
-    successive halving; not under ``memory_limit``, where only one candidate is held). Under torchrun
+    ``BUDGET_STEPS`` of the default's lower-quartile timed step (:func:`meshtorch.runtime.autorace.race`, as
+    F-race and successive halving; not under ``memory_limit``, where only one candidate is held). Under torchrun
     (``world`` > 1) every rank measures the same candidates in the same order, the budget is checked on the
     slowest rank's seconds and the slowest rank's steps count (an all-reduce max), so all ranks choose alike.
     The table printed gives each candidate's predicted and median measured step, the range of its timed steps,
@@ -139,7 +139,8 @@ def choose_layout(config, mesh_shape: str, storage: str = "", memory_limit: int 
             ranking prices bytes and FLOPs in its compute dtype and the measured steps run under it.
         budget_share: the share of ``BUDGET_STEPS`` (600) steps of the default layout that choosing may cost
             (default ``BUDGET_SHARE``, 0.2, the issue's 20%): seconds = share x 600 x the default's measured
-            step (its first timed step while candidates start, its median timed step for the race).
+            step (its first timed step while candidates start; for the race the lower quartile of its timed
+            steps, :func:`~meshtorch.runtime.autorace.steady_step`).
 
     Returns:
         the layout rules, the storage rules (``""``: none), and None or the heavier ``--remat`` policy
@@ -269,9 +270,9 @@ def _measure(cands: list[Candidate], prepare, hold: bool, world: int, share: flo
     the next is built (one held at a time, under ``--memory-limit``; no race then). Then the held candidates race
     (:func:`meshtorch.runtime.autorace.race`): while the decision is not clear, the default and the candidates
     not ruled out take more interleaved steps, those ruled out drop out, until it is or the budget (now
-    from the default's median timed step) is spent. Sets each measured candidate's ``times`` (and ``note`` for
-    the dropped); returns the measured ones (a prefix of ``cands``) and what the race did. ``spent``: seconds
-    already spent choosing (the ranking), counted against the budget."""
+    from the default's lower-quartile timed step) is spent. Sets each measured candidate's ``times`` (and
+    ``note`` for the dropped); returns the measured ones (a prefix of ``cands``) and what the race did.
+    ``spent``: seconds already spent choosing (the ranking), counted against the budget."""
     held, done, budget, scale = [], [], math.inf, 1.0
     for c in cands:
         if len(done) >= 2:
@@ -421,7 +422,7 @@ def _cache_key(config, mesh_shape, storage, memory_limit, backend, threads, micr
     return {"model": config(1).to_dict(), "mesh": mesh_shape, "storage": storage, "memory_limit": memory_limit,
             "backend": backend, "threads": threads, "microbatches": microbatches, "candidates": candidates,
             "device": device, "executor": executor, "world": world, "host": _host_key(), "meshtorch": __version__,
-            "steps": [WARMUP_STEPS, TIMED_STEPS, budget_share, BUDGET_STEPS, MODEL_ERROR],
+            "steps": [WARMUP_STEPS, TIMED_STEPS, budget_share, BUDGET_STEPS, MODEL_ERROR, "lower-quartile budget"],
             "rule": ["default unless MIN_GAIN faster at CONFIDENCE by the sign test on paired rounds", MIN_GAIN,
                      CONFIDENCE, "raced while undecided"],
             "precision": [policy.name, str(policy.reduce_dtype)]}

@@ -37,6 +37,15 @@ def budget_s(default_step_s: float, share: float = BUDGET_SHARE) -> float:
     return share * BUDGET_STEPS * default_step_s
 
 
+def steady_step(times) -> float:
+    """The default layout's step for the budget: the lower quartile of its timed steps (seconds; the one step
+    when there is one). A 600-step run holds one layout, while the race holds every candidate and interleaves
+    them, and its steps ran 1.2x the benchmark's own measurement of the same layout (4 gloo ranks, quiet host,
+    2026-11-28): the median would let a slowed race widen its own budget."""
+    t = sorted(times)
+    return t[0] if len(t) < 2 else statistics.quantiles(t, n=4, method="inclusive")[0]
+
+
 def _order_rank(n: int, confidence: float) -> int | None:
     """The least ``k`` (1-based) with ``P(Binomial(n, 1/2) <= k - 1) >= confidence``: the ``k``-th smallest of
     ``n`` samples is a one-sided upper confidence bound of their median at ``confidence`` (and the ``k``-th largest
@@ -203,8 +212,8 @@ class Race:
             return how + ("stopped: the next round would exceed the budget, still undecided, so the rule decides "
                           "on the steps so far")
         if self.stop == "replaced":
-            return how + ("stopped: decided, the challenger is at least 5% faster than the default (median paired "
-                          "ratio) with its upper confidence bound below 1")
+            return how + ("stopped: decided, the challenger is at least 5% faster than the default at 95% "
+                          "confidence (sign test on paired rounds)")
         return how + ("stopped: decided, every other candidate dropped out (ruled out: significantly slower or "
                       "significantly less than 5% faster, sign test on paired rounds)")
 
@@ -213,9 +222,9 @@ def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> 
     """Race the ``held`` candidates (``[(candidate, step)]``, ``step()`` runs one timed step and returns its
     seconds; each candidate already has its first timed steps in ``times``) until the decision is clear or the
     budget is spent. The budget (:func:`budget_s` with ``share``) is set before each round from the default's
-    median timed step so far; ``spent`` is the seconds already spent choosing (ranking, builds, warm-ups and
-    steps), and each raced step adds its wall time (at least the seconds it returns). Before each round, on the
-    slowest rank's steps (``agree``: an all-reduce max over the ranks of a list of floats; identity in one
+    timed steps so far (:func:`steady_step`); ``spent`` is the seconds already spent choosing (ranking, builds,
+    warm-ups and steps), and each raced step adds its wall time (at least the seconds it returns). Before each
+    round, on the slowest rank's steps (``agree``: an all-reduce max over the ranks of a list of floats; identity in one
     process) the candidates in contention are found (:func:`in_contention`, the clearly slower dropped for good);
     the race stops when none is (decided) or when the seconds spent plus the round's predicted cost (the sum of
     their medians) would exceed the budget; else each takes one more timed step, in the order of ``held`` on even
@@ -231,8 +240,8 @@ def race(held, spent: float, share: float = BUDGET_SHARE, agree=lambda v: v) -> 
         for c in cands:
             seen.append(replace(c, times=tuple(flat[at:at + len(c.times)])))
             at += len(c.times)
-        log.spent_s = flat[-1]  # the budget from the default's median so far: the surest estimate of its step
-        log.budget_s = budget_s(statistics.median(next(c for c in seen if c.default).times), share)
+        log.spent_s = flat[-1]
+        log.budget_s = budget_s(steady_step(next(c for c in seen if c.default).times), share)
         before = set(dropped)
         racing = in_contention(seen, dropped)
         for i in dropped - before:
