@@ -20,9 +20,9 @@ def padded_size(size: int, multiple: int) -> int:
 class TransformerSizes:
     """The sizes of the named dims ``vocab`` (``vocab_size``, before padding), ``d_model``, ``heads``
     (``num_heads``), ``d_kv``, ``d_ff`` and ``batch`` (``batch_size``), the dropout rate and the feed-forward
-    activation's name, first in every native config (:class:`~meshtorch.models.transformer.
-    LMConfig`, :class:`~meshtorch.models.encdec.EncDecConfig`; a subclass may declare a field again for its own
-    default); subclasses declare ``vocab_multiple``."""
+    activation's name, first in every native config (:class:`~meshtorch.models.transformer.LMConfig`,
+    :class:`~meshtorch.models.encdec.EncDecConfig`; a subclass may declare a field again for its own default);
+    subclasses declare ``vocab_multiple``."""
 
     vocab_size: int = 256
     d_model: int = 256

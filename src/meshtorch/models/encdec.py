@@ -48,8 +48,8 @@ __all__ = ["EncDecConfig", "EncDecGraph", "build_encdec", "relative_position_buc
 
 @dataclass(frozen=True)
 class EncDecConfig(TransformerSizes):
-    """Hyper-parameters of the encoder-decoder model (the sizes first: :class:`~meshtorch.models.config_base.
-    TransformerSizes`, with smaller defaults here)."""
+    """Hyper-parameters of the encoder-decoder model (the sizes first:
+    :class:`~meshtorch.models.config_base.TransformerSizes`, with smaller defaults here)."""
 
     d_model: int = 128
     num_heads: int = 4

@@ -46,8 +46,8 @@ from meshtorch.optim.loss_scale import DynamicLossScale, unscale_gradients
 
 @dataclass(frozen=True)
 class LMConfig(TransformerSizes):
-    """Hyper-parameters of the decoder-only LM (the sizes first: :class:`~meshtorch.models.config_base.
-    TransformerSizes`)."""
+    """Hyper-parameters of the decoder-only LM (the sizes first:
+    :class:`~meshtorch.models.config_base.TransformerSizes`)."""
 
     num_layers: int = 4
     length: int = 128
@@ -88,7 +88,6 @@ class LMConfig(TransformerSizes):
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` (0-based) has a Mixture-of-Experts feed-forward."""
         return self.num_experts > 0 and (i + 1) % max(1, self.moe_every) == 0
-
 
 
 def check_pipeline_config(c: LMConfig) -> None:
