@@ -14,9 +14,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import _hf_fixtures as F  # noqa: E402
+from _fixed_calibration import write_fixed_calibration  # noqa: E402
 from meshtorch.models.hf_config import HFModelConfig  # noqa: E402
 from meshtorch.runtime import autolayout  # noqa: E402
-from meshtorch.runtime import calibrate as cal_mod  # noqa: E402
 from meshtorch.runtime.train_config import DEFAULT_LAYOUT  # noqa: E402
 
 MESH = "data:2,model:2"
@@ -27,15 +27,7 @@ SHORT = ["--steps", "2", "--batch-size", "4", "--length", "16", "--eval-every", 
 @pytest.fixture
 def cached_calibration(tmp_path, monkeypatch):
     """A cached placement calibration (fixed numbers: nothing measured) in a fresh cache directory."""
-    monkeypatch.setenv("MESHTORCH_CACHE_DIR", str(tmp_path / "cache"))
-    cal = cal_mod.Calibration(host=cal_mod._host_key(), backend="placement", threads=1, gemm_flop_rate=5e10,
-                              kernel_overhead=5e-6, memory_bandwidth=1e10,
-                              collectives={k: [1e-5, 1e-10] for k in cal_mod.KINDS},
-                              version=cal_mod.CALIBRATION_VERSION)
-    path = cal_mod.cache_path("placement", 1)
-    os.makedirs(os.path.dirname(path))
-    with open(path, "w") as f:
-        json.dump(cal.__dict__, f)
+    return write_fixed_calibration(tmp_path / "cache", monkeypatch)
 
 
 def _losses(log_dir):
