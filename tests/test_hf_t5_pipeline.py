@@ -76,3 +76,45 @@ def test_t5_pipeline_layout_trains_from_the_cli(tmp_path):
     for a, b in zip(ours, theirs, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
     assert _sample(ck) == [_generate(ref, path)]
+
+
+def test_side_inputs_reach_each_microbatchs_layers_in_a_circular_pipeline():
+    """``layers.pipeline(side_inputs=...)`` with S=2, M=4, R=2 on ``pipe:2``: every layer of microbatch m reads side
+    slice m (output and the gradients of the input, the side input and the stacked kernel equal plain PyTorch's
+    loop over the 4 layers); bubbles hold NaN before the mask and reach nothing."""
+    import meshtorch as mtf
+    from meshtorch import layers
+    from meshtorch.core.pipeline import PipelineSchedule
+
+    g = mtf.Graph(seed=1)
+    mesh = mtf.Mesh(g, "mesh")
+    b, mb, h = mtf.Dimension("batch", 2), mtf.Dimension("microbatches", 4), mtf.Dimension("hidden", 4)
+    gen = torch.Generator().manual_seed(0)
+    x_val, side_val = torch.randn(2, 4, 4, generator=gen), torch.randn(4, 2, 4, generator=gen)
+    x = mtf.import_tensor(mesh, x_val, [b, mb, h])
+    side = mtf.import_tensor(mesh, side_val, [mb, b, h])  # microbatch dim first: any position works
+
+    def stage_fn(t, name, s):
+        return mtf.tanh(layers.dense(t, h, reduced_dims=[h], use_bias=False, name=f"{name}/dense") * s)
+
+    y = layers.pipeline(stage_fn, x, PipelineSchedule(2, 4, 2), side_inputs=[side], bubble_fill=float("nan"))
+    kernel = g.trainable_variables[0].outputs[0]
+    loss = mtf.reduce_sum(y * y)
+    grads = gradients([loss], [x, side, kernel])
+    lw = mtf.Lowering(g, {mesh: mtf.PlacementMeshImpl("pipe:2", "stage:pipe")})
+    got = lw.run([y] + grads)
+    k = lw.variable_value(kernel.operation.name).clone().requires_grad_(True)
+    xt, st = x_val.clone().requires_grad_(True), side_val.clone().requires_grad_(True)
+    want = xt
+    for i in range(4):
+        want = torch.tanh((want @ k[i % 2, i // 2]) * st.permute(1, 0, 2))
+    (want * want).sum().backward()
+    for a, e in zip(got, [want.detach(), xt.grad, st.grad, k.grad], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_pipelined_t5_needs_stages_x_repeats_decoder_blocks(t5dir):
+    """A pipeline of 2 stages x 1 repeat on a T5 with 4 decoder blocks is refused, naming the decoder."""
+    c = hf.read_config(t5dir).with_shape(4, 8).replace(num_decoder_layers=4, pipeline_stages=2, microbatches=2)
+    with pytest.raises(ValueError, match="decoder has 4 blocks.*num_decoder_layers"):
+        hf.build(c)
