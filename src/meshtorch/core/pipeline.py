@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HF_STACKED_NAMES", "LM_STACKED_NAMES", "T5_STACKED_NAMES", "PipelineSchedule", "StackedNames", "resolve_pipeline_fields"]
+__all__ = ["HF_STACKED_NAMES", "LM_STACKED_NAMES", "T5_STACKED_NAMES", "PipelineSchedule", "StackedNames",
+           "resolve_pipeline_fields"]
 
 
 @dataclass(frozen=True)
