@@ -108,7 +108,8 @@ def test_gpipe_and_1f1b_train_as_the_unpipelined_run(dirs, family, tmp_path, cap
 
 def test_pipeline_refusals_name_the_flag(dirs, tmp_path, capsys, monkeypatch):
     """What a pipelined import cannot run is refused in one line naming the flag: a layer count the stages x repeats
-    do not give, a T5 directory, and a tied head on torchrun ranks under the stage executor."""
+    do not give, a T5 directory under the stage executor (T5 pipelines under the layout's program:
+    test_hf_t5_pipeline.py), and a tied head on torchrun ranks under the stage executor."""
     (gpt2, extra, _), data = dirs[0]["gpt2"], dirs[1]
     t5 = F.save_t5(F.make_t5(), str(tmp_path / "t5"))
     capsys.readouterr()  # transformers' progress bar
@@ -116,8 +117,10 @@ def test_pipeline_refusals_name_the_flag(dirs, tmp_path, capsys, monkeypatch):
                    "--layout", "stage:pipe", "--pipeline-repeats", "2", "--checkpoint-dir", str(tmp_path / "a"))
     assert rc == 2 and "--pipeline-repeats" in out and "num_layers" in out and "config.json" in out, out
     rc, out = _cli(capsys, "train", "--init-from", t5, "--data", data, "--tokenizer", "byte", *FLAGS, "--mesh",
-                   "pipe:2", "--layout", "stage:pipe", "--checkpoint-dir", str(tmp_path / "b"))
-    assert rc == 2 and "--layout" in out and "T5" in out and len(out.strip().splitlines()) == 1, out
+                   "pipe:2", "--layout", "stage:pipe", "--pipeline-schedule", "1f1b", "--checkpoint-dir",
+                   str(tmp_path / "b"))
+    assert rc == 2 and "--pipeline-schedule 1f1b cannot be combined with --init-from a T5" in out, out
+    assert len(out.strip().splitlines()) == 1, out
     monkeypatch.setenv("WORLD_SIZE", "2")
     rc, out = _cli(capsys, "train", "--init-from", gpt2, "--data", data, *extra, *FLAGS, "--mesh", "pipe:2",
                    "--layout", "stage:pipe", "--pipeline-schedule", "1f1b", "--checkpoint-dir", str(tmp_path / "c"))

@@ -103,8 +103,7 @@ def _sample(ck, mesh="", layout="", prompt=PAIRS[0][0], n=6):
     return args.func(args)
 
 
-@pytest.mark.parametrize("flag", [["--pipeline-stages", "2"], ["--layout", "auto"], ["--accumulate", "2"],
-                                  ["--precision", "bf16"]])
+@pytest.mark.parametrize("flag", [["--layout", "auto"], ["--accumulate", "2"], ["--precision", "bf16"]])
 def test_t5_train_cli_refusals(tmp_path, capsys, flag):
     path, data = _setup(tmp_path)
     capsys.readouterr()

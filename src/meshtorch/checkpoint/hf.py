@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from meshtorch.checkpoint.hf_read import BoxReader, read_header
 from meshtorch.core.dims import Shape
 from meshtorch.core.errors import CheckpointError
-from meshtorch.core.pipeline import HF_STACKED_NAMES, StackedNames
+from meshtorch.core.pipeline import HF_STACKED_NAMES, T5_STACKED_NAMES, StackedNames
 from meshtorch.lowering import Lowering
 from meshtorch.mesh.factory import placement_mesh_impl
 from meshtorch.models.hf import HFGraph, build_hf_lm
@@ -267,7 +267,8 @@ def load_hf_weights(lowering, model, path: str, check: bool = True, partial: boo
     covering range. Rows of a padded ``vocab`` (past ``config.vocab_size``) are zero. Variables the
     map does not name (optimizer slots, step counters) keep their values. A pipelined model's stacked variable
     ``stack/{kind}`` ``[stage, (repeat,) ...]`` gets at row ``[s, r]`` the tensor of layer ``r S + s``
-    (:data:`~meshtorch.core.pipeline.HF_STACKED_NAMES`), each processor reading only its rows.
+    (:data:`~meshtorch.core.pipeline.HF_STACKED_NAMES`; T5: ``{encoder,decoder}/stack/{kind}``), each processor
+    reading only its rows.
 
     Args:
         model: the :class:`~meshtorch.models.hf.HFGraph` (or its :class:`HFModelConfig`).
@@ -315,15 +316,31 @@ def load_hf_weights(lowering, model, path: str, check: bool = True, partial: boo
         files.close()
 
 
+def _stacked(c: HFModelConfig, name: str) -> tuple[int, str] | None:
+    """``(layer, stacked name)`` of a pipelined ``c``'s per-layer variable ``name`` (T5: either stack's naming,
+    :data:`~meshtorch.core.pipeline.T5_STACKED_NAMES`), or None."""
+    for names in (T5_STACKED_NAMES if c.encoder_decoder else (HF_STACKED_NAMES,)) if c.pipelined else ():
+        split = names.stacked(name)
+        if split is not None:
+            return split
+    return None
+
+
 def _graph_entries(c: HFModelConfig) -> dict:
-    """``{graph variable: its HFTensor}``; a pipelined ``c``'s stacked variables ``{stack/kind: {layer: HFTensor}}``."""
+    """``{graph variable: its HFTensor}``; a pipelined ``c``'s stacked variables ``{stack/kind: {layer: HFTensor}}``
+    (a variable of one layer only, T5's relative bias table in ``block_000``, stays unstacked)."""
     out: dict = {}
     for t in hf_tensor_map(c):
-        split = HF_STACKED_NAMES.stacked(t.var) if c.pipelined else None
+        split = _stacked(c, t.var)
         if split is None:
             out[t.var] = t
         else:
             out.setdefault(split[1], {})[split[0]] = t
+    layers = max((len(v) for v in out.values() if isinstance(v, dict)), default=0)
+    for name, v in list(out.items()):
+        if isinstance(v, dict) and len(v) == 1 < layers:
+            del out[name]
+            out[next(iter(v.values())).var] = next(iter(v.values()))
     return out
 
 
@@ -349,7 +366,7 @@ def _layer_value(lowering, name: str, by_name: dict, c: HFModelConfig):
     ``[s, r]`` of its stacked variable."""
     if name in by_name or not c.pipelined:
         return lowering.variable_value(name).detach().to("cpu"), by_name[name].outputs[0].shape
-    i, stacked = HF_STACKED_NAMES.stacked(name)
+    i, stacked = _stacked(c, name)
     shape = by_name[stacked].outputs[0].shape
     n = _lead(shape.dimension_names)
     s, r = StackedNames.position(i, c.pipeline_stages)

@@ -60,10 +60,10 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
     have one; a different graph seed gives a warning (random ops would draw other numbers). A variable the
     checkpoint lacks is looked up under its older name when the graph has a ``legacy_names`` dict ``{name: name
     in older checkpoints}`` (:func:`meshtorch.models.hf_legacy.legacy_names`; slots by prefix). A graph with a
-    ``stacked_names`` (:class:`~meshtorch.core.pipeline.StackedNames`) reads a pipeline layout's stacked variable
-    ``stack/{kind}`` ``[stage, (repeat,) ...]`` from a checkpoint's per-layer ``layer_{i}/{kind}`` (row ``[s, r]``
-    from layer ``r S + s``) and a layer's variable from a saved stack, slots included
-    (:func:`meshtorch.checkpoint.stacked.mapped_entry`), bitwise.
+    ``stacked_names`` (:class:`~meshtorch.core.pipeline.StackedNames`, or a tuple of them: T5's two stacks) reads
+    a pipeline layout's stacked variable ``stack/{kind}`` ``[stage, (repeat,) ...]`` from a checkpoint's per-layer
+    ``layer_{i}/{kind}`` (row ``[s, r]`` from layer ``r S + s``) and a layer's variable from a saved stack, slots
+    included (:func:`meshtorch.checkpoint.stacked.mapped_entry`), bitwise.
 
     Returns:
         metadata dict: ``path, step, extra, rng, meshes, meshtorch_version, missing, unused``
@@ -89,8 +89,10 @@ def restore(lowering, path: str, strict: bool = True, verify: bool = True) -> di
             entry = saved.get(old) if old is not None else None
             if entry is not None:
                 used.add(old)
-        if entry is None and stacking is not None:  # saved under the other (un)pipelined naming
-            mapped = mapped_entry(var.name, out.shape, saved, stacking, ckpt)
+        for names in (stacking if isinstance(stacking, tuple) else (stacking,) if stacking is not None else ()):
+            if entry is not None:
+                break
+            mapped = mapped_entry(var.name, out.shape, saved, names, ckpt)  # saved under the other (un)pipelined naming
             if mapped is not None:
                 entry = mapped[0]
                 used.update(mapped[1])

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HF_STACKED_NAMES", "LM_STACKED_NAMES", "PipelineSchedule", "StackedNames", "resolve_pipeline_fields"]
+__all__ = ["HF_STACKED_NAMES", "LM_STACKED_NAMES", "T5_STACKED_NAMES", "PipelineSchedule", "StackedNames",
+           "resolve_pipeline_fields"]
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,13 @@ class StackedNames:
 
     def stacked(self, name: str) -> tuple[int, str] | None:
         """``(layer index, stacked name)`` of the per-layer variable (or slot) ``name``, or None if it is not one."""
-        head, sep, rest = name.partition("/")
-        if not sep:
+        parts = name.split("/")
+        n = self.layer_format.count("/") + 1  # the path components that name a layer (``encoder/block_{:03d}``)
+        if len(parts) <= n:
             return None
-        before, _, after = self.layer_format.partition("{}")
+        head, rest = "/".join(parts[:n]), "/".join(parts[n:])
+        before, _, tail = self.layer_format.partition("{")
+        after = tail.partition("}")[2]
         digits = head[len(before):len(head) - len(after)] if head.startswith(before) and head.endswith(after) else ""
         if not digits.isdigit() or self.layer_name(int(digits)) != head:
             return None
@@ -145,6 +149,10 @@ class StackedNames:
 
 #: the native LM's naming (``models.transformer.build_lm``, ``models.lm_stages``)
 LM_STACKED_NAMES = StackedNames()
+#: T5's encoder and decoder stacks (``models.hf_t5.build_t5``: ``encoder/block_003/layer_000/SelfAttention/q`` <->
+#: ``encoder/stack/layer_000/SelfAttention/q``; the relative bias table, only in ``block_000``, is not stacked)
+T5_STACKED_NAMES = (StackedNames("encoder/stack", "encoder/block_{:03d}"),
+                    StackedNames("decoder/stack", "decoder/block_{:03d}"))
 #: the imported decoder-only models' naming (``models.hf.build_hf_lm``: ``layers{i}/attn/q/kernel`` <->
 #: ``stack/attn/q/kernel``)
 HF_STACKED_NAMES = StackedNames(layer_format="layers{}")

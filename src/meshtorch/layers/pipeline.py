@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -121,6 +121,24 @@ class StackedVariables:
         return custom
 
 
+def _sides(side_inputs, schedule: PipelineSchedule, t: int, stage: Dimension, microbatch_dim: str,
+           prefix: str) -> list[Tensor]:
+    """Each side input's slice ``[stage, other dims...]`` of the microbatch each stage works on at iteration ``t``
+    (zeros in a bubble): an einsum with the ``[stage, microbatch]`` one-hot of the schedule."""
+    out = []
+    for i, side in enumerate(side_inputs):
+        mb = side.shape.get_dim_by_name(microbatch_dim)
+        onehot = torch.zeros(stage.size, mb.size, dtype=side.dtype)
+        for s in range(stage.size):
+            w = schedule.work(t, s)
+            if w is not None:
+                onehot[s, w[0]] = 1
+        pick = import_tensor(side.mesh, onehot, [stage, mb], name=f"{prefix}/side_{i}_onehot")
+        out.append(einsum([side, pick], output_shape=Shape([stage] + (side.shape - [microbatch_dim]).dims),
+                          name=f"{prefix}/side_{i}"))
+    return out
+
+
 def _mask(mesh, stage: Dimension, values, name) -> Tensor:
     return import_tensor(mesh, torch.tensor(values, dtype=torch.bool), [stage], name=name)
 
@@ -129,7 +147,7 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], x: Tensor, schedule: Pip
              microbatch_dim: str = "microbatches", stage_dim: str = "stage", repeat_dim: str = "repeat",
              variable_prefix: str = "stack", name: str = "pipeline", remat: bool = True,
              remat_keep: Callable | None = None, bubble_fill: float = 0.0,
-             layer_names: Callable[[int], str] | None = None) -> Tensor:
+             layer_names: Callable[[int], str] | None = None, side_inputs: Sequence[Tensor] = ()) -> Tensor:
     """Run ``S * R`` layers over ``M`` microbatches as an ``S``-stage pipeline (GPipe; circular when ``R > 1``).
 
     Layer ``r * S + s`` (stage ``s``, repeat ``r``) is ``stage_fn`` with the weights ``[s, r]`` of the stacked
@@ -145,8 +163,8 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], x: Tensor, schedule: Pip
     as one masked sum over ``stage`` of all of them (one all-reduce), not one collective per microbatch.
 
     Args:
-        stage_fn: ``stage_fn(h, name) -> y``: one layer on ``h`` ``[stage, microbatch's dims...]``, returning the
-            same shape and dtype, making its variables (``get_variable``) under names ``{name}/...`` only
+        stage_fn: ``stage_fn(h, name, *sides) -> y``: one layer on ``h`` ``[stage, microbatch's dims...]``,
+            returning the same shape and dtype, making its variables (``get_variable``) under names ``{name}/...`` only
             (e.g. ``layers.dense(..., name=f"{name}/ffn")``), the same at every call.
         x: the microbatches, ``[..., microbatch_dim, ...]`` with ``microbatch_dim`` of size M (an LM:
             ``[batch, microbatches, length, d_model]``).
@@ -160,21 +178,29 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], x: Tensor, schedule: Pip
         bubble_fill: the value bubble slots hold before the mask (0; tests use NaN to show it never leaks).
         layer_names: ``layer_names(i)`` names layer ``i`` of the unpipelined stack (e.g. ``f"layer_{i}"``): the
             stacked variables then start from the values those layers' variables would have.
+        side_inputs: tensors ``[..., microbatch_dim, ...]`` (``microbatch_dim`` of size M) that every layer reads
+            beside its state, e.g. an encoder's output for the decoder stack of an encoder-decoder (Megatron-LM
+            sends it to every decoder stage). At iteration ``t`` stage ``s`` gets microbatch ``work(t, s)``'s slice
+            of each (zeros in a bubble): ``[stage, side's other dims...]``, passed as ``stage_fn(h, name, *sides)``;
+            an einsum with a ``[stage, microbatch]`` one-hot constant, local when ``stage`` is split (its gradient:
+            one all-reduce over the stage axis per iteration).
 
     Returns:
         Tensor of ``x``'s shape: microbatch ``m``'s slot holds the output of layer ``S * R - 1`` on it.
 
     Raises:
-        ShapeError: ``x`` lacks ``microbatch_dim`` of size M, or already has ``stage_dim`` / ``repeat_dim``.
+        ShapeError: ``x`` (or a side input) lacks ``microbatch_dim`` of size M, or already has ``stage_dim`` /
+            ``repeat_dim``.
         ValueError: ``stage_fn`` returning another shape or dtype, or changing its variables between calls.
     """
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
-    if microbatch_dim not in x.shape or x.shape.get_dim_by_name(microbatch_dim).size != M:
-        raise ShapeError(f"pipeline: input {x.name!r} {x.shape} needs dimension {microbatch_dim!r} of size {M} (the "
-                         "schedule's microbatches).")
-    for dim in (stage_dim, repeat_dim):
-        if dim in x.shape:
-            raise ShapeError(f"pipeline: input {x.name!r} {x.shape} already has dimension {dim!r}.")
+    for t in [x, *side_inputs]:
+        if microbatch_dim not in t.shape or t.shape.get_dim_by_name(microbatch_dim).size != M:
+            raise ShapeError(f"pipeline: input {t.name!r} {t.shape} needs dimension {microbatch_dim!r} of size {M} "
+                             "(the schedule's microbatches).")
+        for dim in (stage_dim, repeat_dim):
+            if dim in t.shape:
+                raise ShapeError(f"pipeline: input {t.name!r} {t.shape} already has dimension {dim!r}.")
     mesh, dtype = x.mesh, x.dtype
     stage = Dimension(stage_dim, S)
     repeat = Dimension(repeat_dim, R) if R > 1 else None
@@ -217,11 +243,13 @@ def pipeline(stage_fn: Callable[[Tensor, str], Tensor], x: Tensor, schedule: Pip
                     onehot[s, w[1]] = 1.0
             select = import_tensor(mesh, onehot, [stage, repeat], name=f"{prefix}/repeat_onehot")
 
-        def body(h, prefix=prefix, select=select):
-            with variable_scope("", custom_getter=stacker.getter(scoped_variable_name(prefix), select)):
-                return stage_fn(h, prefix)
+        sides = _sides(side_inputs, schedule, t, stage, microbatch_dim, prefix)
 
-        out = recompute_grad(body, [inp], keep=remat_keep) if remat else body(inp)
+        def body(h, *sides, prefix=prefix, select=select):
+            with variable_scope("", custom_getter=stacker.getter(scoped_variable_name(prefix), select)):
+                return stage_fn(h, prefix, *sides)
+
+        out = recompute_grad(body, [inp, *sides], keep=remat_keep) if remat else body(inp, *sides)
         if out.shape != state_shape or out.dtype != dtype:
             raise ValueError(f"pipeline: stage_fn returned {out.shape} {out.dtype}; it must return its input's "
                              f"shape {state_shape} and dtype {dtype}.")

@@ -30,10 +30,11 @@ import torch
 from meshtorch import layers
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Graph, Mesh, Tensor
+from meshtorch.core.pipeline import T5_STACKED_NAMES
 from meshtorch.models.blocks import Attend, BlockNames, BlockSpec, RelativeBias, block, mask_bias, norm
 from meshtorch.models.hf import HFGraph
 from meshtorch.models.hf_config import HFModelConfig
-from meshtorch.models.transformer import training_updates
+from meshtorch.models.transformer import pipelined_stack, training_updates
 from meshtorch.ops.binary import equal, greater, greater_equal, maximum, minimum, not_equal
 from meshtorch.ops.elementwise import abs as abs_op
 from meshtorch.ops.elementwise import cast
@@ -68,13 +69,61 @@ def t5_block_specs(c: HFModelConfig) -> tuple[BlockSpec, BlockSpec]:
 
 
 def t5_stack(x: Tensor, d: dict, spec: BlockSpec, stack: str, n: int, seq: Tensor | None, attend: Attend,
-             cross: Attend | None = None) -> Tensor:
+             cross: Attend | None = None, pipelined: HFModelConfig | None = None) -> Tensor:
     """``n`` blocks of ``spec`` under ``{stack}/block_{i:03d}/``, the final RMS norm ``{stack}/rms_norm``; positions of
-    sequence id 0 (padding) zeroed at the output (Mesh TF; ``seq`` None: none zeroed, a decoder's own tokens)."""
-    for i in range(n):
+    sequence id 0 (padding) zeroed at the output (Mesh TF; ``seq`` None: none zeroed, a decoder's own tokens).
+    ``pipelined``: a pipelined config: the blocks run as its pipeline (:func:`_pipelined_blocks`)."""
+    if pipelined is not None:
+        x = _pipelined_blocks(pipelined, d, x, spec, stack, attend, cross)
+    for i in range(0 if pipelined is not None else n):
         x = block(x, d, spec, f"{stack}/block_{i:03d}/", attend, cross=cross)
     x = norm(x, d["d_model"], spec, f"{stack}/rms_norm")
     return x if seq is None else x * cast(not_equal(seq, 0), torch.float32)
+
+
+class _StackBias(Attend):
+    """An :class:`Attend` whose relative bias is the stack's, gathered once outside the pipeline (the table is one
+    variable of ``block_000``, not a per-layer one the pipeline could stack)."""
+
+    def __init__(self, masks: list, bias: Tensor | None, memory: Tensor | None = None, bidirectional: bool = True):
+        super().__init__(masks, memory=memory, bidirectional=bidirectional)
+        self.bias = bias
+
+    def relative(self, q, k, heads, r):
+        return self.bias
+
+
+def _pipelined_blocks(c: HFModelConfig, d: dict, x: Tensor, spec: BlockSpec, stack: str, attend: Attend,
+                      cross: Attend | None) -> Tensor:
+    """A T5 stack's blocks as ``c``'s pipeline (:func:`meshtorch.models.transformer.pipelined_stack`; the stacked
+    weights ``{stack}/stack/...`` named by :data:`~meshtorch.core.pipeline.T5_STACKED_NAMES`), as Megatron-LM
+    pipelines T5: the masks with a ``batch`` dim and the encoder output (``cross``'s memory) are side inputs, so
+    each block reads its microbatch's slices; the relative bias ``[heads, length, memory_length]`` is gathered once
+    outside and shared, as the causal mask.
+
+    Raises:
+        ValueError: the schedule's ``stages x repeats`` is not the stack's layer count."""
+    sched, n = c.pipeline_schedule, (c.num_layers if stack == "encoder" else c.num_decoder_layers)
+    if sched.stages * sched.repeats != n:
+        raise ValueError(f"build_t5: the {stack} has {n} blocks; a pipeline of {sched.stages} stages x "
+                         f"{sched.repeats} repeats needs stages x repeats = num_layers = num_decoder_layers.")
+    names = T5_STACKED_NAMES[0 if stack == "encoder" else 1]
+    rel = attend.relative(x, _memory(x), d["heads"], spec.relative)  # [heads, length, memory_length]
+    per_batch = [i for i, m in enumerate(attend.masks) if "batch" in m.shape]
+    cross_masks = cross.masks if cross is not None else []
+    sides = [attend.masks[i] for i in per_batch] + list(cross_masks) + ([cross.memory] if cross is not None else [])
+
+    def stage_fn(h: Tensor, name: str, *got: Tensor) -> Tensor:
+        masks, got = list(attend.masks), list(got)
+        for i in per_batch:
+            masks[i] = got.pop(0)
+        self_attn = _StackBias(masks, rel, bidirectional=attend.bidirectional)
+        cross_t = None
+        if cross is not None:
+            cross_t = Attend(got[:len(cross_masks)], memory=got[len(cross_masks)])
+        return block(h, d, spec, f"{name}/", self_attn, cross=cross_t)
+
+    return pipelined_stack(c, d, x, stage_fn, names, side_inputs=sides, name=f"{stack}/pipeline")
 
 
 def t5_graph(c: HFModelConfig, who: str, seed: int) -> tuple[dict[str, Dimension], Graph, Mesh]:
@@ -101,23 +150,25 @@ def _memory(t: Tensor) -> Tensor:
 
 def t5_encode(c: HFModelConfig, d: dict, emb: Tensor, inputs: Tensor) -> tuple[Tensor, Tensor]:
     """The encoder stack of ``inputs`` (ids ``[batch, length]``, 0 padding): ``(output [batch, memory_length,
-    d_model], sequence ids [batch, memory_length])`` (1 a token, 0 padding), the encoder-decoder attention's memory."""
+    d_model], sequence ids [batch, memory_length])`` (1 a token, 0 padding), the encoder-decoder attention's memory.
+    A pipelined ``c`` runs the blocks as its pipeline."""
     enc_spec, _ = t5_block_specs(c)
     enc_seq = minimum(inputs, 1)  # sequence ids: 1 a token, 0 padding
     enc_self = Attend([_same_sequence(enc_seq, _memory(enc_seq))], bidirectional=True)
     x = t5_stack(layers.embedding_lookup(emb, inputs, d["vocab"]), d, enc_spec, "encoder", c.num_layers, enc_seq,
-                 enc_self)
+                 enc_self, pipelined=c if c.pipelined else None)
     return _memory(x), _memory(enc_seq)
 
 
 def t5_decode_logits(c: HFModelConfig, d: dict, ids: Tensor, seq: Tensor | None, attend: Attend,
                      cross: Attend) -> Tensor:
     """The decoder stack and head on decoder input ids ``ids`` (``[batch, length]``, or ``[batch]`` in a decoding
-    step): logits ``[batch, (length,) vocab]``; ``seq``: the sequence ids whose 0 zeroes the stack's output."""
+    step): logits ``[batch, (length,) vocab]``; ``seq``: the sequence ids whose 0 zeroes the stack's output. A
+    pipelined ``c`` runs the blocks as its pipeline (training: ``ids`` ``[batch, length]``)."""
     _, dec_spec = t5_block_specs(c)
     emb = get_variable(ids.mesh, "shared/embedding", [d["vocab"], d["d_model"]])
     x = t5_stack(layers.embedding_lookup(emb, ids, d["vocab"]), d, dec_spec, "decoder", c.num_decoder_layers, seq,
-                 attend, cross)
+                 attend, cross, pipelined=c if c.pipelined else None)
     return layers.dense(x, d["vocab"], reduced_dims=[d["d_model"]], use_bias=False, name="decoder/logits")
 
 
@@ -146,11 +197,20 @@ def build_t5(config: HFModelConfig, seed: int = 0, optimizer=None, clip_norm: fl
         optimizer: a ``meshtorch.optim`` optimizer; its update ops go to ``HFGraph.updates``.
         clip_norm: clip gradients to this global norm first.
 
+    A pipelined ``config`` (``pipeline_stages`` S > 1, a ``stage:pipe`` layout) runs the encoder's blocks, then the
+    decoder's, as S-stage pipelines (GPipe; circular with ``pipeline_repeats``) over the same ``stage`` dim, as
+    Megatron-LM pipelines T5 (encoder layers, then decoder layers, across the stages; the encoder output carried to
+    the decoder's): every decoder block reads its microbatch's encoder output and masks
+    (:func:`meshtorch.layers.pipeline.pipeline`'s side inputs). Its block weights are stacked,
+    ``{encoder,decoder}/stack/...`` ``[stage, (repeat,) ...]`` (:data:`~meshtorch.core.pipeline.T5_STACKED_NAMES`).
+
     Raises:
-        ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not an encoder-decoder.
+        ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not an encoder-decoder;
+            a pipeline whose stages x repeats is not both stacks' block count.
     """
     c = config
     d, graph, mesh = t5_graph(c, "build_t5", seed)
+    graph.stacked_names = T5_STACKED_NAMES  # checkpoints of the other (un)pipelined naming restore too
     inputs = placeholder(mesh, "inputs", [d["batch"], d["length"]], dtype=torch.int32)
     targets = placeholder(mesh, "targets", [d["batch"], d["length"]], dtype=torch.int32)
     dec_seq = minimum(targets, 1)  # sequence ids: 1 a token, 0 padding

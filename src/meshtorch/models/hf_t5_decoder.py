@@ -29,6 +29,7 @@ import torch
 
 from meshtorch.core.dims import Dimension
 from meshtorch.core.graph import Tensor
+from meshtorch.core.pipeline import T5_STACKED_NAMES
 from meshtorch.core.scopes import variable_scope
 from meshtorch.layers.kv_cache import MEMORY, Prefill, ReplayVariables, Step, reorder_rows
 from meshtorch.models.blocks import Attend, RelativeBias, mask_bias, relative_position_buckets
@@ -110,8 +111,9 @@ def build_t5_decoder(config: HFModelConfig, seed: int = 0) -> DecoderGraph:
     Raises:
         ValueError: if ``config.length`` is 0 (call ``with_shape`` first) or the family is not an encoder-decoder.
     """
-    c = config
+    c = config.replace(pipeline_stages=0, microbatches=1, pipeline_repeats=1)  # a pipelined run decodes unpipelined
     d, graph, mesh = t5_graph(c, "build_t5_decoder", seed)
+    graph.stacked_names = T5_STACKED_NAMES  # a pipeline layout's (stacked) checkpoint restores too
     batch, length = d["batch"], d["length"]
     encoder_ids = placeholder(mesh, "encoder_ids", [batch, length], dtype=torch.int64)
     prefill_ids = placeholder(mesh, "prefill_ids", [batch, length], dtype=torch.int64)

@@ -287,22 +287,31 @@ def _pipelined_blocks(c, d, x, train):
     return pipelined_stack(c, d, x, lambda h, name: _block(c, d, h, name, train, []), LM_STACKED_NAMES)
 
 
-def pipelined_stack(c, d: dict, x: Tensor, stage_fn, names: StackedNames) -> Tensor:
+def pipelined_stack(c, d: dict, x: Tensor, stage_fn, names: StackedNames, side_inputs=(),
+                    name: str = "pipeline") -> Tensor:
     """The blocks as a ``c.pipeline_stages``-stage pipeline (:func:`meshtorch.layers.pipeline.pipeline`), shared by
     the native LM and the imported Hugging Face models (``c``: an ``LMConfig`` or ``HFModelConfig`` with its
-    pipeline fields; ``stage_fn(h, name)``: one block named ``name``; ``names``: the stacked variables' naming):
-    ``x`` ``[batch, length, d_model]`` is read as ``[batch / M, microbatches, length, d_model]`` (row-major,
-    so a split of ``batch`` stays local: microbatch m holds rows m, M + m, 2M + m, ...), the M microbatches
-    run through the stages, and the outputs are put back in ``x``'s row order."""
+    pipeline fields; ``stage_fn(h, name, *sides)``: one block named ``name``; ``names``: the stacked variables'
+    naming): ``x`` ``[batch, length, d_model]`` is read as ``[batch / M, microbatches, length, d_model]``
+    (row-major, so a split of ``batch`` stays local: microbatch m holds rows m, M + m, 2M + m, ...), the M
+    microbatches run through the stages, and the outputs are put back in ``x``'s row order. ``side_inputs``
+    ``[batch, ...]`` (an encoder's output and masks) are cut into the same microbatches; each block gets its
+    microbatch's slices (``sides``). ``name`` names the pipeline's ops."""
     sched = c.pipeline_schedule
     M = sched.microbatches
-    micro = Shape([Dimension("batch", c.batch_size // M), Dimension("microbatches", M), d["length"], d["d_model"]])
-    xs = reshape(x, micro, name="pipeline/microbatch")
-    ys = layers.pipeline(stage_fn, xs, sched, remat=getattr(c, "pipeline_remat", True),
+
+    def micro(t: Tensor, what: str) -> Tensor:
+        rest = t.shape.dims[1:]
+        shape = Shape([Dimension("batch", c.batch_size // M), Dimension("microbatches", M)] + rest)
+        return reshape(t, shape, name=f"{name}/microbatch{what}")
+
+    sides = [micro(t, f"_side_{i}") for i, t in enumerate(side_inputs)]
+    ys = layers.pipeline(stage_fn, micro(x, ""), sched, remat=getattr(c, "pipeline_remat", True),
                          remat_keep=keeps_matmuls if c.remat == "selective" else None,
                          bubble_fill=math.nan if getattr(c, "pipeline_poison_bubbles", False) else 0.0,
-                         variable_prefix=names.prefix, layer_names=names.layer_name)
-    return reshape(ys, x.shape, name="pipeline/unbatch")
+                         variable_prefix=names.prefix, layer_names=names.layer_name, side_inputs=sides,
+                         name=name)
+    return reshape(ys, x.shape, name=f"{name}/unbatch")
 
 
 def lm_logits(c: LMConfig, d: dict, x: Tensor) -> Tensor:

@@ -95,10 +95,12 @@ def model_config(cfg, vocab_multiple: int, saved: dict | None = None) -> HFModel
 
 
 def check_pipeline(cfg, model: HFModelConfig, world: int) -> None:
-    """A pipeline layout (``stage:<axis>``, resolved into ``cfg.pipeline_stages`` > 1) for imported ``model``:
-    refused for T5, and for a tied head under ``--pipeline-schedule 1f1b`` etc. on torchrun ranks (the first and
-    last stages' processes would each update their own copy of the shared embedding); ``world``: torchrun's
-    process count.
+    """A pipeline layout (``stage:<axis>``, resolved into ``cfg.pipeline_stages`` > 1) for imported ``model``: T5
+    runs the pipeline layout's own program only (``--pipeline-schedule gpipe``, its encoder's then its decoder's
+    blocks over the stages: :func:`meshtorch.models.hf_t5.build_t5`), with as many decoder as encoder blocks per
+    stage; a tied head is refused under ``--pipeline-schedule 1f1b`` etc. on torchrun ranks (the first and last
+    stages' processes would each update their own copy of the shared embedding); ``world``: torchrun's process
+    count.
 
     Raises:
         UsageError: naming ``--layout`` (or ``--pipeline-stages``) / ``--pipeline-schedule`` and ``--init-from``.
@@ -106,10 +108,16 @@ def check_pipeline(cfg, model: HFModelConfig, world: int) -> None:
     if (cfg.pipeline_stages or 0) <= 1:
         return
     if model.encoder_decoder:
-        flag = (f"--layout {cfg.layout!r}: 'stage'" if "stage" in str(cfg.layout or "")
-                else f"--pipeline-stages {cfg.pipeline_stages}")
-        raise UsageError(f"{flag} cannot be used with --init-from a T5 directory (the encoder-decoder model is not "
-                         "pipelined); drop the pipeline flags.")
+        if cfg.pipeline_schedule not in (None, "gpipe"):
+            raise UsageError(f"--pipeline-schedule {cfg.pipeline_schedule} cannot be combined with --init-from a T5 "
+                             "directory: the stage executor cuts decoder-only models only; use --pipeline-schedule "
+                             "gpipe (the pipeline layout's program, the default).")
+        S, R = cfg.pipeline_stages, cfg.pipeline_repeats or 1
+        if model.num_decoder_layers != S * R:
+            raise UsageError(f"--layout {cfg.layout!r}: a {S}-stage pipeline x {R} repeats runs {S * R} encoder "
+                             f"and {S * R} decoder blocks, but {cfg.init_from}/config.json has num_decoder_layers "
+                             f"{model.num_decoder_layers}; use stages x --pipeline-repeats = both block counts, or "
+                             "no 'stage' rule.")
     if model.tied and cfg.pipeline_schedule not in (None, "gpipe") and world > 1:
         raise UsageError(f"--pipeline-schedule {cfg.pipeline_schedule} cannot be combined with --init-from a model "
                          "with tied embeddings under torchrun (its first and last stages' processes would update "
